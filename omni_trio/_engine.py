@@ -1,0 +1,410 @@
+"""The engine: admission, abort, statistics and the shutdown sequence.
+
+Everything here runs in the event loop's thread. The engine's threads (see
+``_worker``) only post messages, which ``_dispatch`` applies in order; so every
+status change, every table update and every wake-up of a waiting task happens
+here, and the tables are always consistent when a task looks at them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+import weakref
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar, assert_never, cast
+
+import anyio
+import anyio.lowlevel
+
+from ._config import EngineConfig, GenerationRequest
+from ._errors import (
+    DuplicateRequestError,
+    EngineClosedError,
+    EngineDeadError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestAbortedError,
+    RequestFailedError,
+)
+from ._handle import RequestHandle
+from ._handoff import LoopInbox
+from ._request import Record, wait_shielded
+from ._types import EngineStatistics, GenerationOutput, RequestStatus, StepEvent
+from ._work import SHUTDOWN, Completed, Died, Exited, Message, Released, Stepped, Taken, WorkItem
+from ._worker import Worker
+from .runners import Runner, RunnerCapabilities
+
+__all__ = ["Engine", "open_engine"]
+
+_engine_numbers = itertools.count()
+StateT = TypeVar("StateT")
+
+
+class Engine:
+    """Serves generation requests with one runner; create it with ``open_engine``."""
+
+    def __init__(self, runner: Runner[Any], config: EngineConfig) -> None:
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        capabilities = getattr(runner, "capabilities", None)
+        if not isinstance(capabilities, RunnerCapabilities):
+            raise TypeError("runner.capabilities must be a RunnerCapabilities")
+        self._config = config
+        self._capabilities = capabilities
+        self._inbox: LoopInbox[Message[WorkItem]] = LoopInbox(self._dispatch)
+        self._worker = Worker(
+            runner,
+            max_batch_size=config.max_batch_size,
+            post=self._inbox.post,
+            name=f"omni-trio-{next(_engine_numbers)}",
+        )
+        # Non-terminal requests by id: the engine drives them, so it holds them.
+        self._live: dict[str, Record] = {}
+        # Terminal requests whose handle is open keep their id (L2); held weakly,
+        # so a handle dropped without closing frees its id with it.
+        self._terminal_open: weakref.WeakValueDictionary[str, RequestHandle] = (
+            weakref.WeakValueDictionary()
+        )
+        self._counts = dict.fromkeys(RequestStatus, 0)
+        self._admitted = 0
+        self._closing = False
+        self._grace_deadline = 0.0
+        self._dead: EngineDeadError | None = None
+        self._exited = anyio.Event()
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's configuration."""
+        return self._config
+
+    @property
+    def threads(self) -> tuple[Any, ...]:
+        """The threads this engine started (the worker and the materializer)."""
+        return self._worker.threads
+
+    # -- admission -----------------------------------------------------------
+
+    def submit(self, request: GenerationRequest, *, request_id: str | None = None) -> RequestHandle:
+        """Admit ``request`` now and return its handle.
+
+        When this returns, the request waits in the queue (L1).
+
+        Args:
+            request: what to generate.
+            request_id: the id; a fresh unique one when ``None``.
+
+        Raises:
+            InvalidRequestError: a field is invalid or over a limit (L4).
+            DuplicateRequestError: a live request has this id (L2).
+            QueueFullError: ``max_waiting`` requests wait already (L5).
+            EngineClosedError: shutdown has begun (L30).
+            EngineDeadError: the worker died (L23).
+        """
+        self._check_admitting()
+        if request_id is None:
+            request_id = f"req-{uuid.uuid4().hex}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("must be a non-empty str", field="request_id")
+        if not isinstance(request, GenerationRequest):
+            raise InvalidRequestError(
+                f"must be a GenerationRequest, got {type(request).__name__}",
+                field="request",
+                request_id=request_id,
+            )
+        if request_id in self._live or request_id in self._terminal_open:
+            raise DuplicateRequestError(
+                f"a live request has the id {request_id!r}", request_id=request_id
+            )
+        try:
+            self._config.check_request(request)
+            self._capabilities.check_request(request)
+        except InvalidRequestError as exc:
+            exc.request_id = request_id
+            raise
+        record = Record(
+            request,
+            request_id,
+            self._capabilities.batch_key(request),
+            event_buffer=self._config.event_buffer,
+        )
+        if not self._worker.enqueue(record, limit=self._config.max_waiting):
+            raise QueueFullError(
+                f"{self._config.max_waiting} requests are waiting already", request_id=request_id
+            )
+        self._live[request_id] = record
+        self._admitted += 1
+        self._counts[RequestStatus.WAITING] += 1
+        return RequestHandle(self, record)
+
+    async def generate(
+        self, request: GenerationRequest, *, request_id: str | None = None
+    ) -> GenerationOutput:
+        """Submit ``request`` and wait for its output, in the caller's scope.
+
+        Raises:
+            The errors of ``submit`` and of ``RequestHandle.result``.
+
+        Cancellation:
+            Cancelling the caller aborts the request (reason ``cancelled``) and
+            returns only after the engine released it (L11).
+        """
+        async with self.submit(request, request_id=request_id) as handle:
+            return await handle.result()
+
+    def _check_admitting(self) -> None:
+        if self._dead is not None:
+            raise self._dead_error()
+        if self._closing:
+            raise EngineClosedError("the engine is shutting down")
+
+    # -- abort ---------------------------------------------------------------
+
+    async def abort(self, request_id: str, *, reason: str = "user") -> bool:
+        """Abort the live request ``request_id`` and wait until it is released.
+
+        Returns:
+            ``True`` once the request is terminal and the engine's threads hold
+            nothing of it; ``False`` at once if no live request has that id (L8).
+
+        Cancellation:
+            The abort stands; only the wait for the release is cancelled.
+        """
+        record = self._find_live(request_id, reason)
+        if record is None:
+            await anyio.lowlevel.checkpoint()
+            return False
+        self._abort_record(record, reason)
+        await self._wait_done(record)
+        return True
+
+    def abort_nowait(self, request_id: str, *, reason: str = "user") -> bool:
+        """Request the abort of the live request ``request_id``; never blocks.
+
+        Returns:
+            Whether a live request had that id.
+        """
+        record = self._find_live(request_id, reason)
+        if record is None:
+            return False
+        self._abort_record(record, reason)
+        return True
+
+    def _find_live(self, request_id: str, reason: str) -> Record | None:
+        if not isinstance(reason, str) or not reason or reason == SHUTDOWN:
+            raise ValueError(f"reason: must be a non-empty str other than {SHUTDOWN!r}")
+        return self._live.get(request_id)
+
+    def _abort_record(self, record: Record, reason: str) -> None:
+        """The one path by which anything ends a request early."""
+        if record.status.is_terminal or not record.token.cancel(reason):
+            return
+        record.t_abort = time.perf_counter()
+        # L6: a request still in the queue never reaches the worker.
+        if record.status is RequestStatus.WAITING and self._worker.withdraw(record):
+            self._terminate(record, RequestStatus.ABORTED, self._cut_error(record))
+
+    async def _wait_done(self, record: Record) -> None:
+        await record.done.wait()
+
+    # -- statistics ----------------------------------------------------------
+
+    def statistics(self) -> EngineStatistics:
+        """Return the counts now; never blocks (L19)."""
+        counts = self._counts
+        return EngineStatistics(
+            admitted=self._admitted,
+            waiting=counts[RequestStatus.WAITING],
+            running=counts[RequestStatus.RUNNING],
+            completed=counts[RequestStatus.COMPLETED],
+            aborted=counts[RequestStatus.ABORTED],
+            failed=counts[RequestStatus.FAILED],
+            steps_run=self._worker.steps_run,
+            batch_steps=self._worker.batch_steps,
+            is_closing=self._closing,
+            is_dead=self._dead is not None,
+        )
+
+    # -- shutdown ------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Shut down: stop admission, end every request, join the threads.
+
+        1. ``submit`` raises ``EngineClosedError`` from now on (L30).
+        2. Waiting requests end with ``EngineClosedError`` at once (L31).
+        3. Running requests get ``shutdown_grace`` seconds to finish, then stop
+           at the next step boundary with ``EngineClosedError`` (L32); finished
+           results stay readable (L33).
+        4. The worker exits, the runner is closed, the threads are joined (L35).
+
+        Idempotent; several tasks may call it at once (L36).
+
+        Cancellation:
+            Cancelling the grace period ends it early; the rest of the sequence
+            (cutting running requests, joining the threads, one step at most)
+            completes before the cancellation propagates.
+        """
+        self._begin_shutdown()
+        try:
+            if self._live and self._config.shutdown_grace > 0:
+                with anyio.CancelScope(deadline=self._grace_deadline):
+                    for record in list(self._live.values()):
+                        await record.done.wait()
+        finally:
+            for record in list(self._live.values()):
+                self._cut(record)
+            self._worker.stop()
+            await wait_shielded(self._exited)
+            self._worker.join()
+
+    def _begin_shutdown(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._grace_deadline = anyio.current_time() + self._config.shutdown_grace
+        for item in self._worker.withdraw_all():
+            record = cast(Record, item)
+            self._cut(record)
+            self._terminate(record, RequestStatus.ABORTED, self._cut_error(record))
+
+    def _cut(self, record: Record) -> None:
+        """Mark ``record`` as cut off by shutdown; the worker drops it at its next boundary."""
+        if record.token.cancel(SHUTDOWN):
+            record.t_abort = time.perf_counter()
+
+    # -- messages from the engine's threads ----------------------------------
+
+    def _dispatch(self, message: Message[WorkItem]) -> None:
+        try:
+            self._apply(message)
+        except Exception as exc:  # an engine bug: fail loudly, never crash the loop
+            self._die(exc)
+
+    def _apply(self, message: Message[WorkItem]) -> None:
+        match message:
+            case Taken(item):
+                record = cast(Record, item)
+                if record.status is RequestStatus.WAITING:
+                    self._set_status(record, RequestStatus.RUNNING)
+            case Stepped(item, step, preview):
+                record = cast(Record, item)
+                if not record.status.is_terminal and not record.channel.is_receive_closed:
+                    record.channel.send_nowait(
+                        StepEvent(
+                            request_id=record.request_id,
+                            step=step,
+                            total=record.request.num_steps,
+                            preview=preview,
+                        )
+                    )
+            case Completed(item, images):
+                record = cast(Record, item)
+                self._terminate(record, RequestStatus.COMPLETED, images)
+            case Released(item, reason, error):
+                record = cast(Record, item)
+                if error is not None:
+                    failed = RequestFailedError(
+                        f"the runner raised for request {record.request_id!r}: {error!r}",
+                        request_id=record.request_id,
+                    )
+                    failed.__cause__ = error
+                    self._terminate(record, RequestStatus.FAILED, failed)
+                else:
+                    self._terminate(record, RequestStatus.ABORTED, self._cut_error(record))
+            case Died(error):
+                self._die(error)
+            case Exited():
+                self._exited.set()
+            case _:
+                assert_never(message)
+
+    def _terminate(self, record: Record, status: RequestStatus, outcome: Any) -> None:
+        """Make ``record`` terminal: outcome, metrics, wake-ups, tables."""
+        if record.status.is_terminal:
+            return
+        self._set_status(record, status)
+        metrics = record.metrics = record.build_metrics(status)
+        if status is RequestStatus.COMPLETED:
+            outcome = GenerationOutput(request_id=record.request_id, images=outcome, metrics=metrics)
+        request_id = record.request_id
+        if self._live.get(request_id) is record:
+            del self._live[request_id]
+        handle = record.handle_ref() if record.handle_ref is not None else None
+        if handle is not None and not handle.is_closed:
+            record.outcome = outcome
+            self._terminal_open[request_id] = handle
+        record.channel.close_send()
+        record.done.set()
+
+    def _set_status(self, record: Record, status: RequestStatus) -> None:
+        self._counts[record.status] -= 1
+        self._counts[status] += 1
+        record.status = status
+
+    def _forget(self, record: Record, handle: RequestHandle) -> None:
+        """Free the id of a terminal request whose handle just closed (L3)."""
+        if self._terminal_open.get(record.request_id) is handle:
+            del self._terminal_open[record.request_id]
+
+    def _cut_error(self, record: Record) -> Exception:
+        reason = record.token.reason or SHUTDOWN
+        if reason == SHUTDOWN:
+            return EngineClosedError(f"request {record.request_id!r} was cut off by shutdown")
+        return RequestAbortedError(
+            f"request {record.request_id!r} was aborted ({reason})",
+            reason=reason,
+            request_id=record.request_id,
+        )
+
+    def _die(self, error: BaseException) -> None:
+        if self._dead is not None:
+            return
+        dead = EngineDeadError(f"the engine's worker died: {error!r}")
+        dead.__cause__ = error
+        self._dead = dead
+        self._closing = True
+        self._worker.withdraw_all()
+        self._worker.stop()
+        for record in list(self._live.values()):
+            record.token.cancel(SHUTDOWN)
+            self._terminate(record, RequestStatus.FAILED, self._dead_error())
+
+    def _dead_error(self) -> EngineDeadError:
+        assert self._dead is not None
+        error = EngineDeadError(str(self._dead))
+        error.__cause__ = self._dead.__cause__
+        return error
+
+
+@asynccontextmanager
+async def open_engine(
+    runner: Runner[StateT], config: EngineConfig | None = None
+) -> AsyncIterator[Engine]:
+    """Start an engine on ``runner``; shut it down when the block is left.
+
+    Args:
+        runner: the model runner (see ``omni_trio.runners.Runner``).
+        config: the engine's configuration; defaults to ``EngineConfig()``.
+
+    Raises:
+        EngineDeadError: on exit, if the worker died while the block ran and
+            the block itself raised nothing.
+
+    Exception policy: an exception raised in the block propagates unchanged
+    (never in an exception group); the shutdown sequence still runs first.
+
+    Cancellation:
+        The shutdown sequence runs shielded when the block is left, so leaving
+        waits for ``shutdown_grace`` plus at most one step.
+    """
+    engine = Engine(runner, config if config is not None else EngineConfig())
+    engine._worker.start()
+    try:
+        yield engine
+    finally:
+        with anyio.CancelScope(shield=True):
+            await engine.aclose()
+    if engine._dead is not None:
+        raise engine._dead_error()

@@ -1,0 +1,79 @@
+"""The exception tree of omni_trio.
+
+::
+
+    OmniTrioError
+    ├── EngineClosedError       submit after shutdown began; result() of a request cut off by shutdown
+    ├── EngineDeadError         the worker died; every live request gets it; the engine is unusable
+    └── RequestError            (.request_id)
+        ├── InvalidRequestError     also a ValueError; bad field values, unknown extra keys
+        ├── DuplicateRequestError   a live request already has this id
+        ├── QueueFullError          max_waiting reached (backpressure)
+        ├── RequestAbortedError     .reason: "user", "consumer_gone", "cancelled", ...
+        └── RequestFailedError      the runner raised; __cause__ is the runner's exception
+
+Cancellation is never one of these: the backend's cancellation exception always
+propagates as itself.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DuplicateRequestError",
+    "EngineClosedError",
+    "EngineDeadError",
+    "InvalidRequestError",
+    "OmniTrioError",
+    "QueueFullError",
+    "RequestAbortedError",
+    "RequestError",
+    "RequestFailedError",
+]
+
+
+class OmniTrioError(Exception):
+    """Base class of every error that omni_trio raises on purpose."""
+
+
+class EngineClosedError(OmniTrioError):
+    """The engine is shutting down or closed, or shutdown cut this request off."""
+
+
+class EngineDeadError(OmniTrioError):
+    """The engine's worker thread died; the engine can serve nothing more."""
+
+
+class RequestError(OmniTrioError):
+    """An error that concerns one request, named by ``request_id``."""
+
+    def __init__(self, message: str, *, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class InvalidRequestError(RequestError, ValueError):
+    """A request field has a bad type or value; ``field`` names it."""
+
+    def __init__(self, message: str, *, field: str, request_id: str | None = None) -> None:
+        super().__init__(f"{field}: {message}", request_id=request_id)
+        self.field = field
+
+
+class DuplicateRequestError(RequestError):
+    """A live request already has this id."""
+
+
+class QueueFullError(RequestError):
+    """The waiting queue holds ``max_waiting`` requests already."""
+
+
+class RequestAbortedError(RequestError):
+    """The request was aborted before it completed; ``reason`` says why."""
+
+    def __init__(self, message: str, *, reason: str, request_id: str | None = None) -> None:
+        super().__init__(message, request_id=request_id)
+        self.reason = reason
+
+
+class RequestFailedError(RequestError):
+    """The runner raised while serving this request; ``__cause__`` is its exception."""

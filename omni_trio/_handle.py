@@ -1,0 +1,195 @@
+"""RequestHandle: the consumer's side of one request."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.lowlevel
+
+from ._request import TAKEN, Record, wait_shielded
+from ._types import GenerationOutput, RequestMetrics, RequestStatus, StepEvent
+
+if TYPE_CHECKING:
+    from ._engine import Engine
+
+__all__ = ["RequestHandle"]
+
+
+def _leave_reason(exc: BaseException | None) -> str:
+    if isinstance(exc, anyio.get_cancelled_exc_class()):
+        return "cancelled"
+    return "consumer_gone"
+
+
+class RequestHandle:
+    """The consumer's side of one admitted request.
+
+    Use it as an async context manager: leaving the ``async with`` block before the
+    request is terminal aborts it (reason ``consumer_gone``, or ``cancelled`` when
+    the block is left by cancellation) and returns only once the engine's threads
+    let go of it (L11). Closing drops every buffered event and the output (L12).
+    Iterating yields ``StepEvent``\\s until the request is terminal; ``result()``
+    returns the output or raises the terminal error.
+
+    Exceptions raised in the block propagate unchanged; the handle never wraps
+    them in an exception group.
+    """
+
+    __slots__ = ("__weakref__", "_closed", "_engine", "_record")
+
+    def __init__(self, engine: Engine, record: Record) -> None:
+        self._engine = engine
+        self._record = record
+        self._closed = False
+        record.handle_ref = weakref.ref(self)
+
+    def __repr__(self) -> str:
+        return f"<RequestHandle {self.request_id!r} {self.status.value}>"
+
+    def __del__(self) -> None:
+        if not self._closed:
+            warnings.warn(
+                f"unclosed {self!r}: use 'async with engine.submit(...)' or aclose()",
+                ResourceWarning,
+                stacklevel=1,
+                source=self,
+            )
+
+    @property
+    def request_id(self) -> str:
+        """The request's id."""
+        return self._record.request_id
+
+    @property
+    def status(self) -> RequestStatus:
+        """The request's status now."""
+        return self._record.status
+
+    @property
+    def abort_reason(self) -> str | None:
+        """Why the request was aborted (``"shutdown"`` when cut off), else ``None``."""
+        if self._record.status is RequestStatus.ABORTED:
+            return self._record.token.reason
+        return None
+
+    @property
+    def metrics(self) -> RequestMetrics | None:
+        """The request's metrics, set once it is terminal (for every outcome)."""
+        return self._record.metrics
+
+    @property
+    def is_closed(self) -> bool:
+        """Whether the handle was closed."""
+        return self._closed
+
+    async def __aenter__(self) -> RequestHandle:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._close(_leave_reason(exc))
+
+    def __aiter__(self) -> AsyncIterator[StepEvent]:
+        return self
+
+    async def __anext__(self) -> StepEvent:
+        """Return the next step event; stop once the request is terminal.
+
+        Raises:
+            anyio.ClosedResourceError: the handle is closed.
+
+        Cancellation:
+            Safe: no event is lost, the request goes on.
+        """
+        if self._closed:
+            raise anyio.ClosedResourceError
+        self._record.reading = True
+        try:
+            return await self._record.channel.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+
+    async def result(self) -> GenerationOutput:
+        """Wait for the request to end; return its output or raise its error.
+
+        The output is returned once; a second call raises ``RuntimeError``.
+
+        Raises:
+            RequestAbortedError: the request was aborted.
+            RequestFailedError: the runner raised; ``__cause__`` is its exception.
+            EngineClosedError: shutdown cut the request off.
+            EngineDeadError: the engine's worker died.
+            anyio.ClosedResourceError: the handle is closed.
+
+        Cancellation:
+            Cancelling the caller before the request is terminal aborts it
+            (reason ``cancelled``) and returns only after its release (L11).
+        """
+        if self._closed:
+            raise anyio.ClosedResourceError
+        record = self._record
+        if record.done.is_set():
+            await anyio.lowlevel.checkpoint()
+        else:
+            try:
+                await record.done.wait()
+            except BaseException as exc:
+                self._engine._abort_record(record, _leave_reason(exc))
+                await wait_shielded(record.done)
+                raise
+        outcome = record.outcome
+        if isinstance(outcome, GenerationOutput):
+            record.outcome = TAKEN
+            return outcome
+        if isinstance(outcome, BaseException):
+            raise outcome.with_traceback(None)
+        if outcome is TAKEN:
+            raise RuntimeError(f"the output of request {self.request_id!r} was already returned")
+        raise anyio.ClosedResourceError  # closed while this call waited
+
+    async def abort(self, *, reason: str = "user") -> bool:
+        """Abort the request and wait until the engine released it.
+
+        Returns:
+            Whether the request was live (not yet terminal) when called.
+
+        Cancellation:
+            The abort stands; only the wait for the release is cancelled.
+        """
+        record = self._record
+        live = not record.status.is_terminal
+        if live:
+            self._engine._abort_record(record, reason)
+        await self._engine._wait_done(record)
+        return live
+
+    async def aclose(self) -> None:
+        """Close the handle: abort the request if it is live, then drop its data.
+
+        Cancellation:
+            Deferred until the engine released the request (one step at most).
+        """
+        await self._close("consumer_gone")
+
+    async def _close(self, reason: str) -> None:
+        record = self._record
+        if not record.status.is_terminal:
+            self._engine._abort_record(record, reason)
+            await wait_shielded(record.done)
+        if not self._closed:
+            self._closed = True
+            record.channel.close_receive()
+            record.outcome = None
+            self._engine._forget(record, self)
+        # A schedule point that cannot raise: closing must not fail halfway
+        # because the caller is being cancelled.
+        await anyio.lowlevel.cancel_shielded_checkpoint()

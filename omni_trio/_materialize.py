@@ -1,0 +1,96 @@
+"""Decode finished requests and copy their images to the host, off the step loop.
+
+The worker hands a request whose last step is done to this thread and goes on
+with the next step at once (L16). Here the request's token is checked before the
+decode (L21): an aborted request is never decoded (L10). Shutdown does not stop a
+request whose denoising finished: its result is complete work and is delivered.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ._work import (
+    SHUTDOWN,
+    Completed,
+    Post,
+    WorkItem,
+    discard_state,
+    post_released,
+    release,
+)
+from .runners import Runner
+
+__all__ = ["Materializer"]
+
+
+def _cut(item: WorkItem) -> bool:
+    reason = item.token.reason
+    return reason is not None and reason != SHUTDOWN
+
+
+class Materializer:
+    """An owned thread that decodes finished requests in arrival order."""
+
+    def __init__(
+        self,
+        runner: Runner[Any],
+        post: Post,
+        on_fatal: Callable[[BaseException], None],
+        *,
+        name: str,
+    ) -> None:
+        self._runner = runner
+        self._post = post
+        self._on_fatal = on_fatal
+        self._queue: queue.SimpleQueue[WorkItem | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=False)
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The materializer's thread."""
+        return self._thread
+
+    def start(self) -> None:
+        """Start the thread."""
+        self._thread.start()
+
+    def put(self, item: WorkItem) -> None:
+        """Queue ``item`` (its steps done) for decoding; never blocks."""
+        self._queue.put(item)
+
+    def stop(self) -> None:
+        """Let the thread finish what is queued, then exit."""
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        try:
+            while (item := self._queue.get()) is not None:
+                self._materialize(item)
+                del item
+        except BaseException as exc:
+            self._on_fatal(exc)
+
+    def _materialize(self, item: WorkItem) -> None:
+        if _cut(item):
+            release(self._runner, item, self._post, None)
+            return
+        started = time.perf_counter()
+        try:
+            images = self._runner.decode(item.state).detach().float().cpu()
+        except Exception as exc:
+            release(self._runner, item, self._post, exc)
+            return
+        item.decode_s = time.perf_counter() - started
+        error = discard_state(self._runner, item)
+        if error is not None or _cut(item):
+            # An abort that arrived during the decode wins: the image is dropped
+            # unseen, so an aborted request never produces an output.
+            del images
+            post_released(item, self._post, error)
+            return
+        self._post(Completed(item, images))

@@ -1,0 +1,108 @@
+"""The data that the engine hands out: statuses, events, outputs, metrics, statistics."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from PIL.Image import Image
+
+__all__ = [
+    "EngineStatistics",
+    "GenerationOutput",
+    "RequestMetrics",
+    "RequestStatus",
+    "StepEvent",
+]
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life; the last three are terminal."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+    @property
+    def is_terminal(self) -> bool:
+        """Whether nothing more will happen to a request in this status."""
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, weakref_slot=True)
+class StepEvent:
+    """One denoise step done: ``step`` steps of ``total`` are complete.
+
+    ``preview`` is a small CPU float tensor ``[N, 3, h, w]`` in [0, 1] on every
+    ``preview_every``-th step of a request whose consumer reads its events, and
+    ``None`` otherwise.
+    """
+
+    request_id: str
+    step: int
+    total: int
+    preview: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestMetrics:
+    """Where a request's time went, filled for every terminal outcome.
+
+    Times are seconds. ``exec_s`` runs from the worker taking the request to its
+    last denoise step; ``output_ready_wait_s`` is the time after that until the
+    output was ready for the consumer (decode, device-to-host copy, hand-off), and
+    is counted in neither ``exec_s`` nor ``stage_durations``.
+    ``abort_latency_s`` is the time from the abort request to the release of the
+    request's state, for aborted requests only.
+    """
+
+    queue_wait_s: float
+    exec_s: float
+    output_ready_wait_s: float
+    stage_durations: Mapping[str, float]
+    steps_done: int
+    total_s: float
+    abort_latency_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, weakref_slot=True)
+class GenerationOutput:
+    """A finished request's images: a CPU float tensor ``[N, C, H, W]`` in [0, 1]."""
+
+    request_id: str
+    images: torch.Tensor
+    metrics: RequestMetrics
+
+    def to_pil(self) -> list[Image]:
+        """Convert the images to PIL images (RGB, or L for one channel)."""
+        import torch
+        from PIL import Image as PILImage
+
+        array = (self.images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+        # A 2-D uint8 array becomes an "L" image, a [H, W, 3] one "RGB".
+        return [
+            PILImage.fromarray(image[..., 0] if image.shape[-1] == 1 else image)
+            for image in array.numpy()
+        ]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineStatistics:
+    """Counts at one moment; ``admitted`` always equals the sum of the five statuses."""
+
+    admitted: int
+    waiting: int
+    running: int
+    completed: int
+    aborted: int
+    failed: int
+    steps_run: int
+    batch_steps: int
+    is_closing: bool
+    is_dead: bool

@@ -1,0 +1,201 @@
+"""The step loop: one owned, non-daemon thread per device.
+
+At every step boundary, under the queue lock (microseconds, never across runner
+work), the worker drops the members whose token is set (L7, L21), takes the
+requests that may join the batch, and decides whether to stop. Then, without the
+lock, it prepares the new members, runs one runner step for the whole batch and
+posts one step event per member. Members whose last step is done go to the
+materializer, so the next step starts at once (L16). The worker never waits for
+the event loop or a consumer (L20): it only posts messages.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from ._materialize import Materializer
+from ._scheduler import WaitingQueue
+from ._work import SHUTDOWN, Died, Exited, Post, Stepped, Taken, WorkItem, release
+from .runners import Runner
+
+__all__ = ["Worker"]
+
+
+class Worker:
+    """Owns the waiting queue, the step-loop thread and the materializer thread."""
+
+    def __init__(self, runner: Runner[Any], *, max_batch_size: int, post: Post, name: str) -> None:
+        capabilities = runner.capabilities
+        self._runner = runner
+        self._post = post
+        self._max_batch = min(max_batch_size, capabilities.max_batch_size)
+        self._can_join = capabilities.can_join
+        self._previews = capabilities.previews
+        self._cond = threading.Condition()
+        self._queue: WaitingQueue[WorkItem] = WaitingQueue()
+        self._stopping = False
+        self._fatal: BaseException | None = None
+        # Written by the worker thread only; the loop reads them for statistics.
+        self.steps_run = 0
+        self.batch_steps = 0
+        self._materializer = Materializer(runner, post, self._die, name=f"{name}-materializer")
+        self._thread = threading.Thread(target=self._run, name=f"{name}-worker", daemon=False)
+
+    @property
+    def threads(self) -> tuple[threading.Thread, ...]:
+        """The threads this worker owns."""
+        return (self._thread, self._materializer.thread)
+
+    @property
+    def waiting(self) -> int:
+        """How many items wait in the queue."""
+        return len(self._queue)
+
+    def start(self) -> None:
+        """Start the threads."""
+        self._materializer.start()
+        self._thread.start()
+
+    def enqueue(self, item: WorkItem, *, limit: int) -> bool:
+        """Queue ``item`` unless ``limit`` items wait already; return whether queued."""
+        with self._cond:
+            if len(self._queue) >= limit:
+                return False
+            self._queue.push(item, item.batch_key)
+            self._cond.notify()
+        return True
+
+    def withdraw(self, item: WorkItem) -> bool:
+        """Remove ``item`` if it still waits; return whether it did."""
+        with self._cond:
+            return self._queue.remove(item)
+
+    def withdraw_all(self) -> list[WorkItem]:
+        """Remove every waiting item."""
+        with self._cond:
+            return self._queue.drain()
+
+    def stop(self) -> None:
+        """Make the worker drop its members at the next boundary and exit."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+
+    def join(self) -> None:
+        """Wait for both threads; call after the ``Exited`` message."""
+        for thread in self.threads:
+            thread.join()
+
+    def _die(self, exc: BaseException) -> None:
+        # The materializer died: the worker raises it at its next boundary.
+        with self._cond:
+            if self._fatal is None:
+                self._fatal = exc
+            self._cond.notify()
+
+    def _run(self) -> None:
+        running: list[WorkItem] = []
+        died = False
+        try:
+            while True:
+                admitted, dropped, stop = self._boundary(running)
+                for item in dropped:
+                    release(self._runner, item, self._post, None)
+                del dropped
+                if stop:
+                    break
+                for item in admitted:
+                    self._prepare(item, running)
+                del admitted
+                if running:
+                    self._step(running)
+        except BaseException as exc:
+            died = True
+            self._post(Died(exc))
+        finally:
+            running.clear()
+            self._materializer.stop()
+            self._materializer.thread.join()
+            try:
+                self._runner.close()
+            except BaseException as exc:
+                if not died:
+                    died = True
+                    self._post(Died(exc))
+            if self._fatal is not None and not died:
+                self._post(Died(self._fatal))
+            self._post(Exited())
+
+    def _boundary(self, running: list[WorkItem]) -> tuple[list[WorkItem], list[WorkItem], bool]:
+        with self._cond:
+            while True:
+                if self._fatal is not None:
+                    raise self._fatal
+                dropped = [item for item in running if item.token.reason is not None]
+                if dropped:
+                    running[:] = [item for item in running if item.token.reason is None]
+                if self._stopping:
+                    dropped += running
+                    dropped += self._queue.drain()
+                    running.clear()
+                    for item in dropped:
+                        item.token.cancel(SHUTDOWN)
+                    return [], dropped, True
+                admitted = self._queue.take(
+                    batch_key=running[0].batch_key if running else None,
+                    free=self._max_batch - len(running),
+                    can_join=self._can_join,
+                )
+                if running or admitted or dropped:
+                    return admitted, dropped, False
+                self._cond.wait()
+
+    def _prepare(self, item: WorkItem, running: list[WorkItem]) -> None:
+        item.t_taken = started = time.perf_counter()
+        self._post(Taken(item))
+        try:
+            item.state = self._runner.prepare(item.request, item.request_id)
+        except Exception as exc:
+            release(self._runner, item, self._post, exc)
+            return
+        item.prepare_s = time.perf_counter() - started
+        running.append(item)
+
+    def _step(self, running: list[WorkItem]) -> None:
+        started = time.perf_counter()
+        try:
+            self._runner.step([item.state for item in running])
+        except Exception as exc:
+            # L22: the whole batch of this step fails; the engine goes on.
+            for item in running:
+                release(self._runner, item, self._post, exc)
+            running.clear()
+            return
+        elapsed = time.perf_counter() - started
+        self.batch_steps += 1
+        self.steps_run += len(running)
+        keep: list[WorkItem] = []
+        for item in running:
+            item.steps_done += 1
+            item.denoise_s += elapsed
+            try:
+                preview = self._preview(item)
+            except Exception as exc:
+                release(self._runner, item, self._post, exc)
+                continue
+            self._post(Stepped(item, item.steps_done, preview))
+            if item.steps_done >= item.request.num_steps:
+                item.t_denoised = time.perf_counter()
+                self._materializer.put(item)
+            else:
+                keep.append(item)
+        running[:] = keep
+
+    def _preview(self, item: WorkItem) -> Any:
+        every = item.request.preview_every
+        # L18: only for a consumer that reads its events, every n-th step.
+        if every and self._previews and item.reading and item.steps_done % every == 0:
+            return self._runner.preview(item.state)
+        return None

@@ -1,0 +1,122 @@
+"""The seam between the engine and a model: the Runner protocol.
+
+A runner is a small set of synchronous calls that the engine makes from its own
+threads only, never from the event loop. The engine owns the denoise loop:
+
+- ``prepare(request, request_id)``: encode the prompt, make the initial latents and a
+  per-request scheduler; return an opaque per-request state.
+- ``step(states)``: run one denoise step for every state in the batch, in place.
+  States may be at different steps when the runner declares ``can_join``.
+- ``preview(state)``: a cheap CPU image of the current latents (``previews``).
+- ``decode(state)``: the final images ``[N, C, H, W]`` in [0, 1], on any device. Made
+  from the engine's materializer thread, possibly while ``step`` runs for others.
+- ``discard(state)``: the engine lets go of this state; free what it holds.
+- ``close()``: the engine is done with the runner (last call, worker thread).
+
+What a runner can do is declared up front in ``RunnerCapabilities``: the engine
+validates requests and forms batches from it, without calling the runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from .._config import GenerationRequest
+from .._errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Runner", "RunnerCapabilities"]
+
+StateT = TypeVar("StateT")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunnerCapabilities:
+    """What a runner supports, declared so the engine never has to probe.
+
+    Args:
+        max_batch_size: most states one ``step`` call takes.
+        can_join: whether a state may join a batch whose members are mid-way.
+        batch_key_fields: request fields that must be equal for two requests
+            to share a batch.
+        previews: whether ``preview`` works.
+        size_multiple: ``height`` and ``width`` must be multiples of it.
+        extra_keys: the keys of ``GenerationRequest.extra`` that the runner reads.
+        negative_prompt: whether ``negative_prompt`` is honoured.
+    """
+
+    max_batch_size: int = 1
+    can_join: bool = False
+    batch_key_fields: tuple[str, ...] = ("height", "width", "num_images")
+    previews: bool = False
+    size_multiple: int = 1
+    extra_keys: frozenset[str] = frozenset()
+    negative_prompt: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size: must be >= 1")
+        if self.size_multiple < 1:
+            raise ValueError("size_multiple: must be >= 1")
+        unknown = set(self.batch_key_fields) - set(GenerationRequest.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"batch_key_fields: unknown request fields {sorted(unknown)}")
+
+    def check_request(self, request: GenerationRequest) -> None:
+        """Raise ``InvalidRequestError`` naming the first field this runner cannot serve."""
+        for name in ("height", "width"):
+            value: int = getattr(request, name)
+            if value % self.size_multiple:
+                raise InvalidRequestError(
+                    f"must be a multiple of {self.size_multiple} for this runner, got {value}",
+                    field=name,
+                )
+        unknown = sorted(set(request.extra) - self.extra_keys)
+        if unknown:
+            known = ", ".join(sorted(self.extra_keys)) or "none"
+            raise InvalidRequestError(
+                f"unknown keys {unknown}; this runner accepts: {known}", field="extra"
+            )
+        if request.negative_prompt is not None and not self.negative_prompt:
+            raise InvalidRequestError("this runner does not support it", field="negative_prompt")
+
+    def batch_key(self, request: GenerationRequest) -> tuple[object, ...]:
+        """The values that must match for requests to share a batch."""
+        return tuple(getattr(request, name) for name in self.batch_key_fields)
+
+
+class Runner(Protocol[StateT]):
+    """Drives one model on one device; called only from the engine's threads."""
+
+    @property
+    def capabilities(self) -> RunnerCapabilities:
+        """What this runner supports."""
+        ...
+
+    def prepare(self, request: GenerationRequest, request_id: str) -> StateT:
+        """Build the per-request state: prompt encoding, initial latents, scheduler."""
+        ...
+
+    def step(self, states: Sequence[StateT]) -> None:
+        """Advance every state by one denoise step."""
+        ...
+
+    def preview(self, state: StateT) -> torch.Tensor:
+        """Return a cheap CPU preview ``[N, 3, h, w]`` in [0, 1] of the current latents."""
+        ...
+
+    def decode(self, state: StateT) -> torch.Tensor:
+        """Return the final images ``[N, C, H, W]`` in [0, 1]."""
+        ...
+
+    def discard(self, state: StateT) -> None:
+        """Free what ``state`` holds; the engine will not use it again."""
+        ...
+
+    def close(self) -> None:
+        """Release the runner's own resources; no call follows."""
+        ...

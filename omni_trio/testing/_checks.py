@@ -1,0 +1,72 @@
+"""Assertions that nothing leaked: threads, states, tables, buffered objects."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import anyio
+
+from .._engine import Engine
+
+__all__ = [
+    "ENGINE_THREAD_PREFIX",
+    "assert_engine_idle",
+    "assert_no_engine_threads",
+    "engine_threads",
+    "live_objects",
+    "wait_until",
+]
+
+#: Every thread an engine starts has a name that begins with this.
+ENGINE_THREAD_PREFIX = "omni-trio-"
+
+T = TypeVar("T")
+
+
+def engine_threads() -> list[threading.Thread]:
+    """Return the live threads that some engine started."""
+    return [t for t in threading.enumerate() if t.name.startswith(ENGINE_THREAD_PREFIX)]
+
+
+def assert_no_engine_threads() -> None:
+    """Fail if any thread started by an engine is still alive (L35)."""
+    alive = engine_threads()
+    assert not alive, f"engine threads still alive: {[t.name for t in alive]}"
+
+
+def assert_engine_idle(engine: Engine) -> None:
+    """Fail unless ``engine`` holds no request: no waiting, running or open one (L14)."""
+    stats = engine.statistics()
+    assert stats.waiting == 0 and stats.running == 0, stats
+    assert not engine._live, f"live requests: {sorted(engine._live)}"
+    assert not engine._terminal_open, f"open handles: {sorted(engine._terminal_open)}"
+    assert engine._worker.waiting == 0
+    total = stats.waiting + stats.running + stats.completed + stats.aborted + stats.failed
+    assert total == stats.admitted, stats
+
+
+def live_objects(cls: type[T], *, request_id: str | None = None) -> list[T]:
+    """Return the objects of ``cls`` still alive (after a full collection).
+
+    With ``request_id``, only those whose ``request_id`` attribute equals it.
+    """
+    gc.collect()
+    return [
+        obj
+        for obj in gc.get_objects()
+        if isinstance(obj, cls)
+        and (request_id is None or getattr(obj, "request_id", None) == request_id)
+    ]
+
+
+async def wait_until(predicate: Callable[[], bool], *, interval: float = 0.001) -> None:
+    """Poll ``predicate`` until it holds.
+
+    Cancellation:
+        Safe; compose with ``anyio.fail_after`` for a bound.
+    """
+    while not predicate():
+        await anyio.sleep(interval)

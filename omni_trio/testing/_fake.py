@@ -1,0 +1,248 @@
+"""Deterministic fake runners: no model, no GPU, exact counters."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import anyio
+import torch
+
+from .._config import GenerationRequest
+from ..runners import RunnerCapabilities
+
+__all__ = ["FakeRunner", "FakeState", "GatedRunner"]
+
+#: Latent pixels per image pixel side, as in the Stable Diffusion VAE.
+LATENT_SCALE = 8
+LATENT_CHANNELS = 4
+
+
+@dataclass(eq=False, slots=True)
+class FakeState:
+    """One request's state in a ``FakeRunner``."""
+
+    request_id: str
+    latents: torch.Tensor
+    prompt_code: float
+    steps_done: int
+    total: int
+    discarded: bool = False
+
+
+class FakeRunner:
+    """A deterministic runner for tests and demos.
+
+    Each request's images depend only on the request (seed, prompt, size, steps,
+    number of images), never on its batch-mates: every state is updated on its
+    own, and a batch is only a list of states.
+
+    Args:
+        step_seconds: sleep this long once per batch step (simulated compute).
+        fail_at_step: raise ``RuntimeError`` when a member is about to run this
+            step (1-based): the whole batch fails, as a real model call would.
+        decode_seconds: sleep this long in every decode.
+        max_batch_size: the runner's own batch limit.
+
+    Counters (read them from any thread): ``live_states`` (states held now),
+    ``prepares``, ``steps_run`` (member-steps), ``batch_steps`` (``step`` calls),
+    ``decodes``, ``previews``, ``closed``, and ``threads`` (names of the threads
+    that called it).
+    """
+
+    def __init__(
+        self,
+        *,
+        step_seconds: float = 0.0,
+        fail_at_step: int | None = None,
+        decode_seconds: float = 0.0,
+        max_batch_size: int = 64,
+    ) -> None:
+        self.step_seconds = step_seconds
+        self.fail_at_step = fail_at_step
+        self.decode_seconds = decode_seconds
+        self._capabilities = RunnerCapabilities(
+            max_batch_size=max_batch_size,
+            can_join=True,
+            batch_key_fields=("height", "width", "num_images"),
+            previews=True,
+            size_multiple=LATENT_SCALE,
+        )
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self.live_states = 0
+        self.prepares = 0
+        self.steps_run = 0
+        self.batch_steps = 0
+        self.decodes = 0
+        self.previews = 0
+        self.closed = False
+        self.threads: set[str] = set()
+
+    @property
+    def capabilities(self) -> RunnerCapabilities:
+        """Batching with joins, previews, sizes in multiples of 8."""
+        return self._capabilities
+
+    def _count(self, **increments: int) -> None:
+        with self._changed:
+            self.threads.add(threading.current_thread().name)
+            for name, amount in increments.items():
+                setattr(self, name, getattr(self, name) + amount)
+            self._changed.notify_all()
+
+    def prepare(self, request: GenerationRequest, request_id: str) -> FakeState:
+        """Make the initial latents from the seed."""
+        generator = torch.Generator().manual_seed(request.seed or 0)
+        latents = torch.randn(
+            request.num_images,
+            LATENT_CHANNELS,
+            request.height // LATENT_SCALE,
+            request.width // LATENT_SCALE,
+            generator=generator,
+        )
+        code = (zlib.crc32(request.prompt.encode()) % 1000) / 1000.0
+        self._count(prepares=1, live_states=1)
+        return FakeState(request_id, latents, code, 0, request.num_steps)
+
+    def step(self, states: Sequence[FakeState]) -> None:
+        """Advance each state by one step; sleep ``step_seconds`` once."""
+        if self.fail_at_step is not None and any(
+            state.steps_done + 1 == self.fail_at_step for state in states
+        ):
+            self._count()
+            raise RuntimeError(f"FakeRunner: failing at step {self.fail_at_step}")
+        if self.step_seconds > 0:
+            time.sleep(self.step_seconds)
+        for state in states:
+            if state.discarded:
+                raise RuntimeError(f"FakeRunner: step of discarded state {state.request_id}")
+            phase = state.prompt_code + math.pi * state.steps_done / state.total
+            state.latents.mul_(0.9).add_(0.1 * math.cos(phase))
+            state.steps_done += 1
+        self._count(steps_run=len(states), batch_steps=1)
+
+    def preview(self, state: FakeState) -> torch.Tensor:
+        """A sigmoid of three latent channels, at latent resolution."""
+        self._count(previews=1)
+        return torch.sigmoid(state.latents[:, :3]).clone()
+
+    def decode(self, state: FakeState) -> torch.Tensor:
+        """Upsample three latent channels to image size."""
+        if self.decode_seconds > 0:
+            time.sleep(self.decode_seconds)
+        images = torch.sigmoid(state.latents[:, :3])
+        images = images.repeat_interleave(LATENT_SCALE, dim=2).repeat_interleave(
+            LATENT_SCALE, dim=3
+        )
+        self._count(decodes=1)
+        return images
+
+    def discard(self, state: FakeState) -> None:
+        """Forget the state."""
+        if state.discarded:
+            raise RuntimeError(f"FakeRunner: state of {state.request_id} discarded twice")
+        state.discarded = True
+        self._count(live_states=-1)
+
+    def close(self) -> None:
+        """Mark the runner closed."""
+        with self._changed:
+            self.threads.add(threading.current_thread().name)
+            self.closed = True
+            self._changed.notify_all()
+
+    def wait_until_sync(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Block this thread until ``predicate()`` holds after a runner call.
+
+        Meant for tests that must prove the worker progresses while the event
+        loop is blocked. Returns whether it held before ``timeout`` seconds.
+        """
+        with self._changed:
+            return self._changed.wait_for(predicate, timeout)
+
+
+class GatedRunner(FakeRunner):
+    """A ``FakeRunner`` whose every step waits until the test releases it.
+
+    ``release(n)`` lets ``n`` more steps run; ``open_gate()`` lets all run.
+    ``arrived`` counts the steps that reached the gate. With ``gate_decodes``,
+    decodes wait too, for ``release_decode(n)``; ``decodes_arrived`` counts them.
+    A call that waits more than ``gate_timeout`` seconds raises ``RuntimeError``,
+    so a test that forgets to release fails instead of hanging.
+    """
+
+    def __init__(
+        self,
+        *,
+        gate_timeout: float = 60.0,
+        gate_decodes: bool = False,
+        step_seconds: float = 0.0,
+        fail_at_step: int | None = None,
+        max_batch_size: int = 64,
+    ) -> None:
+        super().__init__(
+            step_seconds=step_seconds, fail_at_step=fail_at_step, max_batch_size=max_batch_size
+        )
+        self.gate_timeout = gate_timeout
+        self.gate_decodes = gate_decodes
+        self.arrived = 0
+        self.decodes_arrived = 0
+        self._permits = 0
+        self._decode_permits = 0
+        self._open = False
+
+    def release(self, n: int = 1) -> None:
+        """Let ``n`` more steps run; never blocks."""
+        with self._changed:
+            self._permits += n
+            self._changed.notify_all()
+
+    def open_gate(self) -> None:
+        """Let every step from now on run without a release."""
+        with self._changed:
+            self._open = True
+            self._changed.notify_all()
+
+    def release_decode(self, n: int = 1) -> None:
+        """Let ``n`` more decodes run (with ``gate_decodes``); never blocks."""
+        with self._changed:
+            self._decode_permits += n
+            self._changed.notify_all()
+
+    def step(self, states: Sequence[FakeState]) -> None:
+        """Wait for a release, then step as ``FakeRunner`` does."""
+        with self._changed:
+            self.arrived += 1
+            self._changed.notify_all()
+            if not self._changed.wait_for(
+                lambda: self._open or self._permits > 0, self.gate_timeout
+            ):
+                raise RuntimeError("GatedRunner: no release() came for a step")
+            if not self._open:
+                self._permits -= 1
+        super().step(states)
+
+    def decode(self, state: FakeState) -> torch.Tensor:
+        """With ``gate_decodes``, wait for ``release_decode``; then decode."""
+        if self.gate_decodes:
+            with self._changed:
+                self.decodes_arrived += 1
+                self._changed.notify_all()
+                if not self._changed.wait_for(lambda: self._decode_permits > 0, self.gate_timeout):
+                    raise RuntimeError("GatedRunner: no release_decode() came for a decode")
+                self._decode_permits -= 1
+        return super().decode(state)
+
+    async def wait_arrived(self, n: int) -> None:
+        """Wait until ``n`` steps in all have reached the gate.
+
+        Cancellation:
+            Safe; compose with ``anyio.fail_after`` for a bound.
+        """
+        while self.arrived < n:
+            await anyio.sleep(0.001)
