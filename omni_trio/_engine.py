@@ -302,7 +302,7 @@ class Engine:
             case Completed(item, images):
                 record = cast(Record, item)
                 self._terminate(record, RequestStatus.COMPLETED, images)
-            case Released(item, reason, error):
+            case Released(item, error):
                 record = cast(Record, item)
                 if error is not None:
                     failed = RequestFailedError(
@@ -327,7 +327,9 @@ class Engine:
         self._set_status(record, status)
         metrics = record.metrics = record.build_metrics(status)
         if status is RequestStatus.COMPLETED:
-            outcome = GenerationOutput(request_id=record.request_id, images=outcome, metrics=metrics)
+            outcome = GenerationOutput(
+                request_id=record.request_id, images=outcome, metrics=metrics
+            )
         request_id = record.request_id
         if self._live.get(request_id) is record:
             del self._live[request_id]

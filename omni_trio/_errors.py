@@ -3,7 +3,8 @@
 ::
 
     OmniTrioError
-    ├── EngineClosedError       submit after shutdown began; result() of a request cut off by shutdown
+    ├── EngineClosedError       submit after shutdown began; result() of a request
+    │                           cut off by shutdown
     ├── EngineDeadError         the worker died; every live request gets it; the engine is unusable
     └── RequestError            (.request_id)
         ├── InvalidRequestError     also a ValueError; bad field values, unknown extra keys

@@ -182,14 +182,17 @@ class RequestHandle:
 
     async def _close(self, reason: str) -> None:
         record = self._record
-        if not record.status.is_terminal:
-            self._engine._abort_record(record, reason)
-            await wait_shielded(record.done)
-        if not self._closed:
-            self._closed = True
-            record.channel.close_receive()
-            record.outcome = None
-            self._engine._forget(record, self)
+        try:
+            if not record.status.is_terminal:
+                self._engine._abort_record(record, reason)
+                await wait_shielded(record.done)
+        finally:
+            # Also when wait_shielded re-raises a deferred native cancellation.
+            if not self._closed:
+                self._closed = True
+                record.channel.close_receive()
+                record.outcome = None
+                self._engine._forget(record, self)
         # A schedule point that cannot raise: closing must not fail halfway
         # because the caller is being cancelled.
         await anyio.lowlevel.cancel_shielded_checkpoint()

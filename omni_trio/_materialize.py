@@ -18,9 +18,9 @@ from ._work import (
     SHUTDOWN,
     Completed,
     Post,
+    Released,
     WorkItem,
     discard_state,
-    post_released,
     release,
 )
 from .runners import Runner
@@ -91,6 +91,6 @@ class Materializer:
             # An abort that arrived during the decode wins: the image is dropped
             # unseen, so an aborted request never produces an output.
             del images
-            post_released(item, self._post, error)
+            self._post(Released(item, error))
             return
         self._post(Completed(item, images))

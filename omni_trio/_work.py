@@ -31,7 +31,6 @@ __all__ = [
     "Taken",
     "WorkItem",
     "discard_state",
-    "post_released",
     "release",
 ]
 
@@ -130,12 +129,11 @@ class Completed(Generic[W]):
 class Released(Generic[W]):
     """The request's state is released without an output.
 
-    ``error`` is the runner's exception for a failure; otherwise ``reason`` is
-    the token's cancellation reason.
+    ``error`` is the runner's exception for a failure; without one, the request
+    was cancelled and its token says why.
     """
 
     item: W
-    reason: str | None
     error: Exception | None
 
 
@@ -168,12 +166,7 @@ def discard_state(runner: Runner[Any], item: WorkItem) -> Exception | None:
     return None
 
 
-def post_released(item: WorkItem, post: Post, error: Exception | None) -> None:
-    """Post that ``item`` ended without an output: failed with ``error``, else cancelled."""
-    post(Released(item, None if error else item.token.reason, error))
-
-
 def release(runner: Runner[Any], item: WorkItem, post: Post, error: Exception | None) -> None:
     """Discard ``item``'s state and post how it ended (failed if anything raised)."""
     discard_error = discard_state(runner, item)
-    post_released(item, post, error or discard_error)
+    post(Released(item, error or discard_error))

@@ -179,7 +179,7 @@ class GatedRunner(FakeRunner):
     def __init__(
         self,
         *,
-        gate_timeout: float = 60.0,
+        gate_timeout: float = 20.0,
         gate_decodes: bool = False,
         step_seconds: float = 0.0,
         fail_at_step: int | None = None,

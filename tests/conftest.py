@@ -1,0 +1,32 @@
+"""Shared fixtures.
+
+Determinism rules for every test module here:
+- behaviour tests are marked ``pytest.mark.anyio`` and run on trio and asyncio
+  (the ``anyio_backend`` fixture below); trio-only timing tests are marked
+  ``pytest.mark.trio`` and take pytest-trio's ``autojump_clock``; no test has both;
+- the runners are ``FakeRunner`` (instant) or ``GatedRunner`` (each step waits for
+  the test's ``release``); nothing sleeps to let time pass;
+- every test has a hang budget: ``anyio.fail_after(BUDGET)`` inside, and the
+  pytest-timeout limit of pyproject.toml around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from omni_trio.testing import assert_no_engine_threads
+
+
+@pytest.fixture(params=["trio", "asyncio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Run every ``anyio`` test on both backends."""
+    return str(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _no_engine_threads_left() -> Iterator[None]:
+    """Every test must leave no engine thread behind (L35)."""
+    yield
+    assert_no_engine_threads()
