@@ -50,6 +50,9 @@ class LoopInbox(Generic[M]):
     def post(self, message: M) -> None:
         """Queue ``message`` for the loop; never blocks. Callable from any thread."""
         self._messages.append(message)
+        # The deque holds the only reference now: once the loop has dispatched
+        # the message, nothing in this thread keeps its payload alive.
+        del message
         # A drain that is pending but has not cleared the flag yet will see this
         # message; two threads may both schedule one, which is harmless.
         if not self._scheduled:

@@ -93,4 +93,8 @@ class Materializer:
             del images
             self._post(Released(item, error))
             return
-        self._post(Completed(item, images))
+        # Hand the images over without keeping a reference in this frame: the
+        # consumer may drop them the moment the loop delivers them (L12).
+        completed = [Completed(item, images)]
+        del images
+        self._post(completed.pop())

@@ -5,20 +5,23 @@ work), the worker drops the members whose token is set (L7, L21), takes the
 requests that may join the batch, and decides whether to stop. Then, without the
 lock, it prepares the new members, runs one runner step for the whole batch and
 posts one step event per member. Members whose last step is done go to the
-materializer, so the next step starts at once (L16). The worker never waits for
-the event loop or a consumer (L20): it only posts messages.
+materializer, so the next step starts at once (L16). A whole-call runner (one that
+must run its own loop) gets one request at a time, and its step callback is the
+boundary: the token is checked there and ``StopRun`` raised to stop the loop. The
+worker never waits for the event loop or a consumer (L20): it only posts messages.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 from ._materialize import Materializer
 from ._scheduler import WaitingQueue
 from ._work import SHUTDOWN, Died, Exited, Post, Stepped, Taken, WorkItem, release
 from .runners import Runner
+from .runners._protocol import StopRun, WholeCallRunner
 
 __all__ = ["Worker"]
 
@@ -33,6 +36,7 @@ class Worker:
         self._max_batch = min(max_batch_size, capabilities.max_batch_size)
         self._can_join = capabilities.can_join
         self._previews = capabilities.previews
+        self._whole_call = capabilities.whole_call
         self._cond = threading.Condition()
         self._queue: WaitingQueue[WorkItem] = WaitingQueue()
         self._stopping = False
@@ -164,6 +168,11 @@ class Worker:
         running.append(item)
 
     def _step(self, running: list[WorkItem]) -> None:
+        if self._whole_call:
+            for item in running:
+                self._run_whole(item)
+            running.clear()
+            return
         started = time.perf_counter()
         try:
             self._runner.step([item.state for item in running])
@@ -175,23 +184,57 @@ class Worker:
             return
         elapsed = time.perf_counter() - started
         self.batch_steps += 1
-        self.steps_run += len(running)
         keep: list[WorkItem] = []
         for item in running:
-            item.steps_done += 1
-            item.denoise_s += elapsed
-            try:
-                preview = self._preview(item)
-            except Exception as exc:
-                release(self._runner, item, self._post, exc)
-                continue
-            self._post(Stepped(item, item.steps_done, preview))
-            if item.steps_done >= item.request.num_steps:
-                item.t_denoised = time.perf_counter()
-                self._materializer.put(item)
+            error = self._stepped(item, elapsed)
+            if error is not None:
+                release(self._runner, item, self._post, error)
+            elif item.steps_done >= item.request.num_steps:
+                self._denoised(item)
             else:
                 keep.append(item)
         running[:] = keep
+
+    def _stepped(self, item: WorkItem, elapsed: float) -> Exception | None:
+        """Count one step of ``item`` and post its event; return a preview's error."""
+        item.steps_done += 1
+        item.denoise_s += elapsed
+        self.steps_run += 1
+        try:
+            preview = self._preview(item)
+        except Exception as exc:
+            return exc
+        self._post(Stepped(item, item.steps_done, preview))
+        return None
+
+    def _denoised(self, item: WorkItem) -> None:
+        item.t_denoised = time.perf_counter()
+        self._materializer.put(item)
+
+    def _run_whole(self, item: WorkItem) -> None:
+        """Run a whole-call runner's own loop; its step callback is our step boundary."""
+        last = time.perf_counter()
+        error: Exception | None = None
+
+        def on_step() -> None:
+            nonlocal last, error
+            now = time.perf_counter()
+            self.batch_steps += 1
+            error = self._stepped(item, now - last)
+            last = now
+            # L7, L21: the boundary check; raising stops the loop before any decode.
+            if error is not None or item.token.reason is not None:
+                raise StopRun
+
+        runner = cast("WholeCallRunner[Any]", self._runner)
+        try:
+            runner.run(item.state, on_step)
+        except StopRun:
+            release(self._runner, item, self._post, error)
+        except Exception as exc:
+            release(self._runner, item, self._post, exc)
+        else:
+            self._denoised(item)
 
     def _preview(self, item: WorkItem) -> Any:
         every = item.request.preview_every

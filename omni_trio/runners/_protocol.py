@@ -12,6 +12,9 @@ threads only, never from the event loop. The engine owns the denoise loop:
   from the engine's materializer thread, possibly while ``step`` runs for others.
 - ``discard(state)``: the engine lets go of this state; free what it holds.
 - ``close()``: the engine is done with the runner (last call, worker thread).
+- ``run(state, on_step)``: only for runners that declare ``whole_call`` (they cannot
+  step, so they run their own loop); ``on_step()`` must be called after every step
+  and may raise ``StopRun``, which ``run`` must let through.
 
 What a runner can do is declared up front in ``RunnerCapabilities``: the engine
 validates requests and forms batches from it, without calling the runner.
@@ -19,7 +22,7 @@ validates requests and forms batches from it, without calling the runner.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -29,9 +32,13 @@ from .._errors import InvalidRequestError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Runner", "RunnerCapabilities"]
+__all__ = ["Runner", "RunnerCapabilities", "StopRun", "WholeCallRunner"]
 
 StateT = TypeVar("StateT")
+
+
+class StopRun(Exception):
+    """Raised by a whole-call runner's ``on_step`` callback: stop now, decode nothing."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,6 +54,10 @@ class RunnerCapabilities:
         size_multiple: ``height`` and ``width`` must be multiples of it.
         extra_keys: the keys of ``GenerationRequest.extra`` that the runner reads.
         negative_prompt: whether ``negative_prompt`` is honoured.
+        fixed_size: the only ``(height, width)`` the model makes, if it has one.
+        whole_call: the runner cannot step: the engine calls ``run(state, on_step)``
+            instead of ``step``, one request at a time, and ``on_step`` (called
+            after every step) raises ``StopRun`` when the request must stop.
     """
 
     max_batch_size: int = 1
@@ -56,8 +67,12 @@ class RunnerCapabilities:
     size_multiple: int = 1
     extra_keys: frozenset[str] = frozenset()
     negative_prompt: bool = True
+    fixed_size: tuple[int, int] | None = None
+    whole_call: bool = False
 
     def __post_init__(self) -> None:
+        if self.whole_call and (self.max_batch_size != 1 or self.can_join):
+            raise ValueError("whole_call: a whole-call runner serves one request at a time")
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size: must be >= 1")
         if self.size_multiple < 1:
@@ -68,8 +83,14 @@ class RunnerCapabilities:
 
     def check_request(self, request: GenerationRequest) -> None:
         """Raise ``InvalidRequestError`` naming the first field this runner cannot serve."""
-        for name in ("height", "width"):
+        for index, name in enumerate(("height", "width")):
             value: int = getattr(request, name)
+            if self.fixed_size is not None and value != self.fixed_size[index]:
+                raise InvalidRequestError(
+                    f"this model makes {self.fixed_size[0]}x{self.fixed_size[1]} images only,"
+                    f" got {value}",
+                    field=name,
+                )
             if value % self.size_multiple:
                 raise InvalidRequestError(
                     f"must be a multiple of {self.size_multiple} for this runner, got {value}",
@@ -119,4 +140,12 @@ class Runner(Protocol[StateT]):
 
     def close(self) -> None:
         """Release the runner's own resources; no call follows."""
+        ...
+
+
+class WholeCallRunner(Runner[StateT], Protocol):
+    """A runner that declares ``whole_call``: it runs its own loop in ``run``."""
+
+    def run(self, state: StateT, on_step: Callable[[], None]) -> None:
+        """Run every step, calling ``on_step`` after each; let ``StopRun`` through."""
         ...

@@ -1,0 +1,191 @@
+"""DiffusersRunner: a diffusers pipeline, driven one denoise step at a time.
+
+The engine owns the loop. Each request gets its own scheduler and generator,
+prepared exactly as the pipeline's ``__call__`` would, so a seed gives the same
+image. One ``step`` call runs one model call over the whole batch, with one
+timestep per row, so requests at different steps share it; each request's
+scheduler then steps its own rows.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .._config import GenerationRequest
+from ._families import RequestState, family_for
+from ._protocol import RunnerCapabilities
+
+__all__ = ["DiffusersRunner"]
+
+# A fixed latent-to-RGB projection for four-channel (Stable Diffusion 1.x/2.x)
+# latents, the kind ComfyUI and InvokeAI use for live previews.
+_SD_RGB_FACTORS = (
+    (0.3512, 0.2297, 0.3227),
+    (0.3250, 0.4974, 0.2350),
+    (-0.2829, 0.1762, 0.2721),
+    (-0.2120, -0.2616, -0.7177),
+)
+
+
+def _rgb_factors(channels: int) -> torch.Tensor:
+    if channels == 4:
+        return torch.tensor(_SD_RGB_FACTORS)
+    # Any other latent space: each RGB channel averages every third latent
+    # channel. Not tuned to a model (no measurement behind it): a cue of
+    # progress, not a faithful colour.
+    factors = torch.zeros(channels, 3)
+    for channel in range(channels):
+        factors[channel, channel % 3] = 3.0 / channels
+    return factors
+
+
+class DiffusersRunner:
+    """Drive a diffusers pipeline step by step for the engine.
+
+    Supports ``StableDiffusionPipeline``, ``StableDiffusion3Pipeline``,
+    ``FluxPipeline``, ``DDPMPipeline`` and ``DDIMPipeline``. The pipeline is used,
+    never changed: the runner builds its own scheduler per request and leaves the
+    pipeline usable after the engine closes.
+
+    Args:
+        pipeline: a pipeline of a supported family, on its device, in eval mode.
+        max_batch_size: most requests one denoise step serves.
+
+    Raises:
+        TypeError: the pipeline's family is not supported.
+
+    Counters (any thread): ``live_states``, ``decodes``.
+    """
+
+    def __init__(self, pipeline: Any, *, max_batch_size: int = 8) -> None:
+        self._family = family_for(pipeline)
+        self._pipeline = pipeline
+        self._capabilities = RunnerCapabilities(
+            max_batch_size=max_batch_size,
+            can_join=True,
+            batch_key_fields=("height", "width"),
+            previews=True,
+            size_multiple=self._family.size_multiple,
+            negative_prompt=self._family.negative_prompt,
+            fixed_size=self._family.fixed_size,
+        )
+        device = torch.device(pipeline.device)
+        # On CUDA, decodes run on their own stream and copy into pinned host
+        # memory, overlapping the next steps on the default stream.
+        self._decode_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        self._lock = threading.Lock()
+        self.live_states = 0
+        self.decodes = 0
+
+    @property
+    def capabilities(self) -> RunnerCapabilities:
+        """Batching with joins at any step, previews, the family's size rules."""
+        return self._capabilities
+
+    @property
+    def family(self) -> str:
+        """The model family: ``"sd"``, ``"sd3"``, ``"flux"`` or ``"unet"``."""
+        return self._family.name
+
+    def _count(self, name: str, amount: int) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + amount)
+
+    def prepare(self, request: GenerationRequest, request_id: str) -> RequestState:
+        """Encode the prompt, make the initial latents and the request's scheduler."""
+        with torch.no_grad():
+            state = self._family.prepare(request, request_id)
+        self._count("live_states", 1)
+        return state
+
+    def step(self, states: Sequence[RequestState]) -> None:
+        """Run one step for every state: one batched model call per round of calls."""
+        with torch.no_grad():
+            calls = [state.groups[state.steps_done] for state in states]
+            for round_ in range(max(calls)):
+                self._model_round([s for s, n in zip(states, calls, strict=True) if n > round_])
+            for state in states:
+                state.steps_done += 1
+                if self._decode_stream is not None and state.steps_done == len(state.groups):
+                    state.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    state.ready.record()
+
+    def _model_round(self, states: Sequence[RequestState]) -> None:
+        family = self._family
+        inputs: list[torch.Tensor] = []
+        steps: list[torch.Tensor] = []
+        cond: dict[str, list[torch.Tensor]] = {}
+        for state in states:
+            assert state.latents is not None
+            t = state.timesteps[state.position]
+            rows = torch.cat([state.latents] * 2) if state.cfg else state.latents
+            rows = family.scale_input(state, rows, t)
+            inputs.append(rows)
+            steps.append(t.expand(rows.shape[0]).to(rows.device))
+            for key, value in state.cond.items():
+                cond.setdefault(key, []).append(value)
+        output = family.denoise(
+            torch.cat(inputs),
+            torch.cat(steps),
+            {key: torch.cat(values) for key, values in cond.items()},
+            states[0].shared,
+        )
+        start = 0
+        for state, rows in zip(states, inputs, strict=True):
+            prediction = output[start : start + rows.shape[0]]
+            start += rows.shape[0]
+            if state.cfg:
+                uncond, text = prediction.chunk(2)
+                prediction = uncond + state.request.guidance_scale * (text - uncond)
+            t = state.timesteps[state.position]
+            state.latents = state.scheduler.step(
+                prediction, t, state.latents, **state.step_kwargs, return_dict=False
+            )[0]
+            state.position += 1
+
+    def preview(self, state: RequestState) -> torch.Tensor:
+        """Project the current latents to RGB with a fixed linear map, on the CPU."""
+        with torch.no_grad():
+            if self._family.name == "unet":
+                return self._family.decode(state).float().cpu()
+            latents = self._family.preview_latents(state).float().cpu()
+            factors = _rgb_factors(latents.shape[1])
+            rgb = torch.einsum("nchw,cr->nrhw", latents, factors)
+            return ((rgb + 1) / 2).clamp(0, 1)
+
+    def decode(self, state: RequestState) -> torch.Tensor:
+        """Decode the final latents through the pipeline's VAE.
+
+        On CUDA the decode runs on a side stream after the request's last step,
+        and the images land in pinned host memory.
+        """
+        self._count("decodes", 1)
+        with torch.no_grad():
+            stream = self._decode_stream
+            if stream is None:
+                return self._family.decode(state)
+            with torch.cuda.stream(stream):
+                if state.ready is not None:
+                    stream.wait_event(state.ready)
+                images = self._family.decode(state).float()
+                host = torch.empty(images.shape, dtype=torch.float32, pin_memory=True)
+                host.copy_(images, non_blocking=True)
+                copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                copied.record(stream)
+            copied.synchronize()
+            return host
+
+    def discard(self, state: RequestState) -> None:
+        """Drop the state's tensors."""
+        state.latents = None
+        state.cond = {}
+        state.shared = {}
+        state.ready = None
+        self._count("live_states", -1)
+
+    def close(self) -> None:
+        """Nothing to free: the pipeline belongs to the caller and stays usable."""

@@ -1,0 +1,404 @@
+"""Tiny, randomly initialised diffusers pipelines for tests and benchmarks.
+
+Nothing is downloaded: every model is built from a config with seeded random weights, and
+the tokenizers are built in memory (a character-level CLIP BPE and a character-level T5
+Unigram). The pipelines are real diffusers pipelines with their real ``__call__``; only
+the models are tiny, so a denoise step costs milliseconds on a CPU.
+
+Sizes (``vae_scale_factor`` is 8 for every kind with a VAE, as in the real models):
+
+====  ========================  ==============  ==================  ============
+kind  pipeline                  latent chans    pixel multiple      default size
+====  ========================  ==============  ==================  ============
+sd    StableDiffusionPipeline   4               8                   64
+sd3   StableDiffusion3Pipeline  16              16 (8 x patch 2)    64
+flux  FluxPipeline              16 (64 packed)  16 (8 x 2x2 pack)   1024
+unet  DDIMPipeline              3 (pixels)      fixed 32x32         32
+====  ========================  ==============  ==================  ============
+
+FluxPipeline's default size is hard-wired to 1024 px (128 latent rows, 4096 tokens):
+always pass ``height`` and ``width``. A step at 64 px costs a few milliseconds on one CPU
+thread for every kind.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    # Not ``from diffusers import DiffusionPipeline``: mypy resolves that name to the
+    # dummy placeholder class of diffusers' optional-dependency fallbacks.
+    from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+
+__all__ = ["TINY_KINDS", "tiny_pipeline"]
+
+TINY_KINDS: tuple[str, ...] = ("sd", "sd3", "flux", "unet")
+"""The kinds :func:`tiny_pipeline` builds."""
+
+_CLIP_MAX_LENGTH = 32
+"""Tokens per CLIP prompt (start and end tokens included); one token per character."""
+
+_T5_MAX_LENGTH = 512
+"""The T5 tokenizer's limit; FluxPipeline pads to its ``max_sequence_length`` (512)."""
+
+
+def tiny_pipeline(kind: str, *, seed: int = 0) -> DiffusionPipeline:
+    """Build a tiny diffusers pipeline of one kind, with seeded random weights.
+
+    Every model is created right after ``torch.manual_seed(seed)`` inside
+    ``torch.random.fork_rng``, so the same seed gives bit-identical weights and the
+    caller's global RNG state is left untouched. Every module is float32, on CPU, in eval
+    mode; the progress bar is disabled.
+
+    Args:
+        kind: ``"sd"`` (StableDiffusionPipeline, DDIM scheduler), ``"sd3"``
+            (StableDiffusion3Pipeline without T5, flow-matching Euler), ``"flux"``
+            (FluxPipeline with guidance embedding, flow-matching Euler with dynamic
+            shifting) or ``"unet"`` (unconditional DDIMPipeline, 32x32 pixels).
+        seed: Seed of the random weights.
+
+    Returns:
+        The pipeline. ``sd``/``sd3``/``flux`` take ``pipe(prompt, height=, width=, ...)``
+        with sizes a multiple of 8/16/16 pixels; ``unet`` takes
+        ``pipe(batch_size=, num_inference_steps=, generator=, output_type="np")``.
+
+    Raises:
+        ValueError: ``kind`` is not one of ``TINY_KINDS``.
+    """
+    builders: dict[str, Callable[[int], Any]] = {
+        "sd": _build_sd,
+        "sd3": _build_sd3,
+        "flux": _build_flux,
+        "unet": _build_unet,
+    }
+    try:
+        build = builders[kind]
+    except KeyError:
+        raise ValueError(
+            f"unknown tiny pipeline kind {kind!r}; supported kinds: {', '.join(TINY_KINDS)}"
+        ) from None
+    with torch.random.fork_rng(devices=[]):
+        built = build(seed)
+    for component in built.components.values():
+        if isinstance(component, torch.nn.Module):
+            # Built on CPU; cast only if the caller changed torch's default dtype (diffusers
+            # logs a notice on every dtype cast of its models).
+            if any(p.dtype != torch.float32 for p in component.parameters()):
+                component.to(dtype=torch.float32)
+            component.eval()
+    built.set_progress_bar_config(disable=True)
+    pipe: DiffusionPipeline = built
+    return pipe
+
+
+def _diffusers() -> Any:
+    """The diffusers module, imported on first use (it takes seconds) and typed ``Any``.
+
+    diffusers' constructors are unannotated, which ``mypy --strict`` rejects in typed code.
+    """
+    import diffusers
+
+    return diffusers
+
+
+def _transformers() -> Any:
+    """The transformers module, imported on first use and typed ``Any``."""
+    import transformers
+
+    return transformers
+
+
+def _seeded(seed: int, factory: Callable[[], Any]) -> Any:
+    """Call ``factory`` right after seeding torch's global CPU generator."""
+    torch.manual_seed(seed)
+    return factory()
+
+
+# ---------------------------------------------------------------------------- tokenizers
+
+
+def _byte_symbols() -> list[str]:
+    """The 256 printable characters byte-level BPE maps bytes to (GPT-2's table)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\xa1"), ord("\xac") + 1),
+        *range(ord("\xae"), ord("\xff") + 1),
+    ]
+    symbols: dict[int, str] = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in symbols:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    return [symbols[b] for b in range(256)]
+
+
+def _clip_tokenizer() -> Any:
+    """A character-level CLIP tokenizer: 256 byte symbols, each also with ``</w>``.
+
+    Ids 0-255 are the byte symbols, 256-511 the same with ``</w>`` (end of word), 512 is
+    ``<|startoftext|>`` and 513 ``<|endoftext|>`` (also the padding), as in real CLIP
+    where the two special tokens come last. No merges: one token per character.
+    """
+    transformers = _transformers()
+    symbols = _byte_symbols()
+    vocab = {symbol: i for i, symbol in enumerate(symbols)}
+    vocab.update({f"{symbol}</w>": 256 + i for i, symbol in enumerate(symbols)})
+    vocab["<|startoftext|>"] = 512
+    vocab["<|endoftext|>"] = 513
+    return transformers.CLIPTokenizer(vocab=vocab, merges=[], model_max_length=_CLIP_MAX_LENGTH)
+
+
+_CLIP_VOCAB_SIZE = 514
+_CLIP_BOS_ID = 512
+_CLIP_EOS_ID = 513
+
+
+def _t5_tokenizer() -> Any:
+    """A character-level T5 (Unigram) tokenizer over printable ASCII, no sentinels."""
+    transformers = _transformers()
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    vocab += [(char, -3.0) for char in string.printable if not char.isspace()]
+    return transformers.T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=_T5_MAX_LENGTH)
+
+
+_T5_VOCAB_SIZE = 128  # >= 4 + 94 printable characters
+
+
+# ------------------------------------------------------------------------ text encoders
+
+
+def _clip_config() -> Any:
+    """A 2-layer CLIP text encoder config matching :func:`_clip_tokenizer`.
+
+    SD and SD3 read the penultimate hidden state; SD3 and Flux the pooled (end token)
+    output, found by ``eos_token_id`` (its special value 2 would mean "argmax id").
+    """
+    transformers = _transformers()
+    return transformers.CLIPTextConfig(
+        vocab_size=_CLIP_VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=64,
+        projection_dim=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=_CLIP_MAX_LENGTH,
+        hidden_act="quick_gelu",
+        bos_token_id=_CLIP_BOS_ID,
+        eos_token_id=_CLIP_EOS_ID,
+        pad_token_id=_CLIP_EOS_ID,
+    )
+
+
+def _vae(seed: int, *, latent_channels: int, **extra: Any) -> Any:
+    """An AutoencoderKL with four blocks: ``vae_scale_factor`` 8, like the real ones."""
+    diffusers = _diffusers()
+    return _seeded(
+        seed,
+        lambda: diffusers.AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(8, 8, 8, 8),
+            layers_per_block=1,
+            latent_channels=latent_channels,
+            norm_num_groups=2,
+            sample_size=64,
+            **extra,
+        ),
+    )
+
+
+# ------------------------------------------------------------------------------ builders
+
+
+def _build_sd(seed: int) -> Any:
+    """StableDiffusionPipeline: 2-block UNet (8x8 latents at 64 px), one CLIP, DDIM."""
+    diffusers = _diffusers()
+    transformers = _transformers()
+
+    unet = _seeded(
+        seed,
+        lambda: diffusers.UNet2DConditionModel(
+            sample_size=8,  # latent pixels: default size 8 * 8 = 64 px
+            in_channels=4,
+            out_channels=4,
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            block_out_channels=(16, 32),
+            layers_per_block=1,
+            norm_num_groups=8,
+            cross_attention_dim=32,
+            attention_head_dim=8,
+        ),
+    )
+    vae = _vae(seed, latent_channels=4, scaling_factor=0.18215)
+    text_encoder = _seeded(seed, lambda: transformers.CLIPTextModel(_clip_config()))
+    # Stable Diffusion 2.1-base's scheduler config. Not Euler: its set_timesteps calls
+    # np.array on a torch tensor, a DeprecationWarning with numpy 2.4 (as do DPM-Solver
+    # and UniPC); PNDM runs num_inference_steps + 1 UNet evaluations.
+    scheduler = diffusers.DDIMScheduler(
+        num_train_timesteps=1000,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        prediction_type="epsilon",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,  # StableDiffusionPipeline warns (FutureWarning) on any other value
+    )
+    return diffusers.StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=_clip_tokenizer(),
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+
+def _build_sd3(seed: int) -> Any:
+    """StableDiffusion3Pipeline: 2-layer MMDiT, patch 2, two CLIPs and no T5."""
+    diffusers = _diffusers()
+    transformers = _transformers()
+
+    # Text: two CLIPs (hidden 32 each, concatenated to 64 = joint_attention_dim; pooled 32
+    # each, concatenated to 64 = pooled_projection_dim). No T5: the pipeline then uses zeros.
+    transformer = _seeded(
+        seed,
+        lambda: diffusers.SD3Transformer2DModel(
+            sample_size=8,  # latent pixels: default size 8 * 8 = 64 px
+            patch_size=2,
+            in_channels=16,
+            out_channels=16,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            joint_attention_dim=64,
+            caption_projection_dim=32,
+            pooled_projection_dim=64,
+            pos_embed_max_size=32,
+        ),
+    )
+    vae = _vae(
+        seed,
+        latent_channels=16,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        scaling_factor=1.5305,
+        shift_factor=0.0609,
+    )
+    text_encoder = _seeded(seed, lambda: transformers.CLIPTextModelWithProjection(_clip_config()))
+    text_encoder_2 = _seeded(
+        seed + 1, lambda: transformers.CLIPTextModelWithProjection(_clip_config())
+    )
+    return diffusers.StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=_clip_tokenizer(),
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=_clip_tokenizer(),
+        text_encoder_3=None,
+        tokenizer_3=None,
+    )
+
+
+def _build_flux(seed: int) -> Any:
+    """FluxPipeline: 1 double + 1 single block, guidance embedding, CLIP and T5."""
+    diffusers = _diffusers()
+    transformers = _transformers()
+
+    # Latents are 16 channels, packed 2x2 into 64-channel tokens for the transformer.
+    transformer = _seeded(
+        seed,
+        lambda: diffusers.FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=64,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,  # T5 d_model
+            pooled_projection_dim=32,  # CLIP hidden size
+            guidance_embeds=True,
+            axes_dims_rope=(4, 4, 8),  # sums to attention_head_dim
+        ),
+    )
+    vae = _vae(
+        seed,
+        latent_channels=16,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+    )
+    text_encoder = _seeded(seed, lambda: transformers.CLIPTextModel(_clip_config()))
+    t5_config = transformers.T5Config(
+        vocab_size=_T5_VOCAB_SIZE,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        dropout_rate=0.0,
+        feed_forward_proj="gated-gelu",
+        is_encoder_decoder=False,
+        use_cache=False,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    text_encoder_2 = _seeded(seed, lambda: transformers.T5EncoderModel(t5_config))
+    # FLUX.1-dev's scheduler: resolution-dependent shift.
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    return diffusers.FluxPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=_clip_tokenizer(),
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=_t5_tokenizer(),
+        transformer=transformer,
+    )
+
+
+def _build_unet(seed: int) -> Any:
+    """DDIMPipeline: unconditional 2-block UNet2DModel at 32x32 pixels."""
+    diffusers = _diffusers()
+
+    unet = _seeded(
+        seed,
+        lambda: diffusers.UNet2DModel(
+            sample_size=32,
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+            up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+            block_out_channels=(16, 32),
+            layers_per_block=1,
+            norm_num_groups=8,
+            attention_head_dim=8,
+        ),
+    )
+    # DDIMPipeline turns any scheduler into DDIM; build one directly (DDPM's schedule).
+    scheduler = diffusers.DDIMScheduler(
+        num_train_timesteps=1000, beta_schedule="linear", prediction_type="epsilon"
+    )
+    return diffusers.DDIMPipeline(unet=unet, scheduler=scheduler)
