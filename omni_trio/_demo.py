@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 import anyio
 
@@ -12,16 +12,28 @@ from ._config import EngineConfig, GenerationRequest
 from ._engine import open_engine
 from ._errors import RequestAbortedError
 from ._types import RequestMetrics, StepEvent
-from .testing import FakeRunner
 
 __all__ = ["add_demo_arguments", "run_demo"]
+
+KINDS = ("sd", "sd3", "flux", "unet", "fake")
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the demo's options to ``parser``."""
+    parser.add_argument(
+        "--kind",
+        choices=KINDS,
+        default="sd",
+        help="tiny model to build (default sd); 'fake' needs no diffusers at all",
+    )
+    parser.add_argument(
+        "--model", default=None, metavar="PATH", help="a local diffusers folder instead"
+    )
     parser.add_argument("--prompt", default="a red flower in a blue vase")
     parser.add_argument("--steps", type=int, default=20, help="denoise steps (default 20)")
-    parser.add_argument("--size", type=int, default=64, help="image side in pixels (default 64)")
+    parser.add_argument(
+        "--size", type=int, default=None, help="image side in pixels (default 64; unet: 32)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="demo.png", help="where to write the PNG")
     parser.add_argument(
@@ -29,7 +41,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="K",
-        help="abort after step K, to show the abort landing at the next step",
+        help="abort after step K, to show the abort landing at the next step with no decode",
     )
     parser.add_argument(
         "--step-seconds",
@@ -42,9 +54,28 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _runner(args: argparse.Namespace) -> tuple[Any, str]:
+    if args.model is not None:
+        from diffusers import DiffusionPipeline
+
+        from .runners import runner_for
+
+        pipeline = DiffusionPipeline.from_pretrained(args.model, local_files_only=True)
+        pipeline.set_progress_bar_config(disable=True)
+        return runner_for(pipeline), f"{type(pipeline).__name__} from {args.model}"
+    if args.kind == "fake":
+        from .testing import FakeRunner
+
+        return FakeRunner(step_seconds=args.step_seconds), "FakeRunner (no weights)"
+    from .runners import DiffusersRunner, tiny_pipeline
+
+    pipeline = tiny_pipeline(args.kind, seed=0)
+    return DiffusersRunner(pipeline), f"tiny {type(pipeline).__name__}, random weights"
+
+
 def _bar(event: StepEvent, out: TextIO) -> None:
     width = 30
-    done = width * event.step // event.total
+    done = width * min(event.step, event.total) // event.total
     out.write(f"\r  [{'#' * done}{'.' * (width - done)}] step {event.step}/{event.total}")
     out.flush()
 
@@ -62,22 +93,20 @@ def _print_metrics(metrics: RequestMetrics, out: TextIO) -> None:
 
 
 async def _demo(args: argparse.Namespace, out: TextIO) -> int:
-    runner = FakeRunner(step_seconds=args.step_seconds)
+    runner, description = _runner(args)
+    fixed = runner.capabilities.fixed_size
+    size = args.size or (fixed[0] if fixed else 64)
     request = GenerationRequest(
-        prompt=args.prompt,
-        num_steps=args.steps,
-        height=args.size,
-        width=args.size,
-        seed=args.seed,
+        prompt=args.prompt, num_steps=args.steps, height=size, width=size, seed=args.seed
     )
-    out.write(f"omni_trio demo: {args.steps} steps at {args.size}x{args.size}, seed {args.seed}\n")
-    out.write("  model: FakeRunner (deterministic, no weights)\n")
+    out.write(f"omni_trio demo: {args.steps} steps at {size}x{size}, seed {args.seed}\n")
+    out.write(f"  model: {description}\n")
     async with open_engine(runner, EngineConfig()) as engine:
         async with engine.submit(request, request_id="demo") as handle:
             async for event in handle:
                 _bar(event, out)
                 if args.abort_after is not None and event.step >= args.abort_after:
-                    out.write(f"\n  aborting after step {event.step}...\n")
+                    out.write(f"\n  aborting after step {event.step}...")
                     await handle.abort()
                     break
             out.write("\n")
@@ -86,7 +115,7 @@ async def _demo(args: argparse.Namespace, out: TextIO) -> int:
             except RequestAbortedError as exc:
                 assert handle.metrics is not None
                 out.write(f"  aborted ({exc.reason}) after step {handle.metrics.steps_done}; ")
-                out.write(f"decodes run: {runner.decodes}\n")
+                out.write(f"decodes run: {getattr(runner, 'decodes', 0)}\n")
                 _print_metrics(handle.metrics, out)
                 return 0
         output.to_pil()[0].save(args.out)

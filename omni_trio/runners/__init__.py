@@ -2,15 +2,31 @@
 
 - ``Runner`` and ``RunnerCapabilities``: the protocol a model implements.
 - ``DiffusersRunner``: a diffusers pipeline driven one step at a time.
+- ``PipelineCallRunner``: any other pipeline, through its own ``__call__``.
+- ``runner_for(pipeline)``: the first where it can, else the second.
 - ``tiny_pipeline``: tiny real pipelines with random weights, for tests and demos.
 """
 
 from __future__ import annotations
 
+from ._call import PipelineCallRunner as PipelineCallRunner
+from ._call import runner_for as runner_for
 from ._diffusers import DiffusersRunner as DiffusersRunner
 from ._protocol import Runner as Runner
 from ._protocol import RunnerCapabilities as RunnerCapabilities
+from ._protocol import StopRun as StopRun
+from ._protocol import WholeCallRunner as WholeCallRunner
 from ._tiny import TINY_KINDS as TINY_KINDS
 from ._tiny import tiny_pipeline as tiny_pipeline
 
-__all__ = ["TINY_KINDS", "DiffusersRunner", "Runner", "RunnerCapabilities", "tiny_pipeline"]
+__all__ = [
+    "TINY_KINDS",
+    "DiffusersRunner",
+    "PipelineCallRunner",
+    "Runner",
+    "RunnerCapabilities",
+    "StopRun",
+    "WholeCallRunner",
+    "runner_for",
+    "tiny_pipeline",
+]

@@ -19,7 +19,7 @@ from .._config import GenerationRequest
 from ._families import RequestState, family_for
 from ._protocol import RunnerCapabilities
 
-__all__ = ["DiffusersRunner"]
+__all__ = ["DiffusersRunner", "latent_preview"]
 
 # A fixed latent-to-RGB projection for four-channel (Stable Diffusion 1.x/2.x)
 # latents, the kind ComfyUI and InvokeAI use for live previews.
@@ -41,6 +41,13 @@ def _rgb_factors(channels: int) -> torch.Tensor:
     for channel in range(channels):
         factors[channel, channel % 3] = 3.0 / channels
     return factors
+
+
+def latent_preview(latents: torch.Tensor) -> torch.Tensor:
+    """A cheap RGB preview ``[N, 3, h, w]`` in [0, 1] of latents ``[N, C, h, w]``, on the CPU."""
+    latents = latents.detach().float().cpu()
+    rgb = torch.einsum("nchw,cr->nrhw", latents, _rgb_factors(latents.shape[1]))
+    return ((rgb + 1) / 2).clamp(0, 1)
 
 
 class DiffusersRunner:
@@ -152,10 +159,7 @@ class DiffusersRunner:
         with torch.no_grad():
             if self._family.name == "unet":
                 return self._family.decode(state).float().cpu()
-            latents = self._family.preview_latents(state).float().cpu()
-            factors = _rgb_factors(latents.shape[1])
-            rgb = torch.einsum("nchw,cr->nrhw", latents, factors)
-            return ((rgb + 1) / 2).clamp(0, 1)
+            return latent_preview(self._family.preview_latents(state))
 
     def decode(self, state: RequestState) -> torch.Tensor:
         """Decode the final latents through the pipeline's VAE.

@@ -18,7 +18,7 @@ import torch
 
 from .._config import GenerationRequest
 
-__all__ = ["Family", "RequestState", "family_for", "supported_pipelines"]
+__all__ = ["Family", "RequestState", "family_for", "is_supported", "supported_pipelines"]
 
 
 @dataclass(eq=False)
@@ -466,18 +466,30 @@ def supported_pipelines() -> list[str]:
     return list(_FAMILIES)
 
 
+def _family_class(pipe: object) -> type[Family] | None:
+    import diffusers
+
+    for name, family in _FAMILIES.items():
+        # The exact class: a subclass may change the loop in ways we cannot see.
+        if type(pipe) is getattr(diffusers, name):
+            return family
+    return None
+
+
+def is_supported(pipe: object) -> bool:
+    """Whether ``DiffusersRunner`` can drive ``pipe`` step by step."""
+    return _family_class(pipe) is not None
+
+
 def family_for(pipe: object) -> Family:
     """Return the family that drives ``pipe``.
 
     Raises:
         TypeError: ``pipe`` is not a pipeline of a supported family.
     """
-    import diffusers
-
-    for name, family in _FAMILIES.items():
-        # The exact class: a subclass may change the loop in ways we cannot see.
-        if type(pipe) is getattr(diffusers, name):
-            return family(pipe)
+    family = _family_class(pipe)
+    if family is not None:
+        return family(pipe)
     raise TypeError(
         f"DiffusersRunner drives {', '.join(supported_pipelines())}; got"
         f" {type(pipe).__name__} (use omni_trio.runners.PipelineCallRunner for other pipelines)"

@@ -126,8 +126,11 @@ class Runner(Protocol[StateT]):
         """Advance every state by one denoise step."""
         ...
 
-    def preview(self, state: StateT) -> torch.Tensor:
-        """Return a cheap CPU preview ``[N, 3, h, w]`` in [0, 1] of the current latents."""
+    def preview(self, state: StateT) -> torch.Tensor | None:
+        """Return a cheap CPU preview ``[N, 3, h, w]`` in [0, 1] of the current latents.
+
+        ``None`` when no preview can be made at this step.
+        """
         ...
 
     def decode(self, state: StateT) -> torch.Tensor:

@@ -1,0 +1,438 @@
+"""Invariants of a running engine, a ledger of request outcomes, and leak checks.
+
+These are the checks of the lifecycle state-machine tests, public so that code
+built on omni_trio can run the same ones:
+
+- ``check_engine_invariants(engine, runner)``: what must hold at *every* moment
+  the event loop looks (L14, L19), whatever the engine's threads are doing.
+- ``engine_settled(engine, runner)``: whether the engine's threads are parked, so
+  that exact equalities (runner states == states the engine holds) can be asserted.
+- ``RequestLedger``: follows every request through its handle and asserts that it
+  ends exactly once, that nothing is delivered after its end, and that the
+  statistics count each request where its handle says it is (L15, L17, L19).
+- ``assert_nothing_left(engine, runner)``: after shutdown, nothing is alive (L35).
+- ``rss_bytes()``: the process's resident memory now, for soak tests.
+
+All of them must be called from the event loop's thread (the thread that runs the
+engine), never from a runner.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import anyio
+
+from .._errors import (
+    EngineClosedError,
+    EngineDeadError,
+    RequestAbortedError,
+    RequestError,
+    RequestFailedError,
+)
+from .._types import EngineStatistics, GenerationOutput, RequestMetrics, RequestStatus, StepEvent
+from ._checks import assert_no_engine_threads
+
+if TYPE_CHECKING:
+    from .._engine import Engine
+    from .._handle import RequestHandle
+    from .._request import Record
+
+__all__ = [
+    "RequestLedger",
+    "RunnerCounters",
+    "assert_nothing_left",
+    "check_engine_invariants",
+    "engine_settled",
+    "rss_bytes",
+]
+
+_STATUSES = tuple(RequestStatus)
+# Float slack for metrics identities that hold exactly up to rounding.
+_EPS = 1e-6
+
+
+class RunnerCounters(Protocol):
+    """What the checks read from a runner: ``FakeRunner`` and ``GatedRunner`` have it."""
+
+    @property
+    def live_states(self) -> int:
+        """Per-request states the runner holds now."""
+        ...
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        ...
+
+
+def _counts(stats: EngineStatistics) -> dict[RequestStatus, int]:
+    return {
+        RequestStatus.WAITING: stats.waiting,
+        RequestStatus.RUNNING: stats.running,
+        RequestStatus.COMPLETED: stats.completed,
+        RequestStatus.ABORTED: stats.aborted,
+        RequestStatus.FAILED: stats.failed,
+    }
+
+
+def check_engine_invariants(
+    engine: Engine, runner: RunnerCounters | None = None
+) -> EngineStatistics:
+    """Assert what holds at every moment, whatever the engine's threads do; return the stats.
+
+    - L19: every admitted request is counted in exactly one status, no count is
+      negative, and the live table holds exactly the waiting and running ones.
+    - L2, L3: the live table is keyed by each record's own id; an id held by a
+      terminal request belongs to its open handle, never to a live request too.
+    - L14: nothing waits in the worker's queue that the engine does not count.
+    - L8: with ``runner``, every state the runner holds belongs to a live request
+      that the worker took (a request becomes terminal only after its release),
+      so an idle engine's runner holds none. Skipped once the worker died: a dead
+      worker cannot release anything.
+
+    Raises:
+        AssertionError: naming the broken invariant.
+    """
+    # Read the runner first: a state it holds now belongs to a request that was
+    # taken before and that stays live until this (synchronous) check returns.
+    states = runner.live_states if runner is not None else 0
+    stats = engine.statistics()
+    counts = _counts(stats)
+    assert all(count >= 0 for count in counts.values()), f"negative count: {stats}"
+    assert stats.admitted == sum(counts.values()), f"L19: counts do not add up: {stats}"
+    live = dict(engine._live)
+    taken = 0
+    live_counts = dict.fromkeys(_STATUSES, 0)
+    for request_id, record in live.items():
+        assert record.request_id == request_id, f"live table key {request_id!r} names another"
+        assert not record.status.is_terminal, f"terminal request {request_id!r} still live"
+        live_counts[record.status] += 1
+        taken += record.t_taken is not None
+    assert live_counts[RequestStatus.WAITING] == stats.waiting, (live_counts, stats)
+    assert live_counts[RequestStatus.RUNNING] == stats.running, (live_counts, stats)
+    for request_id, handle in list(engine._terminal_open.items()):
+        assert request_id not in live, f"L2: id {request_id!r} is live and terminal-open"
+        assert handle.request_id == request_id
+        assert handle.status.is_terminal, f"open-terminal table holds live {request_id!r}"
+        assert not handle.is_closed, f"closed handle {request_id!r} still holds its id"
+    assert engine._worker.waiting <= stats.waiting, (engine._worker.waiting, stats)
+    if stats.is_dead:
+        assert not live, f"L23: requests outlived the worker: {sorted(live)}"
+    elif runner is not None:
+        assert 0 <= states <= taken, (
+            f"L8: the runner holds {states} states but only {taken} live requests were taken"
+        )
+    return stats
+
+
+def engine_settled(engine: Engine, runner: RunnerCounters | None = None) -> bool:
+    """Return whether no request is between two states, and every posted change applied.
+
+    Settled means: no request is taken but not yet running, nor released or
+    decoded but not yet terminal; and with ``runner``, the runner holds exactly
+    one state per running request. It does not say that the worker waits (it may
+    be inside a step it was allowed to run): with a gated runner whose gate is
+    closed, also check that a step waits at the gate; then nothing changes until
+    the test releases a step. After the worker died, settled means that the
+    engine's threads have exited.
+
+    Poll it with ``wait_until`` under ``anyio.fail_after``.
+    """
+    if engine.statistics().is_dead:
+        return not any(thread.is_alive() for thread in engine.threads)
+    held = 0
+    for record in list(engine._live.values()):
+        if record.status is RequestStatus.WAITING:
+            if record.t_taken is not None:
+                return False  # taken; the loop has not seen it yet
+            continue
+        if record.state is None or record.steps_done >= record.request.num_steps:
+            return False  # being prepared, released or materialized
+        held += 1
+    return runner is None or runner.live_states == held
+
+
+def assert_nothing_left(
+    engine: Engine, runner: RunnerCounters | None = None, *, runner_states: bool = True
+) -> None:
+    """Assert that a shut-down engine holds and runs nothing any more (L31, L32, L35).
+
+    Args:
+        engine: an engine whose ``aclose()`` has returned.
+        runner: its runner, checked for ``closed`` and, unless ``runner_states`` is
+            false, for ``live_states == 0`` (every prepared state was discarded).
+        runner_states: set it to false after a worker death: a dead worker never
+            hands the states it held back to the runner.
+
+    Raises:
+        AssertionError: naming what is left.
+    """
+    stats = check_engine_invariants(engine)
+    assert stats.is_closing, "the engine was not shut down"
+    alive = [thread.name for thread in engine.threads if thread.is_alive()]
+    assert not alive, f"L35: engine threads alive after shutdown: {alive}"
+    assert_no_engine_threads()
+    assert not engine._live, f"requests still live after shutdown: {sorted(engine._live)}"
+    assert engine._worker.waiting == 0, "requests still queued after shutdown"
+    assert (stats.waiting, stats.running) == (0, 0), stats
+    if runner is not None:
+        assert runner.closed, "L35: the runner was not closed"
+        if runner_states:
+            assert runner.live_states == 0, f"{runner.live_states} runner states never discarded"
+
+
+def rss_bytes() -> int:
+    """Return this process's resident set size in bytes.
+
+    Reads ``/proc/self/statm`` (Linux); elsewhere falls back to the peak RSS from
+    ``getrusage``, which only ever grows (so a growth check stays conservative).
+    """
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            resident_pages = int(statm.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        # Linux and the BSDs report KiB, macOS bytes.
+        return peak if os.uname().sysname == "Darwin" else peak * 1024
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass(eq=False, slots=True)
+class _Entry:
+    record: Record
+    handle: weakref.ref[RequestHandle]
+    status: RequestStatus
+    metrics: RequestMetrics | None = None
+    last_step: int = 0
+    outputs: int = 0
+    # After the end: events buffered then, minus the ones read since.
+    buffered_at_end: int | None = None
+    read_since_end: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class RequestLedger:
+    """Follow requests through their handles; assert each ends once and counts right.
+
+    ``track`` every handle right after ``submit``; report what the consumer got with
+    ``event`` and ``outcome``; call ``check`` as often as you like. The ledger holds
+    a request only until it is terminal and its handle closed (or dropped), then
+    keeps just its final status, so it can follow a long soak.
+
+    Checked per request:
+
+    - L15: the status changes only forward and, once terminal, never again; the
+      metrics appear with the terminal status (L17) and are never replaced; no step
+      event is buffered after the end, and the events read are the request's own,
+      in increasing step order, never past the steps done; at most one output is
+      returned, and every error matches the terminal status.
+    - L12: once the handle is closed, nothing of the request stays buffered.
+    - L8, L14: a terminal request's runner state is released (unless the worker died).
+    - L3: a live request is the one its id finds in the engine's live table.
+
+    With ``check(engine)``, the ledger must have tracked every request that engine
+    admitted: its count of each status must equal ``engine.statistics()`` (L19).
+    """
+
+    _entries: dict[int, _Entry] = field(default_factory=dict)
+    _final: dict[RequestStatus, int] = field(
+        default_factory=lambda: dict.fromkeys(RequestStatus, 0)
+    )
+    _refs: list[weakref.ref[object]] = field(default_factory=list)
+
+    @property
+    def tracked(self) -> int:
+        """How many requests the ledger still follows (not yet terminal and closed)."""
+        return len(self._entries)
+
+    def counts(self) -> dict[RequestStatus, int]:
+        """The number of tracked requests in each status, finished ones included."""
+        counts = dict(self._final)
+        for entry in self._entries.values():
+            counts[entry.record.status] += 1
+        return counts
+
+    def track(self, handle: RequestHandle) -> None:
+        """Start following the request of ``handle`` (right after ``submit``)."""
+        record = handle._record
+        assert id(record) not in self._entries, f"{handle!r} tracked twice"
+        self._entries[id(record)] = _Entry(record, weakref.ref(handle), record.status)
+
+    def _entry(self, handle: RequestHandle) -> _Entry | None:
+        return self._entries.get(id(handle._record))
+
+    def event(self, handle: RequestHandle, event: StepEvent) -> None:
+        """Check a step event the consumer of ``handle`` just read (L13, L15, L18)."""
+        record = handle._record
+        assert event.request_id == record.request_id, f"{event!r} read from {handle!r}"
+        assert event.total == record.request.num_steps, event
+        assert 1 <= event.step <= record.steps_done, (event, record.steps_done)
+        if event.preview is not None:
+            assert record.request.preview_every > 0, f"L18: preview without asking: {event!r}"
+            assert event.step % record.request.preview_every == 0, f"L18: {event!r}"
+        self._refs.append(weakref.ref(event))
+        entry = self._entry(handle)
+        if entry is None:
+            return
+        assert event.step > entry.last_step, f"event {event.step} after {entry.last_step}"
+        entry.last_step = event.step
+        if entry.metrics is not None:
+            assert event.step <= entry.metrics.steps_done, (event, entry.metrics)
+        if entry.buffered_at_end is not None:
+            entry.read_since_end += 1
+
+    def outcome(self, handle: RequestHandle, outcome: GenerationOutput | BaseException) -> None:
+        """Check what ``handle.result()`` just returned or raised (L15, L22, L23).
+
+        Not for the backend's cancellation exception: a cancelled wait is no outcome.
+        """
+        status = handle.status
+        request_id = handle.request_id
+        entry = self._entry(handle)
+        if isinstance(outcome, GenerationOutput):
+            assert status is RequestStatus.COMPLETED, f"output for a {status.value} request"
+            assert outcome.request_id == request_id, f"L3: {request_id!r} got another's output"
+            assert outcome.metrics is handle.metrics, "output metrics differ from the handle's"
+            self._refs.append(weakref.ref(outcome))
+            if entry is not None:
+                entry.outputs += 1
+                assert entry.outputs == 1, f"L15: {request_id!r} returned its output twice"
+            return
+        assert not isinstance(outcome, anyio.get_cancelled_exc_class()), "not an outcome"
+        if isinstance(outcome, RequestError):
+            assert outcome.request_id == request_id, f"error for {outcome.request_id!r}"
+        match outcome:
+            case RequestAbortedError():
+                assert status is RequestStatus.ABORTED, (status, outcome)
+                assert outcome.reason == handle.abort_reason, (outcome.reason, handle)
+            case EngineClosedError():
+                assert status is RequestStatus.ABORTED, (status, outcome)
+                assert handle.abort_reason == "shutdown", handle.abort_reason
+            case RequestFailedError():
+                assert status is RequestStatus.FAILED, (status, outcome)
+                assert outcome.__cause__ is not None, "L22: the runner's error is not chained"
+            case EngineDeadError():
+                assert status is RequestStatus.FAILED, (status, outcome)
+                assert outcome.__cause__ is not None, "L23: the worker's error is not chained"
+            case RuntimeError() if "already returned" in str(outcome):
+                assert status is RequestStatus.COMPLETED, status
+                if entry is not None:
+                    assert entry.outputs == 1, "L15: 'already returned' before any output"
+            case anyio.ClosedResourceError():
+                assert handle.is_closed, f"ClosedResourceError from open {handle!r}"
+            case _:
+                raise AssertionError(f"unexpected outcome of {handle!r}: {outcome!r}")
+
+    def check(self, engine: Engine | None = None) -> None:
+        """Check every tracked request now; with ``engine``, compare the statistics.
+
+        Raises:
+            AssertionError: naming the request and the broken rule.
+        """
+        dead = engine is not None and engine.statistics().is_dead
+        for key, entry in list(self._entries.items()):
+            if self._check_entry(entry, engine, dead):
+                del self._entries[key]
+                self._final[entry.status] += 1
+        if engine is not None:
+            stats = engine.statistics()
+            assert self.counts() == _counts(stats), (
+                f"L19: the ledger's statuses {self.counts()} differ from {stats}"
+            )
+
+    def _check_entry(self, entry: _Entry, engine: Engine | None, dead: bool) -> bool:
+        """Check one request; return whether it is finished (terminal and closed)."""
+        record = entry.record
+        status = record.status
+        request_id = record.request_id
+        if entry.status.is_terminal:
+            assert status is entry.status, f"L15: {request_id!r} ended twice: {entry.status}"
+            assert record.metrics is entry.metrics, f"L17: {request_id!r} metrics replaced"
+            assert entry.buffered_at_end is not None
+            buffered = record.channel.buffered
+            assert buffered + entry.read_since_end <= entry.buffered_at_end, (
+                f"L15: {request_id!r} got an event after its end"
+            )
+            entry.buffered_at_end, entry.read_since_end = buffered, 0
+        else:
+            order = (RequestStatus.WAITING, RequestStatus.RUNNING)
+            assert status in order or status.is_terminal, status
+            if status is RequestStatus.WAITING:
+                assert entry.status is RequestStatus.WAITING, f"{request_id!r} went back"
+            entry.status = status
+            if status.is_terminal:
+                assert record.metrics is not None, f"L17: {request_id!r} ended without metrics"
+                entry.metrics = record.metrics
+                entry.buffered_at_end = record.channel.buffered
+                _check_metrics(record, record.metrics, status)
+                assert entry.last_step <= record.metrics.steps_done
+            else:
+                assert record.metrics is None, f"{request_id!r} has metrics while live"
+                if engine is not None:
+                    assert engine._live.get(request_id) is record, (
+                        f"L3: the live table's {request_id!r} is another admission"
+                    )
+        if not status.is_terminal:
+            return False
+        assert record.done.is_set(), f"{request_id!r} terminal but not done"
+        if not dead:
+            assert record.state is None, f"L8: terminal {request_id!r} still holds its state"
+        handle = entry.handle()
+        if handle is not None and not handle.is_closed:
+            if engine is not None:
+                assert engine._terminal_open.get(request_id) is handle, (
+                    f"L2: terminal {request_id!r} with an open handle does not hold its id"
+                )
+            return False
+        if handle is not None:
+            # L12: closing dropped the buffered events and the output.
+            assert record.channel.buffered == 0, f"L12: events of closed {request_id!r} kept"
+            assert record.outcome is None, f"L12: outcome of closed {request_id!r} kept"
+        if engine is not None:
+            assert engine._live.get(request_id) is not record
+            held = engine._terminal_open.get(request_id)
+            assert held is None or held._record is not record, f"{request_id!r} id not freed"
+        return True
+
+    def alive(self) -> list[object]:
+        """Return the events and outputs reported to the ledger that are still alive.
+
+        Drop your own references first; the objects live on only if something
+        still holds them (L12). Collect garbage first if cycles may hold them.
+        """
+        alive = [obj for ref in self._refs if (obj := ref()) is not None]
+        self._refs = [ref for ref in self._refs if ref() is not None]
+        return alive
+
+
+def _check_metrics(record: Record, metrics: RequestMetrics, status: RequestStatus) -> None:
+    """L16, L17: metrics are filled and consistent for every terminal outcome."""
+    request_id = record.request_id
+    times = (
+        metrics.queue_wait_s,
+        metrics.exec_s,
+        metrics.output_ready_wait_s,
+        metrics.total_s,
+        *metrics.stage_durations.values(),
+    )
+    assert all(math.isfinite(t) and t >= 0 for t in times), f"L17: {request_id!r}: {metrics}"
+    parts = metrics.queue_wait_s + metrics.exec_s + metrics.output_ready_wait_s
+    assert parts <= metrics.total_s + _EPS, f"L17: {request_id!r}: {metrics}"
+    assert metrics.steps_done == record.steps_done, (metrics.steps_done, record.steps_done)
+    assert 0 <= metrics.steps_done <= record.request.num_steps, metrics
+    assert "output_ready_wait" not in metrics.stage_durations, f"L16: {metrics}"
+    if status is RequestStatus.COMPLETED:
+        assert metrics.steps_done == record.request.num_steps, f"L17: {request_id!r}: {metrics}"
+        assert abs(parts - metrics.total_s) <= _EPS, f"L16: {request_id!r}: {metrics}"
+    if status is RequestStatus.ABORTED:
+        latency = metrics.abort_latency_s
+        assert latency is not None and latency >= 0, f"L17: {request_id!r}: {metrics}"
+    else:
+        assert metrics.abort_latency_s is None, f"L17: {request_id!r}: {metrics}"

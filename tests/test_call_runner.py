@@ -1,0 +1,145 @@
+"""PipelineCallRunner: any pipeline through its own __call__, stopped at a step.
+
+Determinism: tiny seeded pipelines, one torch thread; a gated subclass holds the
+pipeline inside its step callback so an abort lands at a known step.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anyio
+import diffusers
+import pytest
+import torch
+
+import omni_trio as ot
+from omni_trio.runners import DiffusersRunner, PipelineCallRunner, runner_for, tiny_pipeline
+from omni_trio.runners._call import CallState
+
+from .util import BUDGET
+
+pytestmark = pytest.mark.anyio
+
+
+class CustomPipeline(diffusers.StableDiffusionPipeline):  # type: ignore[misc]
+    """A pipeline DiffusersRunner does not know (a subclass may change the loop)."""
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def custom_pipeline() -> tuple[Any, list[int]]:
+    """A custom pipeline and a list that counts its VAE decodes."""
+    pipe: Any = CustomPipeline(**tiny_pipeline("sd").components)
+    pipe.set_progress_bar_config(disable=True)
+    decodes: list[int] = []
+    original = pipe.vae.decode
+
+    def counting_decode(*args: Any, **kwargs: Any) -> Any:
+        decodes.append(1)
+        return original(*args, **kwargs)
+
+    pipe.vae.decode = counting_decode
+    return pipe, decodes
+
+
+REQUEST = ot.GenerationRequest(
+    prompt="a boat", num_steps=4, height=64, width=64, guidance_scale=5.0, seed=5
+)
+
+
+def reference(pipe: Any) -> torch.Tensor:
+    images: torch.Tensor = pipe(
+        REQUEST.prompt,
+        num_inference_steps=REQUEST.num_steps,
+        height=REQUEST.height,
+        width=REQUEST.width,
+        guidance_scale=REQUEST.guidance_scale,
+        generator=torch.Generator().manual_seed(5),
+        output_type="pt",
+    ).images
+    return images
+
+
+async def test_fallback_runs_any_pipeline() -> None:
+    """An unknown pipeline runs through its own call; the image equals a direct call."""
+    pipe, _ = custom_pipeline()
+    runner = runner_for(pipe)
+    assert isinstance(runner, PipelineCallRunner)
+    assert isinstance(runner_for(tiny_pipeline("sd")), DiffusersRunner)
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner) as engine:
+            async with engine.submit(REQUEST) as handle:
+                steps = [event.step async for event in handle]
+                output = await handle.result()
+    assert steps == [1, 2, 3, 4]
+    torch.testing.assert_close(output.images, reference(pipe), atol=1e-4, rtol=0)
+    assert runner.live_states == 0
+
+
+class GatedCall(PipelineCallRunner):
+    """Holds the pipeline inside its step callback until released."""
+
+    def __init__(self, pipeline: Any) -> None:
+        super().__init__(pipeline)
+        self._gate = threading.Semaphore(0)
+        self.arrived = 0
+
+    def release(self, n: int = 1) -> None:
+        for _ in range(n):
+            self._gate.release()
+
+    def run(self, state: CallState, on_step: Callable[[], None]) -> None:
+        def gated() -> None:
+            self.arrived += 1
+            if not self._gate.acquire(timeout=20):
+                raise RuntimeError("never released")
+            on_step()
+
+        super().run(state, gated)
+
+
+async def test_abort_stops_the_call_before_decode() -> None:
+    """L7, L10: an abort lands at the next step callback; the pipeline never decodes."""
+    pipe, decodes = custom_pipeline()
+    runner = GatedCall(pipe)
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner) as engine:
+            async with engine.submit(REQUEST, request_id="r") as handle:
+                runner.release(1)
+                while runner.arrived < 2:
+                    await anyio.sleep(0.001)
+                engine.abort_nowait("r")
+                runner.release(10)
+                with pytest.raises(ot.RequestAbortedError):
+                    await handle.result()
+                assert handle.metrics is not None
+                assert handle.metrics.steps_done == 2
+    assert decodes == []
+    assert runner.completed_calls == 0
+    assert runner.live_states == 0
+    # The pipeline stays usable and gives the same image as a fresh one.
+    torch.testing.assert_close(reference(pipe), reference(custom_pipeline()[0]), atol=0, rtol=0)
+
+
+async def test_extra_passes_call_arguments_and_refuses_unknown_ones() -> None:
+    """L4: extra keys are the pipeline's own __call__ parameters; others are refused."""
+    pipe, _ = custom_pipeline()
+    async with ot.open_engine(PipelineCallRunner(pipe)) as engine:
+        output = await engine.generate(
+            ot.GenerationRequest(
+                prompt="x", num_steps=2, height=64, width=64, seed=1, extra={"eta": 0.0}
+            )
+        )
+        assert output.images.shape == (1, 3, 64, 64)
+        with pytest.raises(ot.InvalidRequestError) as info:
+            engine.submit(ot.GenerationRequest(height=64, width=64, extra={"nope": 1}))
+        assert info.value.field == "extra"
