@@ -4,6 +4,7 @@ Usage: python examples/generate.py [MODEL_DIR]   (default: a tiny random SD pipe
 """
 
 import sys
+from typing import Any
 
 import anyio
 
@@ -11,11 +12,12 @@ import omni_trio as ot
 from omni_trio.runners import runner_for, tiny_pipeline
 
 
-def load_pipeline():  # type: ignore[no-untyped-def]
+def load_pipeline() -> Any:
     if len(sys.argv) > 1:  # a real model, already on this machine
         from diffusers import DiffusionPipeline
 
-        return DiffusionPipeline.from_pretrained(sys.argv[1], local_files_only=True)
+        loader: Any = DiffusionPipeline.from_pretrained
+        return loader(sys.argv[1], local_files_only=True)
     return tiny_pipeline("sd")
 
 

@@ -60,7 +60,8 @@ def _runner(args: argparse.Namespace) -> tuple[Any, str]:
 
         from .runners import runner_for
 
-        pipeline = DiffusionPipeline.from_pretrained(args.model, local_files_only=True)
+        loader: Any = DiffusionPipeline.from_pretrained
+        pipeline = loader(args.model, local_files_only=True)
         pipeline.set_progress_bar_config(disable=True)
         return runner_for(pipeline), f"{type(pipeline).__name__} from {args.model}"
     if args.kind == "fake":

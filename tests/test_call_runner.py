@@ -24,7 +24,7 @@ from .util import BUDGET
 pytestmark = pytest.mark.anyio
 
 
-class CustomPipeline(diffusers.StableDiffusionPipeline):  # type: ignore[misc]
+class CustomPipeline(diffusers.StableDiffusionPipeline):
     """A pipeline DiffusersRunner does not know (a subclass may change the loop)."""
 
 
@@ -38,7 +38,8 @@ def _one_torch_thread() -> Iterator[None]:
 
 def custom_pipeline() -> tuple[Any, list[int]]:
     """A custom pipeline and a list that counts its VAE decodes."""
-    pipe: Any = CustomPipeline(**tiny_pipeline("sd").components)
+    pipeline_class: Any = CustomPipeline
+    pipe: Any = pipeline_class(**tiny_pipeline("sd").components)
     pipe.set_progress_bar_config(disable=True)
     decodes: list[int] = []
     original = pipe.vae.decode

@@ -21,7 +21,7 @@ import torch
 from .._config import GenerationRequest
 from ._diffusers import DiffusersRunner, latent_preview
 from ._families import is_supported
-from ._protocol import RunnerCapabilities
+from ._protocol import Runner, RunnerCapabilities
 
 __all__ = ["PipelineCallRunner", "runner_for"]
 
@@ -188,7 +188,7 @@ class PipelineCallRunner:
         """Nothing to free: the pipeline belongs to the caller."""
 
 
-def runner_for(pipeline: Any, **kwargs: Any) -> DiffusersRunner | PipelineCallRunner:
+def runner_for(pipeline: Any, **kwargs: Any) -> Runner[Any]:
     """A step-by-step ``DiffusersRunner`` where the family is supported, else the fallback."""
     if is_supported(pipeline):
         return DiffusersRunner(pipeline, **kwargs)
