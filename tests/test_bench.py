@@ -12,6 +12,8 @@ import pytest
 SUMMARY_KEYS = {
     "overhead": {"ratio_engine_over_raw", "per_step_overhead_us"},
     "abort": {"running_p99_steps", "waiting_p99_ms"},
+    "pipeline": {"ratio_engine_over_pipeline"},
+    "batching": {"throughput_ratio_b4_over_b1"},
 }
 
 

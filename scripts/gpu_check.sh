@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The GPU checks, for a machine with CUDA and PyTorch but none of our pure-Python
+# dependencies: they travel as wheels in .whl/ (see docs/runners.md). Writes logs to $OUT.
+set -uo pipefail
+out=${OUT:-/tmp/omni-trio-gpu}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+python3 -m pytest -q -o addopts="" -p no:cacheprovider \
+    -W ignore::DeprecationWarning -W ignore::FutureWarning -W ignore::UserWarning \
+    tests/test_diffusers_runner.py tests/test_contract_abort.py 2>&1 | tee "$out/pytest.log" | tail -15
+python3 -m omni_trio.bench pipeline --device cuda --out "$out" > /dev/null && \
+    python3 -c "import json; d=json.load(open('$out/pipeline.json')); print('pipeline', d['summary'], d['direct_s'], d['engine_s'])"
+python3 -m omni_trio.bench batching --device cuda --requests 8 --out "$out" > /dev/null && \
+    python3 -c "import json; d=json.load(open('$out/batching.json')); print('batching', d['summary'], d['batches'])"
