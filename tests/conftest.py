@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from omni_trio.testing import assert_no_engine_threads
 
@@ -30,3 +31,12 @@ def _no_engine_threads_left() -> Iterator[None]:
     """Every test must leave no engine thread behind (L35)."""
     yield
     assert_no_engine_threads()
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread: batched and solo runs add in a fixed order, timings are stable."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

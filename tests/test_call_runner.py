@@ -7,7 +7,7 @@ pipeline inside its step callback so an abort lands at a known step.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -21,19 +21,11 @@ from omni_trio.runners._call import CallState
 
 from .util import BUDGET
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 
 
 class CustomPipeline(diffusers.StableDiffusionPipeline):
     """A pipeline DiffusersRunner does not know (a subclass may change the loop)."""
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def custom_pipeline() -> tuple[Any, list[int]]:

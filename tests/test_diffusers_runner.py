@@ -8,7 +8,7 @@ step where an abort must land at a known boundary.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
@@ -22,17 +22,9 @@ from omni_trio.runners._families import RequestState, step_groups
 
 from .util import BUDGET, read_gated
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 
 SIZE = {"sd": 64, "sd3": 64, "flux": 64, "unet": 32}
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @cache
