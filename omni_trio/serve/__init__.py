@@ -1,0 +1,21 @@
+"""Serve an engine over HTTP: an OpenAI-style images API on Starlette.
+
+- ``create_app(runner, ...)`` / ``ImageService``: the ASGI app, its engine bound to
+  the app's lifespan;
+- ``ServeConfig``: the HTTP layer's own settings (model name, defaults, body limit);
+- ``python -m omni_trio serve``: the command line, under Hypercorn (trio) or
+  Uvicorn (asyncio), with signal-driven draining.
+
+See docs/serving.md.
+"""
+
+from __future__ import annotations
+
+from ._app import ImageService as ImageService
+from ._app import create_app as create_app
+from ._config import ServeConfig as ServeConfig
+from ._errors import ApiError as ApiError
+from ._images import CLIENT_GONE as CLIENT_GONE
+from ._metrics import OUTCOMES as OUTCOMES
+
+__all__ = ["CLIENT_GONE", "OUTCOMES", "ApiError", "ImageService", "ServeConfig", "create_app"]

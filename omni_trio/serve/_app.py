@@ -1,0 +1,206 @@
+"""ImageService: an engine behind an OpenAI-style HTTP API, as a Starlette app.
+
+The engine's lifetime is the app's lifespan: ``open_engine`` runs at startup and
+its shutdown sequence at shutdown, so the server (Hypercorn on trio, Uvicorn on
+asyncio, or any ASGI server) owns it the way it owns its connections.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .._config import EngineConfig
+from .._engine import Engine, open_engine
+from .._types import EngineStatistics
+from ..runners import Runner
+from ._config import ServeConfig
+from ._errors import ApiError
+from ._images import ImagesEndpoint
+from ._metrics import ServeMetrics
+
+__all__ = ["ImageService", "create_app"]
+
+
+class ImageService:
+    """Serve one runner over HTTP: routes, lifespan, health, metrics and drain.
+
+    ``service.app`` is the ASGI app. Its lifespan opens the engine (so it can run
+    once: the engine closes the runner on shutdown). Routes:
+
+    - ``POST /v1/images/generations``: OpenAI images API (JSON or server-sent events);
+    - ``GET /v1/models`` and ``GET /v1/models/{id}``: the served model;
+    - ``GET /health``: 200 when ready, 503 while starting, draining or dead;
+    - ``GET /metrics``: Prometheus text, from this service's own registry.
+
+    Args:
+        runner: the model runner (see ``omni_trio.runners``).
+        engine_config: the engine's configuration: batch size, queue bound,
+            ``shutdown_grace``, and the limits on steps, sizes and ``n``.
+        config: the HTTP layer's configuration.
+    """
+
+    def __init__(
+        self,
+        runner: Runner[Any],
+        *,
+        engine_config: EngineConfig | None = None,
+        config: ServeConfig | None = None,
+    ) -> None:
+        self.config = config if config is not None else ServeConfig()
+        self.engine_config = engine_config if engine_config is not None else EngineConfig()
+        self._runner = runner
+        self._engine: Engine | None = None
+        self._draining = False
+        self._started = False
+        self._created = int(time.time())
+        self.metrics = ServeMetrics(self._statistics, lambda: self.is_draining)
+        self.app = Starlette(
+            routes=[
+                Route("/v1/images/generations", ImagesEndpoint(self), methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/v1/models/{model_id:path}", self._model, methods=["GET"]),
+                Route("/health", self._health, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
+            ],
+            lifespan=self._lifespan,
+            exception_handlers={HTTPException: self._http_error},
+        )
+        self.app.state.service = self
+
+    # -- state ---------------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine | None:
+        """The engine, once the lifespan opened it."""
+        return self._engine
+
+    @property
+    def is_draining(self) -> bool:
+        """Whether shutdown began (``drain()``, a signal, or the lifespan's end)."""
+        engine = self._engine
+        return self._draining or (engine is not None and engine.statistics().is_closing)
+
+    @property
+    def is_ready(self) -> bool:
+        """Whether new generation requests are admitted."""
+        return self._engine is not None and not self.is_draining
+
+    def _statistics(self) -> EngineStatistics | None:
+        return self._engine.statistics() if self._engine is not None else None
+
+    def engine_for_requests(self) -> Engine:
+        """The engine, if it admits requests now.
+
+        Raises:
+            ApiError: 503 while starting, draining or dead.
+        """
+        engine = self._engine
+        if engine is None or self.is_draining:
+            state = "starting" if engine is None else "shutting down"
+            raise ApiError(
+                503,
+                f"the server is {state}",
+                type="server_error",
+                code="shutting_down" if engine is not None else "starting",
+                headers={"Retry-After": str(self.config.retry_after_s)},
+            )
+        return engine
+
+    async def drain(self) -> None:
+        """Shut the engine down while the server still answers.
+
+        ``/health`` turns 503 and new requests get 503 at once; waiting requests
+        end (503), running ones get ``shutdown_grace`` seconds to finish, the rest
+        stop at their next step boundary (503, or an ``error`` event when
+        streaming). Returns when the engine's threads are joined. Idempotent; a
+        server's own shutdown (the lifespan's end) does the same if nothing called
+        this first.
+
+        Cancellation:
+            Ends the grace period early; running requests are cut at the next step
+            and the engine is closed before the cancellation propagates.
+        """
+        self._draining = True
+        if self._engine is not None:
+            await self._engine.aclose()
+
+    @asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        if self._started:
+            raise RuntimeError("an ImageService runs once: its engine closes the runner")
+        self._started = True
+        async with open_engine(self._runner, self.engine_config) as engine:
+            self._engine = engine
+            try:
+                yield
+            finally:
+                self._draining = True
+
+    # -- routes --------------------------------------------------------------
+
+    def _model_card(self) -> dict[str, object]:
+        return {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "omni_trio",
+        }
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def _model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        if model_id != self.config.model_name:
+            error = ApiError(
+                404, f"the model {model_id!r} does not exist", param="model", code="model_not_found"
+            )
+            return JSONResponse(error.body(), status_code=404)
+        return JSONResponse(self._model_card())
+
+    async def _health(self, request: Request) -> Response:
+        engine = self._engine
+        if engine is not None and engine.statistics().is_dead:
+            status = "dead"
+        elif engine is None:
+            status = "starting"
+        elif self.is_draining:
+            status = "draining"
+        else:
+            return JSONResponse({"status": "ok", "model": self.config.model_name})
+        headers = {"Retry-After": str(self.config.retry_after_s)}
+        return JSONResponse({"status": status}, status_code=503, headers=headers)
+
+    async def _metrics(self, request: Request) -> Response:
+        body, content_type = self.metrics.render()
+        return Response(body, headers={"Content-Type": content_type})
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        error = ApiError(
+            exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code
+        )
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+def create_app(
+    runner: Runner[Any],
+    *,
+    engine_config: EngineConfig | None = None,
+    config: ServeConfig | None = None,
+) -> Starlette:
+    """Build the ASGI app that serves ``runner`` (see ``ImageService``).
+
+    The app's ``state.service`` is its ``ImageService``.
+    """
+    return ImageService(runner, engine_config=engine_config, config=config).app

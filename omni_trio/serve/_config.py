@@ -1,0 +1,55 @@
+"""ServeConfig: what the HTTP layer adds to an engine's configuration."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["ServeConfig"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeConfig:
+    """How the HTTP server names its model, fills defaults and bounds bodies.
+
+    The limits on steps, sizes, ``n`` and the queue are the engine's
+    (``EngineConfig``); these are the HTTP layer's own.
+
+    Args:
+        model_name: the model id shown by ``/v1/models``; a request's ``model``
+            must be this (or absent).
+        default_width: image width when the request has no ``size`` (or ``"auto"``).
+        default_height: image height when the request has no ``size``.
+        default_steps: ``num_inference_steps`` when the request has none.
+        default_guidance_scale: ``guidance_scale`` when the request has none.
+        max_body_bytes: larger request bodies are refused with 413 before parsing.
+        retry_after_s: the ``Retry-After`` seconds sent with 429 and 503.
+
+    Raises:
+        ValueError: a field is out of range; the message names it.
+    """
+
+    model_name: str = "omni-trio"
+    default_width: int = 512
+    default_height: int = 512
+    default_steps: int = 30
+    default_guidance_scale: float = 7.5
+    max_body_bytes: int = 1 << 20
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise ValueError("model_name: must be a non-empty str")
+        for name in ("default_width", "default_height", "default_steps", "max_body_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: must be an int >= 1, got {value!r}")
+        if not isinstance(self.retry_after_s, int) or self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s: must be an int >= 0, got {self.retry_after_s!r}")
+        scale = self.default_guidance_scale
+        if (
+            not isinstance(scale, int | float)
+            or isinstance(scale, bool)
+            or not math.isfinite(scale)
+        ):
+            raise ValueError(f"default_guidance_scale: must be a finite number, got {scale!r}")

@@ -1,0 +1,159 @@
+"""HTTP errors as OpenAI-style error objects, and the engine's errors mapped to them.
+
+Every error the server sends has the body::
+
+    {"error": {"message": "...", "type": "...", "param": "...", "code": "..."}}
+
+``param`` names the request field at fault (``None`` when no field is), so a
+client can point at it. Engine errors are mapped at this boundary only:
+
+==========================  ======  ========================  =====================
+engine error                status  type                      code
+==========================  ======  ========================  =====================
+InvalidRequestError         400     invalid_request_error     invalid_value
+QueueFullError              429     rate_limit_error          queue_full
+EngineClosedError           503     server_error              shutting_down
+EngineDeadError             503     server_error              engine_dead
+RequestAbortedError         503     server_error              request_aborted
+RequestFailedError          500     server_error              generation_failed
+==========================  ======  ========================  =====================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from .._errors import (
+    EngineClosedError,
+    EngineDeadError,
+    InvalidRequestError,
+    OmniTrioError,
+    QueueFullError,
+    RequestAbortedError,
+    RequestFailedError,
+)
+
+__all__ = ["FIELD_PARAMS", "ApiError", "api_error_from"]
+
+#: The HTTP body field behind each ``GenerationRequest`` field, for ``param``.
+FIELD_PARAMS: Mapping[str, str] = MappingProxyType(
+    {
+        "prompt": "prompt",
+        "negative_prompt": "negative_prompt",
+        "num_steps": "num_inference_steps",
+        "height": "size",
+        "width": "size",
+        "guidance_scale": "guidance_scale",
+        "seed": "seed",
+        "num_images": "n",
+        "preview_every": "preview_every",
+    }
+)
+
+#: The metrics outcome of each rejecting status.
+_OUTCOMES: Mapping[int, str] = MappingProxyType(
+    {400: "invalid", 413: "too_large", 429: "queue_full", 503: "unavailable"}
+)
+
+
+class ApiError(Exception):
+    """An error to answer with an HTTP status and an OpenAI-style error object.
+
+    Args:
+        status: the HTTP status code.
+        message: what went wrong, for a person.
+        type: the error's ``type`` (``invalid_request_error``, ``server_error``, ...).
+        param: the request field at fault, if any.
+        code: a short machine-readable code.
+        headers: extra response headers (``Retry-After``, ``Connection``).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",  # the OpenAI field's name
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers: Mapping[str, str] = MappingProxyType(dict(headers or {}))
+
+    @property
+    def outcome(self) -> str:
+        """The ``outcome`` label this error is counted under in ``/metrics``."""
+        return _OUTCOMES.get(self.status, "failed")
+
+    def body(self) -> dict[str, object]:
+        """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def invalid(message: str, param: str | None, code: str = "invalid_value") -> ApiError:
+    """A 400 error naming ``param``."""
+    return ApiError(400, message, param=param, code=code)
+
+
+def _invalid_request(exc: InvalidRequestError) -> ApiError:
+    param = FIELD_PARAMS.get(exc.field, exc.field)
+    # The engine says "num_steps: must be <= 50"; the client sent num_inference_steps.
+    detail = str(exc).removeprefix(f"{exc.field}: ")
+    if param == "size":
+        detail = f"{exc.field} {detail}"
+    return invalid(f"{param}: {detail}", param)
+
+
+def api_error_from(exc: OmniTrioError, *, retry_after_s: int = 1) -> ApiError:
+    """Map an engine error to the HTTP error that reports it."""
+    match exc:
+        case InvalidRequestError():
+            return _invalid_request(exc)
+        case QueueFullError():
+            return ApiError(
+                429,
+                f"the server is busy ({exc}); retry later",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(retry_after_s)},
+            )
+        case EngineClosedError():
+            return ApiError(
+                503,
+                "the server is shutting down",
+                type="server_error",
+                code="shutting_down",
+                headers={"Retry-After": str(retry_after_s)},
+            )
+        case EngineDeadError():
+            return ApiError(503, str(exc), type="server_error", code="engine_dead")
+        case RequestAbortedError():
+            return ApiError(
+                503,
+                f"the request was aborted ({exc.reason})",
+                type="server_error",
+                code="request_aborted",
+            )
+        case RequestFailedError():
+            return ApiError(
+                500,
+                f"generation failed: {exc.__cause__!r}",
+                type="server_error",
+                code="generation_failed",
+            )
+        case _:
+            return ApiError(500, str(exc), type="server_error", code="internal_error")

@@ -1,0 +1,325 @@
+"""``POST /v1/images/generations``: one HTTP request, one engine request, one scope.
+
+The endpoint is a plain ASGI app, so every step is explicit:
+
+1. refuse at once while draining (503);
+2. read the body, refusing it (413) from ``Content-Length`` or as soon as the bytes
+   read pass ``max_body_bytes``, before any parsing;
+3. parse and check it (400), then ``Engine.submit`` it (400, 429, 503);
+4. inside ``async with handle``, run the answer (JSON, or server-sent events) in a
+   task group next to a task that reads the ASGI receive channel: when it sees
+   ``http.disconnect`` it aborts the request (reason ``client_disconnected``) and
+   cancels the group. Leaving the handle's block then waits until the worker let go
+   of the request (one step at most), so the next request runs at full speed.
+
+Why the receive channel and not ``Request.is_disconnected()``: the latter only
+polls, and only when called; a request waiting for its result never calls it.
+Why not rely on ``send`` failing: Uvicorn drops writes to a closed connection
+silently, and a non-streaming request writes nothing until its image is ready.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.lowlevel
+
+from .._engine import Engine
+from .._errors import OmniTrioError
+from .._handle import RequestHandle
+from .._types import RequestStatus
+from ._encode import b64, encode_images, sse_event
+from ._errors import ApiError, api_error_from
+from ._schema import ImageJob, parse_generation_body
+
+if TYPE_CHECKING:
+    from ._app import ImageService
+
+__all__ = ["CLIENT_GONE", "ImagesEndpoint", "send_json"]
+
+Scope = Mapping[str, Any]
+Message = Mapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+#: The abort reason of a request whose client disconnected.
+CLIENT_GONE = "client_disconnected"
+
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+#: OpenAI's completed-event ``usage``: tokens do not apply to a diffusion model.
+_NO_USAGE = {
+    "input_tokens": 0,
+    "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},
+    "output_tokens": 0,
+    "total_tokens": 0,
+}
+
+
+async def send_json(
+    send: Send, status: int, body: object, headers: Mapping[str, str] | None = None
+) -> None:
+    """Send a complete JSON response.
+
+    Cancellation:
+        Safe between the two messages only as far as the server allows; the
+        response may be cut short.
+    """
+    data = json.dumps(body, separators=(",", ":")).encode()
+    raw = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(data)).encode()),
+        *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
+    """Read the whole body, or ``None`` if the client left; 413 past ``limit`` bytes."""
+    too_large = ApiError(
+        413,
+        f"the request body is larger than {limit} bytes",
+        code="request_too_large",
+        headers={"Connection": "close"},
+    )
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                declared = int(value)
+            except ValueError:
+                raise ApiError(
+                    400, "invalid Content-Length header", code="invalid_header"
+                ) from None
+            if declared > limit:
+                raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        if message["type"] != "http.request":
+            continue
+        chunk: bytes = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+class _Client:
+    """The HTTP side of one generation: its ``send``, and whether it went away."""
+
+    def __init__(self, receive: Receive, send: Send, engine: Engine, handle: RequestHandle) -> None:
+        self._receive = receive
+        self._send = send
+        self._engine = engine
+        self._handle = handle
+        self.scope = anyio.CancelScope()
+        self.is_gone = False
+        self.is_finished = False
+
+    def gone(self) -> None:
+        """The client disconnected: abort the request, stop answering."""
+        # After the last body message a server may report a disconnect that only
+        # means "response complete" (Uvicorn, httpx's ASGITransport do).
+        if not self.is_gone and not self.is_finished:
+            self.is_gone = True
+            # First reason wins: leaving the handle's block afterwards keeps this one.
+            self._engine.abort_nowait(self._handle.request_id, reason=CLIENT_GONE)
+            self.scope.cancel()
+
+    async def watch(self) -> None:
+        """Read the receive channel until ``http.disconnect``; then ``gone()``."""
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                self.gone()
+                return
+
+    async def send(self, message: Message) -> None:
+        """Send, treating a failed write (ASGI 2.4 servers raise OSError) as a disconnect."""
+        try:
+            await self._send(message)
+        except OSError:
+            self.gone()
+            await anyio.lowlevel.checkpoint()  # delivers the cancellation
+
+    async def chunk(self, data: bytes) -> None:
+        """Send one piece of a streaming body."""
+        await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+class ImagesEndpoint:
+    """The ASGI app of ``POST /v1/images/generations`` for one ``ImageService``."""
+
+    def __init__(self, service: ImageService) -> None:
+        self._service = service
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer one generation request (see the module docstring).
+
+        Cancellation:
+            Cancelling the server's task aborts the request; the call returns once
+            the engine released it.
+        """
+        service = self._service
+        config = service.config
+        try:
+            engine = service.engine_for_requests()
+            body = await _read_body(scope, receive, config.max_body_bytes)
+            if body is None:
+                service.metrics.count("disconnected")
+                return
+            job = parse_generation_body(body, config)
+            handle = engine.submit(job.request, request_id=f"img-{uuid.uuid4().hex}")
+        except OmniTrioError as exc:
+            error = api_error_from(exc, retry_after_s=config.retry_after_s)
+            service.metrics.count(error.outcome)
+            await send_json(send, error.status, error.body(), error.headers)
+            return
+        except ApiError as error:
+            service.metrics.count(error.outcome)
+            await send_json(send, error.status, error.body(), error.headers)
+            return
+        client = _Client(receive, send, engine, handle)
+        try:
+            async with handle:
+                if job.stream:
+                    await self._answer_stream(handle, job, client)
+                else:
+                    await self._answer_json(handle, job, client)
+        finally:
+            self._account(handle, client)
+
+    def _account(self, handle: RequestHandle, client: _Client) -> None:
+        metrics = self._service.metrics
+        status = handle.status
+        if client.is_gone:
+            outcome = "disconnected"
+        elif status is RequestStatus.COMPLETED:
+            outcome = "completed"
+        elif status is RequestStatus.ABORTED:
+            outcome = "shutdown" if handle.abort_reason == "shutdown" else "aborted"
+        else:
+            outcome = "failed"
+        metrics.count(outcome)
+        if handle.metrics is not None:
+            metrics.observe(handle.metrics)
+
+    async def _answer_json(self, handle: RequestHandle, job: ImageJob, client: _Client) -> None:
+        status = 200
+        headers: Mapping[str, str] = {"X-Request-Id": handle.request_id}
+        body: object = None
+        with client.scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client.watch)
+                try:
+                    output = await handle.result()
+                    images = await encode_images(
+                        output.images, job.output_format, job.output_compression
+                    )
+                except OmniTrioError as exc:
+                    error = api_error_from(exc, retry_after_s=self._service.config.retry_after_s)
+                    status, body = error.status, error.body()
+                    headers = {**headers, **error.headers}
+                else:
+                    metrics = output.metrics
+                    body = {
+                        "created": int(time.time()),
+                        "data": [{"b64_json": b64(image)} for image in images],
+                        "background": "opaque",
+                        "output_format": job.output_format,
+                        "quality": job.quality,
+                        "size": job.size,
+                        "omni_trio": {
+                            "request_id": handle.request_id,
+                            "steps": job.request.num_steps,
+                            "seed": job.request.seed,
+                            "queue_wait_s": metrics.queue_wait_s,
+                            "exec_s": metrics.exec_s,
+                            "total_s": metrics.total_s,
+                        },
+                    }
+                tg.cancel_scope.cancel()
+        if not client.is_gone:
+            await send_json(client.send, status, body, headers)
+
+    async def _answer_stream(self, handle: RequestHandle, job: ImageJob, client: _Client) -> None:
+        headers = [*_SSE_HEADERS, (b"x-request-id", handle.request_id.encode())]
+        with client.scope:
+            await client.send({"type": "http.response.start", "status": 200, "headers": headers})
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client.watch)
+                await self._send_events(handle, job, client)
+                tg.cancel_scope.cancel()
+
+    async def _send_events(self, handle: RequestHandle, job: ImageJob, client: _Client) -> None:
+        common = {
+            "background": "opaque",
+            "output_format": job.output_format,
+            "quality": job.quality,
+            "size": job.size,
+        }
+        partial_index = 0
+        async for event in handle:
+            now = int(time.time())
+            await client.chunk(
+                sse_event(
+                    "image_generation.progress",
+                    {
+                        "type": "image_generation.progress",
+                        "step": event.step,
+                        "total": event.total,
+                        "created_at": now,
+                    },
+                )
+            )
+            if event.preview is None:
+                continue
+            previews = await encode_images(event.preview, job.output_format, job.output_compression)
+            for index, data in enumerate(previews):
+                partial = {
+                    "type": "image_generation.partial_image",
+                    "b64_json": b64(data),
+                    "partial_image_index": partial_index,
+                    "image_index": index,
+                    "step": event.step,
+                    "total": event.total,
+                    "created_at": now,
+                    **common,
+                }
+                await client.chunk(sse_event("image_generation.partial_image", partial))
+            partial_index += 1
+        try:
+            output = await handle.result()
+        except OmniTrioError as exc:
+            error = api_error_from(exc, retry_after_s=self._service.config.retry_after_s)
+            await client.chunk(sse_event("error", {"type": "error", **error.body()}))
+        else:
+            images = await encode_images(output.images, job.output_format, job.output_compression)
+            now = int(time.time())
+            for index, data in enumerate(images):
+                completed = {
+                    "type": "image_generation.completed",
+                    "b64_json": b64(data),
+                    "image_index": index,
+                    "created_at": now,
+                    "usage": _NO_USAGE,
+                    **common,
+                }
+                await client.chunk(sse_event("image_generation.completed", completed))
+        client.is_finished = True
+        await client.send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,0 +1,164 @@
+"""Prometheus metrics of one server, in a registry of its own.
+
+A per-app ``CollectorRegistry`` (never the global one), so several apps in one
+process (tests, a multi-model server) never share or clash on series.
+
+========================================  =========  ==========================================
+series                                    kind       meaning
+========================================  =========  ==========================================
+omni_trio_requests_total{outcome}         counter    generation requests by outcome (below)
+omni_trio_queue_wait_seconds              histogram  admission to the worker taking the request
+omni_trio_execution_seconds               histogram  worker taking it to its last step (``exec_s``)
+omni_trio_step_seconds                    histogram  a request's mean denoise step time
+omni_trio_output_ready_wait_seconds       histogram  last step to output ready (decode, copy)
+omni_trio_abort_latency_seconds           histogram  abort requested to the worker's release
+omni_trio_requests_running                gauge      requests the worker holds now
+omni_trio_requests_waiting                gauge      requests in the queue now
+omni_trio_draining                        gauge      1 while shutting down
+omni_trio_engine_steps_total              counter    member-steps the engine ran
+========================================  =========  ==========================================
+
+Outcomes: ``completed``, ``disconnected`` (the client went away; aborted),
+``shutdown`` (cut off by shutdown), ``aborted``, ``failed`` (the model raised),
+and the refusals ``invalid`` (400), ``too_large`` (413), ``queue_full`` (429),
+``unavailable`` (503).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from .._types import EngineStatistics, RequestMetrics
+
+__all__ = ["OUTCOMES", "ServeMetrics"]
+
+OUTCOMES = (
+    "completed",
+    "disconnected",
+    "shutdown",
+    "aborted",
+    "failed",
+    "invalid",
+    "too_large",
+    "queue_full",
+    "unavailable",
+)
+
+# Bucket bounds, in seconds. Picked without measurement to span a tiny CPU model
+# (milliseconds per step) to a large GPU model (seconds per step, minutes queued).
+_FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_SLOW = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class _EngineCollector:
+    """Reads the engine's counters at scrape time."""
+
+    def __init__(self, statistics: Callable[[], EngineStatistics | None]) -> None:
+        self._statistics = statistics
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._statistics()
+        steps = CounterMetricFamily(
+            "omni_trio_engine_steps", "Member-steps the engine ran (one per request per step)."
+        )
+        steps.add_metric([], stats.steps_run if stats is not None else 0)
+        yield steps
+
+    def describe(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("omni_trio_engine_steps", "")
+
+
+class ServeMetrics:
+    """The server's metrics; ``render()`` gives the Prometheus text.
+
+    Args:
+        statistics: returns the engine's statistics now, or ``None`` while no
+            engine is open.
+        is_draining: returns whether the server is shutting down.
+    """
+
+    def __init__(
+        self,
+        statistics: Callable[[], EngineStatistics | None],
+        is_draining: Callable[[], bool],
+    ) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter(
+            "omni_trio_requests",
+            "Image generation requests by outcome.",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome=outcome)
+        self.queue_wait = Histogram(
+            "omni_trio_queue_wait_seconds",
+            "Time from admission to the worker taking the request.",
+            buckets=_SLOW,
+            registry=registry,
+        )
+        self.execution = Histogram(
+            "omni_trio_execution_seconds",
+            "Time from the worker taking the request to its last denoise step.",
+            buckets=_SLOW,
+            registry=registry,
+        )
+        self.step = Histogram(
+            "omni_trio_step_seconds",
+            "Mean denoise step time of a request.",
+            buckets=_FAST,
+            registry=registry,
+        )
+        self.output_ready = Histogram(
+            "omni_trio_output_ready_wait_seconds",
+            "Time from the last step to the output being ready (decode, copy).",
+            buckets=_FAST,
+            registry=registry,
+        )
+        self.abort_latency = Histogram(
+            "omni_trio_abort_latency_seconds",
+            "Time from an abort request to the worker releasing the request.",
+            buckets=_FAST,
+            registry=registry,
+        )
+
+        def stat(name: str) -> Callable[[], float]:
+            def read() -> float:
+                stats = statistics()
+                return float(getattr(stats, name)) if stats is not None else 0.0
+
+            return read
+
+        Gauge(
+            "omni_trio_requests_running", "Requests the worker holds now.", registry=registry
+        ).set_function(stat("running"))
+        Gauge(
+            "omni_trio_requests_waiting", "Requests waiting in the queue now.", registry=registry
+        ).set_function(stat("waiting"))
+        Gauge(
+            "omni_trio_draining", "1 while the server shuts down, else 0.", registry=registry
+        ).set_function(lambda: float(is_draining()))
+        registry.register(_EngineCollector(statistics))
+
+    def count(self, outcome: str) -> None:
+        """Count one request that ended with ``outcome``."""
+        self.requests.labels(outcome=outcome).inc()
+
+    def observe(self, metrics: RequestMetrics) -> None:
+        """Record a terminal request's timings."""
+        self.queue_wait.observe(metrics.queue_wait_s)
+        if metrics.steps_done > 0:
+            self.execution.observe(metrics.exec_s)
+            self.step.observe(metrics.exec_s / metrics.steps_done)
+        if metrics.output_ready_wait_s > 0:
+            self.output_ready.observe(metrics.output_ready_wait_s)
+        if metrics.abort_latency_s is not None:
+            self.abort_latency.observe(metrics.abort_latency_s)
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

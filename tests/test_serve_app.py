@@ -1,0 +1,569 @@
+"""The ASGI app in-process: L50 (API), L51 (disconnects), L52 (bad input), L53 (drain).
+
+Determinism rules:
+- every test runs on trio and asyncio (``anyio_backend``), inside the app's own
+  lifespan (``router.lifespan_context``), with ``anyio.fail_after(BUDGET)``;
+- the runners are ``FakeRunner`` (instant) or ``GatedRunner`` (each step waits
+  for the test's ``release``/``open_gate``), so "the request is at step k when the
+  client goes" is exact; nothing sleeps to let time pass;
+- requests go through ``httpx.ASGITransport`` (which runs the app to completion)
+  or, where the test must control ``receive`` (disconnects), through ``AsgiCall``,
+  which hands the app one body and then an ``http.disconnect`` when told.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from collections.abc import AsyncIterator, Callable, MutableMapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+import omni_trio as ot
+from omni_trio.serve import ImageService, ServeConfig, create_app
+from omni_trio.testing import FakeRunner, GatedRunner, assert_engine_idle, wait_until
+
+from .util import BUDGET
+
+pytestmark = pytest.mark.anyio
+
+PATH = "/v1/images/generations"
+
+
+def make_service(
+    runner: FakeRunner | None = None, **engine: Any
+) -> tuple[ImageService, FakeRunner]:
+    """A service on ``runner`` (an instant FakeRunner by default), 64x64 and 4 steps by default."""
+    runner = runner if runner is not None else FakeRunner()
+    limits: dict[str, Any] = {"max_steps": 1000, "max_height": 256, "max_width": 256}
+    limits["max_num_images"] = 4
+    config = ServeConfig(
+        model_name="fake",
+        default_width=64,
+        default_height=64,
+        default_steps=4,
+        max_body_bytes=4096,
+    )
+    service = ImageService(
+        runner, engine_config=ot.EngineConfig(**{**limits, **engine}), config=config
+    )
+    return service, runner
+
+
+@asynccontextmanager
+async def serving(service: ImageService) -> AsyncIterator[httpx.AsyncClient]:
+    """Run the app's lifespan; yield a client that calls it in-process."""
+    transport = httpx.ASGITransport(app=service.app)
+    async with (
+        service.app.router.lifespan_context(service.app),
+        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
+    ):
+        yield client
+
+
+def png_size(b64_json: str) -> tuple[int, int]:
+    """The (width, height) of a base64 PNG."""
+    data = base64.b64decode(b64_json)
+    assert data.startswith(b"\x89PNG")
+    with Image.open(io.BytesIO(data)) as image:
+        return image.size
+
+
+def parse_sse(text: str) -> list[tuple[str, dict[str, Any]]]:
+    """Split a server-sent event stream into ``(event, data)`` pairs."""
+    events = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        fields = dict(line.split(": ", 1) for line in block.splitlines())
+        events.append((fields["event"], json.loads(fields["data"])))
+    return events
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text (0 when absent)."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+class AsgiCall:
+    """One hand-driven ``POST /v1/images/generations``: body first, disconnect when told."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.scope: dict[str, Any] = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": PATH,
+            "raw_path": PATH.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"content-length", str(len(data)).encode())],
+            "client": ("127.0.0.1", 1),
+            "server": ("test", 80),
+        }
+        self._body: bytes | None = data
+        self.disconnect = anyio.Event()
+        self.disconnect_delivered = False
+        self.sent: list[dict[str, Any]] = []
+
+    async def receive(self) -> dict[str, Any]:
+        if self._body is not None:
+            body, self._body = self._body, None
+            return {"type": "http.request", "body": body, "more_body": False}
+        await self.disconnect.wait()
+        # The app acts on the message before its next checkpoint: once this flag is
+        # seen by another task, the app has requested the abort.
+        self.disconnect_delivered = True
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: MutableMapping[str, Any]) -> None:
+        self.sent.append(dict(message))
+
+    async def run(self, service: ImageService) -> None:
+        await service.app(self.scope, self.receive, self.send)
+
+    @property
+    def status(self) -> int | None:
+        starts = [m for m in self.sent if m["type"] == "http.response.start"]
+        return int(starts[0]["status"]) if starts else None
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.sent if m["type"] == "http.response.body")
+
+
+# -- L50: the API ----------------------------------------------------------------
+
+
+async def test_generate_returns_openai_json() -> None:
+    """L50: a JSON body gets OpenAI-style JSON with n base64 PNGs of the asked size."""
+    service, runner = make_service()
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            body = {"prompt": "a flower", "n": 2, "size": "64x32", "num_inference_steps": 3}
+            body |= {"model": "fake", "quality": "high", "style": "vivid", "user": "u"}
+            body |= {"response_format": "b64_json", "seed": 7, "guidance_scale": 5.0}
+            response = await client.post(PATH, json=body)
+            assert response.status_code == 200, response.text
+            data = response.json()
+            assert isinstance(data["created"], int)
+            assert [png_size(item["b64_json"]) for item in data["data"]] == [(64, 32), (64, 32)]
+            assert data["size"] == "64x32" and data["output_format"] == "png"
+            assert data["omni_trio"]["steps"] == 3 and data["omni_trio"]["seed"] == 7
+            assert response.headers["x-request-id"] == data["omni_trio"]["request_id"]
+            assert runner.steps_run == 3
+            again = await client.post(PATH, json=body)
+            assert again.json()["data"] == data["data"]  # same seed, same images
+            assert_engine_idle(service.engine)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("fmt", "magic"), [("jpeg", b"\xff\xd8\xff"), ("webp", b"RIFF")])
+async def test_output_format_is_honoured(fmt: str, magic: bytes) -> None:
+    """L50: output_format jpeg and webp (with output_compression) are encoded as asked."""
+    service, _ = make_service()
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            body = {"prompt": "x", "output_format": fmt, "output_compression": 50}
+            response = await client.post(PATH, json=body)
+            assert response.status_code == 200, response.text
+            assert base64.b64decode(response.json()["data"][0]["b64_json"]).startswith(magic)
+
+
+async def test_stream_sends_progress_previews_then_the_image() -> None:
+    """L50: "stream": true sends one progress event per step, previews, then the result."""
+    service, _ = make_service()
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            body = {"prompt": "x", "num_inference_steps": 4, "stream": True, "preview_every": 2}
+            response = await client.post(PATH, json=body)
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            events = parse_sse(response.text)
+            progress = [d["step"] for e, d in events if e == "image_generation.progress"]
+            partial = [d for e, d in events if e == "image_generation.partial_image"]
+            completed = [d for e, d in events if e == "image_generation.completed"]
+            assert progress == [1, 2, 3, 4]
+            assert [d["step"] for d in partial] == [2, 4]
+            assert [d["partial_image_index"] for d in partial] == [0, 1]
+            assert all(d["total"] == 4 for e, d in events if e == "image_generation.progress")
+            assert len(completed) == 1 and png_size(completed[0]["b64_json"]) == (64, 64)
+            assert events[-1][0] == "image_generation.completed"
+            assert all(d["type"] == e for e, d in events)
+
+
+async def test_partial_images_spreads_previews() -> None:
+    """L50: OpenAI's partial_images=k sends at most k previews, spread over the steps."""
+    service, _ = make_service()
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            body = {"prompt": "x", "num_inference_steps": 9, "stream": True, "partial_images": 2}
+            events = parse_sse((await client.post(PATH, json=body)).text)
+            steps = [d["step"] for e, d in events if e == "image_generation.partial_image"]
+            assert steps == [4, 8]
+
+
+async def test_models_health_and_metrics() -> None:
+    """L50: /v1/models lists the model, /health is 200 when ready, /metrics is Prometheus text."""
+    service, _ = make_service()
+    with anyio.fail_after(BUDGET):
+        assert not service.is_ready
+        async with serving(service) as client:
+            models = (await client.get("/v1/models")).json()
+            assert models["object"] == "list"
+            assert [m["id"] for m in models["data"]] == ["fake"]
+            assert (await client.get("/v1/models/fake")).json()["id"] == "fake"
+            missing = await client.get("/v1/models/other")
+            assert missing.status_code == 404
+            assert missing.json()["error"]["code"] == "model_not_found"
+            health = await client.get("/health")
+            assert (health.status_code, health.json()["status"]) == (200, "ok")
+            await client.post(PATH, json={"prompt": "x"})
+            text = (await client.get("/metrics")).text
+            assert metric(text, "omni_trio_requests_total", outcome="completed") == 1
+            assert metric(text, "omni_trio_queue_wait_seconds_count") == 1
+            assert metric(text, "omni_trio_execution_seconds_count") == 1
+            assert metric(text, "omni_trio_step_seconds_count") == 1
+            assert metric(text, "omni_trio_requests_running") == 0
+            assert metric(text, "omni_trio_requests_waiting") == 0
+            assert metric(text, "omni_trio_engine_steps_total") == 4
+        assert not service.is_ready and service.is_draining
+
+
+async def test_each_app_has_its_own_registry() -> None:
+    """L50: two apps in one process count separately (no global Prometheus registry)."""
+    first, _ = make_service()
+    second, _ = make_service()
+    with anyio.fail_after(BUDGET):
+        async with serving(first) as one, serving(second) as two:
+            await one.post(PATH, json={"prompt": "x"})
+            text = (await two.get("/metrics")).text
+            assert metric(text, "omni_trio_requests_total", outcome="completed") == 0
+    assert create_app(FakeRunner()).state.service.config.model_name == "omni-trio"
+
+
+async def test_unknown_routes_and_methods_get_openai_errors() -> None:
+    """L52: 404 and 405 answer with an OpenAI-style error object too."""
+    service, _ = make_service()
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            for method, path, status in [("GET", "/nope", 404), ("GET", PATH, 405)]:
+                response = await client.request(method, path)
+                assert response.status_code == status
+                assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# -- L52: bad input ----------------------------------------------------------------
+
+BAD_BODIES: list[tuple[str, bytes | dict[str, Any], str | None, str]] = [
+    ("malformed JSON", b'{"prompt": ', None, "invalid_json"),
+    ("not UTF-8", b'{"prompt": "\xff"}', None, "invalid_json"),
+    ("not an object", b"[1, 2]", None, "invalid_json"),
+    ("unknown field", {"prompt": "x", "colour": "red"}, "colour", "unknown_parameter"),
+    ("no prompt", {"n": 1}, "prompt", "missing_required_parameter"),
+    ("prompt not a string", {"prompt": 5}, "prompt", "invalid_type"),
+    ("n a string", {"prompt": "x", "n": "2"}, "n", "invalid_type"),
+    ("n a bool", {"prompt": "x", "n": True}, "n", "invalid_type"),
+    ("n zero", {"prompt": "x", "n": 0}, "n", "invalid_value"),
+    ("n over the limit", {"prompt": "x", "n": 5}, "n", "invalid_value"),
+    ("size a number", {"prompt": "x", "size": 64}, "size", "invalid_type"),
+    ("size malformed", {"prompt": "x", "size": "64 by 64"}, "size", "invalid_value"),
+    ("size over the limit", {"prompt": "x", "size": "512x64"}, "size", "invalid_value"),
+    ("size not a multiple of 8", {"prompt": "x", "size": "60x64"}, "size", "invalid_value"),
+    (
+        "steps a float",
+        {"prompt": "x", "num_inference_steps": 2.5},
+        "num_inference_steps",
+        "invalid_type",
+    ),
+    (
+        "steps zero",
+        {"prompt": "x", "num_inference_steps": 0},
+        "num_inference_steps",
+        "invalid_value",
+    ),
+    (
+        "steps over the limit",
+        {"prompt": "x", "num_inference_steps": 1001},
+        "num_inference_steps",
+        "invalid_value",
+    ),
+    (
+        "guidance a string",
+        {"prompt": "x", "guidance_scale": "high"},
+        "guidance_scale",
+        "invalid_type",
+    ),
+    ("guidance NaN", b'{"prompt": "x", "guidance_scale": NaN}', "guidance_scale", "invalid_value"),
+    ("seed negative", {"prompt": "x", "seed": -1}, "seed", "invalid_value"),
+    ("seed a string", {"prompt": "x", "seed": "1"}, "seed", "invalid_type"),
+    ("stream a string", {"prompt": "x", "stream": "yes"}, "stream", "invalid_type"),
+    (
+        "negative prompt a list",
+        {"prompt": "x", "negative_prompt": ["a"]},
+        "negative_prompt",
+        "invalid_type",
+    ),
+    ("quality a number", {"prompt": "x", "quality": 3}, "quality", "invalid_type"),
+    ("user a number", {"prompt": "x", "user": 3}, "user", "invalid_type"),
+    (
+        "compression over 100",
+        {"prompt": "x", "output_compression": 101},
+        "output_compression",
+        "invalid_value",
+    ),
+    (
+        "partial_images over 3",
+        {"prompt": "x", "partial_images": 4},
+        "partial_images",
+        "invalid_value",
+    ),
+    (
+        "preview_every negative",
+        {"prompt": "x", "preview_every": -1},
+        "preview_every",
+        "invalid_value",
+    ),
+    (
+        "response_format url",
+        {"prompt": "x", "response_format": "url"},
+        "response_format",
+        "unsupported_value",
+    ),
+    (
+        "response_format other",
+        {"prompt": "x", "response_format": "raw"},
+        "response_format",
+        "invalid_value",
+    ),
+    (
+        "output_format gif",
+        {"prompt": "x", "output_format": "gif"},
+        "output_format",
+        "unsupported_value",
+    ),
+    (
+        "background transparent",
+        {"prompt": "x", "background": "transparent"},
+        "background",
+        "unsupported_value",
+    ),
+    ("another model", {"prompt": "x", "model": "dall-e-3"}, "model", "model_not_found"),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [case[1:] for case in BAD_BODIES],
+    ids=[case[0] for case in BAD_BODIES],
+)
+async def test_bad_input_gets_400_naming_the_field(
+    body: bytes | dict[str, Any], param: str | None, code: str
+) -> None:
+    """L52: malformed JSON, wrong types, unknown fields and values over limits get 400,
+    an OpenAI-style error naming the field, and change nothing else."""
+    service, runner = make_service()
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            response = await client.post(PATH, content=content)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert (error["param"], error["code"], error["type"]) == (
+                param,
+                code,
+                "invalid_request_error",
+            )
+            assert param is None or param in error["message"]
+            assert runner.prepares == 0
+            assert service.engine is not None and service.engine.statistics().admitted == 0
+            assert (await client.post(PATH, json={"prompt": "x"})).status_code == 200
+            text = (await client.get("/metrics")).text
+            assert metric(text, "omni_trio_requests_total", outcome="invalid") == 1
+
+
+async def test_body_over_the_limit_is_refused_before_parsing() -> None:
+    """L52: a body over max_body_bytes gets 413, from Content-Length or while reading."""
+    service, _ = make_service()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(10):
+            yield b" " * 1000  # no Content-Length: refused while reading
+
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            declared = await client.post(PATH, content=b" " * 5000)
+            streamed = await client.post(PATH, content=chunks())
+            for response in (declared, streamed):
+                assert response.status_code == 413
+                assert response.json()["error"]["code"] == "request_too_large"
+            assert "content-length" not in streamed.request.headers
+            text = (await client.get("/metrics")).text
+            assert metric(text, "omni_trio_requests_total", outcome="too_large") == 2
+
+
+async def test_queue_full_gets_429_with_retry_after() -> None:
+    """L52: when max_waiting requests wait, the next gets 429 with Retry-After."""
+    runner = GatedRunner()
+    service, _ = make_service(runner, max_batch_size=1, max_waiting=1)
+    running, waiting = AsgiCall({"prompt": "a"}), AsgiCall({"prompt": "b"})
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client, anyio.create_task_group() as tg:
+            engine = service.engine
+            assert engine is not None
+            tg.start_soon(running.run, service)
+            await wait_until(lambda: engine.statistics().running == 1)
+            tg.start_soon(waiting.run, service)
+            await wait_until(lambda: engine.statistics().waiting == 1)
+            refused = await client.post(PATH, json={"prompt": "c"})
+            assert refused.status_code == 429
+            assert refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "queue_full"
+            runner.open_gate()
+        assert (running.status, waiting.status) == (200, 200)
+
+
+# -- L51: disconnects --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_disconnect_aborts_at_the_next_step(stream: bool) -> None:
+    """L51: a client that disconnects mid-way (streaming or not) aborts its request at
+    the next step boundary, with no decode; the worker is released, and the next
+    request runs alone at full speed (each of its steps a batch of one)."""
+    runner = GatedRunner()
+    service, _ = make_service(runner)
+    call = AsgiCall({"prompt": "x", "num_inference_steps": 40, "stream": stream})
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            engine = service.engine
+            assert engine is not None
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(call.run, service)
+                runner.release(3)
+                await wait_until(lambda: runner.steps_run == 3 and runner.arrived == 4)
+                call.disconnect.set()
+                await wait_until(lambda: call.disconnect_delivered)
+                # The worker waits inside step 4; the abort lands when that step returns.
+                runner.open_gate()
+            assert runner.steps_run == 4 and runner.decodes == 0 and runner.live_states == 0
+            assert_engine_idle(engine)
+            if stream:
+                assert call.status == 200
+                assert b"image_generation.progress" in call.body
+                assert b"completed" not in call.body
+            else:
+                assert call.sent == []
+            text = (await client.get("/metrics")).text
+            assert metric(text, "omni_trio_requests_total", outcome="disconnected") == 1
+            assert metric(text, "omni_trio_abort_latency_seconds_count") == 1
+            before = (runner.steps_run, runner.batch_steps)
+            response = await client.post(PATH, json={"prompt": "y", "num_inference_steps": 5})
+            assert response.status_code == 200
+            assert (runner.steps_run - before[0], runner.batch_steps - before[1]) == (5, 5)
+
+
+async def test_disconnect_while_waiting_withdraws_the_request() -> None:
+    """L51: a client that leaves while its request waits ends it at once; it never runs."""
+    runner = GatedRunner()
+    service, _ = make_service(runner, max_batch_size=1)
+    first, second = AsgiCall({"prompt": "a"}), AsgiCall({"prompt": "b"})
+    with anyio.fail_after(BUDGET):
+        async with serving(service), anyio.create_task_group() as tg:
+            engine = service.engine
+            assert engine is not None
+            tg.start_soon(first.run, service)
+            await wait_until(lambda: engine.statistics().running == 1)
+            tg.start_soon(second.run, service)
+            await wait_until(lambda: engine.statistics().waiting == 1)
+            second.disconnect.set()
+            await wait_until(lambda: engine.statistics().aborted == 1)  # at once: L6
+            assert runner.prepares == 1
+            runner.open_gate()
+        assert first.status == 200 and second.sent == []
+
+
+# -- failures and L53: drain ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_runner_failure_is_a_500_or_an_error_event(stream: bool) -> None:
+    """L52: a model that raises fails only its request: 500 or an ``error`` event."""
+    service, _ = make_service(FakeRunner(fail_at_step=2))
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            response = await client.post(PATH, json={"prompt": "x", "stream": stream})
+            if stream:
+                event, data = parse_sse(response.text)[-1]
+                assert (response.status_code, event) == (200, "error")
+                error = data["error"]
+            else:
+                assert response.status_code == 500
+                error = response.json()["error"]
+            assert (error["type"], error["code"]) == ("server_error", "generation_failed")
+            text = (await client.get("/metrics")).text
+            assert metric(text, "omni_trio_requests_total", outcome="failed") == 1
+
+
+async def test_drain_turns_health_503_and_cuts_requests() -> None:
+    """L53: drain() turns /health to 503, refuses new requests with 503, ends waiting
+    requests at once and running ones at their next step (shutdown_grace 0)."""
+    runner = GatedRunner()
+    service, _ = make_service(runner, max_batch_size=1)
+    running = AsgiCall({"prompt": "a", "stream": True, "num_inference_steps": 40})
+    waiting = AsgiCall({"prompt": "b"})
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            engine = service.engine
+            assert engine is not None
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(running.run, service)
+                runner.release(2)
+                await wait_until(lambda: runner.steps_run == 2)
+                tg.start_soon(waiting.run, service)
+                await wait_until(lambda: engine.statistics().waiting == 1)
+                tg.start_soon(service.drain)
+                await wait_until(lambda: service.is_draining)
+                health = await client.get("/health")
+                assert (health.status_code, health.json()["status"]) == (503, "draining")
+                refused = await client.post(PATH, json={"prompt": "c"})
+                assert refused.status_code == 503
+                assert refused.json()["error"]["code"] == "shutting_down"
+                await wait_until(lambda: waiting.status is not None)
+                assert waiting.status == 503
+                assert json.loads(waiting.body)["error"]["code"] == "shutting_down"
+                runner.open_gate()
+            event, data = parse_sse(running.body.decode())[-1]
+            assert (event, data["error"]["code"]) == ("error", "shutting_down")
+            assert runner.steps_run <= 3 and runner.decodes == 0
+            text = (await client.get("/metrics")).text
+            assert metric(text, "omni_trio_requests_total", outcome="shutdown") == 2
+            assert metric(text, "omni_trio_requests_total", outcome="unavailable") == 1
+            assert metric(text, "omni_trio_draining") == 1
+
+
+def test_serve_config_is_validated() -> None:
+    """ServeConfig refuses values that could never work, naming the field."""
+    bad: list[Callable[[], ServeConfig]] = [
+        lambda: ServeConfig(model_name=""),
+        lambda: ServeConfig(default_steps=0),
+        lambda: ServeConfig(max_body_bytes=-1),
+        lambda: ServeConfig(default_guidance_scale=float("nan")),
+        lambda: ServeConfig(retry_after_s=-1),
+    ]
+    for make in bad:
+        with pytest.raises(ValueError, match=r"^\w+: "):
+            make()

@@ -1,0 +1,94 @@
+"""Real (tiny) diffusers models behind the app: L50 end to end, on trio and asyncio.
+
+Determinism rules:
+- the models are what ``python -m omni_trio serve --model`` loads (``load_model``):
+  ``tiny_pipeline`` builds with seeded random weights (no download), by name or
+  saved to a local folder; one torch thread;
+- a fixed request seed must give the same image twice;
+- in-process, inside the app's lifespan, with ``anyio.fail_after(BUDGET)``. (The
+  servers themselves are tested with the fake model, in test_serve_http.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+from omni_trio.serve import ImageService, ServeConfig
+from omni_trio.serve._cli import load_model
+
+from .test_serve_app import PATH, parse_sse, png_size, serving
+from .util import BUDGET
+
+
+@pytest.fixture(scope="module")
+def sd_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Stable Diffusion pipeline saved as a local diffusers folder."""
+    from omni_trio.runners import tiny_pipeline
+
+    folder = tmp_path_factory.mktemp("models") / "tiny-sd-folder"
+    tiny_pipeline("sd").save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.anyio
+async def test_a_local_diffusers_folder_is_served_by_path(
+    sd_folder: Path, one_torch_thread: None
+) -> None:
+    """L50: --model PATH loads a saved diffusers pipeline (local files only) and serves it
+    step by step: the folder's name is the model id, the same seed gives the same PNG,
+    progress and previews stream per step."""
+    model = load_model(str(sd_folder), step_seconds=0.0)
+    assert model.name == "tiny-sd-folder" and "StableDiffusionPipeline" in model.description
+    config = ServeConfig(
+        model_name=model.name, default_width=64, default_height=64, default_steps=3
+    )
+    service = ImageService(model.runner, config=config)
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            models = (await client.get("/v1/models")).json()
+            assert [m["id"] for m in models["data"]] == ["tiny-sd-folder"]
+            body = {"prompt": "a red flower", "seed": 5, "model": "tiny-sd-folder"}
+            first = await client.post(PATH, json=body)
+            second = await client.post(PATH, json=body)
+            assert first.status_code == 200, first.text
+            images = [r.json()["data"][0]["b64_json"] for r in (first, second)]
+            assert images[0] == images[1] and png_size(images[0]) == (64, 64)
+            streamed = await client.post(PATH, json={**body, "stream": True, "preview_every": 1})
+            events = parse_sse(streamed.text)
+            assert [d["step"] for e, d in events if e == "image_generation.progress"] == [1, 2, 3]
+            assert sum(e == "image_generation.partial_image" for e, _ in events) == 3
+            assert events[-1][1]["b64_json"] == images[0]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", ["tiny-sd", "tiny-sd3", "tiny-flux", "tiny-unet"])
+async def test_every_tiny_model_name_serves(name: str, one_torch_thread: None) -> None:
+    """L50: each built-in model name loads a real tiny pipeline that serves its default size."""
+    model = load_model(name, step_seconds=0.0)
+    width, height = model.size
+    config = ServeConfig(
+        model_name=model.name,
+        default_width=width,
+        default_height=height,
+        default_steps=2,
+        default_guidance_scale=model.guidance_scale,
+    )
+    service = ImageService(model.runner, config=config)
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            response = await client.post(PATH, json={"prompt": "a cat"})
+            assert response.status_code == 200, response.text
+            assert png_size(response.json()["data"][0]["b64_json"]) == (width, height)
+
+
+def test_the_command_line_refuses_an_unknown_model() -> None:
+    """--model must be a built-in name or a folder; anything else stops before serving."""
+    from omni_trio.__main__ import main
+
+    with pytest.raises(SystemExit, match="neither one of tiny-sd"):
+        main(["serve", "--model", "/no/such/folder"])
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "fake", "--default-size", "64"])  # argparse: exit 2

@@ -1,0 +1,123 @@
+"""SIGTERM and SIGINT drain the real server, under Hypercorn (trio) and Uvicorn (asyncio): L53.
+
+Determinism rules:
+- each test starts its own ``python -m omni_trio serve --model fake`` subprocess
+  (``run_server``: free loopback port, log in a file, killed in a ``finally``);
+- the fake model sleeps 20 ms per step: a long request (400 steps, 8 s) outlasts
+  any grace period here, a short one (25 steps, 0.5 s) fits in the 1.5 s grace;
+- the states are read from the server (``/metrics``, ``/health``, events), every
+  wait is bounded, and the client side runs in threads joined with timeouts.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from .test_serve_http import PATH, SERVERS, Server, parse_sse_lines, poll_until, run_server
+
+STEP_S = 0.02
+FAKE = ["--model", "fake", "--step-seconds", str(STEP_S), "--max-steps", "1000"]
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    """Client threads; every future is waited for with a timeout."""
+    with ThreadPoolExecutor(max_workers=4) as executor:
+        yield executor
+
+
+def stream_events(
+    server: Server, body: dict[str, Any], first: threading.Event
+) -> list[tuple[str, dict[str, Any]]]:
+    """Stream a generation; set ``first`` at the first event; return every event."""
+    events = []
+    with httpx.stream("POST", f"{server.url}{PATH}", json=body, timeout=30) as response:
+        if response.status_code != 200:
+            first.set()
+            raise AssertionError(f"{response.status_code}: {response.read().decode()}")
+        for event in parse_sse_lines(response.iter_lines()):
+            events.append(event)
+            first.set()
+    return events
+
+
+def start_long_stream(
+    server: Server, pool: ThreadPoolExecutor
+) -> Future[list[tuple[str, dict[str, Any]]]]:
+    """A streaming request that outlasts any grace period here; returns once it runs."""
+    first = threading.Event()
+    body = {"prompt": "long", "num_inference_steps": 400, "stream": True}
+    future = pool.submit(stream_events, server, body, first)
+    assert first.wait(timeout=20), "the long request never started"
+    if future.done():
+        future.result()  # raises what went wrong
+    return future
+
+
+def wait_exit(server: Server, timeout: float) -> int:
+    code = server.process.wait(timeout=timeout)
+    assert "engine threads left: none; other non-daemon threads: none" in server.log_text()
+    assert "Traceback" not in server.log_text(), server.log_text()
+    return code
+
+
+@pytest.mark.parametrize("server_kind", SERVERS)
+def test_sigterm_drains_then_exits_0(
+    server_kind: str, tmp_path: Path, pool: ThreadPoolExecutor
+) -> None:
+    """L53: on SIGTERM /health turns 503 and new requests get 503; a running request
+    that finishes within shutdown_grace completes, one that does not is cut (an
+    ``error`` event, shutting_down); the process exits 0 with no engine thread left."""
+    args = [*FAKE, "--shutdown-grace", "1.5"]
+    with run_server(*args, server=server_kind, log_dir=tmp_path) as server:
+        long = start_long_stream(server, pool)
+        short = pool.submit(server.post, {"prompt": "short", "num_inference_steps": 25})
+        poll_until(
+            lambda: server.sample("omni_trio_requests_running") == 2,
+            timeout=10,
+            what="both requests to run",
+        )
+        server.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        poll_until(lambda: server.health() == 503, timeout=5, what="/health to turn 503")
+        refused = server.post({"prompt": "late"})
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "shutting_down"
+        completed = short.result(timeout=20)
+        assert completed.status_code == 200, completed.text
+        events = long.result(timeout=20)
+        event, data = events[-1]
+        assert (event, data["error"]["code"]) == ("error", "shutting_down")
+        steps = [d["step"] for e, d in events if e == "image_generation.progress"]
+        assert steps[-1] < 400
+        assert wait_exit(server, timeout=20) == 0
+        assert time.monotonic() - signalled < 1.5 + 8  # grace, one step, the server's own close
+
+
+@pytest.mark.parametrize("server_kind", SERVERS)
+def test_second_sigint_ends_the_grace_at_once(
+    server_kind: str, tmp_path: Path, pool: ThreadPoolExecutor
+) -> None:
+    """L53: SIGINT drains like SIGTERM; a second SIGINT ends a long grace period at
+    once: the running request is cut at its next step and the process exits 0."""
+    args = [*FAKE, "--shutdown-grace", "60"]
+    with run_server(*args, server=server_kind, log_dir=tmp_path) as server:
+        long = start_long_stream(server, pool)
+        server.process.send_signal(signal.SIGINT)
+        poll_until(lambda: server.health() == 503, timeout=5, what="/health to turn 503")
+        assert long.running()  # within its 60 s grace
+        server.process.send_signal(signal.SIGINT)
+        signalled = time.monotonic()
+        event, data = long.result(timeout=20)[-1]
+        assert (event, data["error"]["code"]) == ("error", "shutting_down")
+        assert wait_exit(server, timeout=20) == 0
+        assert time.monotonic() - signalled < 8
