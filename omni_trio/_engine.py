@@ -193,9 +193,13 @@ class Engine:
         return True
 
     def _find_live(self, request_id: str, reason: str) -> Record | None:
+        self._check_reason(reason)
+        return self._live.get(request_id)
+
+    @staticmethod
+    def _check_reason(reason: str) -> None:
         if not isinstance(reason, str) or not reason or reason == SHUTDOWN:
             raise ValueError(f"reason: must be a non-empty str other than {SHUTDOWN!r}")
-        return self._live.get(request_id)
 
     def _abort_record(self, record: Record, reason: str) -> None:
         """The one path by which anything ends a request early."""

@@ -156,6 +156,19 @@ class RequestHandle:
             raise RuntimeError(f"the output of request {self.request_id!r} was already returned")
         raise anyio.ClosedResourceError  # closed while this call waited
 
+    def abort_nowait(self, *, reason: str = "user") -> bool:
+        """Request the abort of this request; never blocks.
+
+        Returns:
+            Whether the request was live (not yet terminal) when called.
+        """
+        self._engine._check_reason(reason)
+        record = self._record
+        live = not record.status.is_terminal
+        if live:
+            self._engine._abort_record(record, reason)
+        return live
+
     async def abort(self, *, reason: str = "user") -> bool:
         """Abort the request and wait until the engine released it.
 
@@ -165,11 +178,8 @@ class RequestHandle:
         Cancellation:
             The abort stands; only the wait for the release is cancelled.
         """
-        record = self._record
-        live = not record.status.is_terminal
-        if live:
-            self._engine._abort_record(record, reason)
-        await self._engine._wait_done(record)
+        live = self.abort_nowait(reason=reason)
+        await self._engine._wait_done(self._record)
         return live
 
     async def aclose(self) -> None:

@@ -169,3 +169,23 @@ async def test_aborted_request_is_never_decoded(abort_at: str) -> None:
             assert runner.decodes == expected_decodes
             assert engine.statistics().completed == 0
             assert runner.live_states == 0
+
+
+async def test_handle_abort_nowait_signals_only_its_request() -> None:
+    """L8: handle.abort_nowait signals without waiting, and only its own admission."""
+    runner = GatedRunner()
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner) as engine:
+            async with engine.submit(req(num_steps=5), request_id="r") as handle:
+                await runner.wait_arrived(1)
+                assert handle.abort_nowait(reason="mine") is True
+                assert handle.status is ot.RequestStatus.RUNNING  # only signalled
+                runner.open_gate()
+                with pytest.raises(ot.RequestAbortedError) as info:
+                    await handle.result()
+                assert info.value.reason == "mine"
+                assert handle.abort_nowait() is False
+            # The id is free again: the old handle's abort never touches the new request.
+            async with engine.submit(req(num_steps=2), request_id="r") as new:
+                assert handle.abort_nowait() is False
+                await new.result()

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.lowlevel
 
-from .._engine import Engine
 from .._errors import OmniTrioError
 from .._handle import RequestHandle
 from .._types import RequestStatus
@@ -122,10 +121,9 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None
 class _Client:
     """The HTTP side of one generation: its ``send``, and whether it went away."""
 
-    def __init__(self, receive: Receive, send: Send, engine: Engine, handle: RequestHandle) -> None:
+    def __init__(self, receive: Receive, send: Send, handle: RequestHandle) -> None:
         self._receive = receive
         self._send = send
-        self._engine = engine
         self._handle = handle
         self.scope = anyio.CancelScope()
         self.is_gone = False
@@ -138,7 +136,7 @@ class _Client:
         if not self.is_gone and not self.is_finished:
             self.is_gone = True
             # First reason wins: leaving the handle's block afterwards keeps this one.
-            self._engine.abort_nowait(self._handle.request_id, reason=CLIENT_GONE)
+            self._handle.abort_nowait(reason=CLIENT_GONE)
             self.scope.cancel()
 
     async def watch(self) -> None:
@@ -194,7 +192,7 @@ class ImagesEndpoint:
             service.metrics.count(error.outcome)
             await send_json(send, error.status, error.body(), error.headers)
             return
-        client = _Client(receive, send, engine, handle)
+        client = _Client(receive, send, handle)
         try:
             async with handle:
                 if job.stream:
