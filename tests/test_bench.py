@@ -1,4 +1,10 @@
-"""The benchmarks run and write complete JSON (figures are not asserted: see docs)."""
+"""The benchmarks run and write complete output (figures are not asserted: see docs).
+
+One run of ``python -m omni_trio.bench all --quick`` in a subprocess (one torch
+thread, seconds per benchmark) writes every NAME.json, NAME.md and NAME.png; the
+test checks their shape only. No timing is asserted, and ``docs/`` is never
+written: only ``--docs`` would regenerate docs/performance.md.
+"""
 
 from __future__ import annotations
 
@@ -6,28 +12,78 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from omni_trio.bench._docs import load_results, render_page
+
+#: The headline figures of each benchmark, by the names of shared/design/performance.md.
 SUMMARY_KEYS = {
     "overhead": {"ratio_engine_over_raw", "per_step_overhead_us"},
     "abort": {"running_p99_steps", "waiting_p99_ms"},
-    "pipeline": {"ratio_engine_over_pipeline"},
+    "post-abort": {"omni_trio_overhead_pct", "naive_overhead_pct", "interrupt_overhead_pct"},
+    "leak": {"live_tensors", "rss_growth_mib"},
     "batching": {"throughput_ratio_b4_over_b1"},
+    "join": {"first_step_wait_steps"},
+    "scale": {"admit_us_per_request", "abort_us_per_request"},
+    "preview": {"step_time_ratio_preview_over_off"},
+    "pipeline": {"ratio_engine_over_pipeline"},
 }
+SCALE_LENGTHS = {"10", "100", "1000", "10000"}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("name", sorted(SUMMARY_KEYS))
-def test_bench_quick_writes_summary(name: str, tmp_path: Path) -> None:
-    """python -m omni_trio.bench NAME --quick writes NAME.json with its headline figures."""
+def _numeric(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Run ``bench all --quick`` once; return its output folder."""
+    out = tmp_path_factory.mktemp("bench")
+    docs_page = Path(__file__).resolve().parent.parent / "docs" / "performance.md"
+    before = docs_page.read_bytes() if docs_page.exists() else None
     result = subprocess.run(
-        [sys.executable, "-m", "omni_trio.bench", name, "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", "omni_trio.bench", "all", "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=110,
     )
-    assert result.returncode == 0, result.stderr
-    data = json.loads((tmp_path / f"{name}.json").read_text())
-    assert SUMMARY_KEYS[name] <= set(data["summary"])
-    assert all(isinstance(data["summary"][key], float) for key in SUMMARY_KEYS[name])
-    assert data["machine"]["torch_threads"] == 1
+    assert result.returncode == 0, result.stderr[-4000:]
+    after = docs_page.read_bytes() if docs_page.exists() else None
+    assert before == after, "bench without --docs must not touch docs/performance.md"
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_bench_all_quick_writes_every_benchmark(quick_run: Path) -> None:
+    """Every benchmark writes NAME.json with numeric headline figures, NAME.md and NAME.png."""
+    for name, keys in SUMMARY_KEYS.items():
+        data = json.loads((quick_run / f"{name}.json").read_text())
+        summary = data["summary"]
+        assert keys <= set(summary), (name, keys - set(summary))
+        for key, value in summary.items():
+            if isinstance(value, dict):
+                assert value and all(_numeric(v) for v in value.values()), (name, key)
+            else:
+                assert _numeric(value), (name, key, value)
+        assert data["machine"]["torch_threads"] == 1
+        assert data["quick"] is True
+        assert data["command"].startswith(f"python -m omni_trio.bench {name}")
+        markdown = (quick_run / f"{name}.md").read_text()
+        assert markdown.startswith(f"# {name}") and "| --- |" in markdown.replace(":", "")
+        assert (quick_run / f"{name}.png").read_bytes()[:8] == PNG_MAGIC
+    scale = json.loads((quick_run / "scale.json").read_text())["summary"]
+    for key in ("admit_us_per_request", "abort_us_per_request"):
+        assert set(scale[key]) == SCALE_LENGTHS
+
+
+def test_docs_page_renders_from_the_results(quick_run: Path) -> None:
+    """The page that --docs would write has every benchmark, its plot and the GPU section."""
+    page = render_page(
+        load_results(quick_run), perf="perf", analysis="## Analysis", gpu="## GPU: kept"
+    )
+    for name in SUMMARY_KEYS:
+        assert f"### {name}" in page and f"(perf/{name}.png)" in page
+    assert "## Analysis" in page and page.rstrip().endswith("## GPU: kept")

@@ -1,74 +1,98 @@
-"""``python -m omni_trio.bench NAME [--quick] [--out DIR]``.
+"""``python -m omni_trio.bench NAME [--quick] [--out DIR] [--docs]``.
 
-overhead   the engine's cost per step over the runner's bare loop (FakeRunner)
-abort      abort call to release, for running and waiting requests (FakeRunner)
-pipeline   the engine vs a tiny diffusers pipeline's own call
-batching   a burst of compatible requests at max_batch_size 1, 4, 8
+overhead    sequential requests, engine vs the runner's bare loop (tiny SD; FakeRunner)
+abort       abort call to release, running and waiting, vs naive and interrupt (tiny SD)
+post-abort  request B's latency after request A was aborted (tiny SD, 64 and 128 px)
+leak        live tensors and RSS after requests ending every way (tiny SD)
+batching    a burst of compatible requests at max_batch_size 1, 4, 8 (tiny SD)
+join        a short request's wait to join a running batch (tiny SD)
+scale       admission and abort cost with 10 to 10,000 waiting (GatedRunner)
+preview     step time with previews read vs off (tiny SD)
+pipeline    one request at a time, engine vs the pipeline's own call
+all         every benchmark above, in this order
+
+Each benchmark writes NAME.json (with a "summary" of headline figures), NAME.md
+and NAME.png into --out (printing only the JSON of a single benchmark without
+it). --docs writes them into docs/perf/ (unless --out is given) and regenerates
+docs/performance.md from every NAME.json there; without --docs, docs are never
+touched. --from-json measures nothing: it rewrites NAME.md and NAME.png (and,
+with --docs, the page) from the NAME.json already there. --quick takes seconds
+per benchmark, for smoke tests: its figures are not worth quoting.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from ._abort import run_abort
-from ._common import machine, write_result
-from ._overhead import run_overhead
-from ._pipeline import run_batching, run_pipeline
+from ._common import Options
+from ._docs import default_docs_dir, write_docs
+from ._suite import BENCHMARKS, rerender, run_benchmark
 
-NAMES = ("overhead", "abort", "pipeline", "batching")
-
-
-def _run(args: argparse.Namespace) -> dict[str, Any]:
-    quick = args.quick
-    if args.name == "overhead":
-        return run_overhead(
-            steps=100 if quick else 1000,
-            requests=2 if quick else 10,
-            repeats=2 if quick else 5,
-            step_seconds=0.0,
-        )
-    if args.name == "abort":
-        return run_abort(aborts=5 if quick else 100, step_seconds=0.01)
-    if args.name == "pipeline":
-        return run_pipeline(
-            kind=args.kind,
-            steps=4 if quick else 20,
-            size=64,
-            repeats=2 if quick else 5,
-            device=args.device,
-        )
-    return run_batching(
-        kind=args.kind,
-        requests=4 if quick else args.requests,
-        batches=[1, 4] if quick else [1, 4, 8],
-        steps=3 if quick else 10,
-        size=64,
-        repeats=1 if quick else 3,
-        device=args.device,
-    )
+NAMES = (*BENCHMARKS, "all")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one benchmark and print its JSON."""
-    parser = argparse.ArgumentParser(prog="python -m omni_trio.bench", description=__doc__)
+    """Run one benchmark, or all; write their files; regenerate the docs with --docs."""
+    parser = argparse.ArgumentParser(
+        prog="python -m omni_trio.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("name", choices=NAMES)
-    parser.add_argument("--quick", action="store_true", help="a few seconds, for smoke tests")
-    parser.add_argument("--out", type=Path, default=None, help="folder for NAME.json")
+    parser.add_argument("--quick", action="store_true", help="seconds each, for smoke tests")
+    parser.add_argument("--out", type=Path, default=None, help="folder for NAME.json/.md/.png")
+    parser.add_argument(
+        "--docs",
+        action="store_true",
+        help="also regenerate docs/performance.md (default out: docs/perf)",
+    )
     parser.add_argument("--kind", default="sd", help="tiny pipeline kind (pipeline, batching)")
     parser.add_argument("--device", default="cpu", help="torch device (pipeline, batching)")
     parser.add_argument("--requests", type=int, default=16, help="burst size (batching)")
+    parser.add_argument("--backend", default="trio", choices=("trio", "asyncio"))
+    parser.add_argument(
+        "--from-json",
+        action="store_true",
+        help="measure nothing: rewrite NAME.md and NAME.png (and the docs) from NAME.json",
+    )
     args = parser.parse_args(argv)
+    out: Path | None = args.out
+    docs = default_docs_dir()
+    if args.docs:
+        if not docs.is_dir():
+            parser.error(f"--docs: no docs folder at {docs} (run from a source checkout)")
+        out = out if out is not None else docs / "perf"
+    options = Options(
+        quick=args.quick,
+        kind=args.kind,
+        device=args.device,
+        requests=args.requests,
+        backend=args.backend,
+    )
     # One torch thread: timings on 2-core machines are noise otherwise (pitfalls.md).
     torch.set_num_threads(1)
-    result = _run(args)
-    result["machine"] = machine()
-    write_result(args.name, result, args.out)
+    names = list(BENCHMARKS) if args.name == "all" else [args.name]
+    started = time.perf_counter()
+    for name in names:
+        if args.from_json:
+            if out is None:
+                parser.error("--from-json needs --out or --docs")
+            rerender(BENCHMARKS[name], out)
+            continue
+        result = run_benchmark(BENCHMARKS[name], options, out)
+        if len(names) == 1:
+            print(json.dumps(result, indent=2, sort_keys=True))
+    print(f"{args.name}: {time.perf_counter() - started:.1f} s in all", file=sys.stderr)
+    if args.docs:
+        assert out is not None
+        print(f"wrote {write_docs(out, docs)}", file=sys.stderr)
     return 0
 
 

@@ -1,18 +1,60 @@
-"""What every benchmark shares: machine facts, statistics, output."""
+"""What every benchmark shares: options, machine facts, statistics, memory, tables."""
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
-import json
+import math
 import os
 import platform
+import resource
 import statistics
 import sys
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, TypeVar, TypeVarTuple, Unpack
 
-__all__ = ["machine", "percentile", "spread", "write_result"]
+import anyio
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+
+__all__ = [
+    "Options",
+    "fmt",
+    "live_tensor_count",
+    "machine",
+    "md_table",
+    "percentile",
+    "rss_bytes",
+    "shared_pipeline",
+    "spread",
+    "spread_p99",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Options:
+    """The command line, as every benchmark sees it.
+
+    Args:
+        quick: a few seconds per benchmark (smoke tests); figures are noisier.
+        kind: the tiny pipeline kind for the benchmarks on a real model.
+        device: the torch device for ``pipeline`` and ``batching``.
+        requests: the burst size of ``batching``.
+        backend: the event loop the engine runs on, ``"trio"`` or ``"asyncio"``.
+    """
+
+    quick: bool = False
+    kind: str = "sd"
+    device: str = "cpu"
+    requests: int = 16
+    backend: str = "trio"
+
+    def run(self, func: Callable[[Unpack[Ts]], Awaitable[T]], *args: *Ts) -> T:
+        """Run ``func(*args)`` in a fresh event loop of this backend."""
+        return anyio.run(func, *args, backend=self.backend)
 
 
 def machine() -> dict[str, Any]:
@@ -23,31 +65,111 @@ def machine() -> dict[str, Any]:
     return {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
+        "processor": _cpu_model() or platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "trio": trio.__version__,
         "anyio": importlib.metadata.version("anyio"),
+        "diffusers": importlib.metadata.version("diffusers"),
+        # Other work on a shared machine skews every figure; this says how much there was.
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
 
 
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) by nearest rank."""
+    """The ``q``-th percentile (0-100) by nearest rank: the smallest value with at least
+    ``q`` % of the values at or below it (p99 of 100 values is the second largest; of
+    fewer than 100, the largest)."""
     ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
-    return ordered[rank]
+    rank = math.ceil(q / 100 * len(ordered))
+    return ordered[max(0, min(len(ordered), rank) - 1)]
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
     """Median, min and max of ``values``."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return {
+        "median": float(statistics.median(values)),
+        "min": float(min(values)),
+        "max": float(max(values)),
+    }
 
 
-def write_result(name: str, result: dict[str, Any], out: Path | None) -> None:
-    """Print ``result`` as JSON and write it to ``out/NAME.json`` when given."""
-    text = json.dumps(result, indent=2, sort_keys=True)
-    print(text)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{name}.json").write_text(text + "\n")
+def spread_p99(values: Sequence[float]) -> dict[str, float]:
+    """Median, min, max and p99 of ``values``, and how many there are."""
+    return {**spread(values), "p99": float(percentile(values, 99)), "n": float(len(values))}
+
+
+def rss_bytes() -> int:
+    """The process's resident set size now (Linux), else its peak."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def live_tensor_count(*, where: Callable[[Any], bool] | None = None) -> int:
+    """Count the torch tensors alive after a full collection, parameters excluded.
+
+    With ``where``, count only tensors for which it holds.
+    """
+    import torch
+
+    gc.collect()
+    count = 0
+    for obj in gc.get_objects():
+        # type(), not isinstance(): some objects warn when their __class__ is read.
+        kind = type(obj)
+        tensor = issubclass(kind, torch.Tensor) and not issubclass(kind, torch.nn.Parameter)
+        if tensor and (where is None or where(obj)):
+            count += 1
+    return count
+
+
+@cache
+def shared_pipeline(kind: str, device: str = "cpu") -> Any:
+    """One tiny pipeline per kind and device for the whole run (building one takes seconds)."""
+    from ..runners import tiny_pipeline
+
+    return tiny_pipeline(kind).to(device)
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    """A number for a table: fixed digits, thousands separated; ``-`` for none."""
+    if value is None:
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def md_table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """A Markdown table; numeric-looking columns are right-aligned."""
+    rows = [list(row) for row in rows]
+    align = []
+    for column in range(len(headers)):
+        cells = [row[column] for row in rows]
+        numeric = bool(cells) and all(_numeric(cell) for cell in cells)
+        align.append("---:" if numeric else "---")
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _numeric(cell: str) -> bool:
+    text = cell.replace(",", "").replace("%", "").replace("x", "").strip().lstrip("+-")
+    try:
+        float(text)
+    except ValueError:
+        return cell.strip() == "-"
+    return True

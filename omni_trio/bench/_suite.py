@@ -1,0 +1,185 @@
+"""The benchmarks by name, and what running one writes: NAME.json, NAME.md, NAME.png."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._abort import plot_abort, run_abort, table_abort
+from ._common import Options, machine
+from ._join import plot_join, run_join, table_join
+from ._leak import plot_leak, run_leak, table_leak
+from ._overhead import plot_overhead, run_overhead, table_overhead
+from ._pipeline import (
+    plot_batching,
+    plot_pipeline,
+    run_batching,
+    run_pipeline,
+    table_batching,
+    table_pipeline,
+)
+from ._plot import save_plot
+from ._postabort import plot_post_abort, run_post_abort, table_post_abort
+from ._preview import plot_preview, run_preview, table_preview
+from ._scale import plot_scale, run_scale, table_scale
+from ._targets import targets_for
+
+__all__ = ["BENCHMARKS", "Benchmark", "render_markdown", "rerender", "run_benchmark"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Benchmark:
+    """One benchmark: how to run it, tabulate it and plot it."""
+
+    name: str
+    what: str
+    run: Callable[[Options], dict[str, Any]]
+    table: Callable[[dict[str, Any]], str]
+    plot: Callable[[dict[str, Any], Path], None]
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    b.name: b
+    for b in (
+        Benchmark(
+            name="overhead",
+            what="sequential requests through the engine vs the runner's bare loop",
+            run=run_overhead,
+            table=table_overhead,
+            plot=plot_overhead,
+        ),
+        Benchmark(
+            name="abort",
+            what="from the abort call to the worker's release, running and waiting requests",
+            run=run_abort,
+            table=table_abort,
+            plot=plot_abort,
+        ),
+        Benchmark(
+            name="post-abort",
+            what="the latency of request B after request A was aborted, per peer and size",
+            run=run_post_abort,
+            table=table_post_abort,
+            plot=plot_post_abort,
+        ),
+        Benchmark(
+            name="leak",
+            what="live tensors, objects and RSS after requests that end every way there is",
+            run=run_leak,
+            table=table_leak,
+            plot=plot_leak,
+        ),
+        Benchmark(
+            name="batching",
+            what="a burst of compatible requests at max_batch_size 1, 4, 8",
+            run=run_batching,
+            table=table_batching,
+            plot=plot_batching,
+        ),
+        Benchmark(
+            name="join",
+            what="a short request arriving during a long batch: its wait to join",
+            run=run_join,
+            table=table_join,
+            plot=plot_join,
+        ),
+        Benchmark(
+            name="scale",
+            what="admission and abort cost per request with 10 to 10,000 waiting",
+            run=run_scale,
+            table=table_scale,
+            plot=plot_scale,
+        ),
+        Benchmark(
+            name="preview",
+            what="step time with a preview on every step, read, vs previews off",
+            run=run_preview,
+            table=table_preview,
+            plot=plot_preview,
+        ),
+        Benchmark(
+            name="pipeline",
+            what="one request at a time, the engine vs the pipeline's own call",
+            run=run_pipeline,
+            table=table_pipeline,
+            plot=plot_pipeline,
+        ),
+    )
+}
+
+
+def _command(name: str, options: Options) -> str:
+    parts = ["python -m omni_trio.bench", name]
+    if options.quick:
+        parts.append("--quick")
+    if options.backend != "trio":
+        parts.append(f"--backend {options.backend}")
+    if name in ("pipeline", "batching"):
+        if options.kind != "sd":
+            parts.append(f"--kind {options.kind}")
+        if options.device != "cpu":
+            parts.append(f"--device {options.device}")
+        if name == "batching" and options.requests != 16 and not options.quick:
+            parts.append(f"--requests {options.requests}")
+    return " ".join(parts)
+
+
+def render_markdown(bench: Benchmark, result: dict[str, Any]) -> str:
+    """NAME.md: the headline figures against their targets, then the benchmark's table."""
+    lines = [f"# {bench.name}: {bench.what}", "", f"`{result['command']}` ({result['date']})", ""]
+    for target in targets_for(bench.name):
+        verdict = "met" if target.met(result) else "**missed**"
+        lines.append(
+            f"- {target.label}: {target.figure(result)} (target {target.target}): {verdict}"
+        )
+    lines.append("")
+    return "\n".join(lines) + "\n" + bench.table(result)
+
+
+def run_benchmark(bench: Benchmark, options: Options, out: Path | None) -> dict[str, Any]:
+    """Run ``bench``; write NAME.json, NAME.md and NAME.png into ``out`` when given."""
+    started = time.perf_counter()
+    load_before = machine()["load_average"]
+    cpus = os.cpu_count() or 1
+    # The benchmark itself keeps about one CPU busy; more than that is other work.
+    if load_before and load_before[0] > max(1.0, cpus / 2) + 0.5:
+        print(
+            f"{bench.name}: the machine is busy (load average {load_before[0]:.1f} on {cpus}"
+            " CPUs): figures will be noisy",
+            file=sys.stderr,
+        )
+    result = bench.run(options)
+    result["machine"] = machine()
+    result["machine"]["load_average_before"] = load_before
+    result["elapsed_s"] = time.perf_counter() - started
+    result["date"] = time.strftime("%Y-%m-%d")
+    result["command"] = _command(bench.name, options)
+    result["quick"] = options.quick
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(result, indent=2, sort_keys=True)
+        (out / f"{bench.name}.json").write_text(text + "\n")
+        _write_views(bench, result, out)
+    print(
+        f"{bench.name}: {result['elapsed_s']:.1f} s; summary {json.dumps(result['summary'])}",
+        file=sys.stderr,
+    )
+    return result
+
+
+def _write_views(bench: Benchmark, result: dict[str, Any], out: Path) -> None:
+    (out / f"{bench.name}.md").write_text(render_markdown(bench, result))
+    save_plot(bench.plot, result, out / f"{bench.name}.png")
+
+
+def rerender(bench: Benchmark, out: Path) -> dict[str, Any]:
+    """Write NAME.md and NAME.png again from ``out/NAME.json``, measuring nothing."""
+    result: dict[str, Any] = json.loads((out / f"{bench.name}.json").read_text())
+    _write_views(bench, result, out)
+    return result

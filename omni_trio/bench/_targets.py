@@ -1,0 +1,165 @@
+"""The targets of ``shared/design/performance.md``, checked against a benchmark's result."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["TARGETS", "Target", "targets_for"]
+
+Result = dict[str, Any]
+
+#: "Flat" per-request cost: the cost at 10,000 waiting requests at most this many
+#: times the cost at 100. Picked without measurement: an O(n) scan per operation
+#: would make it about 100.
+FLAT_FACTOR = 2.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Target:
+    """One headline figure of one benchmark and its target."""
+
+    bench: str
+    label: str
+    target: str
+    figure: Callable[[Result], str]
+    met: Callable[[Result], bool]
+
+
+def _s(result: Result) -> dict[str, Any]:
+    summary: dict[str, Any] = result["summary"]
+    return summary
+
+
+def _post_abort(result: Result) -> str:
+    s = _s(result)
+    return (
+        f"{s['omni_trio_overhead_pct']:+.2f} % (naive {s['naive_overhead_pct']:+.0f} %,"
+        f" diffusers-interrupt {s['interrupt_overhead_pct']:+.1f} %)"
+    )
+
+
+def _scale(result: Result) -> str:
+    s = _s(result)
+    admit = s["admit_us_per_request"]
+    abort = s["abort_us_per_request"]
+    return (
+        f"admit {admit['100']:.1f} → {admit['10000']:.1f} µs"
+        f" (x{s['admit_ratio_largest_over_100']:.2f}), abort {abort['100']:.1f} →"
+        f" {abort['10000']:.1f} µs (x{s['abort_ratio_largest_over_100']:.2f})"
+    )
+
+
+TARGETS: tuple[Target, ...] = (
+    Target(
+        bench="overhead",
+        label="wall time engine / raw, tiny SD",
+        target="≤ 1.02 with ~10 ms steps",
+        figure=lambda r: (
+            f"{_s(r)['ratio_engine_over_raw']:.3f} ({_s(r)['sd_step_ms']:.1f} ms steps)"
+        ),
+        met=lambda r: _s(r)["ratio_engine_over_raw"] <= 1.02,
+    ),
+    Target(
+        bench="overhead",
+        label="added cost per step, FakeRunner 0 s steps",
+        target="≤ 30 µs",
+        figure=lambda r: f"{_s(r)['per_step_overhead_us']:.1f} µs",
+        met=lambda r: _s(r)["per_step_overhead_us"] <= 30,
+    ),
+    Target(
+        bench="abort",
+        label="running abort, p99",
+        target="≤ 1 step + 2 ms",
+        figure=lambda r: (
+            f"{_s(r)['running_p99_ms']:.2f} ms = {_s(r)['running_p99_steps']:.2f} steps of"
+            f" {_s(r)['step_ms']:.2f} ms"
+        ),
+        met=lambda r: _s(r)["running_p99_ms"] <= _s(r)["running_target_ms"],
+    ),
+    Target(
+        bench="abort",
+        label="running abort minus the step in progress, p99",
+        target="≤ 2 ms (the target, read per abort)",
+        figure=lambda r: (
+            f"{_s(r)['running_p99_ms_over_step_in_progress']:.2f} ms (steps: median"
+            f" {_s(r)['step_ms']:.2f}, p99 {_s(r)['engine_step_p99_ms']:.2f} ms)"
+        ),
+        met=lambda r: _s(r)["running_p99_ms_over_step_in_progress"] <= 2.0,
+    ),
+    Target(
+        bench="abort",
+        label="waiting abort, p99",
+        target="≤ 1 ms",
+        figure=lambda r: f"{_s(r)['waiting_p99_ms']:.3f} ms",
+        met=lambda r: _s(r)["waiting_p99_ms"] <= 1.0,
+    ),
+    Target(
+        bench="post-abort",
+        label="omni_trio post-abort overhead, worse of 64 and 128 px",
+        target="≤ +1 %",
+        figure=_post_abort,
+        met=lambda r: _s(r)["omni_trio_overhead_pct"] <= 1.0,
+    ),
+    Target(
+        bench="leak",
+        label="live tensors after the run",
+        target="0",
+        figure=lambda r: f"{_s(r)['live_tensors']:+.0f}",
+        met=lambda r: _s(r)["live_tensors"] <= 0,
+    ),
+    Target(
+        bench="leak",
+        label="RSS growth",
+        target="≤ 1 MiB",
+        figure=lambda r: f"{_s(r)['rss_growth_mib']:+.2f} MiB",
+        met=lambda r: _s(r)["rss_growth_mib"] <= 1.0,
+    ),
+    Target(
+        bench="batching",
+        label="throughput, batch 4 / batch 1",
+        target="≥ 1.3x",
+        figure=lambda r: f"{_s(r)['throughput_ratio_b4_over_b1']:.2f}x",
+        met=lambda r: _s(r)["throughput_ratio_b4_over_b1"] >= 1.3,
+    ),
+    Target(
+        bench="join",
+        label="wait to join a running batch, p99",
+        target="≤ 1 step",
+        figure=lambda r: (
+            f"{_s(r)['first_step_wait_steps']:.2f} steps (naive"
+            f" {_s(r)['naive_first_step_wait_steps_p50']:.1f} steps)"
+        ),
+        met=lambda r: _s(r)["first_step_wait_steps"] <= 1.0,
+    ),
+    Target(
+        bench="scale",
+        label="cost per request, 100 → 10,000 waiting",
+        target=f"flat (≤ {FLAT_FACTOR:g}x)",
+        figure=_scale,
+        met=lambda r: (
+            max(_s(r)["admit_ratio_largest_over_100"], _s(r)["abort_ratio_largest_over_100"])
+            <= FLAT_FACTOR
+        ),
+    ),
+    Target(
+        bench="preview",
+        label="step time, previews read / off",
+        target="≤ 1.05",
+        figure=lambda r: f"{_s(r)['step_time_ratio_preview_over_off']:.3f}",
+        met=lambda r: _s(r)["step_time_ratio_preview_over_off"] <= 1.05,
+    ),
+    Target(
+        bench="pipeline",
+        label="engine / the pipeline's own call",
+        target="≤ 1.02",
+        figure=lambda r: f"{_s(r)['ratio_engine_over_pipeline']:.3f}",
+        met=lambda r: _s(r)["ratio_engine_over_pipeline"] <= 1.02,
+    ),
+)
+
+
+def targets_for(name: str) -> list[Target]:
+    """The targets of benchmark ``name``."""
+    return [target for target in TARGETS if target.bench == name]
