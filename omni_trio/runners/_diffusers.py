@@ -43,6 +43,11 @@ def _rgb_factors(channels: int) -> torch.Tensor:
     return factors
 
 
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    # A batch of one is the common case: no copy for it.
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
 def latent_preview(latents: torch.Tensor) -> torch.Tensor:
     """A cheap RGB preview ``[N, 3, h, w]`` in [0, 1] of latents ``[N, C, h, w]``, on the CPU."""
     latents = latents.detach().float().cpu()
@@ -136,9 +141,9 @@ class DiffusersRunner:
             for key, value in state.cond.items():
                 cond.setdefault(key, []).append(value)
         output = family.denoise(
-            torch.cat(inputs),
-            torch.cat(steps),
-            {key: torch.cat(values) for key, values in cond.items()},
+            _joined(inputs),
+            _joined(steps),
+            {key: _joined(values) for key, values in cond.items()},
             states[0].shared,
         )
         start = 0
