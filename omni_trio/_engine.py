@@ -33,7 +33,7 @@ from ._handle import RequestHandle
 from ._handoff import LoopInbox
 from ._request import Record, wait_shielded
 from ._types import EngineStatistics, GenerationOutput, RequestStatus, StepEvent
-from ._work import SHUTDOWN, Completed, Died, Exited, Message, Released, Stepped, Taken, WorkItem
+from ._work import SHUTDOWN, Completed, Died, Exited, Message, Released, Stepped, WorkItem
 from ._worker import Worker
 from .runners import Runner, RunnerCapabilities
 
@@ -136,7 +136,6 @@ class Engine:
             )
         self._live[request_id] = record
         self._admitted += 1
-        self._counts[RequestStatus.WAITING] += 1
         return RequestHandle(self, record)
 
     async def generate(
@@ -216,12 +215,23 @@ class Engine:
     # -- statistics ----------------------------------------------------------
 
     def statistics(self) -> EngineStatistics:
-        """Return the counts now; never blocks (L19)."""
+        """Return the counts now; never blocks (L19).
+
+        Terminal counts are the loop's own; ``waiting`` is the queue's length, read
+        under the queue lock (microseconds); ``running`` is the rest, so the five
+        always add up to ``admitted``.
+        """
         counts = self._counts
+        waiting = self._worker.waiting
+        ended = (
+            counts[RequestStatus.COMPLETED]
+            + counts[RequestStatus.ABORTED]
+            + counts[RequestStatus.FAILED]
+        )
         return EngineStatistics(
             admitted=self._admitted,
-            waiting=counts[RequestStatus.WAITING],
-            running=counts[RequestStatus.RUNNING],
+            waiting=waiting,
+            running=self._admitted - ended - waiting,
             completed=counts[RequestStatus.COMPLETED],
             aborted=counts[RequestStatus.ABORTED],
             failed=counts[RequestStatus.FAILED],
@@ -288,10 +298,6 @@ class Engine:
 
     def _apply(self, message: Message[WorkItem]) -> None:
         match message:
-            case Taken(item):
-                record = cast(Record, item)
-                if record.status is RequestStatus.WAITING:
-                    self._set_status(record, RequestStatus.RUNNING)
             case Stepped(item, step, preview):
                 record = cast(Record, item)
                 if not record.status.is_terminal and not record.channel.is_receive_closed:
@@ -328,7 +334,8 @@ class Engine:
         """Make ``record`` terminal: outcome, metrics, wake-ups, tables."""
         if record.status.is_terminal:
             return
-        self._set_status(record, status)
+        self._counts[status] += 1
+        record.terminal_status = status
         metrics = record.metrics = record.build_metrics(status)
         if status is RequestStatus.COMPLETED:
             outcome = GenerationOutput(
@@ -343,11 +350,6 @@ class Engine:
             self._terminal_open[request_id] = handle
         record.channel.close_send()
         record.done.set()
-
-    def _set_status(self, record: Record, status: RequestStatus) -> None:
-        self._counts[record.status] -= 1
-        self._counts[status] += 1
-        record.status = status
 
     def _forget(self, record: Record, handle: RequestHandle) -> None:
         """Free the id of a terminal request whose handle just closed (L3)."""

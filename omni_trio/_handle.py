@@ -20,6 +20,20 @@ if TYPE_CHECKING:
 __all__ = ["RequestHandle"]
 
 
+def _fresh(error: BaseException) -> BaseException:
+    """A new exception equal to the stored ``error``, to raise.
+
+    Raising the stored one would give it a traceback through the caller's frames,
+    which hold the handle: a cycle that keeps the handle, its record and its id
+    alive until the garbage collector runs (L3, L14).
+    """
+    copy = type(error).__new__(type(error))
+    copy.__dict__.update(error.__dict__)
+    copy.args = error.args
+    copy.__cause__ = error.__cause__
+    return copy
+
+
 def _leave_reason(exc: BaseException | None) -> str:
     if isinstance(exc, anyio.get_cancelled_exc_class()):
         return "cancelled"
@@ -151,7 +165,7 @@ class RequestHandle:
             record.outcome = TAKEN
             return outcome
         if isinstance(outcome, BaseException):
-            raise outcome.with_traceback(None)
+            raise _fresh(outcome)
         if outcome is TAKEN:
             raise RuntimeError(f"the output of request {self.request_id!r} was already returned")
         raise anyio.ClosedResourceError  # closed while this call waited

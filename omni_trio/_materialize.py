@@ -20,6 +20,7 @@ from ._work import (
     Post,
     Released,
     WorkItem,
+    discard_quietly,
     discard_state,
     release,
 )
@@ -48,6 +49,7 @@ class Materializer:
         self._post = post
         self._on_fatal = on_fatal
         self._queue: queue.SimpleQueue[WorkItem | None] = queue.SimpleQueue()
+        self._abandon = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=False)
 
     @property
@@ -63,20 +65,41 @@ class Materializer:
         """Queue ``item`` (its steps done) for decoding; never blocks."""
         self._queue.put(item)
 
-    def stop(self) -> None:
-        """Let the thread finish what is queued, then exit."""
+    def stop(self, *, abandon: bool = False) -> None:
+        """Let the thread finish what is queued, then exit.
+
+        With ``abandon`` (the engine died), queued requests are discarded undecoded.
+        """
+        self._abandon = abandon
         self._queue.put(None)
 
+    def discard_leftovers(self) -> None:
+        """Discard what a dead thread left queued; call after joining it."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                discard_quietly(self._runner, item)
+
     def _run(self) -> None:
-        try:
-            while (item := self._queue.get()) is not None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
                 self._materialize(item)
+            except BaseException as exc:
+                discard_quietly(self._runner, item)
+                self._on_fatal(exc)
+                return
+            finally:
+                # An idle thread must not keep the last request alive (L14).
                 del item
-        except BaseException as exc:
-            self._on_fatal(exc)
 
     def _materialize(self, item: WorkItem) -> None:
-        if _cut(item):
+        if self._abandon or _cut(item):
             release(self._runner, item, self._post, None)
             return
         started = time.perf_counter()

@@ -7,9 +7,12 @@
        └──withdrawn from the queue─────┼─┴──runner raised─────────────▶ FAILED
           (abort, shutdown) ──▶ ABORTED└──worker died──────────────────▶ FAILED
 
-Every transition happens in the event loop's thread, in ``Engine``. A record is
-terminal exactly when the engine's threads hold nothing of it any more, so waiting
-for ``done`` is waiting for the release (L8, L11).
+The worker takes a request under the queue lock and marks it ``taken`` there, so
+WAITING and RUNNING are never stale: a request that reads WAITING is still in the
+queue, and an abort then withdraws it (L6). Every terminal transition happens in the
+event loop's thread, in ``Engine``. A record is terminal exactly when the engine's
+threads hold nothing of it any more, so waiting for ``done`` is waiting for the
+release (L8, L11).
 """
 
 from __future__ import annotations
@@ -48,10 +51,10 @@ class Record(WorkItem):
         "handle_ref",
         "metrics",
         "outcome",
-        "status",
         "t_abort",
         "t_admitted",
         "t_terminal",
+        "terminal_status",
     )
 
     def __init__(
@@ -63,7 +66,9 @@ class Record(WorkItem):
         event_buffer: int,
     ) -> None:
         super().__init__(request, request_id, batch_key)
-        self.status = RequestStatus.WAITING
+        # Set once, by the engine, when the request ends; before that the status
+        # is WAITING or RUNNING according to the worker's ``taken`` flag.
+        self.terminal_status: RequestStatus | None = None
         self.channel: CoalescingChannel[StepEvent] = CoalescingChannel(event_buffer)
         self.outcome: GenerationOutput | BaseException | _Taken | None = None
         self.metrics: RequestMetrics | None = None
@@ -72,6 +77,13 @@ class Record(WorkItem):
         self.t_admitted = time.perf_counter()
         self.t_abort: float | None = None
         self.t_terminal: float | None = None
+
+    @property
+    def status(self) -> RequestStatus:
+        """Terminal once the engine ended it; RUNNING from the moment the worker took it."""
+        if self.terminal_status is not None:
+            return self.terminal_status
+        return RequestStatus.RUNNING if self.taken else RequestStatus.WAITING
 
     def build_metrics(self, status: RequestStatus) -> RequestMetrics:
         """Fill the metrics now, as the request becomes terminal with ``status``."""

@@ -7,7 +7,9 @@ timestamps). Threads never touch event-loop objects; they post ``Message``\\s.
 
 from __future__ import annotations
 
+import contextlib
 import time
+import traceback
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -28,8 +30,8 @@ __all__ = [
     "Message",
     "Released",
     "Stepped",
-    "Taken",
     "WorkItem",
+    "discard_quietly",
     "discard_state",
     "release",
 ]
@@ -77,6 +79,7 @@ class WorkItem:
         "t_denoised",
         "t_released",
         "t_taken",
+        "taken",
         "token",
     )
 
@@ -87,6 +90,9 @@ class WorkItem:
         self.token = CancelToken()
         # Set by the event loop while a consumer iterates the handle (previews).
         self.reading = False
+        # Set by the worker, under the queue lock, when it takes the item: from
+        # then on the request is running, whatever messages are still in flight.
+        self.taken = False
         # Owned by whichever engine thread holds the item.
         self.state: object | None = None
         self.steps_done = 0
@@ -99,13 +105,6 @@ class WorkItem:
 
 
 W = TypeVar("W", bound=WorkItem)
-
-
-@dataclass(frozen=True, slots=True)
-class Taken(Generic[W]):
-    """The worker took the request from the waiting queue."""
-
-    item: W
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +148,7 @@ class Exited:
     """Every engine thread has finished; the runner is closed."""
 
 
-Message = Taken[W] | Stepped[W] | Completed[W] | Released[W] | Died | Exited
+Message = Stepped[W] | Completed[W] | Released[W] | Died | Exited
 Post = Callable[[Any], None]
 
 
@@ -166,7 +165,18 @@ def discard_state(runner: Runner[Any], item: WorkItem) -> Exception | None:
     return None
 
 
+def discard_quietly(runner: Runner[Any], item: WorkItem) -> None:
+    """Discard ``item``'s state when the engine is dying: free what we can, report nothing."""
+    with contextlib.suppress(BaseException):
+        discard_state(runner, item)
+
+
 def release(runner: Runner[Any], item: WorkItem, post: Post, error: Exception | None) -> None:
     """Discard ``item``'s state and post how it ended (failed if anything raised)."""
-    discard_error = discard_state(runner, item)
-    post(Released(item, error or discard_error))
+    discard_error = discard_state(runner, item)  # always, failed or not
+    error = error or discard_error
+    if error is not None:
+        # The request's error keeps the runner's exception as its cause; its
+        # frames must not keep the runner's locals (batch states, tensors) alive.
+        traceback.clear_frames(error.__traceback__)
+    post(Released(item, error))

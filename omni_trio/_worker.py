@@ -19,7 +19,7 @@ from typing import Any, cast
 
 from ._materialize import Materializer
 from ._scheduler import WaitingQueue
-from ._work import SHUTDOWN, Died, Exited, Post, Stepped, Taken, WorkItem, release
+from ._work import SHUTDOWN, Died, Exited, Post, Stepped, WorkItem, discard_quietly, release
 from .runners import Runner
 from .runners._protocol import StopRun, WholeCallRunner
 
@@ -54,8 +54,9 @@ class Worker:
 
     @property
     def waiting(self) -> int:
-        """How many items wait in the queue."""
-        return len(self._queue)
+        """How many items wait in the queue (not yet taken)."""
+        with self._cond:
+            return len(self._queue)
 
     def start(self) -> None:
         """Start the threads."""
@@ -103,25 +104,20 @@ class Worker:
         running: list[WorkItem] = []
         died = False
         try:
-            while True:
-                admitted, dropped, stop = self._boundary(running)
-                for item in dropped:
-                    release(self._runner, item, self._post, None)
-                del dropped
-                if stop:
-                    break
-                for item in admitted:
-                    self._prepare(item, running)
-                del admitted
+            while not self._serve_boundary(running):
                 if running:
                     self._step(running)
         except BaseException as exc:
             died = True
+            # The engine fails every request; free what the runner holds for them.
+            for item in running:
+                discard_quietly(self._runner, item)
             self._post(Died(exc))
         finally:
             running.clear()
-            self._materializer.stop()
+            self._materializer.stop(abandon=died or self._fatal is not None)
             self._materializer.thread.join()
+            self._materializer.discard_leftovers()
             try:
                 self._runner.close()
             except BaseException as exc:
@@ -131,6 +127,19 @@ class Worker:
             if self._fatal is not None and not died:
                 self._post(Died(self._fatal))
             self._post(Exited())
+
+    def _serve_boundary(self, running: list[WorkItem]) -> bool:
+        """Drop, admit and prepare at a step boundary; return whether to stop.
+
+        A method of its own so that no loop variable outlives it: an idle worker
+        holds no request (L14).
+        """
+        admitted, dropped, stop = self._boundary(running)
+        for item in dropped:
+            release(self._runner, item, self._post, None)
+        for item in admitted:
+            self._prepare(item, running)
+        return stop
 
     def _boundary(self, running: list[WorkItem]) -> tuple[list[WorkItem], list[WorkItem], bool]:
         with self._cond:
@@ -152,13 +161,14 @@ class Worker:
                     free=self._max_batch - len(running),
                     can_join=self._can_join,
                 )
+                for item in admitted:
+                    item.taken = True
                 if running or admitted or dropped:
                     return admitted, dropped, False
                 self._cond.wait()
 
     def _prepare(self, item: WorkItem, running: list[WorkItem]) -> None:
         item.t_taken = started = time.perf_counter()
-        self._post(Taken(item))
         try:
             item.state = self._runner.prepare(item.request, item.request_id)
         except Exception as exc:

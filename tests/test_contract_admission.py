@@ -23,14 +23,22 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_submit_admits_synchronously() -> None:
-    """L1: when submit returns, the request waits in the queue (statistics say so)."""
+    """L1: when submit returns, the request waits in the queue (statistics say so).
+
+    The worker is kept busy with a first request (batches of one), so it cannot take
+    the second one while the test looks.
+    """
+    runner = GatedRunner()
     with anyio.fail_after(BUDGET):
-        async with ot.open_engine(FakeRunner()) as engine:
-            async with engine.submit(req(), request_id="r1") as handle:
+        async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=1)) as engine:
+            busy = engine.submit(req(), request_id="busy")
+            await runner.wait_arrived(1)
+            async with busy, engine.submit(req(), request_id="r1") as handle:
                 stats = engine.statistics()
-                assert (stats.admitted, stats.waiting) == (1, 1)
+                assert (stats.admitted, stats.waiting, stats.running) == (2, 1, 1)
                 assert handle.status is ot.RequestStatus.WAITING
                 assert handle.request_id == "r1"
+                runner.open_gate()
                 await handle.result()
 
 

@@ -15,15 +15,27 @@ from ._checks import wait_until as wait_until
 from ._fake import FakeRunner as FakeRunner
 from ._fake import FakeState as FakeState
 from ._fake import GatedRunner as GatedRunner
+from ._invariants import RequestLedger as RequestLedger
+from ._invariants import RunnerCounters as RunnerCounters
+from ._invariants import assert_nothing_left as assert_nothing_left
+from ._invariants import check_engine_invariants as check_engine_invariants
+from ._invariants import engine_settled as engine_settled
+from ._invariants import rss_bytes as rss_bytes
 
 __all__ = [
     "ENGINE_THREAD_PREFIX",
     "FakeRunner",
     "FakeState",
     "GatedRunner",
+    "RequestLedger",
+    "RunnerCounters",
     "assert_engine_idle",
     "assert_no_engine_threads",
+    "assert_nothing_left",
+    "check_engine_invariants",
+    "engine_settled",
     "engine_threads",
     "live_objects",
+    "rss_bytes",
     "wait_until",
 ]

@@ -5,13 +5,14 @@ built on omni_trio can run the same ones:
 
 - ``check_engine_invariants(engine, runner)``: what must hold at *every* moment
   the event loop looks (L14, L19), whatever the engine's threads are doing.
-- ``engine_settled(engine, runner)``: whether the engine's threads are parked, so
-  that exact equalities (runner states == states the engine holds) can be asserted.
+- ``engine_settled(engine, runner)``: whether no request is between two states,
+  so that exact equalities (runner states == running requests) can be asserted.
 - ``RequestLedger``: follows every request through its handle and asserts that it
   ends exactly once, that nothing is delivered after its end, and that the
   statistics count each request where its handle says it is (L15, L17, L19).
 - ``assert_nothing_left(engine, runner)``: after shutdown, nothing is alive (L35).
-- ``rss_bytes()``: the process's resident memory now, for soak tests.
+- ``rss_bytes(trim=True)``: the process's resident memory now, for soak tests.
+- ``RunnerCounters``: the protocol of the runner counters these read.
 
 All of them must be called from the event loop's thread (the thread that runs the
 engine), never from a runner.
@@ -131,7 +132,7 @@ def check_engine_invariants(
 
 
 def engine_settled(engine: Engine, runner: RunnerCounters | None = None) -> bool:
-    """Return whether no request is between two states, and every posted change applied.
+    """Return whether no request of ``engine`` is between two states.
 
     Settled means: no request is taken but not yet running, nor released or
     decoded but not yet terminal; and with ``runner``, the runner holds exactly
@@ -186,12 +187,20 @@ def assert_nothing_left(
             assert runner.live_states == 0, f"{runner.live_states} runner states never discarded"
 
 
-def rss_bytes() -> int:
+def rss_bytes(*, trim: bool = False) -> int:
     """Return this process's resident set size in bytes.
 
     Reads ``/proc/self/statm`` (Linux); elsewhere falls back to the peak RSS from
     ``getrusage``, which only ever grows (so a growth check stays conservative).
+
+    Args:
+        trim: first hand the C allocator's free memory back to the system (glibc's
+            ``malloc_trim``; a no-op elsewhere), so that the reading follows live
+            memory rather than what the allocator happens to keep cached. Call
+            ``gc.collect()`` before, too.
     """
+    if trim:
+        _malloc_trim()
     try:
         with open("/proc/self/statm", "rb") as statm:
             resident_pages = int(statm.read().split()[1])
@@ -204,6 +213,21 @@ def rss_bytes() -> int:
     return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
+def _malloc_trim() -> None:
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return  # not glibc
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+
+
 @dataclass(eq=False, slots=True)
 class _Entry:
     record: Record
@@ -212,6 +236,7 @@ class _Entry:
     metrics: RequestMetrics | None = None
     last_step: int = 0
     outputs: int = 0
+    reason: str | None = None  # why it is ending early, once it is
     # After the end: events buffered then, minus the ones read since.
     buffered_at_end: int | None = None
     read_since_end: int = 0
@@ -228,6 +253,7 @@ class RequestLedger:
 
     Checked per request:
 
+    - L8, L11: the reason a request ends early, once given, never changes.
     - L15: the status changes only forward and, once terminal, never again; the
       metrics appear with the terminal status (L17) and are never replaced; no step
       event is buffered after the end, and the events read are the request's own,
@@ -352,6 +378,11 @@ class RequestLedger:
         record = entry.record
         status = record.status
         request_id = record.request_id
+        # L8, L11: the first reason to end a request early wins; nothing changes it.
+        reason = record.token.reason
+        if entry.reason is not None:
+            assert reason == entry.reason, f"{request_id!r}: reason {entry.reason!r} -> {reason!r}"
+        entry.reason = reason
         if entry.status.is_terminal:
             assert status is entry.status, f"L15: {request_id!r} ended twice: {entry.status}"
             assert record.metrics is entry.metrics, f"L17: {request_id!r} metrics replaced"
