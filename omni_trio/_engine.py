@@ -59,6 +59,7 @@ class Engine:
             runner,
             max_batch_size=config.max_batch_size,
             post=self._inbox.post,
+            post_quietly=self._inbox.post_quietly,
             name=f"omni-trio-{next(_engine_numbers)}",
         )
         # Non-terminal requests by id: the engine drives them, so it holds them.

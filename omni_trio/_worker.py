@@ -29,10 +29,19 @@ __all__ = ["Worker"]
 class Worker:
     """Owns the waiting queue, the step-loop thread and the materializer thread."""
 
-    def __init__(self, runner: Runner[Any], *, max_batch_size: int, post: Post, name: str) -> None:
+    def __init__(
+        self,
+        runner: Runner[Any],
+        *,
+        max_batch_size: int,
+        post: Post,
+        post_quietly: Post,
+        name: str,
+    ) -> None:
         capabilities = runner.capabilities
         self._runner = runner
         self._post = post
+        self._post_quietly = post_quietly
         self._max_batch = min(max_batch_size, capabilities.max_batch_size)
         self._can_join = capabilities.can_join
         self._previews = capabilities.previews
@@ -214,7 +223,9 @@ class Worker:
             preview = self._preview(item)
         except Exception as exc:
             return exc
-        self._post(Stepped(item, item.steps_done, preview))
+        # Nobody reads this request's events (yet): do not wake the loop for it.
+        post = self._post if item.reading else self._post_quietly
+        post(Stepped(item, item.steps_done, preview))
         return None
 
     def _denoised(self, item: WorkItem) -> None:
