@@ -9,6 +9,7 @@ naive peer (every request a whole pipeline call behind one lock) on the same bur
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,38 +112,16 @@ def plot_pipeline(result: dict[str, Any], path: Path) -> None:
         )
 
 
-async def _burst(pipe: Any, requests: int, batch: int, steps: int) -> dict[str, float]:
-    latencies: list[float] = []
-    config = EngineConfig(max_batch_size=batch)
-    async with open_engine(DiffusersRunner(pipe, max_batch_size=batch), config) as engine:
-        await engine.generate(sd_request(2, SIZE))  # warm-up
-        started = time.perf_counter()
-
-        async def one(seed: int) -> None:
-            begun = time.perf_counter()
-            await engine.generate(sd_request(steps, SIZE, seed))
-            latencies.append(time.perf_counter() - begun)
-
-        async with anyio.create_task_group() as group:
-            for seed in range(requests):
-                group.start_soon(one, seed)
-        wall = time.perf_counter() - started
-    return {
-        "throughput_rps": requests / wall,
-        "p50_s": percentile(latencies, 50),
-        "p99_s": percentile(latencies, 99),
-    }
-
-
-async def _naive_burst(pipe: Any, requests: int, steps: int) -> dict[str, float]:
-    peer = LockedPipeline(pipe, interrupt=False)
-    await peer.run(Call(sd_request(2, SIZE), observe=False))  # warm-up
+async def _timed_burst(
+    run_one: Callable[[int], Awaitable[object]], requests: int
+) -> dict[str, float]:
+    """Start ``requests`` calls of ``run_one(seed)`` at once; throughput and latency."""
     latencies: list[float] = []
     started = time.perf_counter()
 
     async def one(seed: int) -> None:
         begun = time.perf_counter()
-        await peer.run(Call(sd_request(steps, SIZE, seed), observe=False))
+        await run_one(seed)
         latencies.append(time.perf_counter() - begun)
 
     async with anyio.create_task_group() as group:
@@ -154,6 +133,23 @@ async def _naive_burst(pipe: Any, requests: int, steps: int) -> dict[str, float]
         "p50_s": percentile(latencies, 50),
         "p99_s": percentile(latencies, 99),
     }
+
+
+async def _burst(pipe: Any, requests: int, batch: int, steps: int) -> dict[str, float]:
+    config = EngineConfig(max_batch_size=batch)
+    async with open_engine(DiffusersRunner(pipe, max_batch_size=batch), config) as engine:
+        await engine.generate(sd_request(2, SIZE))  # warm-up
+        return await _timed_burst(
+            lambda seed: engine.generate(sd_request(steps, SIZE, seed)), requests
+        )
+
+
+async def _naive_burst(pipe: Any, requests: int, steps: int) -> dict[str, float]:
+    peer = LockedPipeline(pipe, interrupt=False)
+    await peer.run(Call(sd_request(2, SIZE), observe=False))  # warm-up
+    return await _timed_burst(
+        lambda seed: peer.run(Call(sd_request(steps, SIZE, seed), observe=False)), requests
+    )
 
 
 def _burst_spread(results: list[dict[str, float]]) -> dict[str, Any]:
