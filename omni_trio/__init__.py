@@ -3,12 +3,51 @@
 Every request lives in a scope; the denoise loop runs in one owned worker thread
 per device and checks a cancellation token at every step boundary; each request's
 events travel over its own channel. See ``open_engine``.
+
+General layout
+--------------
+
+Public names are re-exported here from private modules; ``import omni_trio`` loads
+neither torch nor diffusers.
+
+The data (no threads, no event loop):
+
+- ``_errors``: the exception tree.
+- ``_validate``: field checks shared by the validated dataclasses.
+- ``_config``: ``EngineConfig``.
+- ``_request``: ``GenerationRequest``.
+- ``_outputs``: what the engine hands out: ``RequestStatus``, ``StepEvent``,
+  ``GenerationOutput``, ``RequestMetrics``, ``EngineStatistics``.
+- ``_runner``: the ``Runner`` protocol, the seam to a model (``runners/`` holds the
+  diffusers implementations).
+
+The loop side (runs in the event loop's thread only):
+
+- ``_engine``: ``open_engine`` and ``Engine``: admission, abort, statistics, the
+  shutdown sequence, and ``_dispatch``, where every state change happens.
+- ``_record``: ``Record``, one admission as the loop sees it, and its state machine.
+- ``_handle``: ``RequestHandle``, the consumer's side of one record.
+- ``_channel``: the per-request coalescing channel.
+
+The thread side (runs in the engine's own threads only):
+
+- ``_worker``: the step loop, one owned thread per device.
+- ``_materialize``: decode and copy to host, off the step loop.
+- ``_scheduler``: the waiting queue and batch formation (pure, synchronous).
+
+The seam between them:
+
+- ``_workitem``: ``WorkItem``, a request as the threads see it, and its cancel token
+  (set by the loop, read by the threads at every step boundary).
+- ``_messages``: what the threads post to the loop (stepped, completed, released,
+  died, exited).
+- ``_inbox``: the thread-to-loop hand-off that carries those messages without ever
+  blocking a thread.
 """
 
 from __future__ import annotations
 
 from ._config import EngineConfig as EngineConfig
-from ._config import GenerationRequest as GenerationRequest
 from ._engine import Engine as Engine
 from ._engine import open_engine as open_engine
 from ._errors import DuplicateRequestError as DuplicateRequestError
@@ -21,11 +60,12 @@ from ._errors import RequestAbortedError as RequestAbortedError
 from ._errors import RequestError as RequestError
 from ._errors import RequestFailedError as RequestFailedError
 from ._handle import RequestHandle as RequestHandle
-from ._types import EngineStatistics as EngineStatistics
-from ._types import GenerationOutput as GenerationOutput
-from ._types import RequestMetrics as RequestMetrics
-from ._types import RequestStatus as RequestStatus
-from ._types import StepEvent as StepEvent
+from ._outputs import EngineStatistics as EngineStatistics
+from ._outputs import GenerationOutput as GenerationOutput
+from ._outputs import RequestMetrics as RequestMetrics
+from ._outputs import RequestStatus as RequestStatus
+from ._outputs import StepEvent as StepEvent
+from ._request import GenerationRequest as GenerationRequest
 
 __version__ = "0.1.0"
 

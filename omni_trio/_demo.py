@@ -8,10 +8,11 @@ from typing import Any, TextIO
 
 import anyio
 
-from ._config import EngineConfig, GenerationRequest
+from ._config import EngineConfig
 from ._engine import open_engine
 from ._errors import RequestAbortedError
-from ._types import RequestMetrics, StepEvent
+from ._outputs import RequestMetrics, StepEvent
+from ._request import GenerationRequest
 
 __all__ = ["add_demo_arguments", "run_demo"]
 

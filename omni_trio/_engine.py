@@ -19,7 +19,7 @@ from typing import Any, TypeVar, assert_never, cast
 import anyio
 import anyio.lowlevel
 
-from ._config import EngineConfig, GenerationRequest
+from ._config import EngineConfig
 from ._errors import (
     DuplicateRequestError,
     EngineClosedError,
@@ -30,12 +30,14 @@ from ._errors import (
     RequestFailedError,
 )
 from ._handle import RequestHandle
-from ._handoff import LoopInbox
-from ._request import Record, wait_shielded
-from ._types import EngineStatistics, GenerationOutput, RequestStatus, StepEvent
-from ._work import SHUTDOWN, Completed, Died, Exited, Message, Released, Stepped, WorkItem
+from ._inbox import LoopInbox
+from ._messages import Completed, Died, Exited, Message, Released, Stepped
+from ._outputs import EngineStatistics, GenerationOutput, RequestStatus, StepEvent
+from ._record import Record, wait_shielded
+from ._request import GenerationRequest
+from ._runner import Runner, RunnerCapabilities
 from ._worker import Worker
-from .runners import Runner, RunnerCapabilities
+from ._workitem import SHUTDOWN, WorkItem
 
 __all__ = ["Engine", "open_engine"]
 

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.lowlevel
 
-from ._request import TAKEN, Record, wait_shielded
-from ._types import GenerationOutput, RequestMetrics, RequestStatus, StepEvent
+from ._outputs import GenerationOutput, RequestMetrics, RequestStatus, StepEvent
+from ._record import TAKEN, Record, wait_shielded
 
 if TYPE_CHECKING:
     from ._engine import Engine

@@ -14,17 +14,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._work import (
-    SHUTDOWN,
-    Completed,
-    Post,
-    Released,
-    WorkItem,
-    discard_quietly,
-    discard_state,
-    release,
-)
-from .runners import Runner
+from ._messages import Completed, Post, Released, discard_quietly, discard_state, release
+from ._runner import Runner
+from ._workitem import SHUTDOWN, WorkItem
 
 __all__ = ["Materializer"]
 

@@ -1,133 +1,76 @@
-"""The per-request record: the loop-side half of an admission and its state machine.
+"""What to generate: ``GenerationRequest``, validated at construction.
 
-::
-
-    WAITING ──taken by the worker──▶ RUNNING ──output ready──▶ COMPLETED
-       │                               │ ├──token seen at a boundary──▶ ABORTED
-       └──withdrawn from the queue─────┼─┴──runner raised─────────────▶ FAILED
-          (abort, shutdown) ──▶ ABORTED└──worker died──────────────────▶ FAILED
-
-The worker takes a request under the queue lock and marks it ``taken`` there, so
-WAITING and RUNNING are never stale: a request that reads WAITING is still in the
-queue, and an abort then withdraws it (L6). Every terminal transition happens in the
-event loop's thread, in ``Engine``. A record is terminal exactly when the engine's
-threads hold nothing of it any more, so waiting for ``done`` is waiting for the
-release (L8, L11).
+Validation that needs no engine (types, signs, finiteness) happens when the
+dataclass is built; the limits of an engine (``EngineConfig``) and of its runner
+(``RunnerCapabilities``) are checked by ``Engine.submit``. Every failure raises
+``InvalidRequestError`` naming the field.
 """
 
 from __future__ import annotations
 
-import time
-import weakref
-from collections.abc import Hashable
-from typing import TYPE_CHECKING
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
-import anyio
+from ._validate import check_float, check_int, fail_request
 
-from ._channel import CoalescingChannel
-from ._config import GenerationRequest
-from ._types import GenerationOutput, RequestMetrics, RequestStatus, StepEvent
-from ._work import WorkItem
+__all__ = ["GenerationRequest"]
 
-if TYPE_CHECKING:
-    from ._handle import RequestHandle
-
-__all__ = ["Record", "wait_shielded"]
+_SEED_LIMIT = 2**64
 
 
-class _Taken:
-    """Marks an output that ``result()`` already returned."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerationRequest:
+    """What to generate: one prompt, one size, one seed.
 
+    Args:
+        prompt: the text prompt.
+        negative_prompt: what to steer away from, where the runner supports it.
+        num_steps: denoise steps, >= 1.
+        height: image height in pixels.
+        width: image width in pixels.
+        guidance_scale: classifier-free guidance scale (finite).
+        seed: the random seed; ``None`` lets the runner pick one.
+        num_images: images generated for this prompt.
+        preview_every: send a preview with every n-th step event (0: never).
+        extra: runner-specific options; keys the runner does not know are refused.
 
-TAKEN = _Taken()
-
-
-class Record(WorkItem):
-    """One admission: the worker's ``WorkItem`` plus what the event loop owns."""
-
-    __slots__ = (
-        "channel",
-        "done",
-        "handle_ref",
-        "metrics",
-        "outcome",
-        "t_abort",
-        "t_admitted",
-        "t_terminal",
-        "terminal_status",
-    )
-
-    def __init__(
-        self,
-        request: GenerationRequest,
-        request_id: str,
-        batch_key: Hashable,
-        *,
-        event_buffer: int,
-    ) -> None:
-        super().__init__(request, request_id, batch_key)
-        # Set once, by the engine, when the request ends; before that the status
-        # is WAITING or RUNNING according to the worker's ``taken`` flag.
-        self.terminal_status: RequestStatus | None = None
-        self.channel: CoalescingChannel[StepEvent] = CoalescingChannel(event_buffer)
-        self.outcome: GenerationOutput | BaseException | _Taken | None = None
-        self.metrics: RequestMetrics | None = None
-        self.done = anyio.Event()
-        self.handle_ref: weakref.ref[RequestHandle] | None = None
-        self.t_admitted = time.perf_counter()
-        self.t_abort: float | None = None
-        self.t_terminal: float | None = None
-
-    @property
-    def status(self) -> RequestStatus:
-        """Terminal once the engine ended it; RUNNING from the moment the worker took it."""
-        if self.terminal_status is not None:
-            return self.terminal_status
-        return RequestStatus.RUNNING if self.taken else RequestStatus.WAITING
-
-    def build_metrics(self, status: RequestStatus) -> RequestMetrics:
-        """Fill the metrics now, as the request becomes terminal with ``status``."""
-        now = self.t_terminal = time.perf_counter()
-        taken = self.t_taken
-        denoised = self.t_denoised
-        released = self.t_released if self.t_released is not None else now
-        stages: dict[str, float] = {}
-        if taken is not None:
-            stages["encode"] = self.prepare_s
-            if self.steps_done:
-                stages["denoise"] = self.denoise_s
-        if self.decode_s:
-            stages["decode"] = self.decode_s
-        abort_latency = None
-        if status is RequestStatus.ABORTED and self.t_abort is not None:
-            abort_latency = max(0.0, released - self.t_abort)
-        return RequestMetrics(
-            queue_wait_s=(taken if taken is not None else now) - self.t_admitted,
-            exec_s=0.0 if taken is None else (denoised or released) - taken,
-            output_ready_wait_s=0.0 if denoised is None else now - denoised,
-            stage_durations=stages,
-            steps_done=self.steps_done,
-            total_s=now - self.t_admitted,
-            abort_latency_s=abort_latency,
-        )
-
-
-async def wait_shielded(event: anyio.Event) -> None:
-    """Wait for ``event`` even while the caller is being cancelled.
-
-    An anyio shield does not stop a native asyncio ``Task.cancel()`` (Ray Serve and
-    Starlette use it): it raises ``CancelledError`` inside the shield. Such a
-    cancellation is held until the event is set, then re-raised, never dropped.
-
-    Cancellation:
-        Deferred until ``event`` is set, then propagated.
+    Raises:
+        InvalidRequestError: a field has a wrong type or value; ``field`` names it.
     """
-    pending: BaseException | None = None
-    with anyio.CancelScope(shield=True):
-        while not event.is_set():
-            try:
-                await event.wait()
-            except anyio.get_cancelled_exc_class() as exc:
-                pending = exc
-    if pending is not None:
-        raise pending
+
+    prompt: str = ""
+    negative_prompt: str | None = None
+    num_steps: int = 30
+    height: int = 512
+    width: int = 512
+    guidance_scale: float = 7.5
+    seed: int | None = None
+    num_images: int = 1
+    preview_every: int = 0
+    extra: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        fail = fail_request
+        if not isinstance(self.prompt, str):
+            fail("prompt", f"must be a str, got {type(self.prompt).__name__}")
+        if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
+            fail("negative_prompt", "must be a str or None")
+        for name in ("num_steps", "height", "width", "num_images"):
+            check_int(fail, name, getattr(self, name), minimum=1)
+        check_int(fail, "preview_every", self.preview_every, minimum=0)
+        scale = check_float(fail, "guidance_scale", self.guidance_scale, minimum=-math.inf)
+        object.__setattr__(self, "guidance_scale", scale)
+        if self.seed is not None:
+            check_int(fail, "seed", self.seed, minimum=0)
+            if self.seed >= _SEED_LIMIT:
+                fail("seed", "must be < 2**64")
+        if not isinstance(self.extra, Mapping):
+            fail("extra", f"must be a mapping, got {type(self.extra).__name__}")
+        for key in self.extra:
+            if not isinstance(key, str):
+                fail("extra", f"keys must be str, got {key!r}")
+        # A private copy: a caller mutating its dict later must not change an
+        # admitted request.
+        object.__setattr__(self, "extra", MappingProxyType(dict(self.extra)))

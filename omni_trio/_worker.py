@@ -18,10 +18,10 @@ import time
 from typing import Any, cast
 
 from ._materialize import Materializer
+from ._messages import Died, Exited, Post, Stepped, discard_quietly, release
+from ._runner import Runner, StopRun, WholeCallRunner
 from ._scheduler import WaitingQueue
-from ._work import SHUTDOWN, Died, Exited, Post, Stepped, WorkItem, discard_quietly, release
-from .runners import Runner
-from .runners._protocol import StopRun, WholeCallRunner
+from ._workitem import SHUTDOWN, WorkItem
 
 __all__ = ["Worker"]
 

@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
 import omni_trio as ot
-from omni_trio._request import Record
+from omni_trio._record import Record
 from omni_trio.testing import FakeState, GatedRunner, assert_engine_idle, wait_until
 
 # Public in omni_trio.testing once re-exported; imported from the module meanwhile.

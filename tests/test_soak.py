@@ -34,7 +34,7 @@ import pytest
 import torch
 
 import omni_trio as ot
-from omni_trio._work import WorkItem
+from omni_trio._workitem import WorkItem
 from omni_trio.testing import FakeRunner, FakeState, assert_engine_idle, live_objects
 
 # Public in omni_trio.testing once re-exported; imported from the module meanwhile.

@@ -29,10 +29,11 @@ from typing import Any
 import anyio
 import torch
 
-from .._config import EngineConfig, GenerationRequest
+from .._config import EngineConfig
 from .._engine import Engine, open_engine
-from .._request import Record
-from .._types import GenerationOutput, StepEvent
+from .._outputs import GenerationOutput, StepEvent
+from .._record import Record
+from .._request import GenerationRequest
 from ..runners import DiffusersRunner
 from ..testing import live_objects
 from ._common import Options, fmt, live_tensor_count, md_table, rss_bytes, shared_pipeline

@@ -23,8 +23,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .._config import EngineConfig, GenerationRequest
+from .._config import EngineConfig
 from .._engine import Engine, open_engine
+from .._request import GenerationRequest
 from ..runners import DiffusersRunner
 from ..testing import FakeRunner
 from ._common import Options, fmt, md_table, shared_pipeline, spread

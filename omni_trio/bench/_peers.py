@@ -28,7 +28,7 @@ from typing import Any
 import anyio
 import torch
 
-from .._config import GenerationRequest
+from .._request import GenerationRequest
 from ..runners import DiffusersRunner
 from ..runners._families import RequestState
 

@@ -16,8 +16,9 @@ from typing import Any
 import anyio
 import torch
 
-from .._config import EngineConfig, GenerationRequest
+from .._config import EngineConfig
 from .._engine import open_engine
+from .._request import GenerationRequest
 from ..runners import DiffusersRunner
 from ._common import Options, fmt, md_table, percentile, shared_pipeline, spread
 from ._peers import Call, LockedPipeline, call_kwargs, sd_request

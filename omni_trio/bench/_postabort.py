@@ -25,8 +25,8 @@ from typing import Any
 
 import anyio
 
-from .._config import GenerationRequest
 from .._engine import Engine, open_engine
+from .._request import GenerationRequest
 from ..runners import DiffusersRunner
 from ._common import Options, fmt, md_table, shared_pipeline, spread
 from ._peers import Call, LockedPipeline, run_raw, sd_request, start_call

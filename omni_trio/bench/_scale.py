@@ -20,9 +20,10 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-from .._config import EngineConfig, GenerationRequest
+from .._config import EngineConfig
 from .._engine import Engine, open_engine
 from .._handle import RequestHandle
+from .._request import GenerationRequest
 from ..testing import GatedRunner
 from ._common import Options, fmt, md_table, spread
 from ._plot import PEER_COLORS, figure

@@ -9,13 +9,13 @@
 
 from __future__ import annotations
 
+from .._runner import Runner as Runner
+from .._runner import RunnerCapabilities as RunnerCapabilities
+from .._runner import StopRun as StopRun
+from .._runner import WholeCallRunner as WholeCallRunner
 from ._call import PipelineCallRunner as PipelineCallRunner
 from ._call import runner_for as runner_for
 from ._diffusers import DiffusersRunner as DiffusersRunner
-from ._protocol import Runner as Runner
-from ._protocol import RunnerCapabilities as RunnerCapabilities
-from ._protocol import StopRun as StopRun
-from ._protocol import WholeCallRunner as WholeCallRunner
 from ._tiny import TINY_KINDS as TINY_KINDS
 from ._tiny import tiny_pipeline as tiny_pipeline
 

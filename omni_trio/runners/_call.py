@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._config import GenerationRequest
+from .._request import GenerationRequest
+from .._runner import Runner, RunnerCapabilities
 from ._diffusers import DiffusersRunner, latent_preview
 from ._families import is_supported
-from ._protocol import Runner, RunnerCapabilities
 
 __all__ = ["PipelineCallRunner", "runner_for"]
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from .._config import GenerationRequest
+from .._request import GenerationRequest
+from .._runner import RunnerCapabilities
 from ._families import RequestState, family_for
-from ._protocol import RunnerCapabilities
 
 __all__ = ["DiffusersRunner", "latent_preview"]
 

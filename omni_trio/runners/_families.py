@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._config import GenerationRequest
+from .._request import GenerationRequest
 
 __all__ = ["Family", "RequestState", "family_for", "is_supported", "supported_pipelines"]
 

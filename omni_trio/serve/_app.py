@@ -20,8 +20,8 @@ from starlette.routing import Route
 
 from .._config import EngineConfig
 from .._engine import Engine, open_engine
-from .._types import EngineStatistics
-from ..runners import Runner
+from .._outputs import EngineStatistics
+from .._runner import Runner
 from ._config import ServeConfig
 from ._errors import ApiError
 from ._images import ImagesEndpoint

@@ -146,7 +146,8 @@ def load_model(spec: str, *, step_seconds: float) -> LoadedModel:
             steps=20,
             guidance_scale=7.5,
         )
-    from ..runners import DiffusersRunner, Runner, runner_for, tiny_pipeline
+    from .._runner import Runner
+    from ..runners import DiffusersRunner, runner_for, tiny_pipeline
 
     runner: Runner[Any]
     if spec in MODELS:

@@ -31,7 +31,7 @@ import anyio.lowlevel
 
 from .._errors import OmniTrioError
 from .._handle import RequestHandle
-from .._types import RequestStatus
+from .._outputs import RequestStatus
 from ._encode import b64, encode_images, sse_event
 from ._errors import ApiError, api_error_from
 from ._schema import ImageJob, parse_generation_body

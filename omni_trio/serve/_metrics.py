@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from .._types import EngineStatistics, RequestMetrics
+from .._outputs import EngineStatistics, RequestMetrics
 
 __all__ = ["OUTCOMES", "ServeMetrics"]
 

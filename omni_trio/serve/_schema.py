@@ -20,8 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from .._config import GenerationRequest
 from .._errors import InvalidRequestError
+from .._request import GenerationRequest
 from ._config import ServeConfig
 from ._errors import ApiError, api_error_from, invalid
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import anyio
 import torch
 
-from .._config import GenerationRequest
-from ..runners import RunnerCapabilities
+from .._request import GenerationRequest
+from .._runner import RunnerCapabilities
 
 __all__ = ["FakeRunner", "FakeState", "GatedRunner"]
 

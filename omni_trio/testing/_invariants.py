@@ -35,13 +35,13 @@ from .._errors import (
     RequestError,
     RequestFailedError,
 )
-from .._types import EngineStatistics, GenerationOutput, RequestMetrics, RequestStatus, StepEvent
+from .._outputs import EngineStatistics, GenerationOutput, RequestMetrics, RequestStatus, StepEvent
 from ._checks import assert_no_engine_threads
 
 if TYPE_CHECKING:
     from .._engine import Engine
     from .._handle import RequestHandle
-    from .._request import Record
+    from .._record import Record
 
 __all__ = [
     "RequestLedger",

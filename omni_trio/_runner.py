@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from .._config import GenerationRequest
-from .._errors import InvalidRequestError
+from ._errors import InvalidRequestError
+from ._request import GenerationRequest
 
 if TYPE_CHECKING:
     import torch

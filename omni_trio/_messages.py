@@ -1,8 +1,7 @@
-"""What the engine's threads know of a request, and what they tell the event loop.
+"""What the engine's threads tell the event loop, and the release that ends a request.
 
-A ``WorkItem`` is the thread-side half of a request record: the request, its
-cancellation token and the fields the worker owns (runner state, step count,
-timestamps). Threads never touch event-loop objects; they post ``Message``\\s.
+Threads never touch event-loop objects: they post one of these messages, which
+the engine applies in order on the loop (see ``_engine``).
 """
 
 from __future__ import annotations
@@ -10,98 +9,29 @@ from __future__ import annotations
 import contextlib
 import time
 import traceback
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from ._config import GenerationRequest
+from ._workitem import WorkItem
 
 if TYPE_CHECKING:
     import torch
 
-    from .runners import Runner
+    from ._runner import Runner
 
 __all__ = [
-    "SHUTDOWN",
-    "CancelToken",
     "Completed",
     "Died",
     "Exited",
     "Message",
+    "Post",
     "Released",
     "Stepped",
-    "WorkItem",
     "discard_quietly",
     "discard_state",
     "release",
 ]
-
-#: The cancellation reason the engine uses when shutdown cuts a request off.
-SHUTDOWN = "shutdown"
-
-
-class CancelToken:
-    """A flag the worker reads at every step boundary; the first reason wins.
-
-    A plain attribute read (no lock): setting and reading one reference is atomic,
-    and a reader that misses a concurrent set sees it at the next boundary.
-    """
-
-    __slots__ = ("reason",)
-
-    def __init__(self) -> None:
-        self.reason: str | None = None
-
-    def cancel(self, reason: str) -> bool:
-        """Request cancellation; return whether this call was the first."""
-        if self.reason is not None:
-            return False
-        self.reason = reason
-        return True
-
-
-class WorkItem:
-    """One admitted request, as the engine's threads see it.
-
-    Hashed and compared by identity: it *is* the admission.
-    """
-
-    __slots__ = (
-        "batch_key",
-        "decode_s",
-        "denoise_s",
-        "prepare_s",
-        "reading",
-        "request",
-        "request_id",
-        "state",
-        "steps_done",
-        "t_denoised",
-        "t_released",
-        "t_taken",
-        "taken",
-        "token",
-    )
-
-    def __init__(self, request: GenerationRequest, request_id: str, batch_key: Hashable) -> None:
-        self.request = request
-        self.request_id = request_id
-        self.batch_key = batch_key
-        self.token = CancelToken()
-        # Set by the event loop while a consumer iterates the handle (previews).
-        self.reading = False
-        # Set by the worker, under the queue lock, when it takes the item: from
-        # then on the request is running, whatever messages are still in flight.
-        self.taken = False
-        # Owned by whichever engine thread holds the item.
-        self.state: object | None = None
-        self.steps_done = 0
-        self.t_taken: float | None = None
-        self.t_denoised: float | None = None
-        self.t_released: float | None = None
-        self.prepare_s = 0.0
-        self.denoise_s = 0.0
-        self.decode_s = 0.0
 
 
 W = TypeVar("W", bound=WorkItem)

@@ -1,0 +1,133 @@
+"""The per-request record: the loop-side half of an admission and its state machine.
+
+::
+
+    WAITING ──taken by the worker──▶ RUNNING ──output ready──▶ COMPLETED
+       │                               │ ├──token seen at a boundary──▶ ABORTED
+       └──withdrawn from the queue─────┼─┴──runner raised─────────────▶ FAILED
+          (abort, shutdown) ──▶ ABORTED└──worker died──────────────────▶ FAILED
+
+The worker takes a request under the queue lock and marks it ``taken`` there, so
+WAITING and RUNNING are never stale: a request that reads WAITING is still in the
+queue, and an abort then withdraws it (L6). Every terminal transition happens in the
+event loop's thread, in ``Engine``. A record is terminal exactly when the engine's
+threads hold nothing of it any more, so waiting for ``done`` is waiting for the
+release (L8, L11).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
+
+import anyio
+
+from ._channel import CoalescingChannel
+from ._outputs import GenerationOutput, RequestMetrics, RequestStatus, StepEvent
+from ._request import GenerationRequest
+from ._workitem import WorkItem
+
+if TYPE_CHECKING:
+    from ._handle import RequestHandle
+
+__all__ = ["Record", "wait_shielded"]
+
+
+class _Taken:
+    """Marks an output that ``result()`` already returned."""
+
+
+TAKEN = _Taken()
+
+
+class Record(WorkItem):
+    """One admission: the worker's ``WorkItem`` plus what the event loop owns."""
+
+    __slots__ = (
+        "channel",
+        "done",
+        "handle_ref",
+        "metrics",
+        "outcome",
+        "t_abort",
+        "t_admitted",
+        "t_terminal",
+        "terminal_status",
+    )
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        request_id: str,
+        batch_key: Hashable,
+        *,
+        event_buffer: int,
+    ) -> None:
+        super().__init__(request, request_id, batch_key)
+        # Set once, by the engine, when the request ends; before that the status
+        # is WAITING or RUNNING according to the worker's ``taken`` flag.
+        self.terminal_status: RequestStatus | None = None
+        self.channel: CoalescingChannel[StepEvent] = CoalescingChannel(event_buffer)
+        self.outcome: GenerationOutput | BaseException | _Taken | None = None
+        self.metrics: RequestMetrics | None = None
+        self.done = anyio.Event()
+        self.handle_ref: weakref.ref[RequestHandle] | None = None
+        self.t_admitted = time.perf_counter()
+        self.t_abort: float | None = None
+        self.t_terminal: float | None = None
+
+    @property
+    def status(self) -> RequestStatus:
+        """Terminal once the engine ended it; RUNNING from the moment the worker took it."""
+        if self.terminal_status is not None:
+            return self.terminal_status
+        return RequestStatus.RUNNING if self.taken else RequestStatus.WAITING
+
+    def build_metrics(self, status: RequestStatus) -> RequestMetrics:
+        """Fill the metrics now, as the request becomes terminal with ``status``."""
+        now = self.t_terminal = time.perf_counter()
+        taken = self.t_taken
+        denoised = self.t_denoised
+        released = self.t_released if self.t_released is not None else now
+        stages: dict[str, float] = {}
+        if taken is not None:
+            stages["encode"] = self.prepare_s
+            if self.steps_done:
+                stages["denoise"] = self.denoise_s
+        if self.decode_s:
+            stages["decode"] = self.decode_s
+        abort_latency = None
+        if status is RequestStatus.ABORTED and self.t_abort is not None:
+            abort_latency = max(0.0, released - self.t_abort)
+        return RequestMetrics(
+            queue_wait_s=(taken if taken is not None else now) - self.t_admitted,
+            exec_s=0.0 if taken is None else (denoised or released) - taken,
+            output_ready_wait_s=0.0 if denoised is None else now - denoised,
+            stage_durations=stages,
+            steps_done=self.steps_done,
+            total_s=now - self.t_admitted,
+            abort_latency_s=abort_latency,
+        )
+
+
+async def wait_shielded(event: anyio.Event) -> None:
+    """Wait for ``event`` even while the caller is being cancelled.
+
+    An anyio shield does not stop a native asyncio ``Task.cancel()`` (Ray Serve and
+    Starlette use it): it raises ``CancelledError`` inside the shield. Such a
+    cancellation is held until the event is set, then re-raised, never dropped.
+
+    Cancellation:
+        Deferred until ``event`` is set, then propagated.
+    """
+    pending: BaseException | None = None
+    with anyio.CancelScope(shield=True):
+        while not event.is_set():
+            try:
+                await event.wait()
+            except anyio.get_cancelled_exc_class() as exc:
+                pending = exc
+    if pending is not None:
+        raise pending
