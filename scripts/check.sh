@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-.venv/bin/ruff format --check omni_trio tests examples
-.venv/bin/ruff check omni_trio tests examples
+.venv/bin/ruff format --check omni_trio tests examples benchmarks
+.venv/bin/ruff check omni_trio tests examples benchmarks
 .venv/bin/mypy
 .venv/bin/python -m pytest "$@"
