@@ -4,8 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-.venv/bin/ruff format --check omni_trio tests examples
-.venv/bin/ruff check omni_trio tests examples
+.venv/bin/ruff format --check omni_trio tests examples benchmarks
+.venv/bin/ruff check omni_trio tests examples benchmarks
 .venv/bin/mypy
 .venv/bin/python -m coverage erase
 .venv/bin/python -m coverage run -m pytest "$@"

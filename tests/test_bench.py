@@ -1,9 +1,10 @@
 """The benchmarks run and write complete output (figures are not asserted: see docs).
 
-One run of ``python -m omni_trio.bench all --quick`` in a subprocess (one torch
-thread, seconds per benchmark) writes every NAME.json, NAME.md and NAME.png; the
-test checks their shape only. No timing is asserted, and ``docs/`` is never
-written: only ``--docs`` would regenerate docs/performance.md.
+One run of ``python -m benchmarks all --quick`` from the repository root, in a
+subprocess (one torch thread, seconds per benchmark), writes every NAME.json,
+NAME.md and NAME.png; the test checks their shape only. No timing is asserted,
+and ``docs/`` is never written: only ``--docs`` would regenerate
+docs/performance.md.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from omni_trio.bench._docs import load_results, render_page
+from benchmarks.docs import load_results, render_page
 
-#: The headline figures of each benchmark, by the names of shared/design/performance.md.
+#: The headline figures of each benchmark, the ones its targets read (benchmarks/targets.py).
 SUMMARY_KEYS = {
     "overhead": {"ratio_engine_over_raw", "per_step_overhead_us"},
     "abort": {"running_p99_steps", "waiting_p99_ms"},
@@ -32,6 +33,8 @@ SUMMARY_KEYS = {
 }
 SCALE_LENGTHS = {"10", "100", "1000", "10000"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+#: The repository root, where ``python -m benchmarks`` runs.
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _numeric(value: Any) -> bool:
@@ -40,12 +43,13 @@ def _numeric(value: Any) -> bool:
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Run ``bench all --quick`` once; return its output folder."""
+    """Run ``benchmarks all --quick`` once; return its output folder."""
     out = tmp_path_factory.mktemp("bench")
-    docs_page = Path(__file__).resolve().parent.parent / "docs" / "performance.md"
+    docs_page = ROOT / "docs" / "performance.md"
     before = docs_page.read_bytes() if docs_page.exists() else None
     result = subprocess.run(
-        [sys.executable, "-m", "omni_trio.bench", "all", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks", "all", "--quick", "--out", str(out)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=110,
@@ -70,7 +74,7 @@ def test_bench_all_quick_writes_every_benchmark(quick_run: Path) -> None:
                 assert _numeric(value), (name, key, value)
         assert data["machine"]["torch_threads"] == 1
         assert data["quick"] is True
-        assert data["command"].startswith(f"python -m omni_trio.bench {name}")
+        assert data["command"].startswith(f"python -m benchmarks {name}")
         markdown = (quick_run / f"{name}.md").read_text()
         assert markdown.startswith(f"# {name}") and "| --- |" in markdown.replace(":", "")
         assert (quick_run / f"{name}.png").read_bytes()[:8] == PNG_MAGIC

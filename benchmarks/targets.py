@@ -1,4 +1,9 @@
-"""The targets of ``shared/design/performance.md``, checked against a benchmark's result."""
+"""omni_trio's performance targets, checked against a benchmark's result.
+
+These are the project's own targets: what the engine may cost over the runner's
+bare loop, how soon an abort releases its request, and that nothing leaks. Each
+names the benchmark whose summary it reads; ``docs/performance.md`` tabulates them.
+"""
 
 from __future__ import annotations
 

@@ -11,14 +11,15 @@
   pipeline's ``_interrupt`` flag once the request is aborted (diffusers' own
   mechanism): the loop spins on without model calls and still decodes.
 
-Thread hygiene (``shared/design/pitfalls.md``): the worker threads return
-``None`` and keep the images on the ``Call`` object, so no tensor is returned from
-a thread-cache worker; ``LockedPipeline.wait_idle`` makes sure no orphan thread
+Thread hygiene: the worker threads return ``None`` and keep the images on the
+``Call`` object, so no tensor is returned from a thread-cache worker (which would
+keep it referenced after the call); ``LockedPipeline.wait_idle`` makes sure no orphan thread
 outlives a measurement.
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,9 +29,8 @@ from typing import Any
 import anyio
 import torch
 
-from .._request import GenerationRequest
-from ..runners import DiffusersRunner
-from ..runners._families import RequestState
+from omni_trio import GenerationRequest
+from omni_trio.runners import DiffusersRunner
 
 __all__ = [
     "Call",
@@ -104,7 +104,7 @@ class TimedRunner(DiffusersRunner):
         super().__init__(pipeline, max_batch_size=max_batch_size)
         self.steps: list[tuple[float, float]] = []
 
-    def step(self, states: Sequence[RequestState]) -> None:
+    def step(self, states: Sequence[Any]) -> None:
         """Step as ``DiffusersRunner`` does, noting the start and end times."""
         started = time.perf_counter()
         super().step(states)
@@ -123,7 +123,7 @@ def median_step_s(runner: DiffusersRunner, request: GenerationRequest) -> float:
     """The median step time of ``request`` on ``runner`` alone (after one warm-up run)."""
     run_raw(runner, request)
     steps = run_raw(runner, request).step_s
-    return sorted(steps)[len(steps) // 2]
+    return statistics.median(steps)
 
 
 @dataclass(eq=False)
@@ -207,7 +207,7 @@ class LockedPipeline:
                 call.images = output.images
                 call.t_end = time.perf_counter()
         finally:
-            # No tensor stays in this frame, none is returned (pitfalls.md).
+            # No tensor stays in this frame, none is returned (see the module docstring).
             output = None
             if call.t_end is None:
                 call.t_end = time.perf_counter()

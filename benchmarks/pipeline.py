@@ -8,6 +8,7 @@ naive peer (every request a whole pipeline call behind one lock) on the same bur
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -16,13 +17,12 @@ from typing import Any
 import anyio
 import torch
 
-from .._config import EngineConfig
-from .._engine import open_engine
-from .._request import GenerationRequest
-from ..runners import DiffusersRunner
-from ._common import Options, fmt, md_table, percentile, shared_pipeline, spread
-from ._peers import Call, LockedPipeline, call_kwargs, sd_request
-from ._plot import PEER_COLORS, bar_with_range, figure
+from omni_trio import EngineConfig, GenerationRequest, open_engine
+from omni_trio.runners import DiffusersRunner
+
+from .common import Options, fmt, md_table, p99, shared_pipeline, spread
+from .peers import Call, LockedPipeline, call_kwargs, sd_request
+from .plot import PEER_COLORS, bar_with_range, figure
 
 __all__ = [
     "plot_batching",
@@ -131,8 +131,8 @@ async def _timed_burst(
     wall = time.perf_counter() - started
     return {
         "throughput_rps": requests / wall,
-        "p50_s": percentile(latencies, 50),
-        "p99_s": percentile(latencies, 99),
+        "p50_s": statistics.median(latencies),
+        "p99_s": p99(latencies),
     }
 
 

@@ -25,12 +25,12 @@ from typing import Any
 
 import anyio
 
-from .._engine import Engine, open_engine
-from .._request import GenerationRequest
-from ..runners import DiffusersRunner
-from ._common import Options, fmt, md_table, shared_pipeline, spread
-from ._peers import Call, LockedPipeline, run_raw, sd_request, start_call
-from ._plot import PEER_COLORS, figure
+from omni_trio import Engine, GenerationRequest, open_engine
+from omni_trio.runners import DiffusersRunner
+
+from .common import Options, fmt, md_table, shared_pipeline, spread
+from .peers import Call, LockedPipeline, run_raw, sd_request, start_call
+from .plot import PEER_COLORS, figure
 
 __all__ = ["plot_post_abort", "run_post_abort", "table_post_abort"]
 

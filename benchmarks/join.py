@@ -24,11 +24,11 @@ from typing import Any
 
 import anyio
 
-from .._config import EngineConfig
-from .._engine import open_engine
-from ._common import Options, fmt, md_table, percentile, shared_pipeline, spread_p99
-from ._peers import Call, LockedPipeline, TimedRunner, sd_request, start_call, step_in_progress
-from ._plot import PEER_COLORS, figure
+from omni_trio import EngineConfig, open_engine
+
+from .common import Options, fmt, md_table, shared_pipeline, spread_p99
+from .peers import Call, LockedPipeline, TimedRunner, sd_request, start_call, step_in_progress
+from .plot import PEER_COLORS, figure
 
 __all__ = ["plot_join", "run_join", "table_join"]
 
@@ -207,7 +207,7 @@ def plot_join(result: dict[str, Any], path: Path) -> None:
         for i, name in enumerate(peers):
             values = result["peers"][name]["samples_wait_steps"]
             ax.scatter([i] * len(values), values, color=PEER_COLORS[name], alpha=0.6)
-            ax.hlines(percentile(values, 50), i - 0.25, i + 0.25, color="k")
+            ax.hlines(statistics.median(values), i - 0.25, i + 0.25, color="k")
         ax.axhline(1.0, color="k", linestyle="--", linewidth=1, label="target: 1 step")
         ax.set_xticks(range(len(peers)), peers)
         ax.set_yscale("log")

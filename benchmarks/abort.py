@@ -22,11 +22,11 @@ from typing import Any
 
 import anyio
 
-from .._config import EngineConfig
-from .._engine import open_engine
-from ..runners import DiffusersRunner
-from ._common import Options, fmt, md_table, shared_pipeline, spread_p99
-from ._peers import (
+from omni_trio import EngineConfig, open_engine
+from omni_trio.runners import DiffusersRunner
+
+from .common import Options, fmt, md_table, shared_pipeline, spread_p99
+from .peers import (
     Call,
     LockedPipeline,
     TimedRunner,
@@ -35,13 +35,13 @@ from ._peers import (
     start_call,
     step_in_progress,
 )
-from ._plot import PEER_COLORS, figure
+from .plot import PEER_COLORS, figure
 
 __all__ = ["plot_abort", "run_abort", "table_abort"]
 
 SIZE = 64
 STEPS = 20
-#: The slack the target allows over one step, in milliseconds (performance.md).
+#: The slack the running-abort target allows over one step, in milliseconds (targets.py).
 TARGET_SLACK_MS = 2.0
 
 

@@ -20,13 +20,11 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-from .._config import EngineConfig
-from .._engine import Engine, open_engine
-from .._handle import RequestHandle
-from .._request import GenerationRequest
-from ..testing import GatedRunner
-from ._common import Options, fmt, md_table, spread
-from ._plot import PEER_COLORS, figure
+from omni_trio import Engine, EngineConfig, GenerationRequest, RequestHandle, open_engine
+from omni_trio.testing import GatedRunner
+
+from .common import Options, fmt, md_table, spread
+from .plot import PEER_COLORS, figure
 
 __all__ = ["plot_scale", "run_scale", "table_scale"]
 

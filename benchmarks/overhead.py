@@ -23,14 +23,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .._config import EngineConfig
-from .._engine import Engine, open_engine
-from .._request import GenerationRequest
-from ..runners import DiffusersRunner
-from ..testing import FakeRunner
-from ._common import Options, fmt, md_table, shared_pipeline, spread
-from ._peers import Call, LockedPipeline, median_step_s, run_raw, sd_request
-from ._plot import PEER_COLORS, bar_with_range, figure
+from omni_trio import Engine, EngineConfig, GenerationRequest, open_engine
+from omni_trio.runners import DiffusersRunner
+from omni_trio.testing import FakeRunner
+
+from .common import Options, fmt, md_table, shared_pipeline, spread
+from .peers import Call, LockedPipeline, median_step_s, run_raw, sd_request
+from .plot import PEER_COLORS, bar_with_range, figure
 
 __all__ = ["plot_overhead", "run_overhead", "table_overhead"]
 

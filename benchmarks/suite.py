@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._abort import plot_abort, run_abort, table_abort
-from ._common import Options, machine
-from ._join import plot_join, run_join, table_join
-from ._leak import plot_leak, run_leak, table_leak
-from ._overhead import plot_overhead, run_overhead, table_overhead
-from ._pipeline import (
+from .abort import plot_abort, run_abort, table_abort
+from .common import Options, machine
+from .join import plot_join, run_join, table_join
+from .leak import plot_leak, run_leak, table_leak
+from .overhead import plot_overhead, run_overhead, table_overhead
+from .pipeline import (
     plot_batching,
     plot_pipeline,
     run_batching,
@@ -24,13 +24,23 @@ from ._pipeline import (
     table_batching,
     table_pipeline,
 )
-from ._plot import save_plot
-from ._postabort import plot_post_abort, run_post_abort, table_post_abort
-from ._preview import plot_preview, run_preview, table_preview
-from ._scale import plot_scale, run_scale, table_scale
-from ._targets import targets_for
+from .plot import save_plot
+from .postabort import plot_post_abort, run_post_abort, table_post_abort
+from .preview import plot_preview, run_preview, table_preview
+from .scale import plot_scale, run_scale, table_scale
+from .targets import targets_for
 
-__all__ = ["BENCHMARKS", "Benchmark", "render_markdown", "rerender", "run_benchmark"]
+__all__ = [
+    "BENCHMARKS",
+    "COMMAND",
+    "Benchmark",
+    "render_markdown",
+    "rerender",
+    "run_benchmark",
+]
+
+#: How the benchmarks are run, from the repository root; results record it.
+COMMAND = "python -m benchmarks"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,7 +125,7 @@ BENCHMARKS: dict[str, Benchmark] = {
 
 
 def _command(name: str, options: Options) -> str:
-    parts = ["python -m omni_trio.bench", name]
+    parts = [COMMAND, name]
     if options.quick:
         parts.append("--quick")
     if options.backend != "trio":

@@ -19,8 +19,6 @@ growing with the number of requests. Every warm-up round's growth is reported.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import random
 from pathlib import Path
@@ -29,16 +27,22 @@ from typing import Any
 import anyio
 import torch
 
-from .._config import EngineConfig
-from .._engine import Engine, open_engine
-from .._outputs import GenerationOutput, StepEvent
-from .._record import Record
-from .._request import GenerationRequest
-from ..runners import DiffusersRunner
-from ..testing import live_objects
-from ._common import Options, fmt, live_tensor_count, md_table, rss_bytes, shared_pipeline
-from ._peers import sd_request
-from ._plot import figure
+from omni_trio import (
+    Engine,
+    EngineConfig,
+    GenerationOutput,
+    GenerationRequest,
+    RequestHandle,
+    StepEvent,
+    open_engine,
+)
+from omni_trio._record import Record
+from omni_trio.runners import DiffusersRunner
+from omni_trio.testing import live_objects, rss_bytes
+
+from .common import Options, fmt, live_tensor_count, md_table, shared_pipeline
+from .peers import sd_request
+from .plot import figure
 
 __all__ = ["SCENARIOS", "plot_leak", "run_leak", "table_leak"]
 
@@ -54,17 +58,6 @@ WARM_RSS_MIB = 0.25
 #: one request's time in the queue here (picked without measurement).
 MAX_DELAY_S = 0.08
 
-
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-    except OSError:
-        return None
-    return libc if hasattr(libc, "malloc_trim") else None
-
-
-_LIBC = _libc()
 
 SCENARIOS = (
     "completed",
@@ -141,11 +134,7 @@ async def _run_mix(engine: Engine, count: int, seed: int, counts: dict[str, int]
 
 def _is_omni_trio(kind: type) -> bool:
     module = getattr(kind, "__module__", None)
-    return (
-        isinstance(module, str)
-        and module.startswith("omni_trio.")
-        and not module.startswith("omni_trio.bench")
-    )
+    return isinstance(module, str) and module.startswith("omni_trio.")
 
 
 def _held_by_omni_trio() -> int:
@@ -178,9 +167,7 @@ def _settled_rss() -> int:
     benchmark in the same process can swing it by 10+ MiB either way.
     """
     gc.collect()
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-    return rss_bytes()
+    return rss_bytes(trim=True)
 
 
 def _snapshot(runner: DiffusersRunner) -> dict[str, float]:
@@ -218,7 +205,9 @@ async def _measure(requests: int, warmup: int, warm_rounds: int) -> dict[str, An
             quarters.append((_settled_rss() - before["rss_bytes"]) / 2**20)
         after = _snapshot(runner)
         stats = engine.statistics()
-        live = len(engine._live) + len(engine._terminal_open)
+        # Waiting and running count the live requests; an id stays taken after its
+        # end only while its handle is alive.
+        handles = len(live_objects(RequestHandle))
     closed = _snapshot(runner)
     return {
         "warmup_rss_growth_mib": warm_growth,
@@ -233,7 +222,7 @@ async def _measure(requests: int, warmup: int, warm_rounds: int) -> dict[str, An
             "failed": stats.failed,
             "waiting": stats.waiting,
             "running": stats.running,
-            "live_ids": live,
+            "live_handles": handles,
         },
     }
 

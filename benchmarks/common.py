@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
-import math
 import os
 import platform
-import resource
 import statistics
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -26,8 +24,7 @@ __all__ = [
     "live_tensor_count",
     "machine",
     "md_table",
-    "percentile",
-    "rss_bytes",
+    "p99",
     "shared_pipeline",
     "spread",
     "spread_p99",
@@ -88,13 +85,13 @@ def _cpu_model() -> str | None:
     return None
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) by nearest rank: the smallest value with at least
-    ``q`` % of the values at or below it (p99 of 100 values is the second largest; of
-    fewer than 100, the largest)."""
-    ordered = sorted(values)
-    rank = math.ceil(q / 100 * len(ordered))
-    return ordered[max(0, min(len(ordered), rank) - 1)]
+def p99(values: Sequence[float]) -> float:
+    """The 99th percentile of ``values``: ``statistics.quantiles``, inclusive method
+    (linear between the two nearest ranks, as numpy's default)."""
+    if len(values) < 2:
+        # quantiles() wants two values before Python 3.13; one value is its own p99.
+        return float(values[0])
+    return statistics.quantiles(values, n=100, method="inclusive")[98]
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
@@ -108,16 +105,7 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 def spread_p99(values: Sequence[float]) -> dict[str, float]:
     """Median, min, max and p99 of ``values``, and how many there are."""
-    return {**spread(values), "p99": float(percentile(values, 99)), "n": float(len(values))}
-
-
-def rss_bytes() -> int:
-    """The process's resident set size now (Linux), else its peak."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {**spread(values), "p99": p99(values), "n": float(len(values))}
 
 
 def live_tensor_count(*, where: Callable[[Any], bool] | None = None) -> int:
@@ -141,7 +129,7 @@ def live_tensor_count(*, where: Callable[[Any], bool] | None = None) -> int:
 @cache
 def shared_pipeline(kind: str, device: str = "cpu") -> Any:
     """One tiny pipeline per kind and device for the whole run (building one takes seconds)."""
-    from ..runners import tiny_pipeline
+    from omni_trio.runners import tiny_pipeline
 
     return tiny_pipeline(kind).to(device)
 

@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .._engine import Engine, open_engine
-from ..runners import DiffusersRunner
-from ._common import Options, fmt, md_table, shared_pipeline, spread
-from ._peers import sd_request
-from ._plot import PEER_COLORS, bar_with_range, figure
+from omni_trio import Engine, open_engine
+from omni_trio.runners import DiffusersRunner
+
+from .common import Options, fmt, md_table, shared_pipeline, spread
+from .peers import sd_request
+from .plot import PEER_COLORS, bar_with_range, figure
 
 __all__ = ["plot_preview", "run_preview", "table_preview"]
 

@@ -1,4 +1,4 @@
-"""``python -m omni_trio.bench NAME [--quick] [--out DIR] [--docs]``.
+"""``python -m benchmarks NAME [--quick] [--out DIR] [--docs]``, from the repository root.
 
 overhead    sequential requests, engine vs the runner's bare loop (tiny SD; FakeRunner)
 abort       abort call to release, running and waiting, vs naive and interrupt (tiny SD)
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from ._common import Options
-from ._docs import default_docs_dir, write_docs
-from ._suite import BENCHMARKS, rerender, run_benchmark
+from .common import Options
+from .docs import default_docs_dir, write_docs
+from .suite import BENCHMARKS, COMMAND, rerender, run_benchmark
 
 NAMES = (*BENCHMARKS, "all")
 
@@ -41,7 +41,7 @@ NAMES = (*BENCHMARKS, "all")
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one benchmark, or all; write their files; regenerate the docs with --docs."""
     parser = argparse.ArgumentParser(
-        prog="python -m omni_trio.bench",
+        prog=COMMAND,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -76,7 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         requests=args.requests,
         backend=args.backend,
     )
-    # One torch thread: timings on 2-core machines are noise otherwise (pitfalls.md).
+    # One torch thread: on a 2-core machine torch's own thread pool competes with the
+    # engine's threads, and the timings are noise otherwise.
     torch.set_num_threads(1)
     names = list(BENCHMARKS) if args.name == "all" else [args.name]
     started = time.perf_counter()
