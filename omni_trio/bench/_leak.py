@@ -143,7 +143,8 @@ def _is_omni_trio(kind: type) -> bool:
     module = getattr(kind, "__module__", None)
     return (
         isinstance(module, str)
-        and module.startswith("omni_trio.")
+        # Exported classes carry their public package's name, "omni_trio" included.
+        and (module == "omni_trio" or module.startswith("omni_trio."))
         and not module.startswith("omni_trio.bench")
     )
 
