@@ -134,7 +134,8 @@ async def _run_mix(engine: Engine, count: int, seed: int, counts: dict[str, int]
 
 def _is_omni_trio(kind: type) -> bool:
     module = getattr(kind, "__module__", None)
-    return isinstance(module, str) and module.startswith("omni_trio.")
+    # Exported classes carry their public package's name, "omni_trio" included.
+    return isinstance(module, str) and (module == "omni_trio" or module.startswith("omni_trio."))
 
 
 def _held_by_omni_trio() -> int:

@@ -20,6 +20,9 @@ The data (no threads, no event loop):
   ``GenerationOutput``, ``RequestMetrics``, ``EngineStatistics``.
 - ``_runner``: the ``Runner`` protocol, the seam to a model (``runners/`` holds the
   diffusers implementations).
+- ``_construct``: ``NoPublicConstructor``, the metaclass of the final classes that
+  only the library instantiates (``Engine``, ``RequestHandle``).
+- ``_exports``: gives every exported class and function its public ``__module__``.
 
 The loop side (runs in the event loop's thread only):
 
@@ -27,6 +30,7 @@ The loop side (runs in the event loop's thread only):
   shutdown sequence, and ``_dispatch``, where every state change happens.
 - ``_record``: ``Record``, one admission as the loop sees it, and its state machine.
 - ``_handle``: ``RequestHandle``, the consumer's side of one record.
+- ``_owner``: ``RequestOwner``, the three calls a handle may make on its engine.
 - ``_channel``: the per-request coalescing channel.
 
 The thread side (runs in the engine's own threads only):
@@ -47,6 +51,7 @@ The seam between them:
 
 from __future__ import annotations
 
+from . import _exports
 from ._config import EngineConfig as EngineConfig
 from ._engine import Engine as Engine
 from ._engine import open_engine as open_engine
@@ -90,3 +95,6 @@ __all__ = [
     "StepEvent",
     "open_engine",
 ]
+
+# Reprs, tracebacks and pickles name this package, not its private modules.
+_exports.set_public_module(__name__, globals())

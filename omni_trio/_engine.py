@@ -9,17 +9,19 @@ here, and the tables are always consistent when a task looks at them.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar, assert_never, cast
+from typing import TYPE_CHECKING, Any, TypeVar, assert_never, cast, final
 
 import anyio
 import anyio.lowlevel
 
 from ._config import EngineConfig
+from ._construct import NoPublicConstructor
 from ._errors import (
     DuplicateRequestError,
     EngineClosedError,
@@ -39,13 +41,17 @@ from ._runner import Runner, RunnerCapabilities
 from ._worker import Worker
 from ._workitem import SHUTDOWN, WorkItem
 
+if TYPE_CHECKING:
+    from ._owner import RequestOwner
+
 __all__ = ["Engine", "open_engine"]
 
 _engine_numbers = itertools.count()
 StateT = TypeVar("StateT")
 
 
-class Engine:
+@final
+class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
     """Serves generation requests with one runner; create it with ``open_engine``."""
 
     def __init__(self, runner: Runner[Any], config: EngineConfig) -> None:
@@ -77,6 +83,7 @@ class Engine:
         self._grace_deadline = 0.0
         self._dead: EngineDeadError | None = None
         self._exited = anyio.Event()
+        self._owner: RequestOwner = _HandleOwner(self)
 
     @property
     def config(self) -> EngineConfig:
@@ -84,7 +91,7 @@ class Engine:
         return self._config
 
     @property
-    def threads(self) -> tuple[Any, ...]:
+    def threads(self) -> tuple[threading.Thread, ...]:
         """The threads this engine started (the worker and the materializer)."""
         return self._worker.threads
 
@@ -139,7 +146,7 @@ class Engine:
             )
         self._live[request_id] = record
         self._admitted += 1
-        return RequestHandle(self, record)
+        return RequestHandle._create(self._owner, record)
 
     async def generate(
         self, request: GenerationRequest, *, request_id: str | None = None
@@ -179,7 +186,7 @@ class Engine:
             await anyio.lowlevel.checkpoint()
             return False
         self._abort_record(record, reason)
-        await self._wait_done(record)
+        await record.done.wait()
         return True
 
     def abort_nowait(self, request_id: str, *, reason: str = "user") -> bool:
@@ -211,9 +218,6 @@ class Engine:
         # L6: a request still in the queue never reaches the worker.
         if record.status is RequestStatus.WAITING and self._worker.withdraw(record):
             self._terminate(record, RequestStatus.ABORTED, self._cut_error(record))
-
-    async def _wait_done(self, record: Record) -> None:
-        await record.done.wait()
 
     # -- statistics ----------------------------------------------------------
 
@@ -389,6 +393,25 @@ class Engine:
         return error
 
 
+@final
+class _HandleOwner:
+    """The engine as its handles see it: implements ``RequestOwner`` (see ``_owner``)."""
+
+    __slots__ = ("_engine",)
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def check_reason(self, reason: str) -> None:
+        Engine._check_reason(reason)
+
+    def abort(self, record: Record, reason: str) -> None:
+        self._engine._abort_record(record, reason)
+
+    def forget(self, record: Record, handle: RequestHandle) -> None:
+        self._engine._forget(record, handle)
+
+
 @asynccontextmanager
 async def open_engine(
     runner: Runner[StateT], config: EngineConfig | None = None
@@ -410,7 +433,7 @@ async def open_engine(
         The shutdown sequence runs shielded when the block is left, so leaving
         waits for ``shutdown_grace`` plus at most one step.
     """
-    engine = Engine(runner, config if config is not None else EngineConfig())
+    engine = Engine._create(runner, config if config is not None else EngineConfig())
     engine._worker.start()
     try:
         yield engine

@@ -6,16 +6,17 @@ import warnings
 import weakref
 from collections.abc import AsyncIterator
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, final
 
 import anyio
 import anyio.lowlevel
 
+from ._construct import NoPublicConstructor
 from ._outputs import GenerationOutput, RequestMetrics, RequestStatus, StepEvent
 from ._record import TAKEN, Record, wait_shielded
 
 if TYPE_CHECKING:
-    from ._engine import Engine
+    from ._owner import RequestOwner
 
 __all__ = ["RequestHandle"]
 
@@ -40,8 +41,9 @@ def _leave_reason(exc: BaseException | None) -> str:
     return "consumer_gone"
 
 
-class RequestHandle:
-    """The consumer's side of one admitted request.
+@final
+class RequestHandle(metaclass=NoPublicConstructor, made_by="Engine.submit()"):
+    """The consumer's side of one admitted request; ``Engine.submit`` makes it.
 
     Use it as an async context manager: leaving the ``async with`` block before the
     request is terminal aborts it (reason ``consumer_gone``, or ``cancelled`` when
@@ -54,10 +56,10 @@ class RequestHandle:
     them in an exception group.
     """
 
-    __slots__ = ("__weakref__", "_closed", "_engine", "_record")
+    __slots__ = ("__weakref__", "_closed", "_owner", "_record")
 
-    def __init__(self, engine: Engine, record: Record) -> None:
-        self._engine = engine
+    def __init__(self, owner: RequestOwner, record: Record) -> None:
+        self._owner = owner
         self._record = record
         self._closed = False
         record.handle_ref = weakref.ref(self)
@@ -157,7 +159,7 @@ class RequestHandle:
             try:
                 await record.done.wait()
             except BaseException as exc:
-                self._engine._abort_record(record, _leave_reason(exc))
+                self._owner.abort(record, _leave_reason(exc))
                 await wait_shielded(record.done)
                 raise
         outcome = record.outcome
@@ -176,11 +178,11 @@ class RequestHandle:
         Returns:
             Whether the request was live (not yet terminal) when called.
         """
-        self._engine._check_reason(reason)
+        self._owner.check_reason(reason)
         record = self._record
         live = not record.status.is_terminal
         if live:
-            self._engine._abort_record(record, reason)
+            self._owner.abort(record, reason)
         return live
 
     async def abort(self, *, reason: str = "user") -> bool:
@@ -193,7 +195,7 @@ class RequestHandle:
             The abort stands; only the wait for the release is cancelled.
         """
         live = self.abort_nowait(reason=reason)
-        await self._engine._wait_done(self._record)
+        await self._record.done.wait()
         return live
 
     async def aclose(self) -> None:
@@ -208,7 +210,7 @@ class RequestHandle:
         record = self._record
         try:
             if not record.status.is_terminal:
-                self._engine._abort_record(record, reason)
+                self._owner.abort(record, reason)
                 await wait_shielded(record.done)
         finally:
             # Also when wait_shielded re-raises a deferred native cancellation.
@@ -216,7 +218,7 @@ class RequestHandle:
                 self._closed = True
                 record.channel.close_receive()
                 record.outcome = None
-                self._engine._forget(record, self)
+                self._owner.forget(record, self)
         # A schedule point that cannot raise: closing must not fail halfway
         # because the caller is being cancelled.
         await anyio.lowlevel.cancel_shielded_checkpoint()

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from .. import _exports
 from .._runner import Runner as Runner
 from .._runner import RunnerCapabilities as RunnerCapabilities
 from .._runner import StopRun as StopRun
@@ -30,3 +31,6 @@ __all__ = [
     "runner_for",
     "tiny_pipeline",
 ]
+
+# Reprs, tracebacks and pickles name this package, not its private modules.
+_exports.set_public_module(__name__, globals())

@@ -11,6 +11,7 @@ See docs/serving.md.
 
 from __future__ import annotations
 
+from .. import _exports
 from ._app import ImageService as ImageService
 from ._app import create_app as create_app
 from ._config import ServeConfig as ServeConfig
@@ -19,3 +20,6 @@ from ._images import CLIENT_GONE as CLIENT_GONE
 from ._metrics import OUTCOMES as OUTCOMES
 
 __all__ = ["CLIENT_GONE", "OUTCOMES", "ApiError", "ImageService", "ServeConfig", "create_app"]
+
+# Reprs, tracebacks and pickles name this package, not its private modules.
+_exports.set_public_module(__name__, globals())

@@ -65,7 +65,15 @@ class ImageService:
         self.metrics = ServeMetrics(self._statistics, lambda: self.is_draining)
         self.app = Starlette(
             routes=[
-                Route("/v1/images/generations", ImagesEndpoint(self), methods=["POST"]),
+                Route(
+                    "/v1/images/generations",
+                    ImagesEndpoint(
+                        config=self.config,
+                        metrics=self.metrics,
+                        admitting_engine=self.engine_for_requests,
+                    ),
+                    methods=["POST"],
+                ),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/v1/models/{model_id:path}", self._model, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),

@@ -30,14 +30,16 @@ import anyio
 import anyio.lowlevel
 
 from .._errors import OmniTrioError
-from .._handle import RequestHandle
 from .._outputs import RequestStatus
 from ._encode import b64, encode_images, sse_event
 from ._errors import ApiError, api_error_from
 from ._schema import ImageJob, parse_generation_body
 
 if TYPE_CHECKING:
-    from ._app import ImageService
+    from .._engine import Engine
+    from .._handle import RequestHandle
+    from ._config import ServeConfig
+    from ._metrics import ServeMetrics
 
 __all__ = ["CLIENT_GONE", "ImagesEndpoint", "send_json"]
 
@@ -161,10 +163,25 @@ class _Client:
 
 
 class ImagesEndpoint:
-    """The ASGI app of ``POST /v1/images/generations`` for one ``ImageService``."""
+    """The ASGI app of ``POST /v1/images/generations``.
 
-    def __init__(self, service: ImageService) -> None:
-        self._service = service
+    Args:
+        config: the HTTP layer's configuration (limits, defaults, ``Retry-After``).
+        metrics: where each request's outcome and timings are counted.
+        admitting_engine: returns the engine if it admits requests now, else
+            raises ``ApiError`` (503 while starting, draining or dead).
+    """
+
+    def __init__(
+        self,
+        *,
+        config: ServeConfig,
+        metrics: ServeMetrics,
+        admitting_engine: Callable[[], Engine],
+    ) -> None:
+        self._config = config
+        self._metrics = metrics
+        self._admitting_engine = admitting_engine
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer one generation request (see the module docstring).
@@ -173,23 +190,23 @@ class ImagesEndpoint:
             Cancelling the server's task aborts the request; the call returns once
             the engine released it.
         """
-        service = self._service
-        config = service.config
+        config = self._config
+        metrics = self._metrics
         try:
-            engine = service.engine_for_requests()
+            engine = self._admitting_engine()
             body = await _read_body(scope, receive, config.max_body_bytes)
             if body is None:
-                service.metrics.count("disconnected")
+                metrics.count("disconnected")
                 return
             job = parse_generation_body(body, config)
             handle = engine.submit(job.request, request_id=f"img-{uuid.uuid4().hex}")
         except OmniTrioError as exc:
             error = api_error_from(exc, retry_after_s=config.retry_after_s)
-            service.metrics.count(error.outcome)
+            metrics.count(error.outcome)
             await send_json(send, error.status, error.body(), error.headers)
             return
         except ApiError as error:
-            service.metrics.count(error.outcome)
+            metrics.count(error.outcome)
             await send_json(send, error.status, error.body(), error.headers)
             return
         client = _Client(receive, send, handle)
@@ -203,7 +220,7 @@ class ImagesEndpoint:
             self._account(handle, client)
 
     def _account(self, handle: RequestHandle, client: _Client) -> None:
-        metrics = self._service.metrics
+        metrics = self._metrics
         status = handle.status
         if client.is_gone:
             outcome = "disconnected"
@@ -230,7 +247,7 @@ class ImagesEndpoint:
                         output.images, job.output_format, job.output_compression
                     )
                 except OmniTrioError as exc:
-                    error = api_error_from(exc, retry_after_s=self._service.config.retry_after_s)
+                    error = api_error_from(exc, retry_after_s=self._config.retry_after_s)
                     status, body = error.status, error.body()
                     headers = {**headers, **error.headers}
                 else:
@@ -304,7 +321,7 @@ class ImagesEndpoint:
         try:
             output = await handle.result()
         except OmniTrioError as exc:
-            error = api_error_from(exc, retry_after_s=self._service.config.retry_after_s)
+            error = api_error_from(exc, retry_after_s=self._config.retry_after_s)
             await client.chunk(sse_event("error", {"type": "error", **error.body()}))
         else:
             images = await encode_images(output.images, job.output_format, job.output_compression)

@@ -6,6 +6,7 @@ nothing leaked. Like ``trio.testing``, this module is public and stable.
 
 from __future__ import annotations
 
+from .. import _exports
 from ._checks import ENGINE_THREAD_PREFIX as ENGINE_THREAD_PREFIX
 from ._checks import assert_engine_idle as assert_engine_idle
 from ._checks import assert_no_engine_threads as assert_no_engine_threads
@@ -39,3 +40,6 @@ __all__ = [
     "rss_bytes",
     "wait_until",
 ]
+
+# Reprs, tracebacks and pickles name this package, not its private modules.
+_exports.set_public_module(__name__, globals())
