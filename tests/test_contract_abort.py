@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import omni_trio as ot
-from omni_trio.testing import GatedRunner, assert_engine_idle, wait_until
+from omni_trio.testing import GatedRunner, assert_engine_idle, probe, wait_until
 
 from .util import BUDGET, req, solo_images
 
@@ -71,7 +71,7 @@ async def test_abort_waits_for_release() -> None:
                         assert handle.status is ot.RequestStatus.ABORTED
 
                     tg.start_soon(abort)
-                    await wait_until(lambda: handle._record.token.reason is not None)
+                    await wait_until(lambda: probe(handle).cancel_reason is not None)
                     # The worker is still inside step 1: abort() cannot have returned.
                     assert runner.live_states == 1
                     runner.release(1)

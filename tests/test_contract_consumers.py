@@ -23,21 +23,18 @@ from omni_trio.testing import (
     GatedRunner,
     assert_engine_idle,
     live_objects,
+    probe,
     wait_until,
 )
 
-from .util import BUDGET, read_gated, req
+from .util import BUDGET, Boom, read_gated, req
 
 pytestmark = pytest.mark.anyio
 
 
-class Boom(Exception):
-    pass
-
-
 async def release_once_aborted(runner: GatedRunner, handle: ot.RequestHandle) -> None:
     """Let the blocked step finish only after the request's abort was requested."""
-    await wait_until(lambda: handle._record.token.reason is not None)
+    await wait_until(lambda: probe(handle).cancel_reason is not None)
     runner.open_gate()
 
 

@@ -14,7 +14,7 @@ import trio
 import trio.testing
 
 import omni_trio as ot
-from omni_trio.testing import FakeRunner, GatedRunner, wait_until
+from omni_trio.testing import FakeRunner, GatedRunner, probe, wait_until
 
 from .util import BUDGET, req
 
@@ -124,7 +124,7 @@ async def test_grace_period_expiry_cuts_running_requests(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(engine.aclose)
             await trio.sleep(11)  # virtual: the grace period is over
-            assert handle._record.token.reason == "shutdown"
+            assert probe(handle).cancel_reason == "shutdown"
             runner.open_gate()
         async with handle:
             with pytest.raises(ot.EngineClosedError):

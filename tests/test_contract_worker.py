@@ -24,7 +24,7 @@ from omni_trio.testing import (
     wait_until,
 )
 
-from .util import BUDGET, req, solo_images
+from .util import BUDGET, WorkerKilled, req, solo_images
 
 pytestmark = pytest.mark.anyio
 
@@ -167,10 +167,6 @@ async def test_runner_exception_outside_step_fails_only_that_request(where: str)
                 await good.result()
             assert runner.live_states == 0
             assert_engine_idle(engine)
-
-
-class WorkerKilled(BaseException):
-    """Not an Exception: it kills the worker thread rather than failing a batch."""
 
 
 class DyingRunner(GatedRunner):

@@ -8,10 +8,29 @@ import anyio
 import torch
 
 import omni_trio as ot
-from omni_trio.testing import FakeRunner, wait_until
+from omni_trio.testing import (
+    FakeRunner,
+    RequestLedger,
+    RunnerCounters,
+    check_engine_invariants,
+    probe,
+    wait_until,
+)
 
 #: Seconds any single test may take before it is failed as hung.
 BUDGET = 30.0
+
+
+class WorkerKilled(BaseException):
+    """Not an Exception: raised from the runner, it kills the worker thread (L23)."""
+
+
+class RunnerBroke(Exception):
+    """What a faulty runner raises: an ordinary error, confined to requests (L22)."""
+
+
+class Boom(Exception):
+    """What a consumer raises inside its handle's ``async with`` block."""
 
 
 def req(**fields: Any) -> ot.GenerationRequest:
@@ -34,6 +53,47 @@ def solo_images(request: ot.GenerationRequest) -> torch.Tensor:
     for _ in range(request.num_steps):
         runner.step([state])
     return runner.decode(state).float()
+
+
+_expected: dict[tuple[object, ...], torch.Tensor] = {}
+
+
+def expected_images(request: ot.GenerationRequest) -> torch.Tensor:
+    """``solo_images(request)``, computed once per distinct request and kept."""
+    key = (
+        request.prompt,
+        request.num_steps,
+        request.height,
+        request.width,
+        request.seed,
+        request.num_images,
+    )
+    if key not in _expected:
+        _expected[key] = solo_images(request)
+    return _expected[key]
+
+
+def status(handle: ot.RequestHandle) -> ot.RequestStatus:
+    """The status now (a call, so that type checkers do not narrow it across awaits)."""
+    return handle.status
+
+
+async def outcome_of(handle: ot.RequestHandle) -> ot.GenerationOutput | Exception:
+    """What ``handle.result()`` returns, or the engine's error it raises.
+
+    Cancellation:
+        Propagates; ``result()`` aborts the request first (L11).
+    """
+    try:
+        return await handle.result()
+    except ot.OmniTrioError as exc:
+        return exc
+
+
+def check_all(engine: ot.Engine, runner: RunnerCounters, ledger: RequestLedger) -> None:
+    """Invariants that hold after any fault: counts add up, the ledger agrees (L19)."""
+    check_engine_invariants(engine, runner)
+    ledger.check(engine)
 
 
 def stats_add_up(engine: ot.Engine) -> bool:
@@ -69,7 +129,7 @@ async def read_gated(
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(reader)
-        await wait_until(lambda: handle._record.reading)
+        await wait_until(lambda: probe(handle).reading)
         if count is None:
             runner.open_gate()
         else:

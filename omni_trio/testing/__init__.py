@@ -1,7 +1,8 @@
 """Tools for testing code that uses omni_trio, and omni_trio itself.
 
 ``FakeRunner`` and ``GatedRunner`` stand in for a model; the checks assert that
-nothing leaked. Like ``trio.testing``, this module is public and stable.
+nothing leaked; ``probe(handle)`` shows the engine-side facts a test needs. Like
+``trio.testing``, this module is public and stable.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from ._invariants import assert_nothing_left as assert_nothing_left
 from ._invariants import check_engine_invariants as check_engine_invariants
 from ._invariants import engine_settled as engine_settled
 from ._invariants import rss_bytes as rss_bytes
+from ._probe import RequestProbe as RequestProbe
+from ._probe import cancel_at_delivery as cancel_at_delivery
+from ._probe import probe as probe
 
 __all__ = [
     "ENGINE_THREAD_PREFIX",
@@ -29,14 +33,17 @@ __all__ = [
     "FakeState",
     "GatedRunner",
     "RequestLedger",
+    "RequestProbe",
     "RunnerCounters",
     "assert_engine_idle",
     "assert_no_engine_threads",
     "assert_nothing_left",
+    "cancel_at_delivery",
     "check_engine_invariants",
     "engine_settled",
     "engine_threads",
     "live_objects",
+    "probe",
     "rss_bytes",
     "wait_until",
 ]

@@ -319,42 +319,43 @@ class RequestLedger:
 
         Not for the backend's cancellation exception: a cancelled wait is no outcome.
         """
-        status = handle.status
-        request_id = handle.request_id
         entry = self._entry(handle)
         if isinstance(outcome, GenerationOutput):
-            assert status is RequestStatus.COMPLETED, f"output for a {status.value} request"
-            assert outcome.request_id == request_id, f"L3: {request_id!r} got another's output"
-            assert outcome.metrics is handle.metrics, "output metrics differ from the handle's"
-            self._refs.append(weakref.ref(outcome))
-            if entry is not None:
-                entry.outputs += 1
-                assert entry.outputs == 1, f"L15: {request_id!r} returned its output twice"
+            self._outcome_completed(handle, entry, outcome)
             return
         assert not isinstance(outcome, anyio.get_cancelled_exc_class()), "not an outcome"
         if isinstance(outcome, RequestError):
-            assert outcome.request_id == request_id, f"error for {outcome.request_id!r}"
-        match outcome:
-            case RequestAbortedError():
-                assert status is RequestStatus.ABORTED, (status, outcome)
-                assert outcome.reason == handle.abort_reason, (outcome.reason, handle)
-            case EngineClosedError():
-                assert status is RequestStatus.ABORTED, (status, outcome)
-                assert handle.abort_reason == "shutdown", handle.abort_reason
-            case RequestFailedError():
-                assert status is RequestStatus.FAILED, (status, outcome)
-                assert outcome.__cause__ is not None, "L22: the runner's error is not chained"
-            case EngineDeadError():
-                assert status is RequestStatus.FAILED, (status, outcome)
-                assert outcome.__cause__ is not None, "L23: the worker's error is not chained"
-            case RuntimeError() if "already returned" in str(outcome):
-                assert status is RequestStatus.COMPLETED, status
-                if entry is not None:
-                    assert entry.outputs == 1, "L15: 'already returned' before any output"
-            case anyio.ClosedResourceError():
+            assert outcome.request_id == handle.request_id, f"error for {outcome.request_id!r}"
+        match _status_told(outcome):
+            case RequestStatus.COMPLETED:
+                self._outcome_completed(handle, entry, None)
+            case RequestStatus.ABORTED:
+                _outcome_aborted(handle, outcome)
+            case RequestStatus.FAILED:
+                _outcome_failed(handle, outcome)
+            case None if isinstance(outcome, anyio.ClosedResourceError):
                 assert handle.is_closed, f"ClosedResourceError from open {handle!r}"
             case _:
                 raise AssertionError(f"unexpected outcome of {handle!r}: {outcome!r}")
+
+    def _outcome_completed(
+        self, handle: RequestHandle, entry: _Entry | None, output: GenerationOutput | None
+    ) -> None:
+        """The output (L3, L15), or with ``None`` the error of a second ``result()`` call."""
+        status = handle.status
+        if output is None:
+            assert status is RequestStatus.COMPLETED, status
+            if entry is not None:
+                assert entry.outputs == 1, "L15: 'already returned' before any output"
+            return
+        request_id = handle.request_id
+        assert status is RequestStatus.COMPLETED, f"output for a {status.value} request"
+        assert output.request_id == request_id, f"L3: {request_id!r} got another's output"
+        assert output.metrics is handle.metrics, "output metrics differ from the handle's"
+        self._refs.append(weakref.ref(output))
+        if entry is not None:
+            entry.outputs += 1
+            assert entry.outputs == 1, f"L15: {request_id!r} returned its output twice"
 
     def check(self, engine: Engine | None = None) -> None:
         """Check every tracked request now; with ``engine``, compare the statistics.
@@ -377,60 +378,22 @@ class RequestLedger:
         """Check one request; return whether it is finished (terminal and closed)."""
         record = entry.record
         status = record.status
-        request_id = record.request_id
         # L8, L11: the first reason to end a request early wins; nothing changes it.
         reason = record.token.reason
         if entry.reason is not None:
-            assert reason == entry.reason, f"{request_id!r}: reason {entry.reason!r} -> {reason!r}"
-        entry.reason = reason
-        if entry.status.is_terminal:
-            assert status is entry.status, f"L15: {request_id!r} ended twice: {entry.status}"
-            assert record.metrics is entry.metrics, f"L17: {request_id!r} metrics replaced"
-            assert entry.buffered_at_end is not None
-            buffered = record.channel.buffered
-            assert buffered + entry.read_since_end <= entry.buffered_at_end, (
-                f"L15: {request_id!r} got an event after its end"
+            assert reason == entry.reason, (
+                f"{record.request_id!r}: reason {entry.reason!r} -> {reason!r}"
             )
-            entry.buffered_at_end, entry.read_since_end = buffered, 0
-        else:
-            order = (RequestStatus.WAITING, RequestStatus.RUNNING)
-            assert status in order or status.is_terminal, status
-            if status is RequestStatus.WAITING:
-                assert entry.status is RequestStatus.WAITING, f"{request_id!r} went back"
-            entry.status = status
-            if status.is_terminal:
-                assert record.metrics is not None, f"L17: {request_id!r} ended without metrics"
-                entry.metrics = record.metrics
-                entry.buffered_at_end = record.channel.buffered
-                _check_metrics(record, record.metrics, status)
-                assert entry.last_step <= record.metrics.steps_done
-            else:
-                assert record.metrics is None, f"{request_id!r} has metrics while live"
-                if engine is not None:
-                    assert engine._live.get(request_id) is record, (
-                        f"L3: the live table's {request_id!r} is another admission"
-                    )
-        if not status.is_terminal:
-            return False
-        assert record.done.is_set(), f"{request_id!r} terminal but not done"
-        if not dead:
-            assert record.state is None, f"L8: terminal {request_id!r} still holds its state"
-        handle = entry.handle()
-        if handle is not None and not handle.is_closed:
-            if engine is not None:
-                assert engine._terminal_open.get(request_id) is handle, (
-                    f"L2: terminal {request_id!r} with an open handle does not hold its id"
-                )
-            return False
-        if handle is not None:
-            # L12: closing dropped the buffered events and the output.
-            assert record.channel.buffered == 0, f"L12: events of closed {request_id!r} kept"
-            assert record.outcome is None, f"L12: outcome of closed {request_id!r} kept"
-        if engine is not None:
-            assert engine._live.get(request_id) is not record
-            held = engine._terminal_open.get(request_id)
-            assert held is None or held._record is not record, f"{request_id!r} id not freed"
-        return True
+        entry.reason = reason
+        match status:
+            case RequestStatus.WAITING:
+                _check_waiting(entry, engine)
+            case RequestStatus.RUNNING:
+                _check_running(entry, engine)
+            case _:
+                assert status.is_terminal, status
+                return _check_terminal(entry, status, engine, dead)
+        return False
 
     def alive(self) -> list[object]:
         """Return the events and outputs reported to the ledger that are still alive.
@@ -441,6 +404,116 @@ class RequestLedger:
         alive = [obj for ref in self._refs if (obj := ref()) is not None]
         self._refs = [ref for ref in self._refs if ref() is not None]
         return alive
+
+
+def _status_told(error: BaseException) -> RequestStatus | None:
+    """The terminal status an error out of ``result()`` says the request has, if any."""
+    if isinstance(error, RuntimeError) and "already returned" in str(error):
+        return RequestStatus.COMPLETED  # a second call, after the output was returned
+    if isinstance(error, RequestAbortedError | EngineClosedError):
+        return RequestStatus.ABORTED
+    if isinstance(error, RequestFailedError | EngineDeadError):
+        return RequestStatus.FAILED
+    return None
+
+
+def _outcome_aborted(handle: RequestHandle, error: BaseException) -> None:
+    """An abort's error carries the handle's reason; shutdown's is ``EngineClosedError``."""
+    status = handle.status
+    assert status is RequestStatus.ABORTED, (status, error)
+    if isinstance(error, RequestAbortedError):
+        assert error.reason == handle.abort_reason, (error.reason, handle)
+    else:
+        assert handle.abort_reason == "shutdown", handle.abort_reason
+
+
+def _outcome_failed(handle: RequestHandle, error: BaseException) -> None:
+    """A failure chains the runner's error (L22) or the dead worker's (L23)."""
+    status = handle.status
+    assert status is RequestStatus.FAILED, (status, error)
+    whose = "L22: the runner's" if isinstance(error, RequestFailedError) else "L23: the worker's"
+    assert error.__cause__ is not None, f"{whose} error is not chained"
+
+
+def _check_waiting(entry: _Entry, engine: Engine | None) -> None:
+    """A waiting request was waiting when last checked: nothing goes back (L15)."""
+    assert entry.status is RequestStatus.WAITING, f"{entry.record.request_id!r} went back"
+    _check_live(entry, RequestStatus.WAITING, engine)
+
+
+def _check_running(entry: _Entry, engine: Engine | None) -> None:
+    """A running request was live when last checked: once ended, it ends once (L15)."""
+    assert not entry.status.is_terminal, (
+        f"L15: {entry.record.request_id!r} ended twice: {entry.status}"
+    )
+    _check_live(entry, RequestStatus.RUNNING, engine)
+
+
+def _check_live(entry: _Entry, status: RequestStatus, engine: Engine | None) -> None:
+    """What holds of a live request: no metrics yet, and its id finds it (L3, L17)."""
+    record = entry.record
+    request_id = record.request_id
+    entry.status = status
+    assert record.metrics is None, f"{request_id!r} has metrics while live"
+    if engine is not None:
+        assert engine._live.get(request_id) is record, (
+            f"L3: the live table's {request_id!r} is another admission"
+        )
+
+
+def _check_terminal(
+    entry: _Entry, status: RequestStatus, engine: Engine | None, dead: bool
+) -> bool:
+    """Check a completed, aborted or failed request; return whether its handle is closed.
+
+    At its first check as terminal its end is recorded (L17); at every later one
+    it must be unchanged, with no event added (L15). Once its handle is closed,
+    nothing of it is kept and its id is free (L2, L3, L12).
+    """
+    record = entry.record
+    request_id = record.request_id
+    if entry.status.is_terminal:
+        assert status is entry.status, f"L15: {request_id!r} ended twice: {entry.status}"
+        assert record.metrics is entry.metrics, f"L17: {request_id!r} metrics replaced"
+        assert entry.buffered_at_end is not None
+        buffered = record.channel.buffered
+        assert buffered + entry.read_since_end <= entry.buffered_at_end, (
+            f"L15: {request_id!r} got an event after its end"
+        )
+        entry.buffered_at_end, entry.read_since_end = buffered, 0
+    else:
+        entry.status = status
+        assert record.metrics is not None, f"L17: {request_id!r} ended without metrics"
+        entry.metrics = record.metrics
+        entry.buffered_at_end = record.channel.buffered
+        _check_metrics(record, record.metrics, status)
+        assert entry.last_step <= record.metrics.steps_done
+    assert record.done.is_set(), f"{request_id!r} terminal but not done"
+    if not dead:
+        assert record.state is None, f"L8: terminal {request_id!r} still holds its state"
+    return _check_released(entry, engine)
+
+
+def _check_released(entry: _Entry, engine: Engine | None) -> bool:
+    """A terminal request holds its id while its handle is open, frees all once closed."""
+    record = entry.record
+    request_id = record.request_id
+    handle = entry.handle()
+    if handle is not None and not handle.is_closed:
+        if engine is not None:
+            assert engine._terminal_open.get(request_id) is handle, (
+                f"L2: terminal {request_id!r} with an open handle does not hold its id"
+            )
+        return False
+    if handle is not None:
+        # L12: closing dropped the buffered events and the output.
+        assert record.channel.buffered == 0, f"L12: events of closed {request_id!r} kept"
+        assert record.outcome is None, f"L12: outcome of closed {request_id!r} kept"
+    if engine is not None:
+        assert engine._live.get(request_id) is not record
+        held = engine._terminal_open.get(request_id)
+        assert held is None or held._record is not record, f"{request_id!r} id not freed"
+    return True
 
 
 def _check_metrics(record: Record, metrics: RequestMetrics, status: RequestStatus) -> None:

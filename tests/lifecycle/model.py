@@ -1,0 +1,745 @@
+"""The model of the lifecycle state machine: what each operation must do to an engine.
+
+``Machine`` applies the operations of a plan (``ops``) to a live engine with a
+``MachineRunner``, and checks after each what the contract says of it; ``Tracked``
+is one admitted request as the model sees it.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import pytest
+import torch
+from hypothesis import event
+from hypothesis.control import currently_in_test_context
+
+import omni_trio as ot
+from omni_trio.testing import (
+    FakeState,
+    GatedRunner,
+    RequestLedger,
+    RequestProbe,
+    assert_engine_idle,
+    assert_nothing_left,
+    check_engine_invariants,
+    engine_settled,
+    probe,
+    wait_until,
+)
+
+from ..util import Boom, WorkerKilled, expected_images, req
+from .ops import (
+    ABSENT_ID,
+    INVALID_FIELD,
+    MAX_SIZE,
+    MAX_STEPS,
+    PICKS,
+    SLOTS,
+    Abort,
+    CancelCaller,
+    Drop,
+    FailAt,
+    Generate,
+    Kill,
+    Leave,
+    Op,
+    OpenGate,
+    Plan,
+    Release,
+    Result,
+    Shutdown,
+    Submit,
+)
+
+#: A step nobody releases fails after this long instead of hanging (seconds).
+GATE_TIMEOUT = 15.0
+#: Poll interval while waiting for the engine's threads (seconds; not measured,
+#: just well below the time a thread hop takes on a loaded 2-core machine).
+POLL = 0.0002
+
+
+class MachineRunner(GatedRunner):
+    """A GatedRunner that can tell when a step waits at its gate, and kill the worker."""
+
+    def __init__(self, *, max_batch_size: int) -> None:
+        super().__init__(gate_timeout=GATE_TIMEOUT, max_batch_size=max_batch_size)
+        self.granted = 0
+        self.kill = False
+        # The request of every state, and the requests decoded (by identity: the
+        # engine hands the runner the very request object that was submitted).
+        self.request_of: dict[FakeState, ot.GenerationRequest] = {}
+        self.decoded: set[int] = set()
+
+    def prepare(self, request: ot.GenerationRequest, request_id: str) -> FakeState:
+        state = super().prepare(request, request_id)
+        with self._changed:
+            self.request_of[state] = request
+        return state
+
+    def decode(self, state: FakeState) -> torch.Tensor:
+        with self._changed:
+            self.decoded.add(id(self.request_of[state]))
+        return super().decode(state)
+
+    def release(self, n: int = 1) -> None:
+        with self._changed:
+            self.granted += n
+        super().release(n)
+
+    def revoke(self) -> None:
+        """Take back the releases that no step used."""
+        with self._changed:
+            self.granted -= self._permits
+            self._permits = 0
+
+    def at_gate(self) -> bool:
+        """Whether a step waits at the gate and no release is on its way to it.
+
+        Every arrival at the gate either used a release or still waits; a release
+        that is granted but not yet used will wake the waiting step soon.
+        """
+        with self._changed:
+            return not self._open and self._permits == 0 and self.arrived > self.granted
+
+    def step(self, states: Sequence[FakeState]) -> None:
+        super().step(states)
+        if self.kill:
+            raise WorkerKilled("the device fell off the bus")
+
+
+def note(text: str) -> None:
+    """Count ``text`` in Hypothesis' statistics; ``run_plan`` also runs outside a test."""
+    if currently_in_test_context():
+        event(text)
+
+
+@dataclass(eq=False)
+class Tracked:
+    """One admitted request as the test sees it."""
+
+    probe: RequestProbe  # kept to follow a request whose handle is gone
+    handle: ot.RequestHandle | None  # None when dropped or owned by generate()
+    request_id: str
+    request: ot.GenerationRequest
+    reader: bool = False
+    disturbed: bool = False  # something may legitimately end it other than completion
+    reason: str | None = None  # the first abort reason, when this test set it
+    steps_at_abort: int | None = None
+    # Aborted while live with the gate closed, so before its last step ran: it
+    # must end aborted (or failed), never completed (L7, L10).
+    must_abort: bool = False
+    output_taken: bool = False
+    # result() raised the terminal error: its traceback ties the handle to the
+    # frames of this test in a cycle that only the garbage collector frees, so
+    # the handle is not dropped by this test.
+    error_raised: bool = False
+
+    @property
+    def status(self) -> ot.RequestStatus:
+        return self.probe.status
+
+    @property
+    def token_reason(self) -> str | None:
+        return self.probe.cancel_reason
+
+    @property
+    def steps_done(self) -> int:
+        return self.probe.steps_done
+
+    @property
+    def abort_requested(self) -> bool:
+        """Whether something asked the engine to end the request early, or it ended."""
+        return self.probe.cancel_reason is not None or self.status.is_terminal
+
+    @property
+    def holds_id(self) -> bool:
+        """L2: live, or terminal with its handle open."""
+        handle_open = self.handle is not None and not self.handle.is_closed
+        return not self.status.is_terminal or handle_open
+
+
+_OUTCOME_ERRORS = (ot.OmniTrioError, RuntimeError, anyio.ClosedResourceError)
+
+
+@dataclass(eq=False)
+class Machine:
+    runner: MachineRunner
+    engine: ot.Engine
+    tg: anyio.abc.TaskGroup
+    plan: Plan
+    ledger: RequestLedger = field(default_factory=RequestLedger)
+    tracked: list[Tracked] = field(default_factory=list)
+    gate_open: bool = False
+    chaos: bool = False  # a runner failure or a kill is armed
+    closing: bool = False
+    closed: bool = False
+    pumps: list[Callable[[], bool]] = field(default_factory=list)
+    generated: int = 0
+    on_submit: Callable[[ot.RequestHandle], None] | None = None
+    finished_ids: list[str] = field(default_factory=list)
+
+    # -- helpers --
+
+    @contextmanager
+    def pumping(self, after: Callable[[], bool] | None = None) -> Iterator[None]:
+        """Release every step that waits at the gate while the block runs.
+
+        With ``after``, only once ``after()`` holds: a test that cancels a wait must
+        not let the request finish before the cancellation reached the engine.
+        """
+        condition = after if after is not None else lambda: True
+        self.pumps.append(condition)
+        try:
+            yield
+        finally:
+            self.pumps.remove(condition)
+
+    async def pump_forever(self) -> None:
+        while True:
+            if any(condition() for condition in self.pumps) and self.runner.at_gate():
+                self.runner.release(1)
+            await anyio.sleep(POLL)
+
+    def live(self) -> list[Tracked]:
+        return [t for t in self.tracked if not t.status.is_terminal]
+
+    def holder(self, request_id: str) -> Tracked | None:
+        holders = [t for t in self.tracked if t.request_id == request_id and t.holds_id]
+        assert len(holders) <= 1, f"L2: two requests hold {request_id!r}"
+        return holders[0] if holders else None
+
+    def open_handle(self, pick: int) -> tuple[Tracked, ot.RequestHandle] | None:
+        """The ``pick``-th request whose handle this test holds open, if any."""
+        found = [
+            (t, t.handle) for t in self.tracked if t.handle is not None and not t.handle.is_closed
+        ]
+        return found[pick % len(found)] if found else None
+
+    def target(self, pick: int) -> str:
+        """The id an abort names: a request's that holds its id, a finished one, or unknown."""
+        held = [t.request_id for t in self.tracked if t.holds_id]
+        if pick < PICKS - 2 and held:
+            return held[pick % len(held)]
+        if pick == PICKS - 2 and self.finished_ids:
+            return self.finished_ids[-1]
+        return ABSENT_ID
+
+    def released(self, tracked: Tracked) -> bool:
+        """Whether the engine's threads let go of the request's state (L8, L11).
+
+        A dead worker never hands its states back (see test_faults).
+        """
+        return not tracked.probe.holds_state or self.engine.statistics().is_dead
+
+    def disturb_live(self) -> None:
+        for tracked in self.live():
+            tracked.disturbed = True
+
+    def settled(self) -> bool:
+        engine, runner = self.engine, self.runner
+        # What holds at every moment is checked while waiting too: a broken
+        # invariant fails at once rather than as a timeout.
+        check_engine_invariants(engine, runner)
+        if not engine_settled(engine, runner):
+            return False
+        if engine.statistics().is_dead:
+            return True
+        records = list(engine._live.values())
+        if self.gate_open:
+            return not records
+        if any(r.status is ot.RequestStatus.RUNNING for r in records):
+            return runner.at_gate()
+        # Nothing runs: nothing may wait either (an idle worker takes at once).
+        return not records
+
+    async def settle(self) -> None:
+        await wait_until(self.settled, interval=POLL)
+        if not any(r.status is ot.RequestStatus.RUNNING for r in self.engine._live.values()):
+            self.runner.revoke()
+
+    def check(self) -> None:
+        """The invariants after every operation."""
+        engine = self.engine
+        stats = check_engine_invariants(engine, self.runner)
+        self.ledger.check(engine)
+        # The ledger checked that each live request is the one its id finds (L3).
+        for tracked in self.tracked:
+            self.check_end(tracked)
+        if not stats.is_dead:
+            # Settled: the runner holds exactly the running requests' states.
+            running = sum(t.status is ot.RequestStatus.RUNNING for t in self.tracked)
+            assert self.runner.live_states == running, (self.runner.live_states, running)
+        if not engine._live and not engine._terminal_open and not stats.is_dead:
+            assert_engine_idle(engine)  # L14
+            assert self.runner.live_states == 0
+        kept = [t for t in self.tracked if t.holds_id or t.reader]
+        self.finished_ids += [t.request_id for t in self.tracked if t not in kept]
+        self.tracked = kept
+
+    def check_end(self, tracked: Tracked) -> None:
+        """How a request ended must match what happened to it."""
+        status = tracked.status
+        if not status.is_terminal:
+            return
+        if not tracked.disturbed:
+            assert status is ot.RequestStatus.COMPLETED, f"undisturbed {tracked} ended {status}"
+        if tracked.reason is not None and status is ot.RequestStatus.ABORTED:
+            assert tracked.token_reason == tracked.reason  # the first reason wins
+        if tracked.must_abort:
+            assert status is not ot.RequestStatus.COMPLETED, f"L10: aborted {tracked} completed"
+            assert id(tracked.request) not in self.runner.decoded, f"L10: {tracked} decoded"
+        if tracked.steps_at_abort is not None and status is ot.RequestStatus.ABORTED:
+            # L7: at most one more step after the abort.
+            assert tracked.steps_done <= tracked.steps_at_abort + 1, tracked
+        if status is ot.RequestStatus.FAILED:
+            assert self.chaos, f"{tracked} failed with no failure armed"
+
+    def take_outcome(
+        self, tracked: Tracked, handle: ot.RequestHandle, outcome: ot.GenerationOutput | Exception
+    ) -> None:
+        self.ledger.outcome(handle, outcome)
+        if isinstance(outcome, ot.RequestError | ot.EngineClosedError | ot.EngineDeadError):
+            tracked.error_raised = True
+        if isinstance(outcome, ot.GenerationOutput):
+            assert not tracked.output_taken, "L15: output returned twice"
+            tracked.output_taken = True
+            assert torch.equal(outcome.images, expected_images(tracked.request)), (
+                f"L3, L9: wrong images for {tracked.request_id!r}"
+            )
+        elif isinstance(outcome, ot.RequestFailedError):
+            assert isinstance(outcome.__cause__, RuntimeError), outcome.__cause__
+        elif isinstance(outcome, ot.EngineDeadError):
+            assert isinstance(outcome.__cause__, WorkerKilled), outcome.__cause__
+        if not tracked.disturbed:
+            assert isinstance(outcome, ot.GenerationOutput) or (
+                tracked.output_taken and isinstance(outcome, RuntimeError)
+            ), f"undisturbed {tracked.request_id!r} got {outcome!r}"
+
+    async def read_events(self, tracked: Tracked, handle: ot.RequestHandle) -> None:
+        try:
+            async for event in handle:
+                self.ledger.event(handle, event)
+        except anyio.ClosedResourceError:
+            pass  # closed by another operation while reading
+        finally:
+            tracked.reader = False
+
+    # -- operations --
+
+    async def apply(self, op: Op) -> None:
+        note(f"op {type(op).__name__}")
+        match op:
+            case Submit():
+                self.submit(op)
+            case Release(n):
+                self.runner.release(n)
+            case OpenGate():
+                self.runner.open_gate()
+                self.gate_open = True
+            case Abort():
+                await self.abort(op)
+            case Leave():
+                await self.leave(op)
+            case CancelCaller(pick, "result"):
+                await self.cancel_result(pick)
+            case CancelCaller(_, "generate"):
+                await self.generate(MAX_STEPS, cancel=True)
+            case Generate(steps):
+                await self.generate(steps, cancel=False)
+            case Result(pick):
+                await self.result(pick)
+            case Drop(pick):
+                self.drop(pick)
+            case FailAt(step):
+                self.runner.fail_at_step = step
+                if step is not None:
+                    self.chaos = True
+                    self.disturb_live()
+            case Kill():
+                self.runner.kill = True
+                self.chaos = True
+                self.disturb_live()
+            case Shutdown(background):
+                await self.shutdown(background=background)
+            case _:
+                raise AssertionError(op)
+
+    def expected_admission_error(
+        self, request_id: str | None, invalid: str | None
+    ) -> set[type[Exception]]:
+        """What submit must raise (empty: it must admit), by the order L30, L4, L2, L5."""
+        stats = self.engine.statistics()
+        if stats.is_dead:
+            return {ot.EngineDeadError}
+        if self.closing:
+            return {ot.EngineClosedError}
+        if invalid in ("type", "empty_id"):
+            return {ot.InvalidRequestError}
+        errors: set[type[Exception]] = set()
+        if request_id is not None and self.holder(request_id) is not None:
+            errors.add(ot.DuplicateRequestError)
+        if invalid is not None:
+            errors.add(ot.InvalidRequestError)
+        if not errors:
+            waiting = sum(t.status is ot.RequestStatus.WAITING for t in self.tracked)
+            if waiting >= self.plan.max_waiting:
+                errors.add(ot.QueueFullError)
+        return errors
+
+    def submit(self, op: Submit) -> None:
+        request_id = None if op.slot is None else f"r{op.slot}"
+        if op.invalid == "empty_id":
+            request_id = ""
+        request: object
+        match op.invalid:
+            case "steps":
+                request = req(num_steps=MAX_STEPS + 1, height=op.size, width=op.size, seed=op.seed)
+            case "multiple":
+                request = ot.GenerationRequest(num_steps=op.steps, height=12, width=16)
+            case "width":
+                request = ot.GenerationRequest(num_steps=op.steps, height=8, width=MAX_SIZE + 8)
+            case "extra":
+                request = ot.GenerationRequest(
+                    num_steps=op.steps, height=8, width=8, extra={"x": 1}
+                )
+            case "type":
+                request = {"prompt": "not a request"}
+            case _:
+                request = req(
+                    num_steps=op.steps,
+                    height=op.size,
+                    width=op.size,
+                    seed=op.seed,
+                    preview_every=op.preview_every,
+                )
+        expected = self.expected_admission_error(request_id or None, op.invalid)
+        before = self.engine.statistics()
+        error: ot.OmniTrioError | None = None
+        try:
+            handle = self.engine.submit(request, request_id=request_id)  # type: ignore[arg-type]
+        except ot.OmniTrioError as exc:
+            error = exc
+        if error is not None:
+            assert type(error) in expected, f"submit raised {error!r}, expected {expected}"
+            if isinstance(error, ot.InvalidRequestError):
+                assert op.invalid is not None and error.field == INVALID_FIELD[op.invalid], error
+            after = self.engine.statistics()
+            assert (after.admitted, after.waiting) == (before.admitted, before.waiting)
+            return
+        assert not expected, f"submit admitted, expected {expected}"
+        assert isinstance(request, ot.GenerationRequest)
+        # L1: admitted synchronously, visible at once.
+        assert handle.status is ot.RequestStatus.WAITING
+        after = self.engine.statistics()
+        assert (after.admitted, after.waiting) == (before.admitted + 1, before.waiting + 1)
+        self.ledger.track(handle)
+        tracked = Tracked(probe(handle), handle, handle.request_id, request, disturbed=self.chaos)
+        self.tracked.append(tracked)
+        if op.read:
+            tracked.reader = True
+            self.tg.start_soon(self.read_events, tracked, handle)
+
+    async def abort(self, op: Abort) -> None:
+        request_id = self.target(op.pick)
+        tracked = self.holder(request_id)
+        live = tracked is not None and not tracked.status.is_terminal
+        assert live == (request_id in self.engine._live), "model and engine disagree"
+        if op.how == "handle" and (
+            tracked is None or tracked.handle is None or tracked.handle.is_closed
+        ):
+            return
+        first = tracked is not None and live and tracked.token_reason is None
+        waiting = tracked is not None and tracked.status is ot.RequestStatus.WAITING
+        state = "unknown" if tracked is None else tracked.status.value
+        note(f"abort of a {state} request ({op.how})")
+        steps_before = tracked.steps_done if tracked is not None else 0
+        if first:
+            assert tracked is not None
+            tracked.disturbed = True
+            tracked.reason = op.reason
+            tracked.steps_at_abort = steps_before
+            tracked.must_abort = not self.gate_open
+        with self.pumping():
+            match op.how:
+                case "nowait":
+                    found = self.engine.abort_nowait(request_id, reason=op.reason)
+                case "await":
+                    found = await self.engine.abort(request_id, reason=op.reason)
+                case "handle":
+                    assert tracked is not None and tracked.handle is not None
+                    found = await tracked.handle.abort(reason=op.reason)
+        assert found is live, f"L8: abort of {request_id!r} returned {found}"
+        if tracked is None or not live:
+            return
+        if first:
+            assert tracked.token_reason == op.reason
+        if waiting and not self.gate_open:
+            # L6: a request in the queue ends at once and never reaches the worker.
+            assert tracked.status is ot.RequestStatus.ABORTED, tracked
+            assert tracked.steps_done == 0
+        if op.how != "nowait":
+            # L8: returns once the request is terminal and released.
+            assert tracked.status.is_terminal
+            assert self.released(tracked)
+
+    async def leave(self, op: Leave) -> None:
+        found = self.open_handle(op.pick)
+        if found is None:
+            return
+        tracked, handle = found
+        live = not tracked.status.is_terminal
+        # With the gate open the request may end on its own before the exit.
+        first = live and tracked.token_reason is None and not self.gate_open
+        if live:
+            tracked.disturbed = True
+        with self.pumping(after=lambda: tracked.abort_requested):
+            match op.how:
+                case "aclose":
+                    await handle.aclose()
+                case "exit":
+                    async with handle:
+                        pass
+                case "exception":
+                    with pytest.raises(Boom):
+                        async with handle:
+                            raise Boom
+                case "cancel":
+                    with anyio.CancelScope() as scope:
+                        async with handle:
+                            scope.cancel()
+                            await anyio.sleep_forever()
+                    assert scope.cancelled_caught
+        # L11: the exit returned only after the release; L12: nothing kept.
+        assert handle.is_closed and tracked.status.is_terminal
+        assert self.released(tracked)
+        if first:
+            expected = "cancelled" if op.how == "cancel" else "consumer_gone"
+            assert tracked.token_reason == expected
+            tracked.reason = expected
+            tracked.must_abort = True
+
+    async def cancel_result(self, pick: int) -> None:
+        """L11: cancelling a task that waits in result() aborts with 'cancelled'."""
+        found = self.open_handle(pick)
+        if found is None:
+            return
+        tracked, handle = found
+        live = not tracked.status.is_terminal
+        first = live and tracked.token_reason is None and not self.gate_open
+        if live:
+            tracked.disturbed = True
+        outcome: list[ot.GenerationOutput | Exception] = []
+        with self.pumping(after=lambda: tracked.abort_requested):
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tg:
+
+                    async def cancel_soon() -> None:
+                        for _ in range(3):
+                            await anyio.lowlevel.checkpoint()
+                        scope.cancel()
+
+                    tg.start_soon(cancel_soon)
+                    try:
+                        outcome.append(await handle.result())
+                    except _OUTCOME_ERRORS as exc:
+                        outcome.append(exc)
+        if outcome:
+            self.take_outcome(tracked, handle, outcome[0])
+        elif live:
+            # The wait was cancelled: the request ended, released, before it returned.
+            assert tracked.status.is_terminal
+            assert self.released(tracked)
+            if first:
+                assert tracked.token_reason == "cancelled"
+                tracked.reason = "cancelled"
+                tracked.must_abort = True
+        del outcome
+
+    async def generate(self, steps: int, *, cancel: bool) -> None:
+        """generate(): submit and wait in one call; cancelled, it aborts (L11)."""
+        self.generated += 1
+        request_id = f"g{self.generated}"
+        request = req(num_steps=steps, height=8, width=8, seed=self.generated % 4)
+        expected = self.expected_admission_error(request_id, None)
+        results: list[ot.GenerationOutput | Exception] = []
+        admitted: list[tuple[Tracked, ot.RequestHandle]] = []
+
+        def on_submit(handle: ot.RequestHandle) -> None:
+            # Inside generate(), right after its submit: track it before it can end.
+            self.ledger.track(handle)
+            tracked = Tracked(probe(handle), None, request_id, request)
+            tracked.disturbed = self.chaos or cancel
+            self.tracked.append(tracked)
+            admitted.append((tracked, handle))
+
+        async def call() -> None:
+            try:
+                results.append(await self.engine.generate(request, request_id=request_id))
+            except _OUTCOME_ERRORS as exc:
+                results.append(exc)
+
+        def may_pump() -> bool:
+            # Cancelled: only once the cancellation reached the engine.
+            return bool(admitted) and (not cancel or admitted[0][0].abort_requested)
+
+        self.on_submit = on_submit
+        try:
+            with self.pumping(after=may_pump), anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(call)
+                    await wait_until(lambda: bool(results or admitted), interval=POLL)
+                    if cancel:
+                        scope.cancel()
+        finally:
+            self.on_submit = None
+        if not admitted:
+            assert len(results) == 1 and isinstance(results[0], ot.OmniTrioError)
+            assert type(results[0]) in expected, (results, expected)
+            return
+        assert not expected, f"generate admitted, expected {expected}"
+        [(tracked, handle)] = admitted
+        # L11: generate() returns or is cancelled only once the request was released.
+        assert handle.is_closed and tracked.status.is_terminal
+        assert self.released(tracked)
+        if results:
+            self.take_outcome(tracked, handle, results[0])
+        else:
+            # Cancelled: the request was aborted, unless it had ended already.
+            assert cancel
+            ended = tracked.status in (ot.RequestStatus.COMPLETED, ot.RequestStatus.FAILED)
+            assert tracked.token_reason == "cancelled" or ended, tracked
+
+    async def result(self, pick: int) -> None:
+        found = self.open_handle(pick)
+        if found is None:
+            return
+        tracked, handle = found
+        outcome: ot.GenerationOutput | Exception
+        if self.closed:
+            # L34: after shutdown, a wait returns at once, with nothing pumped.
+            with anyio.fail_after(2):
+                try:
+                    outcome = await handle.result()
+                except _OUTCOME_ERRORS as exc:
+                    outcome = exc
+        else:
+            with self.pumping():
+                try:
+                    outcome = await handle.result()
+                except _OUTCOME_ERRORS as exc:
+                    outcome = exc
+        self.take_outcome(tracked, handle, outcome)
+
+    def drop(self, pick: int) -> None:
+        """L14: a consumer that drops its handle without closing it."""
+        found = self.open_handle(pick)
+        if found is None or found[0].reader or found[0].error_raised:
+            return
+        tracked, handle = found
+        ref = weakref.ref(handle)
+        tracked.handle = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            del found, handle
+            if ref() is not None:
+                gc.collect()
+        assert ref() is None, "something still holds the dropped handle"
+
+    async def shutdown(self, *, background: bool) -> None:
+        waiting = [t for t in self.tracked if t.status is ot.RequestStatus.WAITING]
+        running = [t for t in self.tracked if t.status is ot.RequestStatus.RUNNING]
+        note(f"shutdown with waiting: {bool(waiting)}, running: {bool(running)}")
+        if not self.closing:
+            self.closing = True
+            for tracked in running:
+                # L32: within a grace period a running request may still finish.
+                tracked.disturbed = tracked.disturbed or self.plan.shutdown_grace == 0
+            for tracked in waiting:
+                tracked.disturbed = True
+        closed = anyio.Event()
+
+        async def close() -> None:
+            await self.engine.aclose()
+            closed.set()
+
+        self.tg.start_soon(close)
+        await wait_until(lambda: self.engine.statistics().is_closing, interval=POLL)
+        # L30: admission stopped.
+        error = ot.EngineDeadError if self.engine.statistics().is_dead else ot.EngineClosedError
+        with pytest.raises(error):
+            self.engine.submit(req(num_steps=1, height=8, width=8, seed=0))
+        # L31: waiting requests ended at once, cut off by shutdown.
+        for tracked in waiting:
+            assert tracked.status is ot.RequestStatus.ABORTED, tracked
+            assert tracked.token_reason == "shutdown"
+        for tracked in running:
+            # L32: without a grace period, running requests are cut at once;
+            # with one, they may go on (grace periods here outlast any plan).
+            if self.plan.shutdown_grace == 0:
+                assert tracked.token_reason is not None, tracked
+            else:
+                assert tracked.token_reason != "shutdown", tracked
+        if background:
+            return
+        with self.pumping():
+            await closed.wait()
+        self.closed = True
+        # L31-L35: everything ended, the threads are gone, the runner closed.
+        dead = self.engine.statistics().is_dead
+        assert_nothing_left(self.engine, self.runner, runner_states=not dead)
+        for tracked in self.tracked:
+            assert tracked.status.is_terminal
+        # L34: waits after shutdown return at once.
+        with anyio.fail_after(2):
+            for slot in range(SLOTS + 1):
+                assert await self.engine.abort(f"r{slot}") is False
+
+    async def teardown(self) -> None:
+        """Let everything run, take every outcome, close every handle, shut down."""
+        self.runner.open_gate()
+        self.gate_open = True
+        for tracked in list(self.tracked):
+            handle = tracked.handle
+            if handle is None or handle.is_closed:
+                continue
+            if not tracked.reader:
+                steps = []
+                async for event in handle:
+                    self.ledger.event(handle, event)
+                    steps.append(event.step)
+                if tracked.status is ot.RequestStatus.COMPLETED and steps:
+                    # L13: the newest events are kept: the last step is never dropped.
+                    assert steps[-1] == tracked.request.num_steps, steps
+            if not tracked.output_taken:
+                try:
+                    outcome: ot.GenerationOutput | Exception = await handle.result()
+                except _OUTCOME_ERRORS as exc:
+                    outcome = exc
+                self.take_outcome(tracked, handle, outcome)
+                del outcome
+            await handle.aclose()
+        await self.engine.aclose()
+        self.closed = True
+
+
+def hook_submit(machine: Machine) -> None:
+    """Let the machine see the handles that generate() submits internally."""
+    engine = machine.engine
+    original = engine.submit
+
+    def submit(request: ot.GenerationRequest, *, request_id: str | None = None) -> ot.RequestHandle:
+        handle = original(request, request_id=request_id)
+        if machine.on_submit is not None:
+            machine.on_submit(handle)
+        return handle
+
+    engine.submit = submit  # type: ignore[method-assign]

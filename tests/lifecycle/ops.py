@@ -1,0 +1,183 @@
+"""The operations a lifecycle plan is made of, and the Hypothesis strategies for plans.
+
+A plan is an engine configuration, a list of operations and a way to end; the
+model (``model.Machine``) applies each operation to a live engine. To add an
+operation: a frozen dataclass here, a weighted strategy in ``WEIGHTED``, a
+``case`` in ``Machine.apply``, and the expectations it adds to the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from hypothesis import strategies as st
+
+#: Plans reuse the ids r0, r1 and r2; ABSENT_ID is never submitted.
+SLOTS = 3
+ABSENT_ID = "r9"
+#: Operations on a request pick one of those there are, by index modulo their
+#: number; aborts use the last two picks for a finished and an unknown id.
+PICKS = 8
+MAX_STEPS = 6
+MAX_SIZE = 16
+
+Invalid = Literal["steps", "multiple", "width", "extra", "type", "empty_id"]
+INVALID_FIELD: dict[str, str] = {
+    "steps": "num_steps",
+    "multiple": "height",
+    "width": "width",
+    "extra": "extra",
+    "type": "request",
+    "empty_id": "request_id",
+}
+
+
+@dataclass(frozen=True)
+class Submit:
+    slot: int | None  # None: a fresh id
+    steps: int
+    size: int
+    seed: int
+    preview_every: int
+    read: bool
+    invalid: Invalid | None
+
+
+@dataclass(frozen=True)
+class Release:
+    n: int
+
+
+@dataclass(frozen=True)
+class OpenGate:
+    pass
+
+
+@dataclass(frozen=True)
+class Abort:
+    pick: int  # which live request (see Machine.target); PICKS - 1: an unknown id
+    how: Literal["nowait", "await", "handle"]
+    reason: Literal["user", "client"]
+
+
+@dataclass(frozen=True)
+class Leave:
+    pick: int  # which open handle
+    how: Literal["aclose", "exit", "exception", "cancel"]
+
+
+@dataclass(frozen=True)
+class CancelCaller:
+    pick: int
+    target: Literal["result", "generate"]
+
+
+@dataclass(frozen=True)
+class Generate:
+    steps: int
+
+
+@dataclass(frozen=True)
+class Result:
+    pick: int
+
+
+@dataclass(frozen=True)
+class Drop:
+    pick: int
+
+
+@dataclass(frozen=True)
+class FailAt:
+    step: int | None
+
+
+@dataclass(frozen=True)
+class Kill:
+    pass
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    background: bool
+
+
+Op = (
+    Submit
+    | Release
+    | OpenGate
+    | Abort
+    | Leave
+    | CancelCaller
+    | Generate
+    | Result
+    | Drop
+    | FailAt
+    | Kill
+    | Shutdown
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    max_batch_size: int
+    max_waiting: int
+    event_buffer: int
+    shutdown_grace: float
+    ops: list[Op]
+    # How the plan ends: shut down with requests in flight, or drain them first.
+    final: Shutdown | None
+
+
+slots = st.integers(0, SLOTS - 1)
+picks = st.integers(0, PICKS - 1)
+submits = st.builds(
+    Submit,
+    slot=st.one_of(st.none(), slots),
+    steps=st.integers(1, MAX_STEPS),
+    size=st.sampled_from([8, 16]),
+    seed=st.integers(0, 3),
+    preview_every=st.sampled_from([0, 0, 1, 2]),
+    read=st.booleans(),
+    invalid=st.sampled_from([None] * 14 + list(INVALID_FIELD)),
+)
+#: How often each operation comes, per hundred (picked by hand, not measured).
+WEIGHTED: list[tuple[int, st.SearchStrategy[Op]]] = [
+    (34, submits),
+    (12, st.builds(Release, n=st.integers(1, 2))),
+    (
+        10,
+        st.builds(
+            Abort,
+            pick=picks,
+            how=st.sampled_from(["nowait", "await", "handle"]),
+            reason=st.sampled_from(["user", "client"]),
+        ),
+    ),
+    (
+        8,
+        st.builds(
+            Leave, pick=picks, how=st.sampled_from(["aclose", "exit", "exception", "cancel"])
+        ),
+    ),
+    (8, st.builds(Result, pick=picks)),
+    (5, st.builds(CancelCaller, pick=picks, target=st.sampled_from(["result", "generate"]))),
+    (5, st.builds(Generate, steps=st.integers(1, MAX_STEPS))),
+    (3, st.builds(Drop, pick=picks)),
+    (4, st.builds(FailAt, step=st.one_of(st.none(), st.integers(1, MAX_STEPS)))),
+    (1, st.builds(Shutdown, background=st.booleans())),
+    (1, st.just(OpenGate())),
+    (1, st.just(Kill())),
+]
+_KINDS = [index for index, (weight, _) in enumerate(WEIGHTED) for _ in range(weight)]
+operations: st.SearchStrategy[Op] = st.sampled_from(_KINDS).flatmap(lambda i: WEIGHTED[i][1])
+plans = st.builds(
+    Plan,
+    max_batch_size=st.integers(1, 2),
+    max_waiting=st.sampled_from([1, 2, 4, 8]),
+    event_buffer=st.integers(1, 4),
+    shutdown_grace=st.sampled_from([0.0, 30.0]),
+    ops=st.lists(operations, min_size=10, max_size=40),
+    final=st.one_of(st.none(), st.builds(Shutdown, background=st.booleans())),
+)
