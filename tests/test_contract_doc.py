@@ -81,7 +81,10 @@ def rule_order(number: str) -> int:
     return int(number[1:])
 
 
-@pytest.mark.parametrize("number", sorted(contract_rows(), key=rule_order))
+RULES: list[str] = sorted(contract_rows(), key=rule_order)
+
+
+@pytest.mark.parametrize("number", RULES)
 def test_rule_is_pinned_by_an_existing_test_that_names_it(number: str) -> None:
     """Each pinning test exists, is a test, and names its rule in its docstring."""
     _, tests = contract_rows()[number]
