@@ -1,7 +1,10 @@
-"""Watch a request's progress with live previews, and save the last preview.
+"""Print a request's steps as they happen, with a preview at every fourth one.
 
-Previews are computed only while someone reads the events (a cheap latent-to-RGB
-projection, every ``preview_every``-th step).
+A tiny Stable Diffusion pipeline (random weights) makes a 64x64 image in 12 steps.
+Each step event prints ``step k/12``; steps 4, 8 and 12 carry a preview, a
+``(1, 3, 8, 8)`` tensor (a latent-to-RGB projection at latent resolution, no VAE
+decode), of which the shape is printed. Then the final image's shape is printed.
+Nothing is saved. Previews are made only while someone reads the events.
 """
 
 import anyio

@@ -1,40 +1,158 @@
-"""``python -m omni_trio {demo,serve}``."""
+"""``omni-trio {demo,serve}`` (also ``python -m omni_trio``).
+
+A mistake prints one line on stderr, ``omni-trio: error: <what, and what to do>``,
+and no traceback unless ``--debug`` is given. Exit statuses: 0 done, 1 error (a
+model that does not load, a request that fails, a missing extra), 2 usage error
+(an unknown option, a bad value, a ``--model`` that is not a diffusers folder),
+130 interrupted.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
+from . import __version__
+from ._command import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, PROG, CommandError, summary
 from ._demo import add_demo_arguments, run_demo
+
+__all__ = ["SERVE_EXTRA_MODULES", "main"]
+
+SERVE_EXTRA_MODULES = ("starlette", "hypercorn", "uvicorn", "prometheus_client")
+"""What ``pip install 'omni_trio[serve]'`` installs, as imported."""
+
+SERVE_EXTRA_PIP = "pip install 'omni_trio[serve]'"
+
+_EPILOG = """\
+exit status: 0 done; 1 error (a model that does not load, a request that fails,
+a missing extra); 2 usage error (an unknown option, a bad value, a --model that is
+not a diffusers folder); 130 interrupted. Errors print one line; --debug adds the
+traceback."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (no usage block) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        _usage_error(self.prog, message)
+
+
+def _usage_error(prog: str, message: str) -> NoReturn:
+    sys.stderr.write(f"{PROG}: error: {message} (see '{prog} --help')\n")
+    sys.exit(EXIT_USAGE)
+
+
+def _missing(modules: Sequence[str]) -> str | None:
+    """The first of ``modules`` that cannot be imported, found without importing any."""
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return name
+    return None
+
+
+# The serve command's two functions, or the name of what its extra is missing.
+_Serve = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]] | str
+
+
+def _serve_command() -> _Serve:
+    """``(add_serve_arguments, run_serve)``, or what is missing when the extra is."""
+    missing = _missing(SERVE_EXTRA_MODULES)
+    if missing is None:
+        try:
+            from .serve._cli import add_serve_arguments, run_serve
+        except ImportError as exc:  # installed but broken, or a dependency of one missing
+            missing = exc.name or str(exc)
+        else:
+            return add_serve_arguments, run_serve
+    return missing
+
+
+def _parser(serve: _Serve) -> _Parser:
+    parser = _Parser(
+        prog=PROG,
+        description="A structured-concurrency serving engine for diffusion models.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,serve}")
+    demo = commands.add_parser(
+        "demo",
+        help="generate one image with a tiny model, no downloads",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_demo_arguments(demo)
+    # Here too, so that "demo ... --debug" works; SUPPRESS keeps a top-level --debug.
+    demo.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
+    about = "serve a model over HTTP (OpenAI images API), drain on SIGTERM"
+    if isinstance(serve, str):
+        # Without the extra the options are unknown: accept any, so that whatever
+        # was typed the user learns what to install.
+        commands.add_parser("serve", help=f"{about} (needs {SERVE_EXTRA_PIP})", add_help=False)
+    else:
+        serve[0](commands.add_parser("serve", help=about))
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` and run the chosen command; return the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m omni_trio", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="generate one image with a tiny model, no downloads")
-    add_demo_arguments(demo)
-    serve = commands.add_parser(
-        "serve", help="serve a model over HTTP (OpenAI images API), drain on SIGTERM"
-    )
-    try:
-        from .serve._cli import add_serve_arguments, run_serve
-    except ImportError as exc:  # the "serve" extra (starlette, hypercorn, ...) is missing
-        missing = exc
-        serve.set_defaults(serve_missing=missing)
-    else:
-        add_serve_arguments(serve)
-    args = parser.parse_args(argv)
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the chosen command, return its exit status.
+
+    The ``omni-trio`` console script and ``python -m omni_trio`` both run this.
+
+    Args:
+        argv: the arguments after the program's name.
+
+    Returns:
+        The exit status: 0 done, 1 error, 2 usage error, 130 interrupted.
+
+    Raises:
+        SystemExit: from argparse, for ``--help``, ``--version`` and usage errors
+            (status 0 or 2, its message already printed).
+    """
+    serve = _serve_command()
+    parser = _parser(serve)
+    args, unknown = parser.parse_known_args(argv)
+    if args.command == "serve" and isinstance(serve, str):
+        return _fail(
+            CommandError(f"serve needs the 'serve' extra ({serve} is missing): {SERVE_EXTRA_PIP}"),
+            debug=args.debug,
+        )
+    if unknown:
+        _usage_error(f"{PROG} {args.command}", f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "demo":
-        return run_demo(args)
-    if args.command == "serve":
-        if getattr(args, "serve_missing", None) is not None:
-            parser.error(
-                f"serve needs the 'serve' extra: pip install 'omni_trio[serve]' ({missing})"
-            )
-        return run_serve(args)
-    parser.error(f"unknown command {args.command}")  # unreachable: argparse checks it
+        try:
+            return run_demo(args)
+        except KeyboardInterrupt:
+            sys.stderr.write(f"\n{PROG}: interrupted\n")
+            return EXIT_INTERRUPTED
+        except Exception as exc:
+            return _fail(exc, debug=args.debug)
+    assert not isinstance(serve, str)
+    return serve[1](args)
+
+
+def _fail(exc: Exception, *, debug: bool) -> int:
+    """Print ``exc`` as one line (after its traceback with ``debug``); return the exit status."""
+    if debug:
+        traceback.print_exception(exc)
+    if isinstance(exc, CommandError):
+        sys.stderr.write(f"{PROG}: error: {exc}\n")
+        return exc.exit_status
+    hint = "" if debug else " (run with --debug for the traceback)"
+    sys.stderr.write(f"{PROG}: error: {summary(exc)}{hint}\n")
+    return EXIT_ERROR
 
 
 if __name__ == "__main__":

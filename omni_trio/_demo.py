@@ -1,22 +1,59 @@
-"""``python -m omni_trio demo``: generate one image end to end, with a progress bar."""
+"""``omni-trio demo``: generate one image end to end, with a progress bar.
+
+The report goes to ``out`` (stdout), the progress bar to stderr. Arguments the
+demo cannot use (a size or step count the model refuses, a ``--model`` that is not
+a diffusers folder) raise ``UsageError``, checked before the model loads where
+the model is not needed to tell; a model that does not load or a request that
+fails raises ``CommandError``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any, TextIO
 
 import anyio
 
+# tqdm ships no type hints; its bar is used through a handful of calls.
+from tqdm import tqdm  # type: ignore[import-untyped]
+
+from ._command import CommandError, UsageError, summary
 from ._config import EngineConfig
 from ._engine import open_engine
-from ._errors import RequestAbortedError
-from ._outputs import RequestMetrics, StepEvent
+from ._errors import InvalidRequestError, RequestAbortedError, RequestFailedError
+from ._outputs import RequestMetrics
 from ._request import GenerationRequest
+from ._runner import Runner, RunnerCapabilities
 
-__all__ = ["add_demo_arguments", "run_demo"]
+__all__ = ["KINDS", "add_demo_arguments", "run_demo"]
 
 KINDS = ("sd", "sd3", "flux", "unet", "fake")
+
+DEFAULT_SIZE = 64
+"""Image side when ``--size`` is not given and the model makes any size."""
+
+_CONFIG = EngineConfig()
+
+# The option that sets each request field, to name it in an error.
+_OPTIONS = {
+    "prompt": "--prompt",
+    "num_steps": "--steps",
+    "height": "--size",
+    "width": "--size",
+    "seed": "--seed",
+}
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +70,10 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default="a red flower in a blue vase")
     parser.add_argument("--steps", type=int, default=20, help="denoise steps (default 20)")
     parser.add_argument(
-        "--size", type=int, default=None, help="image side in pixels (default 64; unet: 32)"
+        "--size",
+        type=int,
+        default=None,
+        help=f"image side in pixels (default {DEFAULT_SIZE}; unet: 32)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="demo.png", help="where to write the PNG")
@@ -46,7 +86,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--step-seconds",
-        type=float,
+        type=_non_negative,
         default=0.05,
         help="simulated compute per step of the fake model (default 0.05)",
     )
@@ -55,16 +95,52 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _runner(args: argparse.Namespace) -> tuple[Any, str]:
-    if args.model is not None:
-        from diffusers import DiffusionPipeline
+def _request(
+    args: argparse.Namespace, capabilities: RunnerCapabilities | None
+) -> GenerationRequest:
+    """The request ``args`` ask for, checked against the engine's limits and the runner's.
 
+    Raises:
+        UsageError: a value is refused; the message names its option.
+    """
+    fixed = capabilities.fixed_size if capabilities is not None else None
+    size = args.size if args.size is not None else fixed[0] if fixed else DEFAULT_SIZE
+    try:
+        request = GenerationRequest(
+            prompt=args.prompt, num_steps=args.steps, height=size, width=size, seed=args.seed
+        )
+        _CONFIG.check_request(request)
+        if capabilities is not None:
+            capabilities.check_request(request)
+    except InvalidRequestError as exc:
+        option = _OPTIONS.get(exc.field, exc.field)
+        raise UsageError(f"{option}: {str(exc).removeprefix(f'{exc.field}: ')}") from exc
+    return request
+
+
+def _model_folder(args: argparse.Namespace) -> Path | None:
+    if args.model is None:
+        return None
+    from .runners._load import check_pipeline_folder
+
+    try:
+        return check_pipeline_folder(args.model)
+    except ValueError as exc:
+        raise UsageError(f"--model: {exc}") from exc
+
+
+def _runner(args: argparse.Namespace, folder: Path | None) -> tuple[Runner[Any], str]:
+    if folder is not None:
         from .runners import runner_for
+        from .runners._load import load_pipeline
 
-        loader: Any = DiffusionPipeline.from_pretrained
-        pipeline = loader(args.model, local_files_only=True)
-        pipeline.set_progress_bar_config(disable=True)
-        return runner_for(pipeline), f"{type(pipeline).__name__} from {args.model}"
+        try:
+            pipeline = load_pipeline(folder)
+        except Exception as exc:
+            raise CommandError(
+                f"--model: could not load a pipeline from {str(folder)!r}: {summary(exc)}"
+            ) from exc
+        return runner_for(pipeline), f"{type(pipeline).__name__} from {folder}"
     if args.kind == "fake":
         from .testing import FakeRunner
 
@@ -73,13 +149,6 @@ def _runner(args: argparse.Namespace) -> tuple[Any, str]:
 
     pipeline = tiny_pipeline(args.kind, seed=0)
     return DiffusersRunner(pipeline), f"tiny {type(pipeline).__name__}, random weights"
-
-
-def _bar(event: StepEvent, out: TextIO) -> None:
-    width = 30
-    done = width * min(event.step, event.total) // event.total
-    out.write(f"\r  [{'#' * done}{'.' * (width - done)}] step {event.step}/{event.total}")
-    out.flush()
 
 
 def _print_metrics(metrics: RequestMetrics, out: TextIO) -> None:
@@ -94,24 +163,27 @@ def _print_metrics(metrics: RequestMetrics, out: TextIO) -> None:
         out.write(f"  abort latency  {metrics.abort_latency_s * 1e3:9.2f} ms\n")
 
 
-async def _demo(args: argparse.Namespace, out: TextIO) -> int:
-    runner, description = _runner(args)
-    fixed = runner.capabilities.fixed_size
-    size = args.size or (fixed[0] if fixed else 64)
-    request = GenerationRequest(
-        prompt=args.prompt, num_steps=args.steps, height=size, width=size, seed=args.seed
-    )
-    out.write(f"omni_trio demo: {args.steps} steps at {size}x{size}, seed {args.seed}\n")
-    out.write(f"  model: {description}\n")
-    async with open_engine(runner, EngineConfig()) as engine:
+async def _demo(
+    args: argparse.Namespace, runner: Runner[Any], request: GenerationRequest, out: TextIO
+) -> int:
+    async with open_engine(runner, _CONFIG) as engine:
         async with engine.submit(request, request_id="demo") as handle:
-            async for event in handle:
-                _bar(event, out)
-                if args.abort_after is not None and event.step >= args.abort_after:
-                    out.write(f"\n  aborting after step {event.step}...")
-                    await handle.abort()
-                    break
-            out.write("\n")
+            aborted_at = None
+            # tqdm draws on stderr: it redraws in place on a terminal and keeps to
+            # plain lines in a pipe or a log.
+            with tqdm(
+                total=request.num_steps, desc="  denoise", unit="step", file=sys.stderr
+            ) as bar:
+                async for event in handle:
+                    if bar.total != event.total:
+                        bar.total = event.total
+                    bar.update(event.step - bar.n)
+                    if args.abort_after is not None and event.step >= args.abort_after:
+                        aborted_at = event.step
+                        break
+            if aborted_at is not None:
+                out.write(f"  aborting after step {aborted_at}...\n")
+                await handle.abort()
             try:
                 output = await handle.result()
             except RequestAbortedError as exc:
@@ -120,6 +192,9 @@ async def _demo(args: argparse.Namespace, out: TextIO) -> int:
                 out.write(f"decodes run: {getattr(runner, 'decodes', 0)}\n")
                 _print_metrics(handle.metrics, out)
                 return 0
+            except RequestFailedError as exc:
+                cause = exc.__cause__ if exc.__cause__ is not None else exc
+                raise CommandError(f"the model failed: {summary(cause)}") from exc
         output.to_pil()[0].save(args.out)
         out.write(f"  wrote {args.out} ({output.images.shape[-1]}x{output.images.shape[-2]})\n")
         _print_metrics(output.metrics, out)
@@ -127,6 +202,28 @@ async def _demo(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def run_demo(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    """Run the demo with parsed ``args``; return the exit status."""
-    result: int = anyio.run(_demo, args, out, backend=args.backend)
+    """Run the demo with parsed ``args``; return the exit status.
+
+    Args:
+        args: the namespace ``add_demo_arguments``'s options parsed into.
+        out: where the report goes.
+
+    Returns:
+        0: the image was written, or the abort that ``--abort-after`` asked for landed.
+
+    Raises:
+        UsageError: an argument the demo cannot use.
+        CommandError: the model did not load or the request failed.
+    """
+    _request(args, None)  # refuses a bad step count or size before the model loads
+    folder = _model_folder(args)
+    runner, description = _runner(args, folder)
+    request = _request(args, runner.capabilities)
+    out.write(
+        f"omni_trio demo: {request.num_steps} steps at {request.width}x{request.height},"
+        f" seed {request.seed}\n"
+    )
+    out.write(f"  model: {description}\n")
+    out.flush()
+    result: int = anyio.run(_demo, args, runner, request, out, backend=args.backend)
     return result

@@ -136,3 +136,73 @@ async def test_extra_passes_call_arguments_and_refuses_unknown_ones() -> None:
         with pytest.raises(ot.InvalidRequestError) as info:
             engine.submit(ot.GenerationRequest(height=64, width=64, extra={"nope": 1}))
         assert info.value.field == "extra"
+
+
+@pytest.mark.parametrize("settings", [None, {"desc": "mine", "leave": False}])
+async def test_the_pipeline_bar_is_off_per_call_and_restored(
+    settings: dict[str, Any] | None, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Each call runs with the pipeline's bar disabled; the caller's settings come back."""
+    pipe, _ = custom_pipeline()
+    del pipe._progress_bar_config  # as if never configured (custom_pipeline disabled it)
+    if settings is not None:
+        pipe.set_progress_bar_config(**settings)
+    bar_settings: list[dict[str, Any]] = []
+    bar = pipe.progress_bar
+
+    def recording_bar(*args: Any, **kwargs: Any) -> Any:
+        """The settings the pipeline's loop starts its bar with."""
+        bar_settings.append(dict(pipe._progress_bar_config))
+        return bar(*args, **kwargs)
+
+    pipe.progress_bar = recording_bar
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(PipelineCallRunner(pipe)) as engine:
+            await engine.generate(REQUEST)
+    assert bar_settings == [{**(settings or {}), "disable": True}]
+    if settings is None:
+        assert not hasattr(pipe, "_progress_bar_config")
+    else:
+        assert pipe._progress_bar_config == settings
+    assert "it/s" not in capfd.readouterr().err
+
+
+class RecordingCall(PipelineCallRunner):
+    """Keeps every state it prepares."""
+
+    def __init__(self, pipeline: Any) -> None:
+        super().__init__(pipeline)
+        self.states: list[CallState] = []
+
+    def prepare(self, request: ot.GenerationRequest, request_id: str) -> CallState:
+        state = super().prepare(request, request_id)
+        self.states.append(state)
+        return state
+
+
+@pytest.mark.parametrize(("strength", "real"), [(1.0, 4), (0.5, 2), (0.3, 1)])
+async def test_strength_below_one_counts_the_steps_the_pipeline_runs(
+    strength: float, real: int
+) -> None:
+    """img2img with strength s runs int(num_steps * s) steps: steps_done and total say so."""
+    components = tiny_pipeline("sd").components
+    img2img: Any = diffusers.StableDiffusionImg2ImgPipeline
+    pipe: Any = img2img(**components, requires_safety_checker=False)
+    runner = RecordingCall(pipe)
+    image = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    request = ot.GenerationRequest(
+        prompt="a boat",
+        num_steps=4,
+        height=64,
+        width=64,
+        seed=5,
+        extra={"image": image, "strength": strength},
+    )
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner) as engine:
+            async with engine.submit(request) as handle:
+                steps = [event.step async for event in handle]
+                output = await handle.result()
+    assert steps == list(range(1, real + 1))
+    assert output.metrics.steps_done == real
+    assert [state.total_steps for state in runner.states] == [real]

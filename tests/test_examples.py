@@ -5,9 +5,18 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import textwrap
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
+
+import omni_trio as ot
+from omni_trio.testing import GatedRunner
+
+from .util import BUDGET
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
@@ -35,6 +44,23 @@ def test_example_runs(path: Path, tmp_path: Path) -> None:
         [sys.executable, str(path)], capture_output=True, text=True, timeout=120, cwd=tmp_path
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_stream_previews_does_what_its_docstring_says(tmp_path: Path) -> None:
+    """examples/stream_previews.py: 12 steps, previews (1, 3, 8, 8) at 4, 8, 12, no file."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "stream_previews.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    expected = [
+        f"step {k:2d}/12" + ("  preview (1, 3, 8, 8)" if k % 4 == 0 else "") for k in range(1, 13)
+    ]
+    assert result.stdout.splitlines() == [*expected, "final image (1, 3, 64, 64)"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def run_demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -116,3 +142,63 @@ def test_testing_guide_example_passes(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 passed" in result.stdout
+
+
+def _tutorial_block(heading: str, index: int) -> str:
+    """The ``index``-th Python block of the tutorial's section ``heading``."""
+    text = (ROOT / "docs" / "tutorial.md").read_text()
+    section = text.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    blocks: list[str] = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+    return blocks[index]
+
+
+def _as_function(code: str) -> Callable[..., Awaitable[Any]]:
+    """``code`` as the body of ``async def f(engine, request, user_pressed_stop)``."""
+    source = (
+        "async def block(engine, request, user_pressed_stop):\n"
+        + textwrap.indent(code, "    ")
+        + "    return handle, locals().get('output')\n"
+    )
+    namespace: dict[str, Any] = {}
+    exec(source, namespace)
+    function: Callable[..., Awaitable[Any]] = namespace["block"]
+    return function
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("index", "steps_done"), [(0, 6), (1, 3)])
+async def test_tutorial_leaving_early(index: int, steps_done: int) -> None:
+    """docs/tutorial.md section 2: after a break the request runs on; abort() stops it.
+
+    The user presses stop at step 2, while step 3 is in progress. The first block
+    (a bare break) gets all 6 steps and the image; the second (abort, then break)
+    ends ABORTED after the step in progress, never decoded (L7, L10).
+    """
+    block = _as_function(_tutorial_block("2. Progress, and leaving early", index))
+    runner = GatedRunner()
+    request = ot.GenerationRequest(prompt="x", num_steps=6, height=16, width=16, seed=1)
+    seen: list[int] = []
+
+    def user_pressed_stop() -> bool:
+        seen.append(len(seen) + 1)
+        if len(seen) < 2:
+            return False
+        # Step 3 is at the gate when the user presses stop; then it may run on.
+        assert runner.wait_until_sync(lambda: runner.arrived == 3, BUDGET)
+        runner.open_gate()
+        return True
+
+    runner.release(2)
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner) as engine:
+            handle, output = await block(engine, request, user_pressed_stop)
+    assert seen == [1, 2]
+    assert handle.metrics is not None
+    assert handle.metrics.steps_done == steps_done
+    if index == 0:
+        assert handle.status is ot.RequestStatus.COMPLETED
+        assert output.images.shape == (1, 3, 16, 16)
+    else:
+        assert handle.status is ot.RequestStatus.ABORTED
+        assert handle.abort_reason == "user"
+        assert runner.decodes == 0

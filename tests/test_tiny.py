@@ -5,12 +5,18 @@ Every test builds its pipelines from a seed (no download) and runs 2 denoise ste
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from omni_trio.runners._quiet import quiet_notices
 from omni_trio.runners._tiny import TINY_KINDS, tiny_pipeline
 
 PROMPTED = ("sd", "sd3", "flux")
@@ -124,3 +130,60 @@ def test_global_rng_untouched() -> None:
     torch.manual_seed(1234)
     tiny_pipeline("flux", seed=7)
     assert torch.equal(torch.rand(4), expected)
+
+
+NOTICE = (
+    "`CLIPImageProcessor` requires torchvision (not installed); falling back to"
+    " `CLIPImageProcessorPil` for backward compatibility."
+)
+
+
+class Collect(logging.Handler):
+    """Keeps the messages it is handed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_quiet_notices_drops_only_the_torchvision_notice_and_only_inside() -> None:
+    """Inside quiet_notices (nested too) that one notice is dropped, nothing else; after, all."""
+    logger = logging.getLogger("transformers.utils.import_utils")
+    handler = Collect()
+    filters, propagate = list(logger.filters), logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        with quiet_notices():
+            with quiet_notices():
+                logger.warning(NOTICE)
+            logger.warning(NOTICE)
+            logger.warning("another warning")
+        assert logger.filters == filters
+        logger.warning(NOTICE)
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+    assert handler.messages == ["another warning", NOTICE]
+
+
+def test_building_prints_nothing(tmp_path: Path) -> None:
+    """A fresh process that builds every kind writes nothing on stderr (no notices, no bars)."""
+    root = Path(__file__).resolve().parent.parent
+    script = (
+        "from omni_trio.runners import TINY_KINDS, tiny_pipeline\n"
+        "for kind in TINY_KINDS:\n"
+        "    tiny_pipeline(kind)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-W", "default", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert (result.returncode, result.stderr) == (0, "")

@@ -5,13 +5,17 @@ The pipeline keeps its loop; its ``callback_on_step_end`` is the engine's step
 boundary: the engine checks the request's token there and raises ``StopRun``,
 which stops the loop before any decode (never the private ``_interrupt`` flag,
 which keeps looping and still decodes). One request at a time, no batching.
+
+The pipeline's own progress bar is off during the runner's calls (the engine's
+step events report progress) and the caller's setting is back after each call.
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,13 +56,49 @@ _MANAGED = frozenset(
 
 @dataclass(eq=False)
 class CallState:
-    """One request in a ``PipelineCallRunner``."""
+    """One request in a ``PipelineCallRunner``.
+
+    ``total_steps`` is the number of steps the pipeline's loop runs, as the
+    pipeline itself counts them (its ``num_timesteps``), known from the first step
+    callback on; ``None`` before it or where the pipeline does not say. It differs
+    from ``num_inference_steps`` where the pipeline skips part of its schedule:
+    img2img and inpainting pipelines with ``strength`` below 1 run about
+    ``num_inference_steps * strength`` of them (Stable Diffusion's img2img
+    ``int(num_inference_steps * strength)``).
+    """
 
     request_id: str
     kwargs: dict[str, Any]
     latents: torch.Tensor | None = None
     images: torch.Tensor | None = None
+    total_steps: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+_UNSET = object()
+
+
+@contextmanager
+def _progress_bar_off(pipeline: Any) -> Iterator[None]:
+    """Disable the pipeline's progress bar inside the block; restore the caller's config.
+
+    diffusers keeps the bar's settings in ``_progress_bar_config``, which
+    ``set_progress_bar_config`` replaces and the bar creates when it is missing;
+    the block puts back exactly what was there, or nothing.
+    """
+    if not callable(getattr(pipeline, "set_progress_bar_config", None)):
+        yield
+        return
+    saved = getattr(pipeline, "_progress_bar_config", _UNSET)
+    settings = dict(saved) if isinstance(saved, dict) else {}
+    pipeline.set_progress_bar_config(**{**settings, "disable": True})
+    try:
+        yield
+    finally:
+        if saved is _UNSET:
+            del pipeline._progress_bar_config
+        else:
+            pipeline._progress_bar_config = saved
 
 
 def _as_images(images: Any) -> torch.Tensor:
@@ -78,7 +118,10 @@ class PipelineCallRunner:
 
     Steps are observed through ``callback_on_step_end`` where the pipeline has it;
     an abort then lands at the next step with no decode. A pipeline without it can
-    only be aborted before its call starts.
+    only be aborted before its call starts. The engine counts a step per callback,
+    so ``metrics.steps_done`` is the number of steps the pipeline ran (with
+    ``strength`` < 1, fewer than ``num_steps``; ``CallState.total_steps`` says how
+    many it runs). The pipeline's progress bar is off during each call.
 
     Args:
         pipeline: any diffusers pipeline.
@@ -149,6 +192,10 @@ class PipelineCallRunner:
             def callback(
                 pipe: Any, index: int, timestep: Any, tensors: dict[str, Any]
             ) -> dict[str, Any]:
+                if state.total_steps is None:
+                    # Set by the pipeline before its loop, after strength cut the schedule.
+                    total = getattr(pipe, "num_timesteps", None)
+                    state.total_steps = total if isinstance(total, int) else None
                 state.latents = tensors.get("latents")
                 on_step()
                 return tensors
@@ -156,7 +203,7 @@ class PipelineCallRunner:
             kwargs["callback_on_step_end"] = callback
             kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
         self._count("calls", 1)
-        with torch.no_grad():
+        with torch.no_grad(), _progress_bar_off(self._pipeline):
             output = self._pipeline(**kwargs)
         state.images = _as_images(output.images)
         state.latents = None

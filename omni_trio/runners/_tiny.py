@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._quiet import quiet_notices
+
 if TYPE_CHECKING:
     # Not ``from diffusers import DiffusionPipeline``: mypy resolves that name to the
     # dummy placeholder class of diffusers' optional-dependency fallbacks.
@@ -52,7 +54,8 @@ def tiny_pipeline(kind: str, *, seed: int = 0) -> DiffusionPipeline:
     Every model is created right after ``torch.manual_seed(seed)`` inside
     ``torch.random.fork_rng``, so the same seed gives bit-identical weights and the
     caller's global RNG state is left untouched. Every module is float32, on CPU, in eval
-    mode; the progress bar is disabled.
+    mode; the progress bar is disabled. The transformers notice that diffusers'
+    imports trigger without torchvision is dropped while it builds.
 
     Args:
         kind: ``"sd"`` (StableDiffusionPipeline, DDIM scheduler), ``"sd3"``
@@ -81,7 +84,9 @@ def tiny_pipeline(kind: str, *, seed: int = 0) -> DiffusionPipeline:
         raise ValueError(
             f"unknown tiny pipeline kind {kind!r}; supported kinds: {', '.join(TINY_KINDS)}"
         ) from None
-    with torch.random.fork_rng(devices=[]):
+    # Building imports diffusers' pipeline modules, which trigger transformers' notice
+    # about torchvision (see ``quiet_notices``).
+    with quiet_notices(), torch.random.fork_rng(devices=[]):
         built = build(seed)
     for component in built.components.values():
         if isinstance(component, torch.nn.Module):

@@ -22,13 +22,31 @@ Outcomes: ``completed``, ``disconnected`` (the client went away; aborted),
 ``shutdown`` (cut off by shutdown), ``aborted``, ``failed`` (the model raised),
 and the refusals ``invalid`` (400), ``too_large`` (413), ``queue_full`` (429),
 ``unavailable`` (503).
+
+Next to them, the standard series every Prometheus client exports: ``process_*``
+(CPU seconds, resident and virtual memory, open file descriptors, start time; on
+Linux), ``python_info`` (the interpreter) and ``python_gc_*`` (collections per
+generation). The ``*_created`` samples (each counter's and histogram's creation
+time) are left out: in this text format each becomes a gauge series of its own,
+one per counter label set and histogram, that nobody charts. They are dropped
+when rendering, not by ``prometheus_client.disable_created_metrics()``, which would
+change every registry of the process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -70,6 +88,22 @@ class _EngineCollector:
 
     def describe(self) -> Iterator[Metric]:
         yield CounterMetricFamily("omni_trio_engine_steps", "")
+
+
+class _WithoutCreated:
+    """A registry's metrics, without their ``*_created`` samples."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._registry.collect():
+            created = metric.name + "_created"
+            if any(sample.name == created for sample in metric.samples):
+                kept = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+                kept.samples = [sample for sample in metric.samples if sample.name != created]
+                metric = kept
+            yield metric
 
 
 class ServeMetrics:
@@ -143,6 +177,12 @@ class ServeMetrics:
             "omni_trio_draining", "1 while the server shuts down, else 0.", registry=registry
         ).set_function(lambda: float(is_draining()))
         registry.register(_EngineCollector(statistics))
+        # The standard process and Python series, in this registry only (the global
+        # one has its own): each app's /metrics is complete on its own.
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        GCCollector(registry=registry)
+        self._exposed = _WithoutCreated(registry)
 
     def count(self, outcome: str) -> None:
         """Count one request that ended with ``outcome``."""
@@ -161,4 +201,4 @@ class ServeMetrics:
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(self._exposed), CONTENT_TYPE_LATEST

@@ -1,0 +1,56 @@
+"""What the ``omni-trio`` commands share: their errors and exit statuses.
+
+A command raises ``UsageError`` for arguments it cannot use and ``CommandError``
+for anything else that stops it; ``omni_trio.__main__`` prints either as one line,
+``omni-trio: error: <message>``, and exits with its ``exit_status``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EXIT_ERROR",
+    "EXIT_INTERRUPTED",
+    "EXIT_USAGE",
+    "PROG",
+    "CommandError",
+    "UsageError",
+    "summary",
+]
+
+PROG = "omni-trio"
+"""The command's name, as errors and the usage line print it."""
+
+EXIT_ERROR = 1
+"""A command failed: a model did not load, a request failed, a needed extra is missing."""
+
+EXIT_USAGE = 2
+"""The arguments were wrong (argparse uses 2 for these too)."""
+
+EXIT_INTERRUPTED = 130
+"""Stopped by Ctrl-C (128 + SIGINT, as shells report it)."""
+
+
+class CommandError(Exception):
+    """A command cannot go on; the message is one line for the user.
+
+    Args:
+        message: what went wrong, and where it helps, what to do.
+        exit_status: the process's exit status (default ``EXIT_ERROR``).
+    """
+
+    def __init__(self, message: str, *, exit_status: int = EXIT_ERROR) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
+class UsageError(CommandError):
+    """The command's arguments are wrong; exits with ``EXIT_USAGE``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, exit_status=EXIT_USAGE)
+
+
+def summary(exc: BaseException) -> str:
+    """``exc`` as one line: its type and the first line of its message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__

@@ -1,0 +1,104 @@
+"""GET /metrics: the omni_trio series, the standard process and Python ones, no ``_created``.
+
+The in-process app (``httpx.ASGITransport``) inside its own lifespan, on trio and
+asyncio, with an instant ``FakeRunner`` and a hang budget.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+import omni_trio as ot
+from omni_trio.serve import ImageService, ServeConfig
+from omni_trio.testing import FakeRunner
+
+from .util import BUDGET
+
+pytestmark = pytest.mark.anyio
+
+
+def make_service() -> ImageService:
+    config = ServeConfig(model_name="fake", default_width=64, default_height=64, default_steps=3)
+    return ImageService(FakeRunner(), engine_config=ot.EngineConfig(), config=config)
+
+
+@asynccontextmanager
+async def serving(service: ImageService) -> AsyncIterator[httpx.AsyncClient]:
+    """Run the app's lifespan; yield a client that calls it in-process."""
+    transport = httpx.ASGITransport(app=service.app)
+    async with (
+        service.app.router.lifespan_context(service.app),
+        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
+    ):
+        yield client
+
+
+async def scrape(client: httpx.AsyncClient) -> str:
+    response = await client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain;")
+    return response.text
+
+
+async def test_metrics_have_the_standard_series_and_no_created_ones() -> None:
+    """/metrics has omni_trio's, python_info's and python_gc's families, and no *_created."""
+    with anyio.fail_after(BUDGET):
+        async with serving(make_service()) as client:
+            response = await client.post("/v1/images/generations", json={"prompt": "a cat"})
+            assert response.status_code == 200, response.text
+            text = await scrape(client)
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in families.values()
+        for sample in family.samples
+    }
+    assert samples[("omni_trio_requests_total", (("outcome", "completed"),))] == 1.0
+    assert samples[("omni_trio_queue_wait_seconds_count", ())] == 1.0
+    implementation = platform.python_implementation()
+    assert families["python_info"].samples[0].labels["implementation"] == implementation
+    assert families["python_info"].samples[0].labels["major"] == str(sys.version_info.major)
+    assert {"python_gc_objects_collected", "python_gc_collections"} <= set(families)
+    assert [name for name, _ in samples if name.endswith("_created")] == []
+    assert "_created" not in text
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process_* reads /proc")
+async def test_metrics_have_the_process_series() -> None:
+    """On Linux, /metrics has the process collector's families, this process's own."""
+    with anyio.fail_after(BUDGET):
+        async with serving(make_service()) as client:
+            text = await scrape(client)
+    families = {family.name for family in text_string_to_metric_families(text)}
+    expected = {
+        "process_cpu_seconds",
+        "process_resident_memory_bytes",
+        "process_virtual_memory_bytes",
+        "process_start_time_seconds",
+        "process_open_fds",
+        "process_max_fds",
+    }
+    assert expected <= families
+
+
+async def test_two_apps_and_the_process_keep_their_own_series() -> None:
+    """Two apps in one process both serve the collectors; other registries keep _created."""
+    with anyio.fail_after(BUDGET):
+        async with serving(make_service()) as first, serving(make_service()) as second:
+            texts = [await scrape(first), await scrape(second)]
+    for text in texts:
+        assert "python_info{" in text
+        assert "_created" not in text
+    # Nothing process-wide was switched off: another registry still exports _created.
+    registry = CollectorRegistry()
+    Counter("user_events", "A counter of the application's own.", registry=registry)
+    assert b"user_events_created" in generate_latest(registry)
