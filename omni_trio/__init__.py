@@ -47,6 +47,15 @@ The seam between them:
   died, exited).
 - ``_inbox``: the thread-to-loop hand-off that carries those messages without ever
   blocking a thread.
+
+The command line (``omni-trio`` / ``python -m omni_trio``):
+
+- ``__main__``: the ``demo`` and ``serve`` commands, ``--version``, ``--debug``.
+- ``_command``: one-line user errors and the exit statuses.
+- ``_demo``: the demo: one image with a tiny model, a progress bar.
+
+The public subpackages: ``runners`` (diffusers pipelines, step by step; needs torch),
+``testing`` (fake runners, leak checks, invariants) and ``serve`` (the HTTP API).
 """
 
 from __future__ import annotations
