@@ -14,6 +14,8 @@ Determinism rules:
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import signal
 import socket
@@ -26,6 +28,9 @@ from typing import Any
 
 import httpx
 import pytest
+
+from omni_trio.serve._cli import add_serve_arguments
+from omni_trio.serve._sockets import abort_connections
 
 from .test_serve_http import PATH, SERVERS, Server, parse_sse_lines, poll_until, run_server
 
@@ -188,3 +193,45 @@ def test_shutdown_is_bounded_whatever_clients_do(
                 sock.close()
         if client == "stops-reading":
             assert "aborted 1 connection(s) still open 1 s after the drain" in server.log_text()
+
+
+def listener() -> socket.socket:
+    sock = socket.create_server(("127.0.0.1", 0))
+    sock.settimeout(10)
+    return sock
+
+
+def test_abort_connections_resets_only_the_servers_connections() -> None:
+    """L53: abort_connections resets exactly the TCP connections accepted on the given
+    port: not its listener (which still accepts), not a connection accepted on another
+    port, not this process's own outgoing connection to that port."""
+    with contextlib.ExitStack() as stack:
+        server, other = stack.enter_context(listener()), stack.enter_context(listener())
+        port = server.getsockname()[1]
+        client = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=10))
+        accepted = stack.enter_context(server.accept()[0])
+        other_client = stack.enter_context(
+            socket.create_connection(other.getsockname(), timeout=10)
+        )
+        other_accepted = stack.enter_context(other.accept()[0])
+        assert abort_connections({port}) == 1
+        assert client.recv(16) == b""  # the server's end shut down: end of stream
+        with pytest.raises(BrokenPipeError):
+            accepted.sendall(b"x")
+        other_client.sendall(b"still")
+        assert other_accepted.recv(16) == b"still"
+        accepted.close()  # as the server does with an aborted connection
+        later = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=10))
+        stack.enter_context(server.accept()[0])  # the listener still accepts
+        assert abort_connections({port}) == 1
+        assert later.recv(16) == b""
+
+
+@pytest.mark.parametrize("text", ["-1", "nan", "inf", "soon"])
+def test_close_timeout_must_be_seconds(text: str) -> None:
+    """--close-timeout takes a finite number of seconds >= 0."""
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert parser.parse_args(["--model", "fake", "--close-timeout", "0.5"]).close_timeout == 0.5
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "fake", "--close-timeout", text])
