@@ -22,7 +22,7 @@ from ._demo import add_demo_arguments, run_demo
 
 __all__ = ["SERVE_EXTRA_MODULES", "main"]
 
-SERVE_EXTRA_MODULES = ("starlette", "hypercorn", "uvicorn", "prometheus_client")
+SERVE_EXTRA_MODULES = ("starlette", "hypercorn", "uvicorn", "prometheus_client", "pydantic")
 """What ``pip install 'omni_trio[serve]'`` installs, as imported."""
 
 SERVE_EXTRA_PIP = "pip install 'omni_trio[serve]'"

@@ -38,7 +38,7 @@ PATH = "/v1/images/generations"
 
 
 def make_service(
-    runner: FakeRunner | None = None, **engine: Any
+    runner: FakeRunner | None = None, *, max_body_bytes: int = 4096, **engine: Any
 ) -> tuple[ImageService, FakeRunner]:
     """A service on ``runner`` (an instant FakeRunner by default), 64x64 and 4 steps by default."""
     runner = runner if runner is not None else FakeRunner()
@@ -49,7 +49,7 @@ def make_service(
         default_width=64,
         default_height=64,
         default_steps=4,
-        max_body_bytes=4096,
+        max_body_bytes=max_body_bytes,
     )
     service = ImageService(
         runner, engine_config=ot.EngineConfig(**{**limits, **engine}), config=config

@@ -32,6 +32,7 @@ import openai
 import pytest
 
 from .test_serve_app import BAD_BODIES, metric, parse_sse, png_size
+from .test_serve_hostile import HOSTILE_BODIES, nested
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVERS = ["hypercorn", "uvicorn"]
@@ -237,6 +238,22 @@ def test_bad_input_gets_400_and_changes_nothing(server: Server) -> None:
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     assert server.outcome("invalid") == invalid + len(BAD_BODIES)
     assert server.sample("omni_trio_engine_steps_total") == steps
+    assert server.post({"prompt": "x"}).status_code == 200
+
+
+def test_hostile_bodies_get_400_from_the_servers(server: Server) -> None:
+    """L52: on the real servers' deeper stacks too, huge integer literals, bodies not in
+    UTF-8, nesting beyond the recursion limit and lone surrogates get a 400 naming the
+    field (the bodies that fit the 16 KiB limit, and 8000 nested arrays)."""
+    invalid = server.outcome("invalid")
+    cases = [*HOSTILE_BODIES, ("nested 8000 deep", nested(8000, "prompt"), None, "invalid_json")]
+    cases = [case for case in cases if len(case[1]) <= 16384]
+    for name, body, param, code in cases:
+        response = httpx.post(f"{server.url}{PATH}", content=body, timeout=10)
+        assert response.status_code == 400, (name, response.text)
+        error = response.json()["error"]
+        assert (error["param"], error["code"]) == (param, code), name
+    assert server.outcome("invalid") == invalid + len(cases)
     assert server.post({"prompt": "x"}).status_code == 200
 
 

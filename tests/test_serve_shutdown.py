@@ -6,12 +6,19 @@ Determinism rules:
 - the fake model sleeps 20 ms per step: a long request (400 steps, 8 s) outlasts
   any grace period here, a short one (25 steps, 0.5 s) fits in the 1.5 s grace;
 - the states are read from the server (``/metrics``, ``/health``, events), every
-  wait is bounded, and the client side runs in threads joined with timeouts.
+  wait is bounded, and the client side runs in threads joined with timeouts;
+- hostile clients are raw sockets: one that stops reading (a 4 KiB receive
+  buffer, a stream of about 240 KB per step: the server's writes block within a
+  few steps), and ones that send half a request, or nothing, and then wait.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import json
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +28,9 @@ from typing import Any
 
 import httpx
 import pytest
+
+from omni_trio.serve._cli import add_serve_arguments
+from omni_trio.serve._sockets import abort_connections
 
 from .test_serve_http import PATH, SERVERS, Server, parse_sse_lines, poll_until, run_server
 
@@ -121,3 +131,107 @@ def test_second_sigint_ends_the_grace_at_once(
         assert (event, data["error"]["code"]) == ("error", "shutting_down")
         assert wait_exit(server, timeout=20) == 0
         assert time.monotonic() - signalled < 8
+
+
+def stalled_stream(server: Server) -> socket.socket:
+    """Start a large streaming answer whose client reads its first bytes, then stops reading."""
+    sock = socket.socket()
+    # Before connecting, so the advertised window stays that small.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(10)
+    sock.connect(("127.0.0.1", server.port))
+    # 4 previews of 128x128 per step: about 240 KB of events per step.
+    body = {"prompt": "stall", "num_inference_steps": 400, "stream": True}
+    body |= {"preview_every": 1, "size": "1024x1024", "n": 4}
+    data = json.dumps(body).encode()
+    head = f"POST {PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(data)}\r\n\r\n"
+    sock.sendall(head.encode() + data)
+    assert sock.recv(64).startswith(b"HTTP/1.1 200")
+    return sock
+
+
+HALF_REQUESTS = [
+    b"",  # connects, sends nothing
+    b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le",
+    b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{",
+]
+
+
+@pytest.mark.parametrize("client", ["stops-reading", "half-requests"])
+@pytest.mark.parametrize("server_kind", SERVERS)
+def test_shutdown_is_bounded_whatever_clients_do(
+    server_kind: str, client: str, tmp_path: Path
+) -> None:
+    """L53: after the grace period and --close-timeout, connections still open are
+    aborted and the process exits 0, even when a client stopped reading a stream
+    (Hypercorn writes in a shielded scope: nothing else ends that write) or holds
+    half a request, or an idle connection; nothing is logged as a crash."""
+    args = [*FAKE, "--max-size", "1024", "--shutdown-grace", "0.5", "--close-timeout", "1"]
+    with run_server(*args, server=server_kind, log_dir=tmp_path) as server:
+        if client == "stops-reading":
+            socks = [stalled_stream(server)]
+            # 40 steps: about 10 MB of events for a client that took 64 bytes, far
+            # more than the kernel buffers, so the server's write is blocked by now.
+            poll_until(
+                lambda: server.sample("omni_trio_engine_steps_total") >= 40,
+                timeout=20,
+                what="40 steps of the stalled stream",
+            )
+        else:
+            socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in HALF_REQUESTS]
+            for sock, data in zip(socks, HALF_REQUESTS, strict=True):
+                sock.sendall(data)
+            poll_until(lambda: server.health() == 200, timeout=5, what="/health")
+        try:
+            server.process.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            assert wait_exit(server, timeout=30) == 0
+            # grace 0.5 s, a step, close 1 s, the process's own exit on a busy machine
+            assert time.monotonic() - signalled < 0.5 + 1 + 5
+        finally:
+            for sock in socks:
+                sock.close()
+        if client == "stops-reading":
+            assert "aborted 1 connection(s) still open 1 s after the drain" in server.log_text()
+
+
+def listener() -> socket.socket:
+    sock = socket.create_server(("127.0.0.1", 0))
+    sock.settimeout(10)
+    return sock
+
+
+def test_abort_connections_resets_only_the_servers_connections() -> None:
+    """L53: abort_connections resets exactly the TCP connections accepted on the given
+    port: not its listener (which still accepts), not a connection accepted on another
+    port, not this process's own outgoing connection to that port."""
+    with contextlib.ExitStack() as stack:
+        server, other = stack.enter_context(listener()), stack.enter_context(listener())
+        port = server.getsockname()[1]
+        client = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=10))
+        accepted = stack.enter_context(server.accept()[0])
+        other_client = stack.enter_context(
+            socket.create_connection(other.getsockname(), timeout=10)
+        )
+        other_accepted = stack.enter_context(other.accept()[0])
+        assert abort_connections({port}) == 1
+        assert client.recv(16) == b""  # the server's end shut down: end of stream
+        with pytest.raises(BrokenPipeError):
+            accepted.sendall(b"x")
+        other_client.sendall(b"still")
+        assert other_accepted.recv(16) == b"still"
+        accepted.close()  # as the server does with an aborted connection
+        later = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=10))
+        stack.enter_context(server.accept()[0])  # the listener still accepts
+        assert abort_connections({port}) == 1
+        assert later.recv(16) == b""
+
+
+@pytest.mark.parametrize("text", ["-1", "nan", "inf", "soon"])
+def test_close_timeout_must_be_seconds(text: str) -> None:
+    """--close-timeout takes a finite number of seconds >= 0."""
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert parser.parse_args(["--model", "fake", "--close-timeout", "0.5"]).close_timeout == 0.5
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "fake", "--close-timeout", text])

@@ -3,22 +3,29 @@
 Hypercorn runs the app on trio (the default), Uvicorn on asyncio. Either way a
 first SIGTERM or SIGINT drains before the server stops listening: ``/health``
 turns 503, new requests get 503, running requests get ``--shutdown-grace``
-seconds, the rest are cut at their next step. Then the server closes its
-connections, the lifespan closes the (already closed) engine, and the process
-exits 0. A second signal ends the grace period at once.
+seconds, the rest are cut at their next step. Then the server stops listening
+and the last responses get ``--close-timeout`` seconds to reach their clients;
+connections still open after that are aborted (``_sockets``), whatever their
+clients do, so the lifespan closes the (already closed) engine and the process
+exits 0 in bounded time. Each further signal ends the current stage at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import math
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import socket
+    from collections.abc import Awaitable, Callable, Collection
     from types import FrameType
 
     from ._app import ImageService
@@ -28,9 +35,15 @@ __all__ = ["MODELS", "add_serve_arguments", "run_serve"]
 #: Built-in models: tiny real pipelines with random weights, and a fake one for tests.
 MODELS = ("tiny-sd", "tiny-sd3", "tiny-flux", "tiny-unet", "fake")
 
-#: Seconds the server waits for connections to finish after the drain, when only
-#: sending the last responses remains (picked without measurement).
-AFTER_DRAIN_S = 5
+_log = logging.getLogger("omni_trio.serve")
+
+#: Seconds the server's own shutdown timeout (Hypercorn's ``graceful_timeout``,
+#: Uvicorn's ``timeout_graceful_shutdown``) runs past ``--close-timeout``: a backstop
+#: that should never fire, since the connections are aborted at ``--close-timeout``.
+BACKSTOP_S = 1.0
+
+#: Seconds other threads get to end after the server returned (they were told to).
+THREAD_EXIT_S = 2.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,6 +67,16 @@ def _size(text: str) -> tuple[int, int]:
     if not sep or min(size) < 1:
         raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT, e.g. 64x64, got {text!r}")
     return size
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +109,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         metavar="S",
         help="seconds running requests get to finish on shutdown (default 10)",
+    )
+    limits.add_argument(
+        "--close-timeout",
+        type=_seconds,
+        default=5.0,
+        metavar="S",
+        help="seconds the last responses get to reach their clients after the drain;"
+        " connections still open then are aborted (default 5)",
     )
     limits.add_argument(
         "--max-steps", type=int, default=200, help="largest num_inference_steps (default 200)"
@@ -216,8 +247,62 @@ def _service(args: argparse.Namespace, model: LoadedModel) -> ImageService:
     return ImageService(model.runner, engine_config=engine_config, config=config)
 
 
+def _log_to_stderr(level: str) -> None:
+    """Send the library's log (``omni_trio.*``: failed requests, aborted connections) to stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    library = logging.getLogger("omni_trio")
+    library.addHandler(handler)
+    library.setLevel(level.upper())
+
+
 def _bind(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def _cut_short_by(
+    next_signal: Callable[[], Awaitable[None]], stage: Callable[[], Awaitable[None]]
+) -> None:
+    """Run ``stage`` until it returns or the next signal arrives, whichever is first."""
+    import anyio
+
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            await next_signal()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        await stage()
+        tg.cancel_scope.cancel()
+
+
+async def _close_stage(
+    ports: Collection[int], close_s: float, next_signal: Callable[[], Awaitable[None]]
+) -> None:
+    """After the drain: give the last responses ``close_s`` s, then abort what is still open.
+
+    Cancellation:
+        The caller cancels it once the server closed all its connections by
+        itself; then nothing is aborted.
+    """
+    import anyio
+
+    from ._sockets import abort_connections
+
+    await _cut_short_by(next_signal, lambda: anyio.sleep(close_s))
+    aborted = abort_connections(ports)
+    if aborted:
+        _log.warning(
+            "aborted %d connection(s) still open %g s after the drain (--close-timeout)",
+            aborted,
+            close_s,
+        )
+
+
+def _bound_port(address: str) -> int:
+    """The port of Hypercorn's ``http://HOST:PORT`` (``[::1]`` included)."""
+    return int(address.rsplit(":", 1)[1])
 
 
 def _run_hypercorn(service: ImageService, args: argparse.Namespace) -> None:
@@ -227,10 +312,12 @@ def _run_hypercorn(service: ImageService, args: argparse.Namespace) -> None:
 
     config = Config()
     config.bind = [_bind(args.host, args.port)]
-    config.graceful_timeout = AFTER_DRAIN_S
+    config.graceful_timeout = args.close_timeout + BACKSTOP_S
     config.accesslog = "-" if args.access_log else None
     config.errorlog = "-"
     config.loglevel = args.log_level.upper()
+    # hypercorn's ASGI types are narrower than Starlette's; the app is ASGI 3.
+    app: Any = service.app
 
     async def main() -> None:
         # Open before serving, so no signal is missed once /health answers.
@@ -240,21 +327,27 @@ def _run_hypercorn(service: ImageService, args: argparse.Namespace) -> None:
                 async for _ in signals:
                     return
 
+            drained = trio.Event()
+
             async def shutdown_trigger() -> None:
                 await next_signal()
-                async with trio.open_nursery() as nursery:
+                await _cut_short_by(next_signal, service.drain)
+                drained.set()  # returning makes Hypercorn stop listening and close
 
-                    async def cut_short() -> None:
-                        await next_signal()
-                        nursery.cancel_scope.cancel()
+            async with trio.open_nursery() as nursery:
 
-                    nursery.start_soon(cut_short)
-                    await service.drain()
-                    nursery.cancel_scope.cancel()
+                async def serving(task_status: trio.TaskStatus[list[str]]) -> None:
+                    await serve(
+                        app, config, shutdown_trigger=shutdown_trigger, task_status=task_status
+                    )
+                    nursery.cancel_scope.cancel()  # every connection closed: nothing to abort
 
-            # hypercorn's ASGI types are narrower than Starlette's; the app is ASGI 3.
-            app: Any = service.app
-            await serve(app, config, shutdown_trigger=shutdown_trigger)
+                binds: list[str] = await nursery.start(serving)
+                await drained.wait()
+                # Hypercorn writes to a socket in a shielded scope: a client that stops
+                # reading would hold its connection, and this shutdown, forever.
+                ports = {_bound_port(bind) for bind in binds}
+                await _close_stage(ports, args.close_timeout, next_signal)
 
     trio.run(main)
 
@@ -268,7 +361,8 @@ def _run_uvicorn(service: ImageService, args: argparse.Namespace) -> None:
 
         Uvicorn installs ``handle_exit`` for SIGINT and SIGTERM. Here it only counts
         the signal (so nothing is re-raised at exit); ``on_tick``, which Uvicorn's
-        main task runs every 0.1 s, drains on the first and tells Uvicorn to stop.
+        main task runs every 0.1 s, drains on the first and tells Uvicorn to stop;
+        ``shutdown`` aborts the connections still open after ``--close-timeout``.
         """
 
         signals = 0
@@ -276,22 +370,27 @@ def _run_uvicorn(service: ImageService, args: argparse.Namespace) -> None:
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             self.signals += 1
 
+        async def next_signal(self) -> None:
+            seen = self.signals
+            while self.signals == seen:
+                await anyio.sleep(0.05)
+
         async def on_tick(self, counter: int) -> bool:
             if await super().on_tick(counter):
                 return True
             if not self.signals:
                 return False
-            async with anyio.create_task_group() as tg:
-
-                async def cut_short() -> None:
-                    while self.signals < 2:
-                        await anyio.sleep(0.05)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(cut_short)
-                await service.drain()
-                tg.cancel_scope.cancel()
+            await _cut_short_by(self.next_signal, service.drain)
             return True
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            ports = {sock.getsockname()[1] for server in self.servers for sock in server.sockets}
+            async with anyio.create_task_group() as tg:
+                # Uvicorn's own timeout cancels the app's tasks, logging a traceback
+                # for each; aborting first lets them end as disconnects.
+                tg.start_soon(_close_stage, ports, args.close_timeout, self.next_signal)
+                await super().shutdown(sockets)
+                tg.cancel_scope.cancel()
 
     config = uvicorn.Config(
         service.app,
@@ -303,7 +402,7 @@ def _run_uvicorn(service: ImageService, args: argparse.Namespace) -> None:
         lifespan="on",
         log_level=args.log_level,
         access_log=args.access_log,
-        timeout_graceful_shutdown=AFTER_DRAIN_S,
+        timeout_graceful_shutdown=math.ceil(args.close_timeout + BACKSTOP_S),
     )
     DrainingServer(config).run()
 
@@ -321,17 +420,22 @@ def run_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    _log_to_stderr(args.log_level)
     if args.server == "hypercorn":
         _run_hypercorn(service, args)
     else:
         _run_uvicorn(service, args)
     left = [t.name for t in engine_threads()]
-    others = [
-        t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon
-    ]
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    # AnyIO's asyncio worker threads (image encoding) are told to stop when the
+    # event loop's main task ends, and end a moment later.
+    deadline = time.monotonic() + THREAD_EXIT_S
+    for thread in others:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    others = [t for t in others if t.is_alive()]
     print(
         f"omni_trio serve: stopped; engine threads left: {left or 'none'};"
-        f" other non-daemon threads: {others or 'none'}",
+        f" other non-daemon threads: {[t.name for t in others] or 'none'}",
         file=sys.stderr,
         flush=True,
     )

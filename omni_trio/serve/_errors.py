@@ -17,10 +17,16 @@ EngineDeadError             503     server_error              engine_dead
 RequestAbortedError         503     server_error              request_aborted
 RequestFailedError          500     server_error              generation_failed
 ==========================  ======  ========================  =====================
+
+What the model raised never reaches a client: a 5xx from a failure (the runner
+raised, the worker died) says only that it failed, for which request, and that
+the server's log has the details; the log (``omni_trio.serve``, ERROR) gets the
+traceback. The client's own mistakes (400) keep their precise messages.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -31,10 +37,13 @@ from .._errors import (
     OmniTrioError,
     QueueFullError,
     RequestAbortedError,
+    RequestError,
     RequestFailedError,
 )
 
 __all__ = ["FIELD_PARAMS", "ApiError", "api_error_from"]
+
+_log = logging.getLogger("omni_trio.serve")
 
 #: The HTTP body field behind each ``GenerationRequest`` field, for ``param``.
 FIELD_PARAMS: Mapping[str, str] = MappingProxyType(
@@ -118,8 +127,36 @@ def _invalid_request(exc: InvalidRequestError) -> ApiError:
     return invalid(f"{param}: {detail}", param)
 
 
-def api_error_from(exc: OmniTrioError, *, retry_after_s: int = 1) -> ApiError:
-    """Map an engine error to the HTTP error that reports it."""
+def _hidden_failure(
+    exc: OmniTrioError, request_id: str | None, what: str, code: str, status: int = 500
+) -> ApiError:
+    """Log ``exc`` with its traceback; tell the client only ``what`` happened, and to whom."""
+    named = f" for request {request_id}" if request_id is not None else ""
+    _log.error("%s%s", what, named, exc_info=exc)
+    return ApiError(
+        status,
+        f"{what}{named}; the server's log has the details",
+        type="server_error",
+        code=code,
+    )
+
+
+def api_error_from(
+    exc: OmniTrioError, *, retry_after_s: int = 1, request_id: str | None = None
+) -> ApiError:
+    """Map an engine error to the HTTP error that reports it.
+
+    Failures (the runner raised, the worker died, anything unexpected) are logged
+    to ``omni_trio.serve`` at ERROR with their traceback, and answered with a
+    message that names the request but carries none of the exception's text.
+
+    Args:
+        exc: the engine's error.
+        retry_after_s: the ``Retry-After`` of 429 and 503.
+        request_id: the request's id, for the message (else ``exc.request_id``).
+    """
+    if request_id is None and isinstance(exc, RequestError):
+        request_id = exc.request_id
     match exc:
         case InvalidRequestError():
             return _invalid_request(exc)
@@ -140,7 +177,7 @@ def api_error_from(exc: OmniTrioError, *, retry_after_s: int = 1) -> ApiError:
                 headers={"Retry-After": str(retry_after_s)},
             )
         case EngineDeadError():
-            return ApiError(503, str(exc), type="server_error", code="engine_dead")
+            return _hidden_failure(exc, request_id, "the engine's worker died", "engine_dead", 503)
         case RequestAbortedError():
             return ApiError(
                 503,
@@ -149,11 +186,6 @@ def api_error_from(exc: OmniTrioError, *, retry_after_s: int = 1) -> ApiError:
                 code="request_aborted",
             )
         case RequestFailedError():
-            return ApiError(
-                500,
-                f"generation failed: {exc.__cause__!r}",
-                type="server_error",
-                code="generation_failed",
-            )
+            return _hidden_failure(exc, request_id, "generation failed", "generation_failed")
         case _:
-            return ApiError(500, str(exc), type="server_error", code="internal_error")
+            return _hidden_failure(exc, request_id, "the server failed", "internal_error")

@@ -247,7 +247,11 @@ class ImagesEndpoint:
                         output.images, job.output_format, job.output_compression
                     )
                 except OmniTrioError as exc:
-                    error = api_error_from(exc, retry_after_s=self._config.retry_after_s)
+                    error = api_error_from(
+                        exc,
+                        retry_after_s=self._config.retry_after_s,
+                        request_id=handle.request_id,
+                    )
                     status, body = error.status, error.body()
                     headers = {**headers, **error.headers}
                 else:
@@ -321,7 +325,11 @@ class ImagesEndpoint:
         try:
             output = await handle.result()
         except OmniTrioError as exc:
-            error = api_error_from(exc, retry_after_s=self._config.retry_after_s)
+            error = api_error_from(
+                exc,
+                retry_after_s=self._config.retry_after_s,
+                request_id=handle.request_id,
+            )
             await client.chunk(sse_event("error", {"type": "error", **error.body()}))
         else:
             images = await encode_images(output.images, job.output_format, job.output_compression)

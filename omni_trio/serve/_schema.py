@@ -1,4 +1,4 @@
-"""The body of ``POST /v1/images/generations``: parsed, type-checked, turned into a request.
+"""The body of ``POST /v1/images/generations``: decoded, parsed, validated, turned into a request.
 
 Every field of the OpenAI images API is known: the ones this server can honour are
 honoured (``prompt``, ``n``, ``size``, ``response_format``, ``output_format``,
@@ -7,83 +7,266 @@ type-checked and ignored (``quality``, ``style``, ``user``, ``moderation``, ...)
 Diffusion fields extend it: ``num_inference_steps``, ``guidance_scale``, ``seed``,
 ``negative_prompt``, ``preview_every``. Anything else is refused, naming the field.
 
-Engine limits (steps, size, ``n``) are not checked here but by ``Engine.submit``,
-whose ``InvalidRequestError`` is mapped to the same 400 (``_errors.api_error_from``).
+Three stages, each refusing with a 400 that says what is wrong:
+
+1. bytes to JSON (``invalid_json``): the body must be UTF-8 (decoded explicitly:
+   ``json.loads`` would guess UTF-16 or UTF-32 from bytes), JSON, an object, and
+   nested no deeper than the parser's recursion limit. An integer literal longer
+   than ``HUGE_DIGITS`` digits is read as ``±10**HUGE_DIGITS`` (out of range for
+   every field, and too large for a float), so no digit string is converted at a
+   quadratic cost and the error still names the field;
+2. JSON to ``GenerationBody``, a strict pydantic model (``unknown_parameter``,
+   ``missing_required_parameter``, ``invalid_type``, ``invalid_value``,
+   ``unsupported_value``): types, ranges that do not depend on the engine (every
+   integer fits an int64, ``seed`` a uint64), text that is valid Unicode (no lone
+   surrogate, which no UTF-8 encoder accepts), the choices this server supports;
+3. the body to the engine's ``GenerationRequest`` (``invalid_value``), whose own
+   checks are mapped by ``_errors.api_error_from``. Engine limits (steps, size,
+   ``n``) are checked by ``Engine.submit``, mapped to the same 400.
+
+No stage renders a value it refuses in full: messages show at most 40 characters
+of it, and a container only by its kind, so no hostile value makes an answer
+large, slow or recursive.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 from .._errors import InvalidRequestError
 from .._request import GenerationRequest
 from ._config import ServeConfig
 from ._errors import ApiError, api_error_from, invalid
 
-__all__ = ["KNOWN_FIELDS", "ImageJob", "parse_generation_body"]
+__all__ = ["HUGE_DIGITS", "KNOWN_FIELDS", "GenerationBody", "ImageJob", "parse_generation_body"]
 
 #: Output formats this server encodes (``gif`` and ``svg`` are refused).
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
+
+#: Integer literals with more digits than this stand for ``±10**HUGE_DIGITS``. Above
+#: any float (about 1.8e308) and any field's range, and cheap to convert.
+HUGE_DIGITS = 309
+_STAND_IN: int = 10**HUGE_DIGITS
+
+#: The largest integer any count field takes before the engine's own limits.
+INT64_MAX = 2**63 - 1
 
 _SIZE = re.compile(r"([1-9][0-9]{0,5})x([1-9][0-9]{0,5})")
 
 #: OpenAI quality values echoed back; anything else is reported as "auto".
 _QUALITIES = frozenset({"low", "medium", "high", "xhigh", "max", "auto"})
 
-
-def _any_str(value: object) -> bool:
-    return isinstance(value, str)
-
-
-def _any_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+#: How many characters of a refused value a message shows.
+_SHOWN = 40
 
 
-def _any_object(value: object) -> bool:
-    return isinstance(value, dict)
+def shown(value: object) -> str:
+    """A short, ASCII rendering of ``value`` for an error message; never recursive."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, int):
+        if abs(value) >= _STAND_IN:  # a longer literal's stand-in
+            return f"an integer of more than {HUGE_DIGITS} digits"
+        text = str(value)
+        return text if len(text) <= _SHOWN else f"an integer of {len(text.lstrip('-'))} digits"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        text = ascii(value[:_SHOWN])
+        return text if len(value) <= _SHOWN else f"{text[:-1]}...{text[-1]}"
+    if isinstance(value, list):
+        return f"an array of {len(value)}"
+    if isinstance(value, dict):
+        return f"an object of {len(value)} fields"
+    return type(value).__name__
 
 
-#: OpenAI fields accepted and ignored, with the type each must have when not null.
-_IGNORED: Mapping[str, tuple[Callable[[object], bool], str]] = MappingProxyType(
-    {
-        "quality": (_any_str, "a string"),
-        "style": (_any_str, "a string"),
-        "user": (_any_str, "a string"),
-        "safety_identifier": (_any_str, "a string"),
-        "moderation": (_any_str, "a string"),
-        "complexity": (_any_str, "a string"),
-        "frame_count": (_any_int, "an integer"),
-        "frame_duration_ms": (_any_int, "an integer"),
-        "svg": (_any_object, "an object"),
-    }
-)
+def _field_name(key: str) -> str:
+    """A body key as a ``param``: ASCII-safe, at most 64 characters."""
+    safe = key.encode("utf-8", "backslashreplace").decode("utf-8")
+    return safe if len(safe) <= 64 else f"{safe[:61]}..."
+
+
+# -- stage 2: the model -------------------------------------------------------------
+
+
+def _unicode(value: str) -> str:
+    # JSON's "\ud800" escapes decode to lone surrogates, which no encoder (the
+    # tokenizer's, the log's, the response's) accepts.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PydanticCustomError(
+            "invalid_value",
+            "must be valid Unicode text, got a lone surrogate at index {index}",
+            {"index": exc.start},
+        ) from None
+    return value
+
+
+def _choice(allowed: tuple[str, ...], refused: tuple[str, ...] = ()) -> Callable[[str], str]:
+    def check(value: str) -> str:
+        if value in allowed:
+            return value
+        if value in refused:
+            raise PydanticCustomError(
+                "unsupported_value",
+                "{value} is not supported by this server; use one of {allowed}",
+                {"value": shown(value), "allowed": str(list(allowed))},
+            )
+        raise PydanticCustomError(
+            "invalid_value",
+            "must be one of {allowed}, got {value}",
+            {"value": shown(value), "allowed": str(list(allowed))},
+        )
+
+    return check
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+Count = Annotated[int, Field(ge=1, le=INT64_MAX)]
+Every = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Number = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class GenerationBody(BaseModel):
+    """The JSON body, type-checked: strict (no coercion: ``"2"`` is not 2, ``true`` not 1).
+
+    ``None`` (or absence) means "the default" for every field but ``prompt``.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    prompt: Text
+    model: Text | None = None
+    n: Count | None = None
+    size: Text | None = None
+    response_format: Annotated[Text, AfterValidator(_choice(("b64_json",), ("url",)))] | None = None
+    output_format: (
+        Annotated[Text, AfterValidator(_choice(OUTPUT_FORMATS, ("gif", "svg")))] | None
+    ) = None
+    output_compression: Annotated[int, Field(ge=0, le=100)] | None = None
+    background: (
+        Annotated[Text, AfterValidator(_choice(("auto", "opaque"), ("transparent",)))] | None
+    ) = None
+    partial_images: Annotated[int, Field(ge=0, le=3)] | None = None
+    stream: bool | None = None
+    num_inference_steps: Count | None = None
+    guidance_scale: Number | None = None
+    seed: Annotated[int, Field(ge=0, le=2**64 - 1)] | None = None
+    negative_prompt: Text | None = None
+    preview_every: Every | None = None
+    # OpenAI fields accepted and ignored.
+    quality: Text | None = None
+    style: Text | None = None
+    user: Text | None = None
+    safety_identifier: Text | None = None
+    moderation: Text | None = None
+    complexity: Text | None = None
+    frame_count: int | None = None
+    frame_duration_ms: int | None = None
+    svg: dict[str, Any] | None = None
+
 
 #: Every field the body may have.
-KNOWN_FIELDS = frozenset(
-    {
-        "prompt",
-        "model",
-        "n",
-        "size",
-        "response_format",
-        "output_format",
-        "output_compression",
-        "background",
-        "partial_images",
-        "stream",
-        "num_inference_steps",
-        "guidance_scale",
-        "seed",
-        "negative_prompt",
-        "preview_every",
-        *_IGNORED,
-    }
-)
+KNOWN_FIELDS = frozenset(GenerationBody.model_fields)
+
+#: What a pydantic type error says a field must be.
+_EXPECTED = {
+    "string_type": "a string",
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "a boolean",
+    "dict_type": "an object",
+}
+
+
+def _api_error(error: ErrorDetails) -> ApiError:
+    """The 400 for one pydantic error, in this API's words."""
+    kind, value = error["type"], error["input"]
+    name = str(error["loc"][0]) if error["loc"] else None
+    ctx = error.get("ctx", {})
+    if kind == "extra_forbidden" and name is not None:
+        param = _field_name(name)
+        return invalid(
+            f"Unrecognized request argument supplied: {param}", param, "unknown_parameter"
+        )
+    if kind == "missing":
+        return invalid(f"{name}: a {name} is required", name, "missing_required_parameter")
+    if kind == "float_type" and isinstance(value, int) and not isinstance(value, bool):
+        return invalid(f"{name}: must be a finite number, got {shown(value)}", name)
+    if kind in _EXPECTED:
+        return invalid(
+            f"{name}: must be {_EXPECTED[kind]}, got {shown(value)}", name, "invalid_type"
+        )
+    if kind == "greater_than_equal":
+        return invalid(f"{name}: must be >= {ctx['ge']}, got {shown(value)}", name)
+    if kind == "less_than_equal":
+        return invalid(f"{name}: must be <= {ctx['le']}, got {shown(value)}", name)
+    if kind == "finite_number":
+        return invalid(f"{name}: must be finite, got {shown(value)}", name)
+    if kind == "unsupported_value":
+        return invalid(f"{name}: {error['msg']}", name, "unsupported_value")
+    return invalid(f"{name}: {error['msg']}", name)
+
+
+def _first(errors: list[ErrorDetails]) -> ErrorDetails:
+    # Unknown fields first (alphabetically), then the model's field order.
+    order = {name: index for index, name in enumerate(GenerationBody.model_fields)}
+
+    def rank(error: ErrorDetails) -> tuple[int, int, str]:
+        name = str(error["loc"][0]) if error["loc"] else ""
+        unknown = error["type"] == "extra_forbidden"
+        return (0 if unknown else 1, order.get(name, len(order)), name)
+
+    return min(errors, key=rank)
+
+
+# -- stage 1: bytes to JSON ---------------------------------------------------------
+
+
+def _parse_int(text: str) -> int:
+    digits = len(text) - text.startswith("-")
+    if digits > HUGE_DIGITS:
+        return -_STAND_IN if text.startswith("-") else _STAND_IN
+    return int(text)
+
+
+def _load(body: bytes) -> dict[str, object]:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise invalid(
+            f"the body is not UTF-8: {exc.reason} at byte {exc.start}", None, "invalid_json"
+        ) from None
+    try:
+        data = json.loads(text, parse_int=_parse_int)
+    except RecursionError:
+        raise invalid(
+            "the body is not valid JSON: nested too deeply", None, "invalid_json"
+        ) from None
+    except ValueError as exc:  # JSONDecodeError, a UTF-8 byte-order mark
+        raise invalid(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise invalid(f"the body must be a JSON object, got {shown(data)}", None, "invalid_json")
+    # Here rather than by the model, which cannot even name a key with a lone surrogate.
+    unknown = sorted(set(data) - KNOWN_FIELDS)
+    if unknown:
+        param = _field_name(unknown[0])
+        raise invalid(
+            f"Unrecognized request argument supplied: {param}", param, "unknown_parameter"
+        )
+    return data
+
+
+# -- stage 3: the engine's request ----------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,159 +290,78 @@ class ImageJob:
     quality: str
 
 
-def _load(body: bytes) -> dict[str, object]:
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        raise invalid(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
-    if not isinstance(data, dict):
-        raise invalid(
-            f"the body must be a JSON object, got {type(data).__name__}", None, "invalid_json"
-        )
-    unknown = sorted(set(data) - KNOWN_FIELDS)
-    if unknown:
-        raise invalid(
-            f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter"
-        )
-    return data
-
-
-def _wrong_type(name: str, expected: str, value: object) -> ApiError:
-    return invalid(
-        f"{name}: must be {expected}, got {json.dumps(value)[:40]}", name, "invalid_type"
-    )
-
-
-def _opt_str(data: Mapping[str, object], name: str) -> str | None:
-    value = data.get(name)
-    if value is not None and not isinstance(value, str):
-        raise _wrong_type(name, "a string", value)
-    return value
-
-
-def _opt_int(
-    data: Mapping[str, object], name: str, *, low: int, high: int | None = None
-) -> int | None:
-    value = data.get(name)
-    if value is None:
-        return None
-    if not _any_int(value):
-        raise _wrong_type(name, "an integer", value)
-    assert isinstance(value, int)
-    if value < low or (high is not None and value > high):
-        bound = f"between {low} and {high}" if high is not None else f">= {low}"
-        raise invalid(f"{name}: must be {bound}, got {value}", name)
-    return value
-
-
-def _opt_number(data: Mapping[str, object], name: str) -> float | None:
-    value = data.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise _wrong_type(name, "a number", value)
-    if not math.isfinite(value):
-        raise invalid(f"{name}: must be finite, got {value}", name)
-    return float(value)
-
-
-def _opt_choice(
-    data: Mapping[str, object], name: str, allowed: tuple[str, ...], refused: tuple[str, ...] = ()
-) -> str | None:
-    value = _opt_str(data, name)
-    if value is None or value in allowed:
-        return value
-    if value in refused:
-        raise invalid(
-            f"{name}: {value!r} is not supported by this server; use one of {list(allowed)}",
-            name,
-            "unsupported_value",
-        )
-    raise invalid(f"{name}: must be one of {list(allowed)}, got {value!r}", name)
-
-
-def _size(data: Mapping[str, object], config: ServeConfig) -> tuple[int, int]:
-    size = _opt_str(data, "size")
+def _size(size: str | None, config: ServeConfig) -> tuple[int, int]:
     if size is None or size == "auto":
         return config.default_width, config.default_height
     match = _SIZE.fullmatch(size)
     if match is None:
         raise invalid(
-            f"size: must be 'WIDTHxHEIGHT' (e.g. '512x512') or 'auto', got {size!r}", "size"
+            f"size: must be 'WIDTHxHEIGHT' (e.g. '512x512') or 'auto', got {shown(size)}", "size"
         )
     return int(match[1]), int(match[2])
 
 
-def _preview_every(data: Mapping[str, object], steps: int, stream: bool) -> int:
-    every = _opt_int(data, "preview_every", low=0)
-    partial = _opt_int(data, "partial_images", low=0, high=3)
-    if not stream:
+def _preview_every(body: GenerationBody, steps: int) -> int:
+    if not body.stream:
         return 0  # previews only travel in a stream
-    if every is not None:
-        return every
-    if partial:
-        # Spread ``partial`` previews over the steps: at most ``partial`` of them.
-        return steps // (partial + 1) + 1
+    if body.preview_every is not None:
+        return body.preview_every
+    if body.partial_images:
+        # Spread ``partial_images`` previews over the steps: at most that many.
+        return steps // (body.partial_images + 1) + 1
     return 0
 
 
-def parse_generation_body(body: bytes, config: ServeConfig) -> ImageJob:
-    """Parse and check a generation body; build the engine request.
+def validate_body(data: Mapping[str, object]) -> GenerationBody:
+    """Type-check a parsed JSON object as a generation body.
 
     Raises:
         ApiError: 400 naming the field at fault.
     """
-    data = _load(body)
-    for name, (check, expected) in _IGNORED.items():
-        value = data.get(name)
-        if value is not None and not check(value):
-            raise _wrong_type(name, expected, value)
-    prompt = data.get("prompt")
-    if prompt is None:
-        raise invalid("prompt: a prompt is required", "prompt", "missing_required_parameter")
-    if not isinstance(prompt, str):
-        raise _wrong_type("prompt", "a string", prompt)
-    model = _opt_str(data, "model")
-    if model is not None and model != config.model_name:
+    try:
+        return GenerationBody.model_validate(data)
+    except ValidationError as exc:
+        raise _api_error(_first(exc.errors(include_url=False))) from None
+
+
+def parse_generation_body(body: bytes, config: ServeConfig) -> ImageJob:
+    """Decode, parse and check a generation body; build the engine request.
+
+    Raises:
+        ApiError: 400 naming the field at fault (``param``), or ``invalid_json``.
+    """
+    parsed = validate_body(_load(body))
+    if parsed.model is not None and parsed.model != config.model_name:
         raise invalid(
-            f"model: this server serves {config.model_name!r}, not {model!r}",
+            f"model: this server serves {shown(config.model_name)}, not {shown(parsed.model)}",
             "model",
             "model_not_found",
         )
-    stream = data.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise _wrong_type("stream", "a boolean", stream)
-    _opt_choice(data, "response_format", ("b64_json",), refused=("url",))
-    output_format = _opt_choice(data, "output_format", OUTPUT_FORMATS, refused=("gif", "svg"))
-    compression = _opt_int(data, "output_compression", low=0, high=100)
-    _opt_choice(data, "background", ("auto", "opaque"), refused=("transparent",))
-    width, height = _size(data, config)
-    steps = _opt_int(data, "num_inference_steps", low=1)
-    steps = config.default_steps if steps is None else steps
-    n = _opt_int(data, "n", low=1)
-    guidance = _opt_number(data, "guidance_scale")
-    seed = _opt_int(data, "seed", low=0, high=2**64 - 1)
-    negative = _opt_str(data, "negative_prompt")
-    quality = data.get("quality")
+    width, height = _size(parsed.size, config)
+    steps = (
+        config.default_steps if parsed.num_inference_steps is None else parsed.num_inference_steps
+    )
+    guidance = parsed.guidance_scale
     try:
         request = GenerationRequest(
-            prompt=prompt,
-            negative_prompt=negative,
+            prompt=parsed.prompt,
+            negative_prompt=parsed.negative_prompt,
             num_steps=steps,
             height=height,
             width=width,
             guidance_scale=config.default_guidance_scale if guidance is None else guidance,
-            seed=seed,
-            num_images=1 if n is None else n,
-            preview_every=_preview_every(data, steps, bool(stream)),
+            seed=parsed.seed,
+            num_images=1 if parsed.n is None else parsed.n,
+            preview_every=_preview_every(parsed, steps),
         )
     except InvalidRequestError as exc:
         raise api_error_from(exc) from None
+    quality = parsed.quality
     return ImageJob(
         request=request,
-        stream=bool(stream),
-        output_format=output_format or "png",
-        output_compression=compression,
+        stream=bool(parsed.stream),
+        output_format=parsed.output_format or "png",
+        output_compression=parsed.output_compression,
         size=f"{width}x{height}",
-        quality=quality if isinstance(quality, str) and quality in _QUALITIES else "auto",
+        quality=quality if quality in _QUALITIES else "auto",
     )

@@ -1,0 +1,291 @@
+"""Hostile input to the ASGI app in-process: failures leak nothing, odd bodies get 400 (L52).
+
+Determinism rules:
+- every test runs on trio and asyncio, inside the app's lifespan, with
+  ``anyio.fail_after(BUDGET)``; the runners are instant ``FakeRunner`` subclasses
+  whose failures are fixed by step number;
+- bodies are exact bytes (JSON integer literals, encodings, nesting), never
+  re-encoded by the client;
+- each hostile request is followed by a normal one that must succeed, and the
+  engine must not have admitted the refused one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+import omni_trio as ot
+from omni_trio.testing import FakeRunner, FakeState
+
+from .test_serve_app import PATH, make_service, metric, parse_sse, serving
+from .util import BUDGET
+
+pytestmark = pytest.mark.anyio
+
+#: A string that must never appear in anything a client receives.
+SECRET = "s3cr3t-model-internals-0xDEADBEEF"
+
+
+class SecretRunner(FakeRunner):
+    """Raises at its second step an exception whose text carries ``SECRET``."""
+
+    def step(self, states: Sequence[FakeState]) -> None:
+        if any(state.steps_done == 1 for state in states):
+            raise RuntimeError(f"CUDA error in {SECRET}")
+        super().step(states)
+
+
+class WorkerKilled(BaseException):
+    """Not an Exception: raised from the runner, it kills the engine's worker (L23)."""
+
+
+class DyingRunner(FakeRunner):
+    """Kills the worker at its first step with ``SECRET`` in the exception's text."""
+
+    def step(self, states: Sequence[FakeState]) -> None:
+        raise WorkerKilled(f"device lost: {SECRET}")
+
+
+def traceback_text(record: logging.LogRecord) -> str:
+    assert record.exc_info is not None
+    return logging.Formatter().formatException(record.exc_info)
+
+
+async def post_and_read_error(
+    client: httpx.AsyncClient, stream: bool
+) -> tuple[httpx.Response, dict[str, Any]]:
+    """Post a generation; return the response and its error object (JSON or ``error`` event)."""
+    response = await client.post(PATH, json={"prompt": "x", "stream": stream})
+    if stream:
+        event, data = parse_sse(response.text)[-1]
+        assert (response.status_code, event) == (200, "error")
+        return response, data["error"]
+    return response, response.json()["error"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_runner_failure_leaks_nothing_and_is_logged(
+    stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """L52: when the model raises, the client gets a generic 500 (or ``error`` event)
+    naming its request id, with none of the exception's text; the server log gets the
+    traceback at ERROR, on the ``omni_trio.serve`` logger; the next request runs."""
+    service, _ = make_service(SecretRunner())
+    with anyio.fail_after(BUDGET), caplog.at_level(logging.ERROR, "omni_trio.serve"):
+        async with serving(service) as client:
+            response, error = await post_and_read_error(client, stream)
+            assert SECRET not in response.text
+            request_id = response.headers["x-request-id"]
+            assert request_id in error["message"]
+            assert (error["type"], error["code"]) == ("server_error", "generation_failed")
+            if not stream:
+                assert response.status_code == 500
+            records = [r for r in caplog.records if r.name == "omni_trio.serve"]
+            assert [(r.levelno, request_id in r.getMessage()) for r in records] == [
+                (logging.ERROR, True)
+            ]
+            assert SECRET in traceback_text(records[0])
+            good = await client.post(PATH, json={"prompt": "y", "num_inference_steps": 1})
+            assert good.status_code == 200
+            text = (await client.get("/metrics")).text
+            assert metric(text, "omni_trio_requests_total", outcome="failed") == 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_dead_worker_leaks_nothing_and_is_logged(
+    stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """L52: when the worker dies, the request gets a generic 503 ``engine_dead`` (or an
+    ``error`` event) naming it, with none of the exception's text; the traceback is
+    logged; /health says ``dead``; the lifespan's end raises EngineDeadError (L23)."""
+    service, _ = make_service(DyingRunner())
+    with anyio.fail_after(BUDGET), caplog.at_level(logging.ERROR, "omni_trio.serve"):
+        with pytest.raises(ot.EngineDeadError):
+            async with serving(service) as client:
+                response, error = await post_and_read_error(client, stream)
+                assert SECRET not in response.text
+                assert response.headers["x-request-id"] in error["message"]
+                assert (error["type"], error["code"]) == ("server_error", "engine_dead")
+                if not stream:
+                    assert response.status_code == 503
+                health = await client.get("/health")
+                assert (health.status_code, health.json()["status"]) == (503, "dead")
+                refused = await client.post(PATH, json={"prompt": "y"})
+                assert refused.status_code == 503 and SECRET not in refused.text
+        records = [r for r in caplog.records if r.name == "omni_trio.serve"]
+        assert records and all(r.levelno == logging.ERROR for r in records)
+        assert SECRET in traceback_text(records[0])
+
+
+# -- bodies that do not fit ------------------------------------------------------------
+
+
+def literal(field: str, number: str) -> bytes:
+    """A body whose ``field`` is the JSON number literal ``number``, exactly."""
+    return b'{"prompt": "x", "' + field.encode() + b'": ' + number.encode() + b"}"
+
+
+def nested(depth: int, where: str, *, objects: bool = False) -> bytes:
+    """``depth`` nested arrays (or objects): the whole body, or the value of field ``where``."""
+    value = '{"a": ' * depth + "1" + "}" * depth if objects else "[" * depth + "]" * depth
+    return (value if where == "body" else f'{{"prompt": "x", "{where}": {value}}}').encode()
+
+
+HUGE = str(10**400)
+#: Longer than CPython's default limit on int-string conversions (4300 digits).
+HUGER = "9" * 5000
+
+#: (name, body, param, code): each must get exactly this 400.
+HOSTILE_BODIES: list[tuple[str, bytes, str | None, str]] = [
+    *(
+        (
+            f"{field} {sign}{len(digits)} digits",
+            literal(field, sign + digits),
+            field,
+            "invalid_value",
+        )
+        for field in (
+            "guidance_scale",
+            "num_inference_steps",
+            "seed",
+            "n",
+            "output_compression",
+            "partial_images",
+            "preview_every",
+        )
+        for digits in (HUGE, HUGER)
+        for sign in ("", "-")
+    ),
+    (
+        "guidance over float range",
+        literal("guidance_scale", "2" + "0" * 308),
+        "guidance_scale",
+        "invalid_value",
+    ),
+    ("guidance 1e400", literal("guidance_scale", "1e400"), "guidance_scale", "invalid_value"),
+    (
+        "guidance -Infinity",
+        literal("guidance_scale", "-Infinity"),
+        "guidance_scale",
+        "invalid_value",
+    ),
+    ("n 2**63", literal("n", str(2**63)), "n", "invalid_value"),
+    ("seed 2**64", literal("seed", str(2**64)), "seed", "invalid_value"),
+    (
+        "steps as a huge float",
+        literal("num_inference_steps", "1e400"),
+        "num_inference_steps",
+        "invalid_type",
+    ),
+    ("UTF-16", json.dumps({"prompt": "x"}).encode("utf-16"), None, "invalid_json"),
+    ("UTF-16-LE", json.dumps({"prompt": "x"}).encode("utf-16-le"), None, "invalid_json"),
+    ("UTF-16-BE", json.dumps({"prompt": "x"}).encode("utf-16-be"), None, "invalid_json"),
+    ("UTF-32", json.dumps({"prompt": "x"}).encode("utf-32"), None, "invalid_json"),
+    ("UTF-32-LE", json.dumps({"prompt": "x"}).encode("utf-32-le"), None, "invalid_json"),
+    ("Latin-1", '{"prompt": "café"}'.encode("latin-1"), None, "invalid_json"),
+    ("UTF-8 byte-order mark", '{"prompt": "x"}'.encode("utf-8-sig"), None, "invalid_json"),
+    ("overlong UTF-8", b'{"prompt": "\xc0\xaf"}', None, "invalid_json"),
+    ("a surrogate as UTF-8 bytes", b'{"prompt": "\xed\xa0\x80"}', None, "invalid_json"),
+    ("nested 100000 deep", nested(100_000, "body"), None, "invalid_json"),
+    ("nested 100000 deep in prompt", nested(100_000, "prompt"), None, "invalid_json"),
+    ("nested 100000 deep in svg", nested(100_000, "svg"), None, "invalid_json"),
+    ("unclosed 100000 deep", b"[" * 100_000, None, "invalid_json"),
+    ("nested 50 deep", nested(50, "body"), None, "invalid_json"),
+    ("nested 50 deep in prompt", nested(50, "prompt"), "prompt", "invalid_type"),
+    ("nested 50 deep, unknown", nested(50, "colour"), "colour", "unknown_parameter"),
+    ("lone high surrogate", b'{"prompt": "\\ud800"}', "prompt", "invalid_value"),
+    ("lone low surrogate inside", b'{"prompt": "a\\udfffb"}', "prompt", "invalid_value"),
+    ("reversed pair", b'{"prompt": "\\ude00\\ud83d"}', "prompt", "invalid_value"),
+    (
+        "negative prompt surrogate",
+        b'{"prompt": "x", "negative_prompt": "\\ud800"}',
+        "negative_prompt",
+        "invalid_value",
+    ),
+    ("user surrogate", b'{"prompt": "x", "user": "\\udbff"}', "user", "invalid_value"),
+    ("key surrogate", b'{"prompt": "x", "\\ud800": 1}', "\\ud800", "unknown_parameter"),
+    (
+        "key 100000 long",
+        b'{"prompt": "x", "' + b"k" * 100_000 + b'": 1}',
+        "k" * 61 + "...",
+        "unknown_parameter",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [case[1:] for case in HOSTILE_BODIES],
+    ids=[case[0] for case in HOSTILE_BODIES],
+)
+async def test_hostile_bodies_get_400_naming_the_field(
+    body: bytes, param: str | None, code: str
+) -> None:
+    """L52: integers too large for a float or an int64 (written as JSON integer
+    literals, beyond Python's own conversion limit too), bodies that are not UTF-8
+    (UTF-16, UTF-32, Latin-1, a byte-order mark), JSON nested beyond the parser's
+    recursion limit, and text with lone surrogates all get a 400 naming the field,
+    never a 500; nothing is admitted; the answer is short."""
+    service, runner = make_service(max_body_bytes=1 << 20)
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            response = await client.post(PATH, content=body)
+            assert response.status_code == 400, response.text
+            assert len(response.content) < 400
+            error = response.json()["error"]
+            assert (error["param"], error["code"], error["type"]) == (
+                param,
+                code,
+                "invalid_request_error",
+            )
+            assert param is None or param in error["message"]
+            assert runner.prepares == 0
+            assert service.engine is not None and service.engine.statistics().admitted == 0
+            assert (await client.post(PATH, json={"prompt": "x"})).status_code == 200
+
+
+#: Where deep nesting goes, and the 400 it gets when the parser accepts it (None: 200).
+NEAR_LIMIT = {"body": "invalid_json", "prompt": "invalid_type", "colour": "unknown_parameter"}
+
+
+@pytest.mark.parametrize("where", [*NEAR_LIMIT, "svg"])
+async def test_nesting_near_the_recursion_limit_gets_400_or_is_ignored(where: str) -> None:
+    """L52: JSON nested just under, at and just over the recursion limit (whether the
+    parser accepts it depends on the stack it runs on) gets a 400: invalid_json when
+    the parser refuses it, else what the value deserves; as the value of ``svg``
+    (an object, type-checked, then ignored) it is served when it parses."""
+    service, _ = make_service(max_body_bytes=1 << 20)
+    limit = sys.getrecursionlimit()
+    outcomes: set[int | str] = set()
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            for depth in range(limit - 100, limit + 20, 10):
+                body = nested(depth, where, objects=where == "svg")
+                response = await client.post(PATH, content=body)
+                if where == "svg" and response.status_code == 200:
+                    outcomes.add(200)
+                    continue
+                assert response.status_code == 400, (depth, response.text)
+                code = response.json()["error"]["code"]
+                assert code in {"invalid_json", NEAR_LIMIT.get(where)}, (depth, code)
+                outcomes.add(code)
+    assert "invalid_json" in outcomes  # the limit was reached
+
+
+async def test_surrogate_pairs_are_text() -> None:
+    """L52: a surrogate pair escaped in JSON (an emoji) is valid text and is served."""
+    service, runner = make_service()
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            body = b'{"prompt": "a \\ud83d\\ude00 flower", "negative_prompt": "\\u00e9"}'
+            response = await client.post(PATH, content=body)
+            assert response.status_code == 200, response.text
+            assert runner.prepares == 1
