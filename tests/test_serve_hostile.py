@@ -26,7 +26,7 @@ import omni_trio as ot
 from omni_trio.testing import FakeRunner, FakeState
 
 from .test_serve_app import PATH, make_service, metric, parse_sse, serving
-from .util import BUDGET
+from .util import BUDGET, WorkerKilled
 
 pytestmark = pytest.mark.anyio
 
@@ -43,15 +43,34 @@ class SecretRunner(FakeRunner):
         super().step(states)
 
 
-class WorkerKilled(BaseException):
-    """Not an Exception: raised from the runner, it kills the engine's worker (L23)."""
-
-
 class DyingRunner(FakeRunner):
     """Kills the worker at its first step with ``SECRET`` in the exception's text."""
 
     def step(self, states: Sequence[FakeState]) -> None:
         raise WorkerKilled(f"device lost: {SECRET}")
+
+
+async def test_an_unexpected_error_gets_a_generic_json_500(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """L52: a bug in the app (here: the image encoder raising) answers JSON, no exception text."""
+
+    async def broken_encoder(*args: object, **kwargs: object) -> list[str]:
+        raise RuntimeError(f"encoder bug: {SECRET}")
+
+    monkeypatch.setattr("omni_trio.serve._images.encode_images", broken_encoder)
+    service, _ = make_service()
+    transport = httpx.ASGITransport(app=service.app, raise_app_exceptions=False)
+    with anyio.fail_after(BUDGET):
+        async with (
+            service.app.router.lifespan_context(service.app),
+            httpx.AsyncClient(transport=transport, base_url="http://test") as client,
+        ):
+            response = await client.post(PATH, json={"prompt": "x"})
+            assert response.status_code == 500
+            assert response.json()["error"]["code"] == "internal_error"
+            assert SECRET not in response.text
+            assert (await client.get("/health")).status_code == 200
 
 
 def traceback_text(record: logging.LogRecord) -> str:

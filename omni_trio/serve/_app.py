@@ -23,7 +23,7 @@ from .._engine import Engine, open_engine
 from .._outputs import EngineStatistics
 from .._runner import Runner
 from ._config import ServeConfig
-from ._errors import ApiError
+from ._errors import ApiError, unexpected_error
 from ._images import ImagesEndpoint
 from ._metrics import ServeMetrics
 
@@ -80,7 +80,7 @@ class ImageService:
                 Route("/metrics", self._metrics, methods=["GET"]),
             ],
             lifespan=self._lifespan,
-            exception_handlers={HTTPException: self._http_error},
+            exception_handlers={HTTPException: self._http_error, Exception: self._unexpected},
         )
         self.app.state.service = self
 
@@ -191,6 +191,10 @@ class ImageService:
     async def _metrics(self, request: Request) -> Response:
         body, content_type = self.metrics.render()
         return Response(body, headers={"Content-Type": content_type})
+
+    async def _unexpected(self, request: Request, exc: Exception) -> Response:
+        error = unexpected_error()
+        return JSONResponse(error.body(), status_code=error.status)
 
     async def _http_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

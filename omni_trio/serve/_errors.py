@@ -41,7 +41,7 @@ from .._errors import (
     RequestFailedError,
 )
 
-__all__ = ["FIELD_PARAMS", "ApiError", "api_error_from"]
+__all__ = ["FIELD_PARAMS", "ApiError", "api_error_from", "unexpected_error"]
 
 _log = logging.getLogger("omni_trio.serve")
 
@@ -138,6 +138,20 @@ def _hidden_failure(
         f"{what}{named}; the server's log has the details",
         type="server_error",
         code=code,
+    )
+
+
+def unexpected_error() -> ApiError:
+    """The answer to an error the app did not expect (a bug): generic, as JSON.
+
+    Starlette re-raises the exception after this answer is sent, so the server that
+    runs the app logs its traceback; the client learns nothing of its text.
+    """
+    return ApiError(
+        500,
+        "the server failed; the server's log has the details",
+        type="server_error",
+        code="internal_error",
     )
 
 
