@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._messages import Completed, Post, Released, discard_quietly, discard_state, release
+from ._messages import Completed, Post, discard_quietly, discard_state, ended, release
 from ._runner import Runner
 from ._workitem import SHUTDOWN, WorkItem
 
@@ -92,13 +92,13 @@ class Materializer:
 
     def _materialize(self, item: WorkItem) -> None:
         if self._abandon or _cut(item):
-            release(self._runner, item, self._post, None)
+            release(self._runner, item, self._post)
             return
         started = time.perf_counter()
         try:
             images = self._runner.decode(item.state).detach().float().cpu()
         except Exception as exc:
-            release(self._runner, item, self._post, exc)
+            release(self._runner, item, self._post, exc, call="decode")
             return
         item.decode_s = time.perf_counter() - started
         error = discard_state(self._runner, item)
@@ -106,7 +106,7 @@ class Materializer:
             # An abort that arrived during the decode wins: the image is dropped
             # unseen, so an aborted request never produces an output.
             del images
-            self._post(Released(item, error))
+            self._post(ended(item, error, "discard"))
             return
         # Hand the images over without keeping a reference in this frame: the
         # consumer may drop them the moment the loop delivers them (L12).
