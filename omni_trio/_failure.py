@@ -22,6 +22,8 @@ import itertools
 from dataclasses import dataclass
 from types import TracebackType
 
+from ._errors import InvalidOutputError
+
 __all__ = ["Failure", "describe", "detach", "failure"]
 
 #: Longest text taken from an exception's ``str()``.
@@ -118,5 +120,8 @@ def failure(request_id: str, error: Exception, call: str) -> Failure:
     Detaches ``error`` (see ``detach``) and formats the message once, here.
     """
     detach(error)
-    what = f"the runner's {call} raised {describe(error)}"
+    if isinstance(error, InvalidOutputError):
+        what = str(error)  # the engine's own message
+    else:
+        what = f"the runner's {call} raised {describe(error)}"
     return Failure(_utf8(f"request {request_id!r} failed: {what}"), error)

@@ -4,6 +4,8 @@ The worker hands a request whose last step is done to this thread and goes on
 with the next step at once (L16). Here the request's token is checked before the
 decode (L21): an aborted request is never decoded (L10). Shutdown does not stop a
 request whose denoising finished: its result is complete work and is delivered.
+The decoded images are checked against the output contract here too (see
+``_imagecheck``), off the event loop: a bad output fails its request, unseen.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ._imagecheck import checked_images
 from ._messages import Completed, Post, discard_quietly, discard_state, ended, release
 from ._runner import Runner
 from ._workitem import SHUTDOWN, WorkItem
@@ -95,8 +98,15 @@ class Materializer:
             release(self._runner, item, self._post)
             return
         started = time.perf_counter()
+        request = item.request
         try:
-            images = self._runner.decode(item.state).detach().float().cpu()
+            # The runner's own object is dropped here, in this thread, once checked.
+            images = checked_images(
+                self._runner.decode(item.state),
+                call="decode",
+                count=request.num_images,
+                size=(request.height, request.width),
+            )
         except Exception as exc:
             release(self._runner, item, self._post, exc, call="decode")
             return

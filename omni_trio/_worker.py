@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, cast
 
+from ._imagecheck import checked_images
 from ._materialize import Materializer
 from ._messages import Exited, Post, Stepped, died, discard_quietly, release
 from ._runner import Runner, StopRun, WholeCallRunner
@@ -218,7 +219,11 @@ class Worker:
         running[:] = keep
 
     def _stepped(self, item: WorkItem, elapsed: float) -> Exception | None:
-        """Count one step of ``item`` and post its event; return a preview's error."""
+        """Count one step of ``item`` and post its event; return a preview's error.
+
+        The error is what ``preview`` raised, or an ``InvalidOutputError`` for a
+        preview that breaks the output contract.
+        """
         item.steps_done += 1
         item.denoise_s += elapsed
         self.steps_run += 1
@@ -264,5 +269,9 @@ class Worker:
         every = item.request.preview_every
         # L18: only for a consumer that reads its events, every n-th step.
         if every and self._previews and item.reading and item.steps_done % every == 0:
-            return self._runner.preview(item.state)
+            preview = self._runner.preview(item.state)
+            if preview is not None:
+                return checked_images(
+                    preview, call="preview", count=item.request.num_images, size=None
+                )
         return None

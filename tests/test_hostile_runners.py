@@ -2,25 +2,30 @@
 
 A runner's exception may be any object: one whose ``repr()``/``str()`` raise, one
 that is falsy, one with a 100 MB or unpicklable payload, one whose traceback holds
-tensors; a runner may raise a ``BaseException`` that is not an ``Exception``. Each
-test names the request that meets the fault ("bad"), checks that only it fails
-(or, for a ``BaseException``, that the engine dies and nothing hangs), that the
-next request is served, and that nothing is left behind.
+tensors; a runner's states and images may raise from ``__del__``; a runner may
+raise a ``BaseException`` that is not an ``Exception``. Each test names the request
+that meets the fault ("bad"), checks that only it fails (or, for a
+``BaseException``, that the engine dies and nothing hangs), that the next request
+is served, and that nothing is left behind.
 
 Determinism: ``GatedRunner`` subclasses fail at one call for the request "bad",
 and their steps run only once the test opens the gate (for previews, once the
 consumer reads); ``max_batch_size=1`` keeps "good" out of "bad"'s batch; every
-test has a hang budget.
+test has a hang budget. ``__del__`` errors go through ``sys.unraisablehook``, which the test
+replaces with a recorder (pytest would otherwise report them, as it reports any
+unraisable exception, the engine's own included).
 """
 
 from __future__ import annotations
 
 import pickle
+import sys
 import threading
 import traceback
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
+from typing import Any
 
 import anyio
 import pytest
@@ -29,6 +34,7 @@ import torch
 import omni_trio as ot
 from omni_trio._failure import DETAIL_CHARS
 from omni_trio.testing import (
+    ENGINE_THREAD_PREFIX,
     FakeRunner,
     FakeState,
     GatedRunner,
@@ -288,6 +294,93 @@ async def test_traceback_keeps_no_tensor_and_no_engine_alive() -> None:
                         assert "omni_trio/_" not in tb.tb_frame.f_code.co_filename
                 assert "outer" in "".join(traceback.format_exception(info.value))
             assert runner.live_states == 0
+
+
+class DelError(Exception):
+    """What a runner object's __del__ raises."""
+
+
+# The threads that doomed objects died in (module-level: the objects are gone).
+STATE_DEATHS: list[str] = []
+IMAGE_DEATHS: list[str] = []
+
+
+class DoomedState(FakeState):
+    """A state whose __del__ raises, noting the thread it dies in."""
+
+    def __del__(self) -> None:
+        STATE_DEATHS.append(threading.current_thread().name)
+        raise DelError("state")
+
+
+class DoomedImages(torch.Tensor):
+    """Images whose __del__ raises, noting the thread they die in."""
+
+    def __del__(self) -> None:
+        IMAGE_DEATHS.append(threading.current_thread().name)
+        raise DelError("images")
+
+
+class DoomingRunner(FakeRunner):
+    """Returns doomed states and images; the step fails for the request "bad"."""
+
+    def prepare(self, request: ot.GenerationRequest, request_id: str) -> FakeState:
+        state = super().prepare(request, request_id)
+        return DoomedState(state.request_id, state.latents, state.prompt_code, 0, state.total)
+
+    def step(self, states: Sequence[FakeState]) -> None:
+        if any(state.request_id == "bad" for state in states):
+            raise RuntimeError("bad step")
+        super().step(states)
+
+    def decode(self, state: FakeState) -> torch.Tensor:
+        return super().decode(state).as_subclass(DoomedImages)
+
+
+@pytest.fixture
+def unraisables(monkeypatch: pytest.MonkeyPatch) -> list[tuple[type[BaseException], str]]:
+    """Record (type, thread) of every unraisable exception during the test.
+
+    Only those two: keeping the hook's arguments would keep the dying object alive.
+    """
+    seen: list[tuple[type[BaseException], str]] = []
+
+    def hook(unraisable: Any) -> None:
+        seen.append((unraisable.exc_type, threading.current_thread().name))
+
+    monkeypatch.setattr(sys, "unraisablehook", hook)
+    STATE_DEATHS.clear()
+    IMAGE_DEATHS.clear()
+    return seen
+
+
+async def test_del_errors_of_runner_objects_stay_in_engine_threads(
+    unraisables: list[tuple[type[BaseException], str]],
+) -> None:
+    """L22: states and images whose __del__ raises die in the engine's threads, reported there.
+
+    The consumer gets a plain tensor; the only unraisable exceptions are the
+    runner's own (one per doomed object), never one of the engine's.
+    """
+    runner = DoomingRunner()
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner, ONE_AT_A_TIME) as engine:
+            bad = engine.submit(req(), request_id="bad")
+            good = engine.submit(req(), request_id="good")
+            async with bad, good:
+                with pytest.raises(ot.RequestFailedError, match="bad step"):
+                    await bad.result()
+                output = await good.result()
+                assert type(output.images) is torch.Tensor
+                torch.testing.assert_close(output.images, solo_images(req()))
+            assert runner.live_states == 0
+            assert_engine_idle(engine)
+    # Two states (bad's, good's) and one image batch (good's), all in engine threads.
+    assert len(STATE_DEATHS) == 2
+    assert len(IMAGE_DEATHS) == 1
+    assert all(name.startswith(ENGINE_THREAD_PREFIX) for name in STATE_DEATHS + IMAGE_DEATHS)
+    assert sorted(kind.__name__ for kind, _ in unraisables) == ["DelError"] * 3
+    assert all(name.startswith(ENGINE_THREAD_PREFIX) for _, name in unraisables)
 
 
 class Fatal(BaseException):
