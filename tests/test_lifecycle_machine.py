@@ -303,6 +303,18 @@ class Boom(Exception):
     pass
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """No automatic garbage collection inside the block (explicit ``gc.collect()`` still runs)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def note(text: str) -> None:
     """Count ``text`` in Hypothesis' statistics; ``run_plan`` also runs outside a test."""
     if currently_in_test_context():
@@ -626,24 +638,29 @@ class Machine:
             case _:
                 request = make_request(op.steps, op.size, op.seed, op.preview_every)
         expected = self.expected_admission_error(request_id or None, op.invalid)
-        before = self.engine.statistics()
-        error: ot.OmniTrioError | None = None
-        try:
-            handle = self.engine.submit(request, request_id=request_id)  # type: ignore[arg-type]
-        except ot.OmniTrioError as exc:
-            error = exc
+        # No garbage collection between the submit and the statistics below: a
+        # collection pause of more than the GIL's switch interval (5 ms) hands the
+        # GIL to an idle worker, which takes the request before the check reads it.
+        with gc_paused():
+            before = self.engine.statistics()
+            error: ot.OmniTrioError | None = None
+            status: ot.RequestStatus | None = None
+            try:
+                handle = self.engine.submit(request, request_id=request_id)  # type: ignore[arg-type]
+                status = handle.status
+            except ot.OmniTrioError as exc:
+                error = exc
+            after = self.engine.statistics()
         if error is not None:
             assert type(error) in expected, f"submit raised {error!r}, expected {expected}"
             if isinstance(error, ot.InvalidRequestError):
                 assert op.invalid is not None and error.field == INVALID_FIELD[op.invalid], error
-            after = self.engine.statistics()
             assert (after.admitted, after.waiting) == (before.admitted, before.waiting)
             return
         assert not expected, f"submit admitted, expected {expected}"
         assert isinstance(request, ot.GenerationRequest)
         # L1: admitted synchronously, visible at once.
-        assert handle.status is ot.RequestStatus.WAITING
-        after = self.engine.statistics()
+        assert status is ot.RequestStatus.WAITING
         assert (after.admitted, after.waiting) == (before.admitted + 1, before.waiting + 1)
         self.ledger.track(handle)
         tracked = Tracked(handle._record, handle, handle.request_id, request, disturbed=self.chaos)
