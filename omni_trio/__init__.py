@@ -37,6 +37,9 @@ The thread side (runs in the engine's own threads only):
 
 - ``_worker``: the step loop, one owned thread per device.
 - ``_materialize``: decode and copy to host, off the step loop.
+- ``_imagecheck``: the output contract, checked on every image and preview.
+- ``_failure``: a runner's exception made into a request's failure, formatted once
+  and defensively, its frames cleared.
 - ``_scheduler``: the waiting queue and batch formation (pure, synchronous).
 
 The seam between them:
@@ -67,6 +70,7 @@ from ._engine import open_engine as open_engine
 from ._errors import DuplicateRequestError as DuplicateRequestError
 from ._errors import EngineClosedError as EngineClosedError
 from ._errors import EngineDeadError as EngineDeadError
+from ._errors import InvalidOutputError as InvalidOutputError
 from ._errors import InvalidRequestError as InvalidRequestError
 from ._errors import OmniTrioError as OmniTrioError
 from ._errors import QueueFullError as QueueFullError
@@ -92,6 +96,7 @@ __all__ = [
     "EngineStatistics",
     "GenerationOutput",
     "GenerationRequest",
+    "InvalidOutputError",
     "InvalidRequestError",
     "OmniTrioError",
     "QueueFullError",

@@ -1,11 +1,14 @@
 """Engine configuration, validated at construction.
 
 Every field is checked when the dataclass is built (``ValueError`` naming the
-field). ``check_request`` applies the engine's limits to a request at ``submit``.
+field, for any value: an integer too large for a float or for a container's size
+is refused like a negative one). ``check_request`` applies the engine's limits to
+a request at ``submit``.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -58,7 +61,11 @@ class EngineConfig:
             "max_num_images",
             "max_prompt_chars",
         ):
-            check_int(fail_config, name, getattr(self, name), minimum=1)
+            # sys.maxsize: the sizes bound buffers and queues, which are C-sized.
+            value = check_int(
+                fail_config, name, getattr(self, name), minimum=1, maximum=sys.maxsize
+            )
+            object.__setattr__(self, name, value)
         grace = check_float(fail_config, "shutdown_grace", self.shutdown_grace, minimum=0.0)
         object.__setattr__(self, "shutdown_grace", grace)
 

@@ -33,7 +33,7 @@ from ._errors import (
 )
 from ._handle import RequestHandle
 from ._inbox import LoopInbox
-from ._messages import Completed, Died, Exited, Message, Released, Stepped
+from ._messages import Completed, Died, Exited, Message, Released, Stepped, died
 from ._outputs import EngineStatistics, GenerationOutput, RequestStatus, StepEvent
 from ._record import Record, wait_shielded
 from ._request import GenerationRequest
@@ -301,7 +301,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         try:
             self._apply(message)
         except Exception as exc:  # an engine bug: fail loudly, never crash the loop
-            self._die(exc)
+            self._die(died(exc, "the engine failed to apply a message"))
 
     def _apply(self, message: Message[WorkItem]) -> None:
         match message:
@@ -319,19 +319,18 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             case Completed(item, images):
                 record = cast(Record, item)
                 self._terminate(record, RequestStatus.COMPLETED, images)
-            case Released(item, error):
+            case Released(item, failure):
                 record = cast(Record, item)
-                if error is not None:
-                    failed = RequestFailedError(
-                        f"the runner raised for request {record.request_id!r}: {error!r}",
-                        request_id=record.request_id,
-                    )
-                    failed.__cause__ = error
+                if failure is not None:
+                    # L22: the message was formatted in the thread that caught the
+                    # error; the loop never runs the runner's code to describe it.
+                    failed = RequestFailedError(failure.message, request_id=record.request_id)
+                    failed.__cause__ = failure.cause
                     self._terminate(record, RequestStatus.FAILED, failed)
                 else:
                     self._terminate(record, RequestStatus.ABORTED, self._cut_error(record))
-            case Died(error):
-                self._die(error)
+            case Died():
+                self._die(message)
             case Exited():
                 self._exited.set()
             case _:
@@ -373,11 +372,11 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             request_id=record.request_id,
         )
 
-    def _die(self, error: BaseException) -> None:
+    def _die(self, death: Died) -> None:
         if self._dead is not None:
             return
-        dead = EngineDeadError(f"the engine's worker died: {error!r}")
-        dead.__cause__ = error
+        dead = EngineDeadError(death.message)
+        dead.__cause__ = death.error
         self._dead = dead
         self._closing = True
         self._worker.withdraw_all()

@@ -6,12 +6,15 @@
     ├── EngineClosedError       submit after shutdown began; result() of a request
     │                           cut off by shutdown
     ├── EngineDeadError         the worker died; every live request gets it; the engine is unusable
+    ├── InvalidOutputError      a runner's output broke the output contract (shape, dtype,
+    │                           NaN, range); only ever the __cause__ of a RequestFailedError
     └── RequestError            (.request_id)
         ├── InvalidRequestError     also a ValueError; bad field values, unknown extra keys
         ├── DuplicateRequestError   a live request already has this id
         ├── QueueFullError          max_waiting reached (backpressure)
         ├── RequestAbortedError     .reason: "user", "consumer_gone", "cancelled", ...
-        └── RequestFailedError      the runner raised; __cause__ is the runner's exception
+        └── RequestFailedError      the runner raised or returned a bad output; __cause__ is
+                                    the runner's exception or an InvalidOutputError
 
 Cancellation is never one of these: the backend's cancellation exception always
 propagates as itself.
@@ -23,6 +26,7 @@ __all__ = [
     "DuplicateRequestError",
     "EngineClosedError",
     "EngineDeadError",
+    "InvalidOutputError",
     "InvalidRequestError",
     "OmniTrioError",
     "QueueFullError",
@@ -42,6 +46,16 @@ class EngineClosedError(OmniTrioError):
 
 class EngineDeadError(OmniTrioError):
     """The engine's worker thread died; the engine can serve nothing more."""
+
+
+class InvalidOutputError(OmniTrioError):
+    """A runner returned images (or a preview) that break the output contract.
+
+    The engine never delivers such an output: the request fails with
+    ``RequestFailedError``, whose ``__cause__`` is this error. The message names
+    the call and what was wrong, e.g. "the runner's decode returned images of
+    shape (1, 3, 8, 8), expected (2, 3, 16, 16)".
+    """
 
 
 class RequestError(OmniTrioError):
@@ -77,4 +91,9 @@ class RequestAbortedError(RequestError):
 
 
 class RequestFailedError(RequestError):
-    """The runner raised while serving this request; ``__cause__`` is its exception."""
+    """The runner failed this request; ``__cause__`` says how.
+
+    ``__cause__`` is the exception the runner raised, or an ``InvalidOutputError``
+    when it returned a bad output. The message was formatted once, when the
+    failure happened, so ``str()`` of this error never runs the runner's code.
+    """

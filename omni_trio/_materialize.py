@@ -4,6 +4,8 @@ The worker hands a request whose last step is done to this thread and goes on
 with the next step at once (L16). Here the request's token is checked before the
 decode (L21): an aborted request is never decoded (L10). Shutdown does not stop a
 request whose denoising finished: its result is complete work and is delivered.
+The decoded images are checked against the output contract here too (see
+``_imagecheck``), off the event loop: a bad output fails its request, unseen.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._messages import Completed, Post, Released, discard_quietly, discard_state, release
+from ._imagecheck import checked_images
+from ._messages import Completed, Post, discard_quietly, discard_state, ended, release
 from ._runner import Runner
 from ._workitem import SHUTDOWN, WorkItem
 
@@ -92,13 +95,20 @@ class Materializer:
 
     def _materialize(self, item: WorkItem) -> None:
         if self._abandon or _cut(item):
-            release(self._runner, item, self._post, None)
+            release(self._runner, item, self._post)
             return
         started = time.perf_counter()
+        request = item.request
         try:
-            images = self._runner.decode(item.state).detach().float().cpu()
+            # The runner's own object is dropped here, in this thread, once checked.
+            images = checked_images(
+                self._runner.decode(item.state),
+                call="decode",
+                count=request.num_images,
+                size=(request.height, request.width),
+            )
         except Exception as exc:
-            release(self._runner, item, self._post, exc)
+            release(self._runner, item, self._post, exc, call="decode")
             return
         item.decode_s = time.perf_counter() - started
         error = discard_state(self._runner, item)
@@ -106,7 +116,7 @@ class Materializer:
             # An abort that arrived during the decode wins: the image is dropped
             # unseen, so an aborted request never produces an output.
             del images
-            self._post(Released(item, error))
+            self._post(ended(item, error, "discard"))
             return
         # Hand the images over without keeping a reference in this frame: the
         # consumer may drop them the moment the loop delivers them (L12).

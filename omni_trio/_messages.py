@@ -1,18 +1,20 @@
 """What the engine's threads tell the event loop, and the release that ends a request.
 
 Threads never touch event-loop objects: they post one of these messages, which
-the engine applies in order on the loop (see ``_engine``).
+the engine applies in order on the loop (see ``_engine``). A failure or a death
+travels with its message formatted already (``_failure``): the loop never runs a
+runner's code to describe what went wrong.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from ._failure import Failure, describe, detach, failure
 from ._workitem import WorkItem
 
 if TYPE_CHECKING:
@@ -28,8 +30,10 @@ __all__ = [
     "Post",
     "Released",
     "Stepped",
+    "died",
     "discard_quietly",
     "discard_state",
+    "ended",
     "release",
 ]
 
@@ -58,19 +62,20 @@ class Completed(Generic[W]):
 class Released(Generic[W]):
     """The request's state is released without an output.
 
-    ``error`` is the runner's exception for a failure; without one, the request
-    was cancelled and its token says why.
+    ``failure`` says why the runner failed it; without one, the request was
+    cancelled and its token says why.
     """
 
     item: W
-    error: Exception | None
+    failure: Failure | None
 
 
 @dataclass(frozen=True, slots=True)
 class Died:
-    """An engine thread died; nothing more will run."""
+    """An engine thread died; nothing more will run. ``message`` is formatted already."""
 
     error: BaseException
+    message: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,12 +106,35 @@ def discard_quietly(runner: Runner[Any], item: WorkItem) -> None:
         discard_state(runner, item)
 
 
-def release(runner: Runner[Any], item: WorkItem, post: Post, error: Exception | None) -> None:
-    """Discard ``item``'s state and post how it ended (failed if anything raised)."""
+def release(
+    runner: Runner[Any],
+    item: WorkItem,
+    post: Post,
+    error: Exception | None = None,
+    *,
+    call: str = "",
+) -> None:
+    """Discard ``item``'s state and post how it ended.
+
+    Failed if ``error`` (what the runner's ``call`` raised, or an
+    ``InvalidOutputError``) or if the discard raised; else cancelled.
+    """
     discard_error = discard_state(runner, item)  # always, failed or not
-    error = error or discard_error
-    if error is not None:
-        # The request's error keeps the runner's exception as its cause; its
-        # frames must not keep the runner's locals (batch states, tensors) alive.
-        traceback.clear_frames(error.__traceback__)
-    post(Released(item, error))
+    # "is None", not "or": an exception's __bool__ is the runner's code.
+    if error is None and discard_error is not None:
+        error, call = discard_error, "discard"
+    post(ended(item, error, call))
+
+
+def ended(item: WorkItem, error: Exception | None, call: str) -> Released[WorkItem]:
+    """The message for ``item``, released: failed by ``error`` in ``call``, or cancelled."""
+    return Released(item, None if error is None else failure(item.request_id, error, call))
+
+
+def died(error: BaseException, what: str) -> Died:
+    """The message for an engine thread's death by ``error``; ``what`` says whose.
+
+    Never raises: an engine that is dying must still say so, or nothing ends.
+    """
+    detach(error)
+    return Died(error, f"{what}: {describe(error)}")

@@ -17,8 +17,9 @@ import threading
 import time
 from typing import Any, cast
 
+from ._imagecheck import checked_images
 from ._materialize import Materializer
-from ._messages import Died, Exited, Post, Stepped, discard_quietly, release
+from ._messages import Exited, Post, Stepped, died, discard_quietly, release
 from ._runner import Runner, StopRun, WholeCallRunner
 from ._scheduler import WaitingQueue
 from ._workitem import SHUTDOWN, WorkItem
@@ -111,30 +112,33 @@ class Worker:
 
     def _run(self) -> None:
         running: list[WorkItem] = []
-        died = False
+        dead = False
         try:
             while not self._serve_boundary(running):
                 if running:
                     self._step(running)
         except BaseException as exc:
-            died = True
+            # L23: a BaseException that is not an Exception (KeyboardInterrupt,
+            # SystemExit, a cancellation, the runner's own) leaves the runner in a
+            # state nobody can vouch for: the worker dies, it does not fail a batch.
+            dead = True
             # The engine fails every request; free what the runner holds for them.
             for item in running:
                 discard_quietly(self._runner, item)
-            self._post(Died(exc))
+            self._post(died(exc, "the engine's worker died"))
         finally:
             running.clear()
-            self._materializer.stop(abandon=died or self._fatal is not None)
+            self._materializer.stop(abandon=dead or self._fatal is not None)
             self._materializer.thread.join()
             self._materializer.discard_leftovers()
             try:
                 self._runner.close()
             except BaseException as exc:
-                if not died:
-                    died = True
-                    self._post(Died(exc))
-            if self._fatal is not None and not died:
-                self._post(Died(self._fatal))
+                if not dead:
+                    dead = True
+                    self._post(died(exc, "the runner's close raised"))
+            if self._fatal is not None and not dead:
+                self._post(died(self._fatal, "the engine's materializer died"))
             self._post(Exited())
 
     def _serve_boundary(self, running: list[WorkItem]) -> bool:
@@ -181,7 +185,7 @@ class Worker:
         try:
             item.state = self._runner.prepare(item.request, item.request_id)
         except Exception as exc:
-            release(self._runner, item, self._post, exc)
+            release(self._runner, item, self._post, exc, call="prepare")
             return
         item.prepare_s = time.perf_counter() - started
         running.append(item)
@@ -198,7 +202,7 @@ class Worker:
         except Exception as exc:
             # L22: the whole batch of this step fails; the engine goes on.
             for item in running:
-                release(self._runner, item, self._post, exc)
+                release(self._runner, item, self._post, exc, call="step")
             running.clear()
             return
         elapsed = time.perf_counter() - started
@@ -207,7 +211,7 @@ class Worker:
         for item in running:
             error = self._stepped(item, elapsed)
             if error is not None:
-                release(self._runner, item, self._post, error)
+                release(self._runner, item, self._post, error, call="preview")
             elif item.steps_done >= item.request.num_steps:
                 self._denoised(item)
             else:
@@ -215,7 +219,11 @@ class Worker:
         running[:] = keep
 
     def _stepped(self, item: WorkItem, elapsed: float) -> Exception | None:
-        """Count one step of ``item`` and post its event; return a preview's error."""
+        """Count one step of ``item`` and post its event; return a preview's error.
+
+        The error is what ``preview`` raised, or an ``InvalidOutputError`` for a
+        preview that breaks the output contract.
+        """
         item.steps_done += 1
         item.denoise_s += elapsed
         self.steps_run += 1
@@ -251,9 +259,9 @@ class Worker:
         try:
             runner.run(item.state, on_step)
         except StopRun:
-            release(self._runner, item, self._post, error)
+            release(self._runner, item, self._post, error, call="preview")
         except Exception as exc:
-            release(self._runner, item, self._post, exc)
+            release(self._runner, item, self._post, exc, call="run")
         else:
             self._denoised(item)
 
@@ -261,5 +269,9 @@ class Worker:
         every = item.request.preview_every
         # L18: only for a consumer that reads its events, every n-th step.
         if every and self._previews and item.reading and item.steps_done % every == 0:
-            return self._runner.preview(item.state)
+            preview = self._runner.preview(item.state)
+            if preview is not None:
+                return checked_images(
+                    preview, call="preview", count=item.request.num_images, size=None
+                )
         return None

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import omni_trio as ot
+from omni_trio._request import MAX_GUIDANCE_SCALE
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
 from omni_trio.runners._families import RequestState, step_groups
 
@@ -220,6 +221,33 @@ async def test_requests_the_model_cannot_serve_are_refused(
         with pytest.raises(ot.InvalidRequestError) as info:
             engine.submit(request(kind, **fields))
         assert info.value.field == name
+
+
+async def test_overflowing_guidance_never_delivers_nan_pixels() -> None:
+    """L4, L22: tiny SD at guidance 1e300 is refused at construction; at the bound it gives
+    valid pixels; forced past the bound (the model overflows to NaN) the request fails.
+    """
+    with pytest.raises(ot.InvalidRequestError) as info:
+        request("sd", guidance_scale=1e300)
+    assert info.value.field == "guidance_scale"
+    at_bound = request("sd", guidance_scale=MAX_GUIDANCE_SCALE)
+    # A request validated, then forced past the bound: what a model overflow looks like.
+    forced = request("sd")
+    object.__setattr__(forced, "guidance_scale", 1e300)
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(DiffusersRunner(pipe("sd"))) as engine:
+            output = await engine.generate(at_bound)
+            low, high = torch.aminmax(output.images)
+            assert float(low) >= 0.0 and float(high) <= 1.0
+            with pytest.raises(ot.RequestFailedError) as failed:
+                await engine.generate(forced, request_id="forced")
+            assert isinstance(failed.value.__cause__, ot.InvalidOutputError)
+            assert str(failed.value) == (
+                "request 'forced' failed: the runner's decode returned images with NaN values"
+            )
+            # The engine serves on.
+            await engine.generate(request("sd"))
+            assert engine.statistics().failed == 1
 
 
 def test_unsupported_pipeline_is_refused_by_name() -> None:

@@ -1,0 +1,92 @@
+"""The output contract: what a runner's images must be before the engine hands them out.
+
+Images (from ``decode``) and previews are float tensors ``[N, C, H, W]`` with ``N``
+the request's ``num_images``, ``C`` 1 (grey), 3 (RGB) or 4 (RGBA), and values in
+[0, 1], no NaN. For images, ``H`` and ``W`` are the request's ``height`` and
+``width``; a preview may be any size. Any floating dtype, on any device: the engine
+hands out a plain CPU ``float32`` tensor (a tensor subclass is not handed on).
+
+``checked_images`` checks all of it in the engine's own threads, never on the event
+loop, with one pass over the pixels (``torch.aminmax``, which also propagates
+NaN). A violation raises ``InvalidOutputError`` naming what was wrong; the request
+then fails with ``RequestFailedError`` and the output is never delivered.
+
+Values at most ``PIXEL_SLACK`` outside [0, 1] (rounding in a runner's last
+operations, as 1.0000001) are clamped, not refused: the slack is under half an
+8-bit level, so clamping changes no pixel of an 8-bit image. Farther is a runner
+bug (a missing clamp or denormalization) and is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from ._errors import InvalidOutputError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["CHANNELS", "PIXEL_SLACK", "checked_images"]
+
+#: How far outside [0, 1] a value may be and still be clamped (under 1/510).
+PIXEL_SLACK = 1 / 512
+#: The channel counts an image may have: grey, RGB, RGBA.
+CHANNELS = (1, 3, 4)
+
+
+def checked_images(
+    value: object, *, call: str, count: int, size: tuple[int, int] | None
+) -> torch.Tensor:
+    """Return ``value`` as a plain CPU float32 tensor if it keeps the output contract.
+
+    Args:
+        value: what the runner's ``call`` returned.
+        call: the runner call, named in the message (``"decode"``, ``"preview"``).
+        count: the number of images expected (the request's ``num_images``).
+        size: the expected ``(height, width)``; ``None`` for any (previews).
+
+    Returns:
+        The images, without a copy when they are a CPU float32 tensor already
+        (a copy when values within ``PIXEL_SLACK`` had to be clamped).
+
+    Raises:
+        InvalidOutputError: not a tensor, not dense, not floating point, a wrong
+            shape, NaN, or values outside [0, 1] beyond the slack.
+    """
+    import torch
+
+    said = f"the runner's {call} returned"
+    if not isinstance(value, torch.Tensor):
+        raise InvalidOutputError(f"{said} a {type(value).__name__}, expected a torch.Tensor")
+    images = value
+    if type(images) is not torch.Tensor:
+        # A plain tensor (an alias, no copy): a subclass's methods and its
+        # __torch_function__ do not get to report on themselves.
+        images = torch.Tensor.as_subclass(images, torch.Tensor)
+    if images.layout is not torch.strided:
+        raise InvalidOutputError(f"{said} images of layout {images.layout}, expected dense ones")
+    if not images.is_floating_point():
+        raise InvalidOutputError(
+            f"{said} images of dtype {images.dtype}, expected a floating-point dtype"
+        )
+    shape = tuple(images.shape)
+    channels = shape[1] if len(shape) == 4 and shape[1] in CHANNELS else 3
+    expected = (count, channels, *size) if size is not None else (count, channels)
+    if len(shape) != 4 or shape[1] not in CHANNELS or shape[: len(expected)] != expected:
+        wanted = str(expected) if size is not None else f"({count}, {channels}, height, width)"
+        if len(shape) == 4 and shape[1] not in CHANNELS:
+            wanted += " (1, 3 or 4 channels)"
+        raise InvalidOutputError(f"{said} images of shape {shape}, expected {wanted}")
+    images = images.detach().to(device="cpu", dtype=torch.float32)
+    low, high = (float(bound) for bound in torch.aminmax(images))
+    if math.isnan(low) or math.isnan(high):
+        raise InvalidOutputError(f"{said} images with NaN values")
+    if low < 0.0 or high > 1.0:
+        if low < -PIXEL_SLACK or high > 1.0 + PIXEL_SLACK:
+            raise InvalidOutputError(
+                f"{said} images with values from {low:.6g} to {high:.6g}, expected [0, 1]"
+            )
+        # Out of place: the tensor may still be the runner's own memory.
+        images = images.clamp(0.0, 1.0)
+    return images
