@@ -38,6 +38,7 @@ from ._outputs import EngineStatistics, GenerationOutput, RequestStatus, StepEve
 from ._record import Record, wait_shielded
 from ._request import GenerationRequest
 from ._runner import Runner, RunnerCapabilities
+from ._validate import check_text, fail_request
 from ._worker import Worker
 from ._workitem import SHUTDOWN, WorkItem
 
@@ -116,8 +117,11 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         self._check_admitting()
         if request_id is None:
             request_id = f"req-{uuid.uuid4().hex}"
-        elif not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError("must be a non-empty str", field="request_id")
+        else:
+            # The same text rule as prompts: ids end up in logs, headers and JSON.
+            request_id = check_text(fail_request, "request_id", request_id)
+            if not request_id:
+                raise InvalidRequestError("must be a non-empty str", field="request_id")
         if not isinstance(request, GenerationRequest):
             raise InvalidRequestError(
                 f"must be a GenerationRequest, got {type(request).__name__}",
@@ -305,14 +309,14 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
 
     def _apply(self, message: Message[WorkItem]) -> None:
         match message:
-            case Stepped(item, step, preview):
+            case Stepped(item, step, total, preview):
                 record = cast(Record, item)
                 if not record.status.is_terminal and not record.channel.is_receive_closed:
                     record.channel.send_nowait(
                         StepEvent(
                             request_id=record.request_id,
                             step=step,
-                            total=record.request.num_steps,
+                            total=total,
                             preview=preview,
                         )
                     )

@@ -43,10 +43,11 @@ W = TypeVar("W", bound=WorkItem)
 
 @dataclass(frozen=True, slots=True)
 class Stepped(Generic[W]):
-    """The request finished step ``step``; ``preview`` when one was made."""
+    """The request finished step ``step`` of ``total``; ``preview`` when one was made."""
 
     item: W
     step: int
+    total: int
     preview: torch.Tensor | None
 
 

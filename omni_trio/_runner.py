@@ -22,7 +22,7 @@ validates requests and forms batches from it, without calling the runner.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -146,9 +146,22 @@ class Runner(Protocol[StateT]):
         ...
 
 
+class StepCallback(Protocol):
+    """What a whole-call runner calls at every step boundary (it raises to stop)."""
+
+    def __call__(self, total: int | None = None) -> None:
+        """Count a step; ``total`` is the loop's real step count, where it differs."""
+        ...
+
+
 class WholeCallRunner(Runner[StateT], Protocol):
     """A runner that declares ``whole_call``: it runs its own loop in ``run``."""
 
-    def run(self, state: StateT, on_step: Callable[[], None]) -> None:
-        """Run every step, calling ``on_step`` after each; let ``StopRun`` through."""
+    def run(self, state: StateT, on_step: StepCallback) -> None:
+        """Run every step, calling ``on_step`` after each; let ``StopRun`` through.
+
+        ``on_step(total)`` may say how many steps the loop runs in all, when that is
+        not the request's ``num_steps`` (an image-to-image call with strength < 1);
+        step events then report it as their ``total``.
+        """
         ...

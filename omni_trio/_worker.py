@@ -233,7 +233,7 @@ class Worker:
             return exc
         # Nobody reads this request's events (yet): do not wake the loop for it.
         post = self._post if item.reading else self._post_quietly
-        post(Stepped(item, item.steps_done, preview))
+        post(Stepped(item, item.steps_done, item.steps_total, preview))
         return None
 
     def _denoised(self, item: WorkItem) -> None:
@@ -245,8 +245,10 @@ class Worker:
         last = time.perf_counter()
         error: Exception | None = None
 
-        def on_step() -> None:
+        def on_step(total: int | None = None) -> None:
             nonlocal last, error
+            if total is not None:
+                item.steps_total = total
             now = time.perf_counter()
             self.batch_steps += 1
             error = self._stepped(item, now - last)

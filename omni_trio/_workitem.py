@@ -56,6 +56,7 @@ class WorkItem:
         "request_id",
         "state",
         "steps_done",
+        "steps_total",
         "t_denoised",
         "t_released",
         "t_taken",
@@ -76,6 +77,9 @@ class WorkItem:
         # Owned by whichever engine thread holds the item.
         self.state: object | None = None
         self.steps_done = 0
+        # The steps the runner runs: the request's, unless a whole-call runner's
+        # pipeline says otherwise (img2img with strength < 1 runs fewer).
+        self.steps_total = request.num_steps
         self.t_taken: float | None = None
         self.t_denoised: float | None = None
         self.t_released: float | None = None

@@ -7,7 +7,6 @@ pipeline inside its step callback so an abort lands at a known step.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -16,7 +15,13 @@ import pytest
 import torch
 
 import omni_trio as ot
-from omni_trio.runners import DiffusersRunner, PipelineCallRunner, runner_for, tiny_pipeline
+from omni_trio.runners import (
+    DiffusersRunner,
+    PipelineCallRunner,
+    StepCallback,
+    runner_for,
+    tiny_pipeline,
+)
 from omni_trio.runners._call import CallState
 
 from .util import BUDGET
@@ -90,12 +95,12 @@ class GatedCall(PipelineCallRunner):
         for _ in range(n):
             self._gate.release()
 
-    def run(self, state: CallState, on_step: Callable[[], None]) -> None:
-        def gated() -> None:
+    def run(self, state: CallState, on_step: StepCallback) -> None:
+        def gated(total: int | None = None) -> None:
             self.arrived += 1
             if not self._gate.acquire(timeout=20):
                 raise RuntimeError("never released")
-            on_step()
+            on_step(total)
 
         super().run(state, gated)
 
@@ -201,8 +206,8 @@ async def test_strength_below_one_counts_the_steps_the_pipeline_runs(
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(runner) as engine:
             async with engine.submit(request) as handle:
-                steps = [event.step async for event in handle]
+                events = [(event.step, event.total) async for event in handle]
                 output = await handle.result()
-    assert steps == list(range(1, real + 1))
+    assert events == [(step, real) for step in range(1, real + 1)]
     assert output.metrics.steps_done == real
     assert [state.total_steps for state in runner.states] == [real]

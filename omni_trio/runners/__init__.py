@@ -12,6 +12,7 @@ from __future__ import annotations
 from .. import _exports
 from .._runner import Runner as Runner
 from .._runner import RunnerCapabilities as RunnerCapabilities
+from .._runner import StepCallback as StepCallback
 from .._runner import StopRun as StopRun
 from .._runner import WholeCallRunner as WholeCallRunner
 from ._call import PipelineCallRunner as PipelineCallRunner
@@ -26,6 +27,7 @@ __all__ = [
     "PipelineCallRunner",
     "Runner",
     "RunnerCapabilities",
+    "StepCallback",
     "StopRun",
     "WholeCallRunner",
     "runner_for",

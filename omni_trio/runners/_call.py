@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .._request import GenerationRequest
-from .._runner import Runner, RunnerCapabilities
+from .._runner import Runner, RunnerCapabilities, StepCallback
 from ._diffusers import DiffusersRunner, latent_preview
 from ._families import is_supported
 
@@ -184,7 +184,7 @@ class PipelineCallRunner:
         self._count("live_states", 1)
         return CallState(request_id, kwargs)
 
-    def run(self, state: CallState, on_step: Callable[[], None]) -> None:
+    def run(self, state: CallState, on_step: StepCallback) -> None:
         """Call the pipeline; ``on_step`` runs at every step (it raises to stop)."""
         kwargs = dict(state.kwargs)
         if self._stepwise:
@@ -197,7 +197,7 @@ class PipelineCallRunner:
                     total = getattr(pipe, "num_timesteps", None)
                     state.total_steps = total if isinstance(total, int) else None
                 state.latents = tensors.get("latents")
-                on_step()
+                on_step(state.total_steps)
                 return tensors
 
             kwargs["callback_on_step_end"] = callback
