@@ -22,6 +22,9 @@ propagates as itself.
 
 from __future__ import annotations
 
+import copyreg
+from typing import Any
+
 __all__ = [
     "DuplicateRequestError",
     "EngineClosedError",
@@ -64,6 +67,12 @@ class RequestError(OmniTrioError):
     def __init__(self, message: str, *, request_id: str | None = None) -> None:
         super().__init__(message)
         self.request_id = request_id
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickle (as Ray and multiprocessing do) without calling __init__ again: its
+        # fields are keyword-only, which the default ``cls(*args)`` cannot pass, and
+        # a subclass may have built ``args`` from them. Restore args and fields as state.
+        return (copyreg.__newobj__, (type(self),), {**self.__dict__, "args": self.args})
 
 
 class InvalidRequestError(RequestError, ValueError):

@@ -68,18 +68,8 @@ _ERRORS = [
     ot.DuplicateRequestError("m", request_id="r"),
     ot.QueueFullError("m", request_id="r"),
     ot.RequestFailedError("m", request_id="r"),
-    pytest.param(
-        ot.RequestAbortedError("m", reason="user", request_id="r"),
-        marks=pytest.mark.xfail(
-            strict=True, raises=TypeError, reason="keyword-only reason is not in args"
-        ),
-    ),
-    pytest.param(
-        ot.InvalidRequestError("bad", field="f", request_id="r"),
-        marks=pytest.mark.xfail(
-            strict=True, raises=TypeError, reason="keyword-only field is not in args"
-        ),
-    ),
+    ot.RequestAbortedError("m", reason="user", request_id="r"),
+    ot.InvalidRequestError("bad", field="f", request_id="r"),
 ]
 
 
