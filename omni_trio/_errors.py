@@ -72,7 +72,8 @@ class RequestError(OmniTrioError):
         # Pickle (as Ray and multiprocessing do) without calling __init__ again: its
         # fields are keyword-only, which the default ``cls(*args)`` cannot pass, and
         # a subclass may have built ``args`` from them. Restore args and fields as state.
-        return (copyreg.__newobj__, (type(self),), {**self.__dict__, "args": self.args})
+        newobj = copyreg.__newobj__  # type: ignore[attr-defined]  # missing from typeshed
+        return (newobj, (type(self),), {**self.__dict__, "args": self.args})
 
 
 class InvalidRequestError(RequestError, ValueError):
