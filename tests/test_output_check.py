@@ -147,7 +147,7 @@ async def fails_and_engine_serves_on(
 @pytest.mark.anyio
 @pytest.mark.parametrize("case", sorted(BAD_IMAGES))
 async def test_bad_images_fail_the_request_naming_the_violation(case: str) -> None:
-    """L22: images that break the output contract are never delivered; the error says why."""
+    """L24: images that break the output contract are never delivered; the error says why."""
     spoil, said = BAD_IMAGES[case]
     with anyio.fail_after(BUDGET):
         failed = await fails_and_engine_serves_on(SpoilingRunner(spoil), req(**TWO))
@@ -171,7 +171,7 @@ BAD_PREVIEWS: dict[str, tuple[Spoil, str]] = {
 @pytest.mark.anyio
 @pytest.mark.parametrize("case", sorted(BAD_PREVIEWS))
 async def test_bad_previews_fail_the_request_naming_the_violation(case: str) -> None:
-    """L18, L22: a preview that breaks the contract is never sent; the request fails."""
+    """L18, L24: a preview that breaks the contract is never sent; the request fails."""
     spoil, said = BAD_PREVIEWS[case]
     runner = SpoilingRunner(spoil, call="preview")
     with anyio.fail_after(BUDGET):

@@ -53,7 +53,7 @@ class DyingRunner(FakeRunner):
 async def test_an_unexpected_error_gets_a_generic_json_500(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """L52: a bug in the app (here: the image encoder raising) answers JSON, no exception text."""
+    """L54: a bug in the app (here: the image encoder raising) answers JSON, no exception text."""
 
     async def broken_encoder(*args: object, **kwargs: object) -> list[str]:
         raise RuntimeError(f"encoder bug: {SECRET}")
@@ -94,7 +94,7 @@ async def post_and_read_error(
 async def test_a_runner_failure_leaks_nothing_and_is_logged(
     stream: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """L52: when the model raises, the client gets a generic 500 (or ``error`` event)
+    """L54: when the model raises, the client gets a generic 500 (or ``error`` event)
     naming its request id, with none of the exception's text; the server log gets the
     traceback at ERROR, on the ``omni_trio.serve`` logger; the next request runs."""
     service, _ = make_service(SecretRunner())
