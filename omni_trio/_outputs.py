@@ -39,7 +39,8 @@ class RequestStatus(enum.Enum):
 class StepEvent:
     """One denoise step done: ``step`` steps of ``total`` are complete.
 
-    ``preview`` is a small CPU float tensor ``[N, 3, h, w]`` in [0, 1] on every
+    ``preview`` is a small CPU float32 tensor ``[N, C, h, w]`` in [0, 1] (``C`` 1, 3
+    or 4; the diffusers runners make RGB) on every
     ``preview_every``-th step of a request whose consumer reads its events, and
     ``None`` otherwise.
     """

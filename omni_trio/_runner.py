@@ -127,9 +127,11 @@ class Runner(Protocol[StateT]):
         ...
 
     def preview(self, state: StateT) -> torch.Tensor | None:
-        """Return a cheap CPU preview ``[N, 3, h, w]`` in [0, 1] of the current latents.
+        """Return a cheap preview ``[N, C, h, w]`` in [0, 1] of the current latents.
 
-        ``None`` when no preview can be made at this step.
+        ``C`` is 1, 3 or 4 (grey, RGB, RGBA), ``N`` the request's ``num_images``; any
+        size. ``None`` when no preview can be made at this step. The engine checks it
+        like an output (L24) and hands the consumer a CPU float32 copy.
         """
         ...
 
