@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import platform
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import anyio
 import httpx
@@ -17,29 +15,10 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-import omni_trio as ot
-from omni_trio.serve import ImageService, ServeConfig
-from omni_trio.testing import FakeRunner
-
+from .test_serve_app import make_service, serving
 from .util import BUDGET
 
 pytestmark = pytest.mark.anyio
-
-
-def make_service() -> ImageService:
-    config = ServeConfig(model_name="fake", default_width=64, default_height=64, default_steps=3)
-    return ImageService(FakeRunner(), engine_config=ot.EngineConfig(), config=config)
-
-
-@asynccontextmanager
-async def serving(service: ImageService) -> AsyncIterator[httpx.AsyncClient]:
-    """Run the app's lifespan; yield a client that calls it in-process."""
-    transport = httpx.ASGITransport(app=service.app)
-    async with (
-        service.app.router.lifespan_context(service.app),
-        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
-    ):
-        yield client
 
 
 async def scrape(client: httpx.AsyncClient) -> str:
@@ -52,7 +31,7 @@ async def scrape(client: httpx.AsyncClient) -> str:
 async def test_metrics_have_the_standard_series_and_no_created_ones() -> None:
     """/metrics has omni_trio's, python_info's and python_gc's families, and no *_created."""
     with anyio.fail_after(BUDGET):
-        async with serving(make_service()) as client:
+        async with serving(make_service()[0]) as client:
             response = await client.post("/v1/images/generations", json={"prompt": "a cat"})
             assert response.status_code == 200, response.text
             text = await scrape(client)
@@ -76,7 +55,7 @@ async def test_metrics_have_the_standard_series_and_no_created_ones() -> None:
 async def test_metrics_have_the_process_series() -> None:
     """On Linux, /metrics has the process collector's families, this process's own."""
     with anyio.fail_after(BUDGET):
-        async with serving(make_service()) as client:
+        async with serving(make_service()[0]) as client:
             text = await scrape(client)
     families = {family.name for family in text_string_to_metric_families(text)}
     expected = {
@@ -93,7 +72,7 @@ async def test_metrics_have_the_process_series() -> None:
 async def test_two_apps_and_the_process_keep_their_own_series() -> None:
     """Two apps in one process both serve the collectors; other registries keep _created."""
     with anyio.fail_after(BUDGET):
-        async with serving(make_service()) as first, serving(make_service()) as second:
+        async with serving(make_service()[0]) as first, serving(make_service()[0]) as second:
             texts = [await scrape(first), await scrape(second)]
     for text in texts:
         assert "python_info{" in text
