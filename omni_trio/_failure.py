@@ -22,7 +22,7 @@ import itertools
 from dataclasses import dataclass
 from types import TracebackType
 
-from ._errors import InvalidOutputError
+from ._imagecheck import OutputViolation
 
 __all__ = ["Failure", "describe", "detach", "failure"]
 
@@ -120,8 +120,8 @@ def failure(request_id: str, error: Exception, call: str) -> Failure:
     Detaches ``error`` (see ``detach``) and formats the message once, here.
     """
     detach(error)
-    if isinstance(error, InvalidOutputError):
-        what = str(error)  # the engine's own message
+    if type(error) is OutputViolation:
+        what = str(error)  # the engine's own message (a runner's InvalidOutputError is not)
     else:
         what = f"the runner's {call} raised {describe(error)}"
     return Failure(_utf8(f"request {request_id!r} failed: {what}"), error)

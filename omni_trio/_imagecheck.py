@@ -27,7 +27,7 @@ from ._errors import InvalidOutputError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CHANNELS", "PIXEL_SLACK", "checked_images"]
+__all__ = ["CHANNELS", "PIXEL_SLACK", "OutputViolation", "checked_images"]
 
 #: How far outside [0, 1] a value may be and still be clamped (under 1/510).
 PIXEL_SLACK = 1 / 512
@@ -35,8 +35,16 @@ PIXEL_SLACK = 1 / 512
 CHANNELS = (1, 3, 4)
 
 
+class OutputViolation(InvalidOutputError):
+    """Raised by ``checked_images`` itself, so its message is the engine's own text.
+
+    A runner may raise ``InvalidOutputError`` (or a subclass) too; only this class
+    is trusted to format safely (see ``_failure.failure``).
+    """
+
+
 def checked_images(
-    value: object, *, call: str, count: int, size: tuple[int, int] | None
+    value: object, *, call: str, count: int, size: tuple[int, int] | None, own: bool = False
 ) -> torch.Tensor:
     """Return ``value`` as a plain CPU float32 tensor if it keeps the output contract.
 
@@ -44,7 +52,9 @@ def checked_images(
         value: what the runner's ``call`` returned.
         call: the runner call, named in the message (``"decode"``, ``"preview"``).
         count: the number of images expected (the request's ``num_images``).
-        size: the expected ``(height, width)``; ``None`` for any (previews).
+        size: the expected ``(height, width)``; ``None`` for any non-empty size (previews).
+        own: return memory the runner does not hold (a copy where no conversion made
+            one): for previews, which a runner may make as a view of its live latents.
 
     Returns:
         The images, without a copy when they are a CPU float32 tensor already
@@ -58,35 +68,40 @@ def checked_images(
 
     said = f"the runner's {call} returned"
     if not isinstance(value, torch.Tensor):
-        raise InvalidOutputError(f"{said} a {type(value).__name__}, expected a torch.Tensor")
+        raise OutputViolation(f"{said} a {type(value).__name__}, expected a torch.Tensor")
     images = value
     if type(images) is not torch.Tensor:
         # A plain tensor (an alias, no copy): a subclass's methods and its
         # __torch_function__ do not get to report on themselves.
         images = torch.Tensor.as_subclass(images, torch.Tensor)
     if images.layout is not torch.strided:
-        raise InvalidOutputError(f"{said} images of layout {images.layout}, expected dense ones")
+        raise OutputViolation(f"{said} images of layout {images.layout}, expected dense ones")
     if not images.is_floating_point():
-        raise InvalidOutputError(
+        raise OutputViolation(
             f"{said} images of dtype {images.dtype}, expected a floating-point dtype"
         )
     shape = tuple(images.shape)
     channels = shape[1] if len(shape) == 4 and shape[1] in CHANNELS else 3
     expected = (count, channels, *size) if size is not None else (count, channels)
-    if len(shape) != 4 or shape[1] not in CHANNELS or shape[: len(expected)] != expected:
+    empty = len(shape) == 4 and 0 in shape[2:]
+    if len(shape) != 4 or shape[1] not in CHANNELS or shape[: len(expected)] != expected or empty:
         wanted = str(expected) if size is not None else f"({count}, {channels}, height, width)"
         if len(shape) == 4 and shape[1] not in CHANNELS:
             wanted += " (1, 3 or 4 channels)"
-        raise InvalidOutputError(f"{said} images of shape {shape}, expected {wanted}")
-    images = images.detach().to(device="cpu", dtype=torch.float32)
+        elif empty:
+            wanted += " (not empty)"
+        raise OutputViolation(f"{said} images of shape {shape}, expected {wanted}")
+    converted = images.detach().to(device="cpu", dtype=torch.float32)
+    copied = converted.data_ptr() != images.data_ptr()
+    images = converted
     low, high = (float(bound) for bound in torch.aminmax(images))
     if math.isnan(low) or math.isnan(high):
-        raise InvalidOutputError(f"{said} images with NaN values")
+        raise OutputViolation(f"{said} images with NaN values")
     if low < 0.0 or high > 1.0:
         if low < -PIXEL_SLACK or high > 1.0 + PIXEL_SLACK:
-            raise InvalidOutputError(
+            raise OutputViolation(
                 f"{said} images with values from {low:.6g} to {high:.6g}, expected [0, 1]"
             )
         # Out of place: the tensor may still be the runner's own memory.
-        images = images.clamp(0.0, 1.0)
-    return images
+        return images.clamp(0.0, 1.0)
+    return images.clone() if own and not copied else images

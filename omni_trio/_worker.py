@@ -148,8 +148,15 @@ class Worker:
         holds no request (L14).
         """
         admitted, dropped, stop = self._boundary(running)
-        for item in dropped:
-            release(self._runner, item, self._post, None)
+        for index, item in enumerate(dropped):
+            try:
+                release(self._runner, item, self._post, None)
+            except BaseException:
+                # The worker dies (L23); the states of the others dropped here are in no
+                # list the dying worker discards: free them now.
+                for rest in dropped[index + 1 :]:
+                    discard_quietly(self._runner, rest)
+                raise
         for item in admitted:
             self._prepare(item, running)
         return stop
@@ -260,12 +267,20 @@ class Worker:
         runner = cast("WholeCallRunner[Any]", self._runner)
         try:
             runner.run(item.state, on_step)
-        except StopRun:
-            release(self._runner, item, self._post, error, call="preview")
+        except StopRun as stop:
+            if error is None and item.token.reason is None:
+                # Not ours: the runner stopped itself. A failure, not a cancellation.
+                release(self._runner, item, self._post, stop, call="run")
+            else:
+                release(self._runner, item, self._post, error, call="preview")
         except Exception as exc:
             release(self._runner, item, self._post, exc, call="run")
         else:
-            self._denoised(item)
+            if error is not None:
+                # The runner swallowed the StopRun raised for a bad preview (L24).
+                release(self._runner, item, self._post, error, call="preview")
+            else:
+                self._denoised(item)
 
     def _preview(self, item: WorkItem) -> Any:
         every = item.request.preview_every
@@ -274,6 +289,6 @@ class Worker:
             preview = self._runner.preview(item.state)
             if preview is not None:
                 return checked_images(
-                    preview, call="preview", count=item.request.num_images, size=None
+                    preview, call="preview", count=item.request.num_images, size=None, own=True
                 )
         return None

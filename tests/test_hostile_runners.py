@@ -33,15 +33,17 @@ import torch
 
 import omni_trio as ot
 from omni_trio._failure import DETAIL_CHARS
+from omni_trio.runners import RunnerCapabilities, StepCallback, StopRun
 from omni_trio.testing import (
     ENGINE_THREAD_PREFIX,
     FakeRunner,
     FakeState,
     GatedRunner,
     assert_engine_idle,
+    wait_until,
 )
 
-from .util import BUDGET, read_gated, req, solo_images
+from .util import BUDGET, WorkerKilled, read_gated, req, solo_images
 
 pytestmark = pytest.mark.anyio
 
@@ -97,6 +99,13 @@ class ChainBomb(Exception):
         raise ValueError("no context")
 
 
+class ForgedOutputError(ot.InvalidOutputError):
+    """The runner's own InvalidOutputError (a public class), whose str() raises."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("the engine must not trust this message")
+
+
 def group() -> BaseException:
     return ExceptionGroup("several", [Unprintable(), Falsy("inner")])
 
@@ -108,6 +117,7 @@ KINDS: dict[str, Callable[[], BaseException]] = {
     "verbose": Verbose,
     "chain_bomb": ChainBomb,
     "group": group,
+    "forged_invalid_output": ForgedOutputError,
 }
 
 
@@ -430,3 +440,104 @@ async def test_base_exception_kills_the_worker_and_nothing_hangs(kind: str, wher
         assert_safe_message(exit_info.value, "the engine")
         assert runner.closed
         assert runner.live_states == 0
+
+
+class WholeCall(FakeRunner):
+    """A whole-call runner: ``run`` loops over the steps itself, calling ``on_step``.
+
+    ``behaviour`` for the request "bad": ``"stop"`` raises ``StopRun`` on its own at
+    step 1; ``"swallow"`` catches every ``StopRun`` and runs on; previews of "bad"
+    break the output contract (NaN) when ``bad_preview``.
+    """
+
+    def __init__(self, behaviour: str, *, bad_preview: bool = False) -> None:
+        super().__init__()
+        self.behaviour = behaviour
+        self.bad_preview = bad_preview
+        self._capabilities = RunnerCapabilities(
+            max_batch_size=1, can_join=False, previews=True, whole_call=True
+        )
+
+    def run(self, state: FakeState, on_step: StepCallback) -> None:
+        for step in range(state.total):
+            self.step([state])
+            if state.request_id == "bad" and self.behaviour == "stop" and step == 0:
+                raise StopRun
+            try:
+                on_step()
+            except StopRun:
+                if state.request_id != "bad" or self.behaviour != "swallow":
+                    raise
+
+    def preview(self, state: FakeState) -> torch.Tensor:
+        preview = super().preview(state)
+        if state.request_id == "bad" and self.bad_preview:
+            return torch.full_like(preview, float("nan"))
+        return preview
+
+
+async def run_whole_call(runner: WholeCall, *, read: bool) -> BaseException:
+    """Run "bad" (reading its events when ``read``), then "good"; return bad's error."""
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner) as engine:
+            async with engine.submit(req(preview_every=1), request_id="bad") as bad:
+                if read:
+                    async for _ in bad:
+                        pass
+                with pytest.raises(ot.OmniTrioError) as info:
+                    await bad.result()
+            output = await engine.generate(req(), request_id="good")
+            torch.testing.assert_close(output.images, solo_images(req()))
+            stats = engine.statistics()
+            assert (stats.failed, stats.aborted, stats.completed) == (1, 0, 1)
+            assert runner.live_states == 0
+            assert runner.decodes == 1  # "good" only
+    return info.value
+
+
+async def test_whole_call_runner_stopping_itself_is_a_failure_not_a_shutdown() -> None:
+    """L22: a StopRun the engine did not ask for fails the request; nothing says shutdown."""
+    error = await run_whole_call(WholeCall("stop"), read=False)
+    assert type(error) is ot.RequestFailedError
+    assert str(error).startswith("request 'bad' failed: the runner's run raised StopRun")
+
+
+async def test_whole_call_runner_swallowing_the_stop_for_a_bad_preview_still_fails() -> None:
+    """L24: a runner that swallows the StopRun raised for a bad preview is not decoded."""
+    error = await run_whole_call(WholeCall("swallow", bad_preview=True), read=True)
+    assert type(error) is ot.RequestFailedError
+    assert isinstance(error.__cause__, ot.InvalidOutputError)
+    assert "NaN" in str(error)
+
+
+class DiscardKills(GatedRunner):
+    """``discard`` of "bad0" frees its state, then raises a BaseException (L23)."""
+
+    def discard(self, state: FakeState) -> None:
+        super().discard(state)
+        if state.request_id == "bad0":
+            raise WorkerKilled("discard")
+
+
+async def test_dying_discard_frees_the_other_dropped_states() -> None:
+    """L23: when a discard kills the worker, the other members dropped with it are freed."""
+    runner = DiscardKills()
+    with anyio.fail_after(BUDGET):
+        with pytest.raises(ot.EngineDeadError):
+            async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=4)) as engine:
+                handles = [engine.submit(req(num_steps=4), request_id=f"bad{i}") for i in range(3)]
+                # Whoever the worker took first is at the gate of step 1; the others
+                # join at the next boundary, so at the second gate all three run.
+                await wait_until(lambda: runner.arrived >= 1)
+                runner.release(1)
+                await wait_until(lambda: runner.arrived >= 2)
+                assert [h.status for h in handles] == [ot.RequestStatus.RUNNING] * 3
+                for handle in handles:
+                    handle.abort_nowait()
+                runner.open_gate()
+                for handle in handles:
+                    with pytest.raises(ot.OmniTrioError):
+                        await handle.result()
+                for handle in handles:
+                    await handle.aclose()
+    assert runner.live_states == 0

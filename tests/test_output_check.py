@@ -165,6 +165,10 @@ BAD_PREVIEWS: dict[str, tuple[Spoil, str]] = {
     ),
     "above_one": (lambda preview: preview + 1.0, "images with values from"),
     "not_a_tensor": (lambda preview: "a picture", "a str, expected a torch.Tensor"),
+    "empty": (
+        lambda preview: preview[..., :0],
+        "images of shape (2, 3, 2, 0), expected (2, 3, height, width) (not empty)",
+    ),
 }
 
 
@@ -252,6 +256,19 @@ def test_checked_images_takes_no_copy_of_good_images() -> None:
     out = checked_images(images, call="decode", count=2, size=(16, 16))
     assert out.data_ptr() == images.data_ptr()
     assert torch.equal(out, images)
+
+
+def test_own_returns_memory_the_runner_does_not_hold() -> None:
+    """Previews are checked with ``own``: a view of the runner's latents is copied."""
+    latents = torch.rand(2, 3, 4, 4)
+    out = checked_images(latents[:, :3], call="preview", count=2, size=None, own=True)
+    assert out.data_ptr() != latents.data_ptr()
+    latents.zero_()
+    assert out.max().item() > 0.0
+    # A conversion already makes a copy: no second one.
+    half = torch.rand(1, 3, 4, 4, dtype=torch.float16)
+    converted = checked_images(half, call="preview", count=1, size=None, own=True)
+    assert converted.dtype is torch.float32
 
 
 def test_clamping_leaves_the_runner_tensor_alone() -> None:
