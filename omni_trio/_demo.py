@@ -193,8 +193,9 @@ async def _demo(
                 _print_metrics(handle.metrics, out)
                 return 0
             except RequestFailedError as exc:
-                cause = exc.__cause__ if exc.__cause__ is not None else exc
-                raise CommandError(f"the model failed: {summary(cause)}") from exc
+                # str() of the engine's error is safe and bounded; the cause's own
+                # text is the runner's code and may be neither.
+                raise CommandError(f"the model failed: {exc}") from exc
         output.to_pil()[0].save(args.out)
         out.write(f"  wrote {args.out} ({output.images.shape[-1]}x{output.images.shape[-2]})\n")
         _print_metrics(output.metrics, out)

@@ -16,7 +16,7 @@ Determinism rules:
   runner state, event, output, error) is alive, no tensor made during the soak
   is alive, and no thread started during the soak is alive (but the event loop's
   own daemon helpers). Resident memory is not asserted (it depends on the
-  allocator and on the rest of the suite); the leak benchmark (``omni_trio.bench``)
+  allocator and on the rest of the suite); the leak benchmark (``benchmarks/leak.py``)
   measures it.
 - it runs on trio and on asyncio, a few seconds each on a 2-core machine.
 """
@@ -310,9 +310,8 @@ async def soak(plans: list[Plan]) -> tuple[Counter[str], ot.EngineStatistics, fl
         elapsed = time.perf_counter() - started
         assert_nothing_left(engine, runner)
         # L12, L14, L35: the closed engine (still referenced here) holds nothing of
-        # any request: no record, no event or output, no error, no tensor. (While
-        # idle, the worker still holds the last one it took: see
-        # test_idle_engine_holds_no_request_record.)
+        # any request: no record, no event or output, no error, no tensor (an idle
+        # worker holds none either: see test_idle_engine_holds_no_request_record).
         left = Counter(type(obj).__name__ for obj in live_parts() if id(obj) not in known)
         assert left == Counter(), f"objects of finished requests still alive: {dict(left)}"
         assert ledger.alive() == []
