@@ -16,9 +16,9 @@ With all priorities equal this is admission order (FIFO).
 Complexity, with n requests waiting: ``push`` is O(log n); ``remove`` is O(1)
 amortised (the entry is forgotten at once and skipped when it reaches the top of
 the heap; the heap is rebuilt, in O(n), only once it holds more withdrawn entries
-than waiting ones, so it stays O(n) in size); ``take`` is O(log n) per heap entry it pops (each request
-taken, and each withdrawn entry it skips, once); ``drain`` is O(n log n) (it
-sorts); ``len`` and membership are O(1) and exact.
+than waiting ones, so it stays O(n) in size); ``take`` is O(log n) per heap entry
+it pops (each request taken, and each withdrawn entry it skips, once); ``drain``
+is O(n log n) (it sorts); ``len`` and membership are O(1) and exact.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ _Entry = tuple[int, float, int, T, Hashable]
 #: The deadline slot of every rank until deadlines exist: no deadline.
 _NO_DEADLINE = math.inf
 
-#: Below this many withdrawn entries the heap is never rebuilt: a rebuild would
-#: cost more than skipping them.
+#: Below this many withdrawn entries the heap is never rebuilt, so a short queue
+#: with a few aborts does not rebuild at every one (picked without measurement).
 _MIN_REBUILD = 64
 
 

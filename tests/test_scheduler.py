@@ -217,8 +217,8 @@ def test_withdrawn_entries_are_skipped_and_memory_stays_bounded() -> None:
     assert not queue.remove(items[0])
     assert len(queue) == 100
     assert len(queue._heap) <= 2 * len(queue) + _scheduler._MIN_REBUILD
-    left = items[900:]
-    best_first = sorted(left, key=lambda item: (-(items.index(item) % 3), items.index(item)))
+    # Priority index % 3, highest first; then admission order.
+    best_first = [item for _, _, item in sorted((-(i % 3), i, items[i]) for i in range(900, 1000))]
     assert queue.take(batch_key=None, free=1000, can_join=True) == best_first
     assert len(queue) == 0
 
