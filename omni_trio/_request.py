@@ -15,7 +15,7 @@ from types import MappingProxyType
 
 from ._validate import check_float, check_int, check_text, fail_request
 
-__all__ = ["MAX_GUIDANCE_SCALE", "GenerationRequest"]
+__all__ = ["MAX_GUIDANCE_SCALE", "MAX_PRIORITY", "GenerationRequest"]
 
 _SEED_LIMIT = 2**64
 
@@ -25,6 +25,11 @@ _SEED_LIMIT = 2**64
 #: values only overflow to inf and NaN inside the model. What still overflows is
 #: caught by the engine's output check (the request fails, no NaN is delivered).
 MAX_GUIDANCE_SCALE = 1e4
+
+#: The largest ``abs(priority)`` accepted: a signed 32-bit range, which every
+#: client language and wire format carries exactly, and far more levels than any
+#: scheduling policy needs.
+MAX_PRIORITY = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,6 +51,9 @@ class GenerationRequest:
         preview_every: send a preview with every n-th step event (0: never).
         extra: runner-specific options; keys the runner does not know are refused.
             Keys, and values that are strings, must be text, as ``prompt``.
+        priority: an int, at most ``MAX_PRIORITY`` (2**31 - 1) in absolute value
+            (not a bool). A worker takes the waiting request of highest priority
+            first; among equal priorities, the earliest admitted (L60).
 
     Raises:
         InvalidRequestError: a field has a wrong type or value; ``field`` names it.
@@ -61,6 +69,7 @@ class GenerationRequest:
     num_images: int = 1
     preview_every: int = 0
     extra: Mapping[str, object] = field(default_factory=dict)
+    priority: int = 0
 
     def __post_init__(self) -> None:
         fail = fail_request
@@ -90,6 +99,11 @@ class GenerationRequest:
                 fail("seed", "must be < 2**64")
             store(self, "seed", seed)
         store(self, "extra", MappingProxyType(_checked_extra(self.extra)))
+        store(
+            self,
+            "priority",
+            check_int(fail, "priority", self.priority, minimum=-MAX_PRIORITY, maximum=MAX_PRIORITY),
+        )
 
 
 def _checked_extra(extra: object) -> dict[str, object]:

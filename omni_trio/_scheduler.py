@@ -1,15 +1,30 @@
 """The waiting queue and batch formation: pure, synchronous, no I/O, no threads.
 
-Batches are formed in admission order. A request joins a batch only when its
-batch key equals the batch's key, and only while it is the oldest waiting
-request: a stream of compatible newcomers never starves an older request with
-another key (the batch drains, then the older request starts the next one).
-Every operation is O(1) per request moved, whatever the queue length.
+Ranking (L60): every waiting request has a rank, ``(-priority, deadline,
+admission sequence)``, compared as a tuple; the smallest is the best-ranked.
+Higher priority goes first, and among equal priorities the earlier admission.
+The deadline slot is ``+inf`` for every request for now; it is where an
+earliest-deadline rule will rank requests of equal priority.
+
+Batch formation: a request joins a running batch only when its batch key equals
+the batch's key and it is the best-ranked waiting request, so a stream of
+compatible newcomers never starves a better-ranked request with another key (the
+batch drains, then that request starts the next one). An idle worker takes the
+best-ranked request, then the next best-ranked ones while they have its key.
+With all priorities equal this is admission order (FIFO).
+
+Complexity, with n requests waiting: ``push`` is O(log n); ``remove`` is O(1)
+amortised (the entry is forgotten at once and skipped when it reaches the top of
+the heap; the heap is rebuilt, in O(n), only once it holds more withdrawn entries
+than waiting ones, so it stays O(n) in size); ``take`` is O(log n) per heap entry
+it pops (each request taken, and each withdrawn entry it skips, once); ``drain``
+is O(n log n) (it sorts); ``len`` and membership are O(1) and exact.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import heapq
+import math
 from collections.abc import Hashable
 from typing import Generic, TypeVar
 
@@ -17,35 +32,83 @@ __all__ = ["WaitingQueue"]
 
 T = TypeVar("T", bound=Hashable)
 
+# The heap entry: (-priority, deadline, sequence, item, batch key). The sequence
+# is unique, so tuple comparison never reaches the item or the key (which need
+# not be orderable).
+_Entry = tuple[int, float, int, T, Hashable]
+
+#: The deadline slot of every rank until deadlines exist: no deadline.
+_NO_DEADLINE = math.inf
+
+#: Below this many withdrawn entries the heap is never rebuilt, so a short queue
+#: with a few aborts does not rebuild at every one (picked without measurement).
+_MIN_REBUILD = 64
+
 
 class WaitingQueue(Generic[T]):
-    """Admitted requests waiting for the worker, oldest first.
+    """Admitted requests waiting for the worker, best-ranked first.
 
     Items are compared by identity (the admission), never by request id.
     """
 
-    __slots__ = ("_items",)
+    __slots__ = ("_entries", "_heap", "_sequence")
 
     def __init__(self) -> None:
-        # OrderedDict keeps O(1) access to the oldest item even after many
-        # removals from the front (a plain dict rescans its deleted slots).
-        self._items: OrderedDict[T, Hashable] = OrderedDict()
+        # The waiting items and their live heap entries: the exact count and
+        # O(1) membership. The heap may also hold entries of withdrawn items.
+        self._entries: dict[T, _Entry[T]] = {}
+        self._heap: list[_Entry[T]] = []
+        self._sequence = 0
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._entries)
 
     def __contains__(self, item: object) -> bool:
-        return item in self._items
+        return item in self._entries
 
-    def push(self, item: T, key: Hashable) -> None:
-        """Append ``item`` with its batch ``key``; an item may wait only once."""
-        if item in self._items:
+    def push(self, item: T, key: Hashable, *, priority: int = 0) -> None:
+        """Admit ``item`` with its batch ``key`` and ``priority`` (higher first).
+
+        Raises:
+            ValueError: ``item`` is already waiting (an item may wait only once).
+        """
+        if item in self._entries:
             raise ValueError("item is already waiting")
-        self._items[item] = key
+        entry: _Entry[T] = (-priority, _NO_DEADLINE, self._sequence, item, key)
+        self._sequence += 1
+        self._entries[item] = entry
+        heapq.heappush(self._heap, entry)
 
     def remove(self, item: T) -> bool:
-        """Remove ``item``; return whether it was waiting."""
-        return self._items.pop(item, _MISSING) is not _MISSING
+        """Withdraw ``item``; return whether it was waiting."""
+        if self._entries.pop(item, None) is None:
+            return False
+        # Lazy deletion: the entry stays in the heap until it is popped.
+        self._compact()
+        return True
+
+    def _compact(self) -> None:
+        """Rebuild the heap once withdrawn entries outnumber the waiting ones.
+
+        Called after every withdrawal and take, so the heap never holds more
+        than ``max(_MIN_REBUILD, n)`` withdrawn entries (memory stays O(n)). A
+        rebuild costs O(n) and follows more than n withdrawals: O(1) amortised.
+        """
+        withdrawn = len(self._heap) - len(self._entries)
+        if withdrawn > _MIN_REBUILD and withdrawn > len(self._entries):
+            self._heap = list(self._entries.values())
+            heapq.heapify(self._heap)
+
+    def _best(self) -> _Entry[T] | None:
+        """The best-ranked waiting entry, after popping withdrawn ones off the top."""
+        heap = self._heap
+        while heap:
+            entry = heap[0]
+            # ``is``: an item withdrawn and pushed again has a new entry.
+            if self._entries.get(entry[3]) is entry:
+                return entry
+            heapq.heappop(heap)
+        return None
 
     def take(self, *, batch_key: Hashable | None, free: int, can_join: bool) -> list[T]:
         """Remove and return the requests that may enter the batch now.
@@ -56,27 +119,31 @@ class WaitingQueue(Generic[T]):
             can_join: whether requests may join a batch that is already running.
 
         Returns:
-            Up to ``free`` items, oldest first, all with one key.
+            Up to ``free`` items, best-ranked first, all with one key: each was
+            the best-ranked waiting item when taken.
         """
-        if free <= 0 or not self._items or (batch_key is not None and not can_join):
+        if free <= 0 or not self._entries or (batch_key is not None and not can_join):
             return []
         taken: list[T] = []
         key = batch_key
-        while self._items and len(taken) < free:
-            item, item_key = next(iter(self._items.items()))
+        while len(taken) < free:
+            entry = self._best()
+            if entry is None:
+                break
+            item, item_key = entry[3], entry[4]
             if key is None:
                 key = item_key
             elif item_key != key:
                 break
-            del self._items[item]
+            heapq.heappop(self._heap)
+            del self._entries[item]
             taken.append(item)
+        self._compact()
         return taken
 
     def drain(self) -> list[T]:
-        """Remove and return every waiting item, oldest first."""
-        items = list(self._items)
-        self._items.clear()
-        return items
-
-
-_MISSING = object()
+        """Remove and return every waiting item, best-ranked first (rank order)."""
+        entries = sorted(self._entries.values())
+        self._entries.clear()
+        self._heap.clear()
+        return [entry[3] for entry in entries]

@@ -78,7 +78,7 @@ class Worker:
         with self._cond:
             if len(self._queue) >= limit:
                 return False
-            self._queue.push(item, item.batch_key)
+            self._queue.push(item, item.batch_key, priority=item.request.priority)
             self._cond.notify()
         return True
 
