@@ -40,7 +40,8 @@ The thread side (runs in the engine's own threads only):
 - ``_imagecheck``: the output contract, checked on every image and preview.
 - ``_failure``: a runner's exception made into a request's failure, formatted once
   and defensively, its frames cleared.
-- ``_scheduler``: the waiting queue and batch formation (pure, synchronous).
+- ``_scheduler``: the waiting queue, ranked by priority, and batch formation (pure,
+  synchronous).
 
 The seam between them:
 
