@@ -142,8 +142,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if unknown:
         _usage_error(f"{PROG} {args.command}", f"unrecognized arguments: {' '.join(unknown)}")
-    assert args.command == "demo" or not isinstance(serve, str)
-    run = run_demo if args.command == "demo" else serve[1]
+    run: Callable[[argparse.Namespace], int]
+    if args.command == "demo":
+        run = run_demo
+    else:
+        assert not isinstance(serve, str)
+        run = serve[1]
     try:
         return run(args)
     except KeyboardInterrupt:
