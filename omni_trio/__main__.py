@@ -92,18 +92,29 @@ def _parser(serve: _Serve) -> _Parser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_demo_arguments(demo)
-    # Here too, so that "demo ... --debug" works; SUPPRESS keeps a top-level --debug.
-    demo.add_argument(
-        "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
-    )
+    _add_debug(demo)
     about = "serve a model over HTTP (OpenAI images API), drain on SIGTERM"
     if isinstance(serve, str):
         # Without the extra the options are unknown: accept any, so that whatever
         # was typed the user learns what to install.
         commands.add_parser("serve", help=f"{about} (needs {SERVE_EXTRA_PIP})", add_help=False)
     else:
-        serve[0](commands.add_parser("serve", help=about))
+        serve_parser = commands.add_parser(
+            "serve",
+            help=about,
+            epilog=_EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        serve[0](serve_parser)
+        _add_debug(serve_parser)
     return parser
+
+
+def _add_debug(command: argparse.ArgumentParser) -> None:
+    # On each command too, so that "demo ... --debug" works; SUPPRESS keeps a top-level one.
+    command.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -131,16 +142,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if unknown:
         _usage_error(f"{PROG} {args.command}", f"unrecognized arguments: {' '.join(unknown)}")
+    run: Callable[[argparse.Namespace], int]
     if args.command == "demo":
-        try:
-            return run_demo(args)
-        except KeyboardInterrupt:
-            sys.stderr.write(f"\n{PROG}: interrupted\n")
-            return EXIT_INTERRUPTED
-        except Exception as exc:
-            return _fail(exc, debug=args.debug)
-    assert not isinstance(serve, str)
-    return serve[1](args)
+        run = run_demo
+    else:
+        assert not isinstance(serve, str)
+        run = serve[1]
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        sys.stderr.write(f"\n{PROG}: interrupted\n")
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        return _fail(exc, debug=args.debug)
 
 
 def _fail(exc: Exception, *, debug: bool) -> int:

@@ -25,7 +25,7 @@ T = TypeVar("T")
 class CoalescingChannel(Generic[T]):
     """A single-producer channel that keeps at most ``max_buffer`` items, newest last."""
 
-    __slots__ = ("_buffer", "_receive_closed", "_send_closed", "_waiter")
+    __slots__ = ("_buffer", "_receive_closed", "_send_closed", "_waiter", "dropped")
 
     def __init__(self, max_buffer: int) -> None:
         if max_buffer < 1:
@@ -34,6 +34,8 @@ class CoalescingChannel(Generic[T]):
         self._send_closed = False
         self._receive_closed = False
         self._waiter: anyio.Event | None = None
+        #: Items dropped, unread, to make room for newer ones.
+        self.dropped = 0
 
     @property
     def buffered(self) -> int:
@@ -56,6 +58,8 @@ class CoalescingChannel(Generic[T]):
             raise anyio.BrokenResourceError
         if self._send_closed:
             raise anyio.ClosedResourceError
+        if len(self._buffer) == self._buffer.maxlen:
+            self.dropped += 1
         self._buffer.append(item)
         self._wake()
 

@@ -9,6 +9,7 @@ here, and the tables are always consistent when a task looks at them.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 import uuid
@@ -31,8 +32,10 @@ from ._errors import (
     RequestAbortedError,
     RequestFailedError,
 )
+from ._failure import format_traceback
 from ._handle import RequestHandle
 from ._inbox import LoopInbox
+from ._log import ENGINE, log_exception
 from ._messages import Completed, Died, Exited, Message, Released, Stepped, died
 from ._outputs import EngineStatistics, GenerationOutput, RequestStatus, StepEvent
 from ._record import Record, wait_shielded
@@ -330,6 +333,19 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
                     # error; the loop never runs the runner's code to describe it.
                     failed = RequestFailedError(failure.message, request_id=record.request_id)
                     failed.__cause__ = failure.cause
+                    if failure.traceback:  # the first request this exception failed
+                        others = failure.request_ids[1:]
+                        also = f" (and {', '.join(others)}, of its batch)" if others else ""
+                        log_exception(
+                            ENGINE,
+                            failure.message + also,
+                            failure.cause,
+                            failure.traceback,
+                            extra={
+                                "request_id": record.request_id,
+                                "request_ids": failure.request_ids,
+                            },
+                        )
                     self._terminate(record, RequestStatus.FAILED, failed)
                 else:
                     self._terminate(record, RequestStatus.ABORTED, self._cut_error(record))
@@ -360,6 +376,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             self._terminal_open[request_id] = handle
         record.channel.close_send()
         record.done.set()
+        _log_finished(record, status, outcome)
 
     def _forget(self, record: Record, handle: RequestHandle) -> None:
         """Free the id of a terminal request whose handle just closed (L3)."""
@@ -382,6 +399,8 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         dead = EngineDeadError(death.message)
         dead.__cause__ = death.error
         self._dead = dead
+        text = death.traceback or format_traceback(death.error)
+        log_exception(ENGINE, death.message, death.error, text, extra={})
         self._closing = True
         self._worker.withdraw_all()
         self._worker.stop()
@@ -394,6 +413,43 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         error = EngineDeadError(str(self._dead))
         error.__cause__ = self._dead.__cause__
         return error
+
+
+def _log_finished(record: Record, status: RequestStatus, outcome: object) -> None:
+    """Log the one line of a request that just became terminal (see docs/design.md).
+
+    INFO; WARNING when shutdown cut it or when a consumer that iterates its events
+    was too slow to read them all (the channel dropped some to coalesce).
+    """
+    metrics = record.metrics
+    assert metrics is not None
+    reason = record.token.reason if status is RequestStatus.ABORTED else None
+    dropped = record.channel.dropped if record.reading else 0
+    warn = reason == SHUTDOWN or dropped > 0
+    level = logging.WARNING if warn else logging.INFO
+    if not ENGINE.isEnabledFor(level):
+        return
+    parts = [
+        f"request {record.request_id} {status.value}:",
+        f"steps {metrics.steps_done}/{record.request.num_steps},",
+        f"queue wait {metrics.queue_wait_s:.3f} s, total {metrics.total_s:.3f} s",
+    ]
+    if reason is not None:
+        parts.append(f", reason {reason}")
+    if status is RequestStatus.FAILED:
+        parts.append(f", error {_summary(outcome)}")
+    if dropped:
+        parts.append(f", slow consumer: {dropped} step event(s) dropped unread")
+    ENGINE.log(
+        level,
+        " ".join(parts[:3]) + "".join(parts[3:]),
+        extra={"request_id": record.request_id, "outcome": status.value},
+    )
+
+
+def _summary(outcome: object) -> str:
+    """The type and message of an engine error (formatted already: never the runner's code)."""
+    return f"{type(outcome).__name__}: {outcome}" if isinstance(outcome, Exception) else "?"
 
 
 @final

@@ -19,25 +19,35 @@ it:
 from __future__ import annotations
 
 import itertools
+import traceback
 from dataclasses import dataclass
 from types import TracebackType
 
 from ._imagecheck import OutputViolation
 
-__all__ = ["Failure", "describe", "detach", "failure"]
+__all__ = ["Failure", "describe", "detach", "failure", "format_traceback"]
 
 #: Longest text taken from an exception's ``str()``.
 DETAIL_CHARS = 1000
+#: Longest traceback text kept for the log (its start and its end are kept).
+TRACEBACK_CHARS = 20_000
 #: Most exceptions of one chain (causes, contexts, group members) that ``detach`` visits.
 _CHAIN_LIMIT = 256
 
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """Why one request failed: the message, formatted already, and the cause."""
+    """Why one request failed: the message, formatted already, and the cause.
+
+    One exception may fail several requests (a batch step fails them all):
+    ``request_ids`` names them all, and only the first one's ``traceback`` is
+    set, so the log shows each failure once.
+    """
 
     message: str
     cause: Exception
+    request_ids: tuple[str, ...] = ()
+    traceback: str = ""
 
 
 def _type_name(exc: BaseException) -> str:
@@ -71,6 +81,23 @@ def describe(exc: BaseException) -> str:
     if len(shown) < len(text):
         shown += f"... (cut from {len(text)} characters)"
     return _utf8(f"{name}: {shown}" if shown else name)
+
+
+def format_traceback(exc: BaseException) -> str:
+    """Return the traceback of ``exc`` as ``traceback`` prints it, bounded; never raises.
+
+    Formatting runs the exception's own ``str()`` (and reads its chain), so it
+    happens once, in the thread that caught it; a log handler then prints this
+    text instead of formatting the exception on the event loop.
+    """
+    try:
+        text = "".join(traceback.format_exception(exc))
+    except BaseException:  # a hostile chain or str(): say what we can
+        return describe(exc)
+    if len(text) > TRACEBACK_CHARS:
+        half = TRACEBACK_CHARS // 2
+        text = f"{text[:half]}\n... (cut from {len(text)} characters) ...\n{text[-half:]}"
+    return _utf8(text).rstrip("\n")
 
 
 def _cleared(tb: TracebackType | None) -> TracebackType | None:
@@ -114,14 +141,20 @@ def detach(exc: BaseException) -> None:
             continue
 
 
-def failure(request_id: str, error: Exception, call: str) -> Failure:
+def failure(
+    request_id: str, error: Exception, call: str, batch: tuple[str, ...] | None = None
+) -> Failure:
     """Describe how the runner's ``call`` failed request ``request_id`` with ``error``.
 
-    Detaches ``error`` (see ``detach``) and formats the message once, here.
+    Detaches ``error`` (see ``detach``) and formats the message once, here; the
+    traceback too, for the first request of ``batch`` (every request ``error``
+    failed; default: this one alone).
     """
     detach(error)
     if type(error) is OutputViolation:
         what = str(error)  # the engine's own message (a runner's InvalidOutputError is not)
     else:
         what = f"the runner's {call} raised {describe(error)}"
-    return Failure(_utf8(f"request {request_id!r} failed: {what}"), error)
+    ids = batch if batch else (request_id,)
+    text = format_traceback(error) if request_id == ids[0] else ""
+    return Failure(_utf8(f"request {request_id!r} failed: {what}"), error, ids, text)

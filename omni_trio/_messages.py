@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from ._failure import Failure, describe, detach, failure
+from ._failure import Failure, describe, detach, failure, format_traceback
 from ._workitem import WorkItem
 
 if TYPE_CHECKING:
@@ -77,6 +77,7 @@ class Died:
 
     error: BaseException
     message: str
+    traceback: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,22 +115,28 @@ def release(
     error: Exception | None = None,
     *,
     call: str = "",
+    batch: tuple[str, ...] | None = None,
 ) -> None:
     """Discard ``item``'s state and post how it ended.
 
     Failed if ``error`` (what the runner's ``call`` raised, or an
-    ``InvalidOutputError``) or if the discard raised; else cancelled.
+    ``InvalidOutputError``, for every request of ``batch``) or if the discard
+    raised; else cancelled.
     """
     discard_error = discard_state(runner, item)  # always, failed or not
     # "is None", not "or": an exception's __bool__ is the runner's code.
     if error is None and discard_error is not None:
-        error, call = discard_error, "discard"
-    post(ended(item, error, call))
+        error, call, batch = discard_error, "discard", None
+    post(ended(item, error, call, batch))
 
 
-def ended(item: WorkItem, error: Exception | None, call: str) -> Released[WorkItem]:
+def ended(
+    item: WorkItem, error: Exception | None, call: str, batch: tuple[str, ...] | None = None
+) -> Released[WorkItem]:
     """The message for ``item``, released: failed by ``error`` in ``call``, or cancelled."""
-    return Released(item, None if error is None else failure(item.request_id, error, call))
+    if error is None:
+        return Released(item, None)
+    return Released(item, failure(item.request_id, error, call, batch))
 
 
 def died(error: BaseException, what: str) -> Died:
@@ -138,4 +145,4 @@ def died(error: BaseException, what: str) -> Died:
     Never raises: an engine that is dying must still say so, or nothing ends.
     """
     detach(error)
-    return Died(error, f"{what}: {describe(error)}")
+    return Died(error, f"{what}: {describe(error)}", format_traceback(error))

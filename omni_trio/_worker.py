@@ -18,6 +18,7 @@ import time
 from typing import Any, cast
 
 from ._imagecheck import checked_images
+from ._log import WORKER
 from ._materialize import Materializer
 from ._messages import Exited, Post, Stepped, died, discard_quietly, release
 from ._runner import Runner, StopRun, WholeCallRunner
@@ -111,6 +112,8 @@ class Worker:
             self._cond.notify()
 
     def _run(self) -> None:
+        # Logged at start and end only: never from the step loop itself.
+        WORKER.debug("%s started", self._thread.name)
         running: list[WorkItem] = []
         dead = False
         try:
@@ -139,6 +142,7 @@ class Worker:
                     self._post(died(exc, "the runner's close raised"))
             if self._fatal is not None and not dead:
                 self._post(died(self._fatal, "the engine's materializer died"))
+            WORKER.debug("%s exited; the runner is closed", self._thread.name)
             self._post(Exited())
 
     def _serve_boundary(self, running: list[WorkItem]) -> bool:
@@ -208,8 +212,9 @@ class Worker:
             self._runner.step([item.state for item in running])
         except Exception as exc:
             # L22: the whole batch of this step fails; the engine goes on.
+            batch = tuple(item.request_id for item in running)
             for item in running:
-                release(self._runner, item, self._post, exc, call="step")
+                release(self._runner, item, self._post, exc, call="step", batch=batch)
             running.clear()
             return
         elapsed = time.perf_counter() - started

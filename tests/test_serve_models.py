@@ -84,11 +84,15 @@ async def test_every_tiny_model_name_serves(name: str, one_torch_thread: None) -
             assert png_size(response.json()["data"][0]["b64_json"]) == (width, height)
 
 
-def test_the_command_line_refuses_an_unknown_model() -> None:
-    """--model must be a built-in name or a folder; anything else stops before serving."""
+def test_the_command_line_refuses_an_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """--model must be a built-in name or a diffusers folder; anything else stops before
+    serving, with one line and the usage status."""
     from omni_trio.__main__ import main
 
-    with pytest.raises(SystemExit, match="neither one of tiny-sd"):
-        main(["serve", "--model", "/no/such/folder"])
+    assert main(["serve", "--model", "/no/such/folder"]) == 2
+    assert capsys.readouterr().err == (
+        "omni-trio: error: --model: no such folder: '/no/such/folder';"
+        " the built-in models are tiny-sd, tiny-sd3, tiny-flux, tiny-unet, fake\n"
+    )
     with pytest.raises(SystemExit):
         main(["serve", "--model", "fake", "--default-size", "64"])  # argparse: exit 2

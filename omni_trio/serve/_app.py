@@ -7,11 +7,13 @@ asyncio, or any ASGI server) owns it the way it owns its connections.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -27,7 +29,15 @@ from ._errors import ApiError, unexpected_error
 from ._images import ImagesEndpoint
 from ._metrics import ServeMetrics
 
-__all__ = ["ImageService", "create_app"]
+__all__ = ["NOT_STARTED", "ImageService", "create_app"]
+
+_log = logging.getLogger("omni_trio.serve")
+
+NOT_STARTED = (
+    "the service's lifespan has not run: an app that mounts it must enter"
+    " service.lifespan() in its own lifespan"
+)
+"""The 503 message of a mounted service whose lifespan never ran."""
 
 
 class ImageService:
@@ -113,12 +123,17 @@ class ImageService:
         """
         engine = self._engine
         if engine is None or self.is_draining:
-            state = "starting" if engine is None else "shutting down"
+            if not self._started:
+                message, code = NOT_STARTED, "not_started"
+            elif engine is None:
+                message, code = "the server is starting", "starting"
+            else:
+                message, code = "the server is shutting down", "shutting_down"
             raise ApiError(
                 503,
-                f"the server is {state}",
+                message,
                 type="server_error",
-                code="shutting_down" if engine is not None else "starting",
+                code=code,
                 headers={"Retry-After": str(self.config.retry_after_s)},
             )
         return engine
@@ -137,30 +152,77 @@ class ImageService:
             Ends the grace period early; running requests are cut at the next step
             and the engine is closed before the cancellation propagates.
         """
+        first = not self._draining
         self._draining = True
-        if self._engine is not None:
-            await self._engine.aclose()
+        engine = self._engine
+        if engine is None:
+            return
+        if first and not engine.statistics().is_closing:
+            stats = engine.statistics()
+            _log.info(
+                "draining: %d running, %d waiting; running requests get %g s to finish",
+                stats.running,
+                stats.waiting,
+                self.engine_config.shutdown_grace,
+            )
+        await engine.aclose()
+        if first:
+            stats = engine.statistics()
+            _log.info(
+                "drained: %d completed, %d aborted, %d failed in all",
+                stats.completed,
+                stats.aborted,
+                stats.failed,
+            )
 
     @asynccontextmanager
-    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+    async def lifespan(self) -> AsyncIterator[ImageService]:
+        """Open the engine for the block; drain it when the block is left.
+
+        ``service.app`` runs this as its own lifespan. A host app that mounts
+        ``service.app`` (Starlette and FastAPI run no lifespan of a mounted app)
+        enters it in its own lifespan instead (see docs/serving.md). Until it is
+        entered, generation requests and ``/health`` answer 503 ``not_started``.
+
+        Yields:
+            This service.
+
+        Raises:
+            RuntimeError: the lifespan ran before (the engine closes the runner).
+            EngineDeadError: on exit, if the worker died (L23).
+
+        Cancellation:
+            Leaving the block runs the drain shielded, as ``open_engine`` does.
+        """
         if self._started:
             raise RuntimeError("an ImageService runs once: its engine closes the runner")
         self._started = True
         async with open_engine(self._runner, self.engine_config) as engine:
             self._engine = engine
             try:
-                yield
+                yield self
             finally:
-                self._draining = True
+                with anyio.CancelScope(shield=True):
+                    await self.drain()
+
+    @asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        async with self.lifespan():
+            yield
 
     # -- routes --------------------------------------------------------------
 
     def _model_card(self) -> dict[str, object]:
+        config = self.config
         return {
-            "id": self.config.model_name,
+            "id": config.model_name,
             "object": "model",
             "created": self._created,
             "owned_by": "omni_trio",
+            # What a request that leaves them out gets.
+            "default_size": f"{config.default_width}x{config.default_height}",
+            "default_steps": config.default_steps,
+            "default_guidance_scale": config.default_guidance_scale,
         }
 
     async def _models(self, request: Request) -> Response:
@@ -180,13 +242,16 @@ class ImageService:
         if engine is not None and engine.statistics().is_dead:
             status = "dead"
         elif engine is None:
-            status = "starting"
+            status = "starting" if self._started else "not_started"
         elif self.is_draining:
             status = "draining"
         else:
             return JSONResponse({"status": "ok", "model": self.config.model_name})
         headers = {"Retry-After": str(self.config.retry_after_s)}
-        return JSONResponse({"status": status}, status_code=503, headers=headers)
+        body = {"status": status}
+        if status == "not_started":
+            body["message"] = NOT_STARTED
+        return JSONResponse(body, status_code=503, headers=headers)
 
     async def _metrics(self, request: Request) -> Response:
         body, content_type = self.metrics.render()

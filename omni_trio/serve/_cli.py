@@ -13,27 +13,28 @@ exits 0 in bounded time. Each further signal ends the current stage at once.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import math
 import signal
-import sys
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from .._command import EXIT_ERROR, CommandError, UsageError
+from ._env import read_environment, resolve_environment
+from ._logging import LOG_FORMATS, configure_logging
+from ._models import MODELS, LoadedModel, load_model, model_folder
 
 if TYPE_CHECKING:
     import socket
-    from collections.abc import Awaitable, Callable, Collection
+    from collections.abc import Awaitable, Collection
     from types import FrameType
 
     from ._app import ImageService
 
-__all__ = ["MODELS", "add_serve_arguments", "run_serve"]
-
-#: Built-in models: tiny real pipelines with random weights, and a fake one for tests.
-MODELS = ("tiny-sd", "tiny-sd3", "tiny-flux", "tiny-unet", "fake")
+__all__ = ["MODELS", "add_serve_arguments", "load_model", "run_serve"]
 
 _log = logging.getLogger("omni_trio.serve")
 
@@ -44,18 +45,6 @@ BACKSTOP_S = 1.0
 
 #: Seconds other threads get to end after the server returned (they were told to).
 THREAD_EXIT_S = 2.0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LoadedModel:
-    """A runner and the defaults that suit it."""
-
-    runner: Any
-    name: str
-    description: str
-    size: tuple[int, int]
-    steps: int
-    guidance_scale: float
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -79,8 +68,39 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _count(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argument type: an int in ``[minimum, maximum]``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+            raise argparse.ArgumentTypeError(f"expected an integer {bound}, got {text!r}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``serve`` command's options to ``parser``."""
+    """Add the ``serve`` command's options to ``parser``.
+
+    Every option can also come from the environment (``OMNI_TRIO_<OPTION>``, see
+    ``_env``); the command line wins.
+    """
     parser.add_argument(
         "--model",
         required=True,
@@ -89,7 +109,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model-name", default=None, help="the id in /v1/models")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument(
+        "--port",
+        type=_count(0, 65535),
+        default=8000,
+        help="port; 0 picks a free one (default 8000)",
+    )
     parser.add_argument(
         "--server",
         choices=["hypercorn", "uvicorn"],
@@ -98,14 +123,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     limits = parser.add_argument_group("engine and limits")
     limits.add_argument(
-        "--max-batch-size", type=int, default=4, help="requests per denoise step (default 4)"
+        "--max-batch-size", type=_count(1), default=4, help="requests per denoise step (default 4)"
     )
     limits.add_argument(
-        "--max-waiting", type=int, default=256, help="queue bound, then 429 (default 256)"
+        "--max-waiting", type=_count(0), default=256, help="queue bound, then 429 (default 256)"
     )
     limits.add_argument(
         "--shutdown-grace",
-        type=float,
+        type=_seconds,
         default=10.0,
         metavar="S",
         help="seconds running requests get to finish on shutdown (default 10)",
@@ -119,21 +144,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         " connections still open then are aborted (default 5)",
     )
     limits.add_argument(
-        "--max-steps", type=int, default=200, help="largest num_inference_steps (default 200)"
+        "--max-steps", type=_count(1), default=200, help="largest num_inference_steps (default 200)"
     )
     limits.add_argument(
-        "--max-size", type=int, default=2048, help="largest width and height (default 2048)"
+        "--max-size", type=_count(1), default=2048, help="largest width and height (default 2048)"
     )
-    limits.add_argument("--max-n", type=int, default=8, help="most images per request (default 8)")
+    limits.add_argument(
+        "--max-n", type=_count(1), default=8, help="most images per request (default 8)"
+    )
     limits.add_argument(
         "--max-body-bytes",
-        type=int,
+        type=_count(1),
         default=1 << 20,
         help="larger request bodies get 413 (default 1 MiB)",
     )
     limits.add_argument(
         "--retry-after",
-        type=int,
+        type=_count(0),
         default=1,
         metavar="S",
         help="Retry-After seconds sent with 429 and 503 (default 1)",
@@ -143,117 +170,121 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--default-size", type=_size, default=None, metavar="WxH", help="size when none is asked"
     )
     defaults.add_argument(
-        "--default-steps", type=int, default=None, help="num_inference_steps when none is asked"
+        "--default-steps",
+        type=_count(1),
+        default=None,
+        help="num_inference_steps when none is asked",
     )
     defaults.add_argument(
-        "--default-guidance", type=float, default=None, help="guidance_scale when none is asked"
+        "--default-guidance", type=_finite, default=None, help="guidance_scale when none is asked"
     )
     parser.add_argument(
         "--step-seconds",
-        type=float,
+        type=_seconds,
         default=0.05,
         help="simulated compute per step of the fake model (default 0.05)",
     )
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    logs = parser.add_argument_group("logging (stderr)")
+    logs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    logs.add_argument(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="text lines, or one JSON object per line (default text)",
     )
-    parser.add_argument("--no-access-log", dest="access_log", action="store_false")
-
-
-def load_model(spec: str, *, step_seconds: float) -> LoadedModel:
-    """Build the runner for ``spec`` (a name in ``MODELS`` or a diffusers folder).
-
-    Raises:
-        SystemExit: ``spec`` is neither a known name nor a directory.
-    """
-    if spec == "fake":
-        from ..testing import FakeRunner
-
-        return LoadedModel(
-            runner=FakeRunner(step_seconds=step_seconds),
-            name="fake",
-            description=f"FakeRunner, {step_seconds * 1e3:g} ms per step",
-            size=(64, 64),
-            steps=20,
-            guidance_scale=7.5,
-        )
-    from .._runner import Runner
-    from ..runners import DiffusersRunner, runner_for, tiny_pipeline
-
-    runner: Runner[Any]
-    if spec in MODELS:
-        pipeline = tiny_pipeline(spec.removeprefix("tiny-"), seed=0)
-        runner = DiffusersRunner(pipeline)
-        description = f"tiny {type(pipeline).__name__}, random weights"
-        steps = 20
-        size = (64, 64)
-        name = spec
-    else:
-        path = Path(spec)
-        if not path.is_dir():
-            raise SystemExit(
-                f"--model: {spec!r} is neither one of {', '.join(MODELS)} nor a folder"
-            )
-        from diffusers import DiffusionPipeline
-
-        loader: Any = DiffusionPipeline.from_pretrained
-        pipeline = loader(str(path), local_files_only=True)
-        pipeline.set_progress_bar_config(disable=True)
-        runner = runner_for(pipeline)
-        description = f"{type(pipeline).__name__} from {path}"
-        steps = 30
-        size = (512, 512)
-        name = path.resolve().name
-    fixed = runner.capabilities.fixed_size
-    if fixed is not None:
-        size = (fixed[1], fixed[0])
-    guidance = 3.5 if "Flux" in type(pipeline).__name__ else 7.5
-    return LoadedModel(
-        runner=runner,
-        name=name,
-        description=description,
-        size=size,
-        steps=steps,
-        guidance_scale=guidance,
+    logs.add_argument(
+        "--no-access-log",
+        dest="access_log",
+        action="store_false",
+        help="no line per HTTP request",
     )
+    read_environment(parser)
 
 
 def _service(args: argparse.Namespace, model: LoadedModel) -> ImageService:
+    """The service ``args`` ask for, its defaults checked against the model now.
+
+    Raises:
+        UsageError: an option is out of range, or a default the model refuses
+            (the message names the option).
+    """
     from .._config import EngineConfig
+    from .._errors import InvalidRequestError
+    from .._request import GenerationRequest
     from ._app import ImageService
     from ._config import ServeConfig
 
     width, height = args.default_size or model.size
-    engine_config = EngineConfig(
-        max_batch_size=args.max_batch_size,
-        max_waiting=args.max_waiting,
-        shutdown_grace=args.shutdown_grace,
-        max_steps=args.max_steps,
-        max_height=args.max_size,
-        max_width=args.max_size,
-        max_num_images=args.max_n,
-    )
-    config = ServeConfig(
-        model_name=args.model_name or model.name,
-        default_width=width,
-        default_height=height,
-        default_steps=args.default_steps or model.steps,
-        default_guidance_scale=(
-            model.guidance_scale if args.default_guidance is None else args.default_guidance
-        ),
-        max_body_bytes=args.max_body_bytes,
-        retry_after_s=args.retry_after,
-    )
+    try:
+        engine_config = EngineConfig(
+            max_batch_size=args.max_batch_size,
+            max_waiting=args.max_waiting,
+            shutdown_grace=args.shutdown_grace,
+            max_steps=args.max_steps,
+            max_height=args.max_size,
+            max_width=args.max_size,
+            max_num_images=args.max_n,
+        )
+        config = ServeConfig(
+            model_name=args.model_name or model.name,
+            default_width=width,
+            default_height=height,
+            default_steps=args.default_steps or min(model.steps, args.max_steps),
+            default_guidance_scale=(
+                model.guidance_scale if args.default_guidance is None else args.default_guidance
+            ),
+            max_body_bytes=args.max_body_bytes,
+            retry_after_s=args.retry_after,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    # The defaults are checked once, here, as a request that uses them all.
+    try:
+        probe = GenerationRequest(
+            prompt="-",
+            width=config.default_width,
+            height=config.default_height,
+            num_steps=config.default_steps,
+            guidance_scale=config.default_guidance_scale,
+        )
+        engine_config.check_request(probe)
+        model.runner.capabilities.check_request(probe)
+    except InvalidRequestError as exc:
+        option = _DEFAULT_OPTIONS.get(exc.field, "--default-size")
+        raise UsageError(f"{option}: the model refuses it: {exc}") from None
     return ImageService(model.runner, engine_config=engine_config, config=config)
 
 
-def _log_to_stderr(level: str) -> None:
-    """Send the library's log (``omni_trio.*``: failed requests, aborted connections) to stderr."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    library = logging.getLogger("omni_trio")
-    library.addHandler(handler)
-    library.setLevel(level.upper())
+# The option that sets each default, to name it in an error.
+_DEFAULT_OPTIONS = {
+    "width": "--default-size",
+    "height": "--default-size",
+    "num_steps": "--default-steps",
+    "guidance_scale": "--default-guidance",
+}
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail now, in one line, if ``host:port`` cannot be bound (in use, or not an address).
+
+    Raises:
+        CommandError: the bind fails; the message says why.
+    """
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise UsageError(f"--host: cannot listen on {host!r}: {exc.strerror or exc}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        # As the servers do: a port left in TIME_WAIT by a previous run is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            reason = "the port is in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+            raise CommandError(f"cannot listen on {_bind(host, port)}: {reason}") from None
 
 
 def _bind(host: str, port: int) -> str:
@@ -313,11 +344,15 @@ def _run_hypercorn(service: ImageService, args: argparse.Namespace) -> None:
     config = Config()
     config.bind = [_bind(args.host, args.port)]
     config.graceful_timeout = args.close_timeout + BACKSTOP_S
-    config.accesslog = "-" if args.access_log else None
-    config.errorlog = "-"
+    # Loggers, not "-": their lines go through the one handler (text or JSON).
+    config.accesslog = logging.getLogger("hypercorn.access") if args.access_log else None
+    config.errorlog = logging.getLogger("hypercorn.error")
     config.loglevel = args.log_level.upper()
+    from ._access import AccessLogger, marking_sent
+
+    config.logger_class = AccessLogger
     # hypercorn's ASGI types are narrower than Starlette's; the app is ASGI 3.
-    app: Any = service.app
+    app: Any = marking_sent(service.app)
 
     async def main() -> None:
         # Open before serving, so no signal is missed once /health answers.
@@ -401,6 +436,7 @@ def _run_uvicorn(service: ImageService, args: argparse.Namespace) -> None:
         ws="none",
         lifespan="on",
         log_level=args.log_level,
+        log_config=None,  # its lines go through the one handler (text or JSON)
         access_log=args.access_log,
         timeout_graceful_shutdown=math.ceil(args.close_timeout + BACKSTOP_S),
     )
@@ -408,23 +444,46 @@ def _run_uvicorn(service: ImageService, args: argparse.Namespace) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Run the server with parsed ``args`` until a signal drains it; return the exit status."""
+    """Run the server with parsed ``args`` until a signal drains it; return the exit status.
+
+    Everything that can be checked before serving is: the options (and their
+    variables), the port, the model, the defaults against the model.
+
+    Raises:
+        UsageError: an option (or its variable) is wrong.
+        CommandError: the model does not load, or the port cannot be bound.
+    """
     from ..testing import engine_threads
 
-    model = load_model(args.model, step_seconds=args.step_seconds)
+    resolve_environment(args)
+    if args.model not in MODELS:
+        model_folder(args.model)
+    _check_port(args.host, args.port)
+    # Only now: a command that stops at a usage error leaves the logging alone.
+    configure_logging(args.log_level, args.log_format)
+    model = load_model(args.model, step_seconds=args.step_seconds, max_steps=args.max_steps)
     service = _service(args, model)
     backend = "trio" if args.server == "hypercorn" else "asyncio"
-    print(
-        f"omni_trio serve: {service.config.model_name} ({model.description}) on"
-        f" http://{_bind(args.host, args.port)} with {args.server} ({backend})",
-        file=sys.stderr,
-        flush=True,
+    config = service.config
+    _log.info(
+        "serving %s (%s; default %dx%d, %d steps, guidance %g) on http://%s with %s (%s)",
+        config.model_name,
+        model.description,
+        config.default_width,
+        config.default_height,
+        config.default_steps,
+        config.default_guidance_scale,
+        _bind(args.host, args.port),
+        args.server,
+        backend,
     )
-    _log_to_stderr(args.log_level)
-    if args.server == "hypercorn":
-        _run_hypercorn(service, args)
-    else:
-        _run_uvicorn(service, args)
+    try:
+        if args.server == "hypercorn":
+            _run_hypercorn(service, args)
+        else:
+            _run_uvicorn(service, args)
+    except OSError as exc:  # a bind that failed after the check (a race)
+        raise CommandError(f"cannot listen on {_bind(args.host, args.port)}: {exc}") from exc
     left = [t.name for t in engine_threads()]
     others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     # AnyIO's asyncio worker threads (image encoding) are told to stop when the
@@ -433,10 +492,10 @@ def run_serve(args: argparse.Namespace) -> int:
     for thread in others:
         thread.join(max(0.0, deadline - time.monotonic()))
     others = [t for t in others if t.is_alive()]
-    print(
-        f"omni_trio serve: stopped; engine threads left: {left or 'none'};"
-        f" other non-daemon threads: {[t.name for t in others] or 'none'}",
-        file=sys.stderr,
-        flush=True,
+    _log.log(
+        logging.WARNING if left or others else logging.INFO,
+        "stopped; engine threads left: %s; other non-daemon threads: %s",
+        left or "none",
+        [t.name for t in others] or "none",
     )
-    return 1 if left or others else 0
+    return EXIT_ERROR if left or others else 0

@@ -20,8 +20,10 @@ RequestFailedError          500     server_error              generation_failed
 
 What the model raised never reaches a client: a 5xx from a failure (the runner
 raised, the worker died) says only that it failed, for which request, and that
-the server's log has the details; the log (``omni_trio.serve``, ERROR) gets the
-traceback. The client's own mistakes (400) keep their precise messages.
+the server's log has the details; the log gets the traceback at ERROR, once
+(``omni_trio.engine`` for a runner's failure or a worker's death, as the engine
+logs them; ``omni_trio.serve`` for anything else). The client's own mistakes
+(400) keep their precise messages.
 """
 
 from __future__ import annotations
@@ -128,11 +130,22 @@ def _invalid_request(exc: InvalidRequestError) -> ApiError:
 
 
 def _hidden_failure(
-    exc: OmniTrioError, request_id: str | None, what: str, code: str, status: int = 500
+    exc: OmniTrioError,
+    request_id: str | None,
+    what: str,
+    code: str,
+    status: int = 500,
+    *,
+    logged: bool = False,
 ) -> ApiError:
-    """Log ``exc`` with its traceback; tell the client only ``what`` happened, and to whom."""
+    """Tell the client only ``what`` happened, and to whom; log ``exc`` unless ``logged``.
+
+    The engine logs a runner's failure and a worker's death itself, once, with
+    the traceback (``omni_trio.engine``); anything else is logged here.
+    """
     named = f" for request {request_id}" if request_id is not None else ""
-    _log.error("%s%s", what, named, exc_info=exc)
+    if not logged:
+        _log.error("%s%s", what, named, exc_info=exc, extra={"request_id": request_id})
     return ApiError(
         status,
         f"{what}{named}; the server's log has the details",
@@ -161,7 +174,7 @@ def api_error_from(
     """Map an engine error to the HTTP error that reports it.
 
     Failures (the runner raised, the worker died, anything unexpected) are logged
-    to ``omni_trio.serve`` at ERROR with their traceback, and answered with a
+    at ERROR with their traceback (by the engine, or here), and answered with a
     message that names the request but carries none of the exception's text.
 
     Args:
@@ -191,7 +204,9 @@ def api_error_from(
                 headers={"Retry-After": str(retry_after_s)},
             )
         case EngineDeadError():
-            return _hidden_failure(exc, request_id, "the engine's worker died", "engine_dead", 503)
+            return _hidden_failure(
+                exc, request_id, "the engine's worker died", "engine_dead", 503, logged=True
+            )
         case RequestAbortedError():
             return ApiError(
                 503,
@@ -200,6 +215,8 @@ def api_error_from(
                 code="request_aborted",
             )
         case RequestFailedError():
-            return _hidden_failure(exc, request_id, "generation failed", "generation_failed")
+            return _hidden_failure(
+                exc, request_id, "generation failed", "generation_failed", logged=True
+            )
         case _:
             return _hidden_failure(exc, request_id, "the server failed", "internal_error")

@@ -1,0 +1,155 @@
+"""What ``serve --model`` loads: a runner and the request defaults that suit its model.
+
+The defaults are the model's own, read the way diffusers' pipelines read them when
+a call leaves them out:
+
+- size: the denoiser's ``config.sample_size`` times the pipeline's
+  ``vae_scale_factor`` (512 for SD 1.5, 1024 for SD3), else the pipeline's
+  ``default_sample_size`` times it (1024 for Flux); a model with a fixed size
+  (unconditional UNets) uses that size;
+- steps and guidance: the defaults of the pipeline's ``__call__``
+  (``num_inference_steps``: 50 for SD, 28 for SD3 and Flux; ``guidance_scale``:
+  7.5, 7.0, 3.5), the steps at most ``--max-steps``.
+
+The built-in tiny models are built for 64x64 (tiny-unet: 32x32) and default to
+``TINY_STEPS`` steps: they exist to be fast.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .._command import CommandError, UsageError, summary
+
+__all__ = ["MODELS", "TINY_SIZE", "TINY_STEPS", "LoadedModel", "load_model", "model_folder"]
+
+#: Built-in models: tiny real pipelines with random weights, and a fake one for tests.
+MODELS = ("tiny-sd", "tiny-sd3", "tiny-flux", "tiny-unet", "fake")
+
+#: The default size of the tiny models (and of ``fake``), as (width, height).
+TINY_SIZE = (64, 64)
+#: The default step count of the tiny models (and of ``fake``).
+TINY_STEPS = 20
+#: What a pipeline whose ``__call__`` says nothing gets.
+FALLBACK_STEPS = 30
+FALLBACK_GUIDANCE = 7.5
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadedModel:
+    """A runner and the defaults that suit it."""
+
+    runner: Any
+    name: str
+    description: str
+    size: tuple[int, int]
+    steps: int
+    guidance_scale: float
+
+
+def _call_default(pipeline: Any, name: str, fallback: float) -> float:
+    """The default of ``pipeline.__call__``'s parameter ``name``, if it is a number."""
+    try:
+        default = inspect.signature(type(pipeline).__call__).parameters[name].default
+    except (KeyError, TypeError, ValueError):
+        return fallback
+    is_number = isinstance(default, int | float) and not isinstance(default, bool)
+    return default if is_number else fallback
+
+
+def _sides(value: Any) -> tuple[int, int] | None:
+    """A ``sample_size`` (an int, or a (height, width) pair) as (height, width)."""
+    if isinstance(value, int) and value > 0:
+        return value, value
+    if (
+        isinstance(value, list | tuple)
+        and len(value) == 2
+        and all(isinstance(v, int) for v in value)
+    ):
+        return int(value[0]), int(value[1])
+    return None
+
+
+def model_size(pipeline: Any, *, tiny: bool) -> tuple[int, int]:
+    """The size ``pipeline`` generates when a call gives none, as (width, height)."""
+    denoiser = getattr(pipeline, "unet", None) or getattr(pipeline, "transformer", None)
+    config = getattr(denoiser, "config", None)
+    sides = _sides(getattr(config, "sample_size", None)) if config is not None else None
+    if sides is None and not tiny:
+        sides = _sides(getattr(pipeline, "default_sample_size", None))
+    if sides is None:
+        return TINY_SIZE
+    scale = getattr(pipeline, "vae_scale_factor", 1)
+    scale = scale if isinstance(scale, int) and scale > 0 else 1
+    return sides[1] * scale, sides[0] * scale
+
+
+def model_folder(spec: str) -> Path:
+    """The diffusers folder ``spec`` names (not one of ``MODELS``); checked, nothing loaded.
+
+    Raises:
+        UsageError: ``spec`` is not a diffusers folder; the message says why.
+    """
+    from ..runners._load import check_pipeline_folder
+
+    try:
+        return check_pipeline_folder(spec)
+    except ValueError as exc:
+        raise UsageError(f"--model: {exc}; the built-in models are {', '.join(MODELS)}") from None
+
+
+def load_model(spec: str, *, step_seconds: float, max_steps: int = 200) -> LoadedModel:
+    """Build the runner for ``spec`` (a name in ``MODELS`` or a diffusers folder).
+
+    Raises:
+        UsageError: ``spec`` is neither a known name nor a diffusers folder.
+        CommandError: the folder's pipeline does not load.
+    """
+    if spec == "fake":
+        from ..testing import FakeRunner
+
+        return LoadedModel(
+            runner=FakeRunner(step_seconds=step_seconds),
+            name="fake",
+            description=f"FakeRunner, {step_seconds * 1e3:g} ms per step",
+            size=TINY_SIZE,
+            steps=TINY_STEPS,
+            guidance_scale=FALLBACK_GUIDANCE,
+        )
+    from ..runners import DiffusersRunner, runner_for
+    from ..runners._load import load_pipeline
+
+    tiny = spec in MODELS
+    if tiny:
+        from ..runners import tiny_pipeline
+
+        pipeline: Any = tiny_pipeline(spec.removeprefix("tiny-"), seed=0)
+        runner: Any = DiffusersRunner(pipeline)
+        description = f"tiny {type(pipeline).__name__}, random weights"
+        steps = TINY_STEPS
+        name = spec
+    else:
+        folder = model_folder(spec)
+        try:
+            pipeline = load_pipeline(folder)
+            pipeline.set_progress_bar_config(disable=True)
+            runner = runner_for(pipeline)
+        except Exception as exc:
+            raise CommandError(f"--model: cannot load {spec!r}: {summary(exc)}") from exc
+        description = f"{type(pipeline).__name__} from {folder}"
+        steps = int(_call_default(pipeline, "num_inference_steps", FALLBACK_STEPS))
+        steps = max(1, min(steps, max_steps))
+        name = folder.resolve().name
+    fixed = runner.capabilities.fixed_size
+    size = (fixed[1], fixed[0]) if fixed is not None else model_size(pipeline, tiny=tiny)
+    return LoadedModel(
+        runner=runner,
+        name=name,
+        description=description,
+        size=size,
+        steps=steps,
+        guidance_scale=float(_call_default(pipeline, "guidance_scale", FALLBACK_GUIDANCE)),
+    )
