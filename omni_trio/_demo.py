@@ -19,7 +19,7 @@ import anyio
 # tqdm ships no type hints; its bar is used through a handful of calls.
 from tqdm import tqdm  # type: ignore[import-untyped]
 
-from ._command import CommandError, UsageError, summary
+from ._command import CommandError, UsageError, seconds, summary
 from ._config import EngineConfig
 from ._engine import open_engine
 from ._errors import InvalidRequestError, RequestAbortedError, RequestFailedError
@@ -44,16 +44,6 @@ _OPTIONS = {
     "width": "--size",
     "seed": "--seed",
 }
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,7 +76,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--step-seconds",
-        type=_non_negative,
+        type=seconds,
         default=0.05,
         help="simulated compute per step of the fake model (default 0.05)",
     )
@@ -155,8 +145,8 @@ def _print_metrics(metrics: RequestMetrics, out: TextIO) -> None:
     out.write(f"  queue wait     {metrics.queue_wait_s * 1e3:9.2f} ms\n")
     out.write(f"  execution      {metrics.exec_s * 1e3:9.2f} ms\n")
     out.write(f"  output ready   {metrics.output_ready_wait_s * 1e3:9.2f} ms\n")
-    for stage, seconds in metrics.stage_durations.items():
-        out.write(f"    {stage:<12} {seconds * 1e3:9.2f} ms\n")
+    for stage, spent in metrics.stage_durations.items():
+        out.write(f"    {stage:<12} {spent * 1e3:9.2f} ms\n")
     out.write(f"  steps done     {metrics.steps_done:9d}\n")
     out.write(f"  total          {metrics.total_s * 1e3:9.2f} ms\n")
     if metrics.abort_latency_s is not None:

@@ -102,6 +102,11 @@ def test_console_script_is_main(capsys: pytest.CaptureFixture[str]) -> None:
             "argument --steps: invalid int value: 'x' (see 'omni-trio demo --help')",
         ),
         (
+            ["demo", "--kind", "fake", "--step-seconds", "inf"],
+            "argument --step-seconds: expected a number of seconds >= 0, got 'inf'"
+            " (see 'omni-trio demo --help')",
+        ),
+        (
             ["demo", "--frobnicate"],
             "unrecognized arguments: --frobnicate (see 'omni-trio demo --help')",
         ),

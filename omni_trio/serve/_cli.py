@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .._command import EXIT_ERROR, CommandError, UsageError
+from .._command import EXIT_ERROR, CommandError, UsageError, seconds
 from ._env import read_environment, resolve_environment
 from ._logging import LOG_FORMATS, configure_logging
 from ._models import MODELS, LoadedModel, load_model, model_folder
@@ -56,16 +56,6 @@ def _size(text: str) -> tuple[int, int]:
     if not sep or min(size) < 1:
         raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT, e.g. 64x64, got {text!r}")
     return size
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
-    return value
 
 
 def _count(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
@@ -130,14 +120,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     limits.add_argument(
         "--shutdown-grace",
-        type=_seconds,
+        type=seconds,
         default=10.0,
         metavar="S",
         help="seconds running requests get to finish on shutdown (default 10)",
     )
     limits.add_argument(
         "--close-timeout",
-        type=_seconds,
+        type=seconds,
         default=5.0,
         metavar="S",
         help="seconds the last responses get to reach their clients after the drain;"
@@ -180,7 +170,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--step-seconds",
-        type=_seconds,
+        type=seconds,
         default=0.05,
         help="simulated compute per step of the fake model (default 0.05)",
     )
