@@ -53,6 +53,10 @@ __all__ = ["Engine", "open_engine"]
 _engine_numbers = itertools.count()
 StateT = TypeVar("StateT")
 
+#: Longest request id ``submit`` accepts (ids go into logs, headers and JSON; picked
+#: generously, not measured: a UUID is 36 characters).
+MAX_REQUEST_ID_CHARS = 1024
+
 
 @final
 class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
@@ -123,8 +127,11 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         else:
             # The same text rule as prompts: ids end up in logs, headers and JSON.
             request_id = check_text(fail_request, "request_id", request_id)
-            if not request_id:
-                raise InvalidRequestError("must be a non-empty str", field="request_id")
+            if not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+                raise InvalidRequestError(
+                    f"must be a non-empty str of at most {MAX_REQUEST_ID_CHARS} characters",
+                    field="request_id",
+                )
         if not isinstance(request, GenerationRequest):
             raise InvalidRequestError(
                 f"must be a GenerationRequest, got {type(request).__name__}",

@@ -174,7 +174,7 @@ async def test_invalid_request_objects_are_rejected() -> None:
             with pytest.raises(ot.InvalidRequestError) as info:
                 engine.submit({"prompt": "x"})  # type: ignore[arg-type]
             assert info.value.field == "request"
-            for bad_id in ("", 5, "id\ud800", "id\x00"):
+            for bad_id in ("", 5, "id\ud800", "id\x00", "x" * 1025):
                 with pytest.raises(ot.InvalidRequestError) as info:
                     engine.submit(req(), request_id=bad_id)  # type: ignore[arg-type]
                 assert info.value.field == "request_id"
