@@ -11,13 +11,14 @@ Determinism rules:
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import anyio
 import pytest
 
 from omni_trio.serve import ImageService, ServeConfig
-from omni_trio.serve._cli import load_model
+from omni_trio.serve._cli import _service, add_serve_arguments, load_model
 
 from .test_serve_app import PATH, parse_sse, png_size, serving
 from .util import BUDGET
@@ -96,3 +97,42 @@ def test_the_command_line_refuses_an_unknown_model(capsys: pytest.CaptureFixture
     )
     with pytest.raises(SystemExit):
         main(["serve", "--model", "fake", "--default-size", "64"])  # argparse: exit 2
+
+
+@pytest.fixture(scope="module")
+def sd_folder_128(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny SD folder whose UNet says sample_size 16: its own default is 128x128."""
+    from omni_trio.runners import tiny_pipeline
+
+    pipeline = tiny_pipeline("sd")
+    pipeline.unet.register_to_config(sample_size=16)
+    folder = tmp_path_factory.mktemp("models") / "sd-128"
+    pipeline.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.anyio
+async def test_a_folder_is_served_at_its_models_own_defaults(
+    sd_folder_128: Path, one_torch_thread: None
+) -> None:
+    """L50: a folder's defaults are its model's: the UNet's sample_size times the VAE
+    scale factor (16 x 8 = 128), and the steps and guidance of the pipeline's own
+    __call__ (50 and 7.5 for Stable Diffusion, the steps capped at --max-steps);
+    /v1/models says them; an explicit --default-size wins."""
+    model = load_model(str(sd_folder_128), step_seconds=0.0)
+    assert (model.size, model.steps, model.guidance_scale) == ((128, 128), 50, 7.5)
+    assert load_model(str(sd_folder_128), step_seconds=0.0, max_steps=20).steps == 20
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    service = _service(parser.parse_args(["--model", str(sd_folder_128)]), model)
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            card = (await client.get("/v1/models")).json()["data"][0]
+    assert (card["default_size"], card["default_steps"], card["default_guidance_scale"]) == (
+        "128x128",
+        50,
+        7.5,
+    )
+    explicit = parser.parse_args(["--model", str(sd_folder_128), "--default-size", "64x64"])
+    config = _service(explicit, model).config
+    assert (config.default_width, config.default_height) == (64, 64)
