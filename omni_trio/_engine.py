@@ -438,7 +438,7 @@ def _log_finished(record: Record, status: RequestStatus, outcome: object) -> Non
         return
     parts = [
         f"request {record.request_id} {status.value}:",
-        f"steps {metrics.steps_done}/{record.request.num_steps},",
+        f"steps {metrics.steps_done}/{record.steps_total},",
         f"queue wait {metrics.queue_wait_s:.3f} s, total {metrics.total_s:.3f} s",
     ]
     if reason is not None:
