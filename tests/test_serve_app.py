@@ -76,6 +76,25 @@ def png_size(b64_json: str) -> tuple[int, int]:
         return image.size
 
 
+async def assert_refused_and_serving(
+    client: httpx.AsyncClient,
+    service: ImageService,
+    runner: FakeRunner,
+    response: httpx.Response,
+    param: str | None,
+    code: str,
+) -> None:
+    """L52: ``response`` is a 400 naming ``param`` with ``code``; nothing was admitted,
+    and the service still serves a valid request."""
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error")
+    assert param is None or param in error["message"]
+    assert runner.prepares == 0
+    assert service.engine is not None and service.engine.statistics().admitted == 0
+    assert (await client.post(PATH, json={"prompt": "x"})).status_code == 200
+
+
 def parse_sse(text: str) -> list[tuple[str, dict[str, Any]]]:
     """Split a server-sent event stream into ``(event, data)`` pairs."""
     events = []
@@ -380,17 +399,7 @@ async def test_bad_input_gets_400_naming_the_field(
         async with serving(service) as client:
             content = body if isinstance(body, bytes) else json.dumps(body).encode()
             response = await client.post(PATH, content=content)
-            assert response.status_code == 400, response.text
-            error = response.json()["error"]
-            assert (error["param"], error["code"], error["type"]) == (
-                param,
-                code,
-                "invalid_request_error",
-            )
-            assert param is None or param in error["message"]
-            assert runner.prepares == 0
-            assert service.engine is not None and service.engine.statistics().admitted == 0
-            assert (await client.post(PATH, json={"prompt": "x"})).status_code == 200
+            await assert_refused_and_serving(client, service, runner, response, param, code)
             text = (await client.get("/metrics")).text
             assert metric(text, "omni_trio_requests_total", outcome="invalid") == 1
 
