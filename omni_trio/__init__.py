@@ -32,6 +32,8 @@ The loop side (runs in the event loop's thread only):
 - ``_handle``: ``RequestHandle``, the consumer's side of one record.
 - ``_owner``: ``RequestOwner``, the three calls a handle may make on its engine.
 - ``_channel``: the per-request coalescing channel.
+- ``_deadlines``: ``DeadlineTimer``, the one timer task that aborts requests whose
+  deadline passed.
 
 The thread side (runs in the engine's own threads only):
 
@@ -40,7 +42,7 @@ The thread side (runs in the engine's own threads only):
 - ``_imagecheck``: the output contract, checked on every image and preview.
 - ``_failure``: a runner's exception made into a request's failure, formatted once
   and defensively, its frames cleared.
-- ``_scheduler``: the waiting queue, ranked by priority, and batch formation (pure,
+- ``_scheduler``: the waiting queue, ranked by priority and deadline, and batch formation (pure,
   synchronous).
 
 The seam between them:
@@ -68,6 +70,7 @@ from . import _exports
 from ._config import EngineConfig as EngineConfig
 from ._engine import Engine as Engine
 from ._engine import open_engine as open_engine
+from ._errors import DeadlineError as DeadlineError
 from ._errors import DuplicateRequestError as DuplicateRequestError
 from ._errors import EngineClosedError as EngineClosedError
 from ._errors import EngineDeadError as EngineDeadError
@@ -89,6 +92,7 @@ from ._request import GenerationRequest as GenerationRequest
 __version__ = "0.1.0"
 
 __all__ = [
+    "DeadlineError",
     "DuplicateRequestError",
     "Engine",
     "EngineClosedError",

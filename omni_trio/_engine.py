@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 import uuid
@@ -23,7 +24,9 @@ import anyio.lowlevel
 
 from ._config import EngineConfig
 from ._construct import NoPublicConstructor
+from ._deadlines import DeadlineTimer
 from ._errors import (
+    DeadlineError,
     DuplicateRequestError,
     EngineClosedError,
     EngineDeadError,
@@ -52,6 +55,9 @@ __all__ = ["Engine", "open_engine"]
 
 _engine_numbers = itertools.count()
 StateT = TypeVar("StateT")
+
+#: The abort reason of a request whose deadline passed (L62).
+DEADLINE = "deadline"
 
 #: Longest request id ``submit`` accepts (ids go into logs, headers and JSON; picked
 #: generously, not measured: a UUID is 36 characters).
@@ -92,6 +98,8 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         self._dead: EngineDeadError | None = None
         self._exited = anyio.Event()
         self._owner: RequestOwner = _HandleOwner(self)
+        # L62: one timer task for every deadline, run by ``open_engine``.
+        self._deadlines: DeadlineTimer[Record] = DeadlineTimer(self._expire)
 
     @property
     def config(self) -> EngineConfig:
@@ -118,6 +126,8 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             InvalidRequestError: a field is invalid or over a limit (L4).
             DuplicateRequestError: a live request has this id (L2).
             QueueFullError: ``max_waiting`` requests wait already (L5).
+            DeadlineError: the engine's estimate says ``deadline_s`` cannot be
+                met (L62).
             EngineClosedError: shutdown has begun (L30).
             EngineDeadError: the worker died (L23).
         """
@@ -148,16 +158,27 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         except InvalidRequestError as exc:
             exc.request_id = request_id
             raise
+        deadline = None
+        if request.deadline_s is not None:
+            self._check_deadline(request, request_id)
+            deadline = anyio.current_time() + request.deadline_s
         record = Record(
             request,
             request_id,
             self._capabilities.batch_key(request),
             event_buffer=self._config.event_buffer,
+            deadline=deadline,
         )
-        if not self._worker.enqueue(record, limit=self._config.max_waiting):
+        if not self._worker.enqueue(
+            record,
+            limit=self._config.max_waiting,
+            deadline=math.inf if deadline is None else deadline,
+        ):
             raise QueueFullError(
                 f"{self._config.max_waiting} requests are waiting already", request_id=request_id
             )
+        if deadline is not None:
+            self._deadlines.add(record, deadline)
         self._live[request_id] = record
         self._admitted += 1
         return RequestHandle._create(self._owner, record)
@@ -176,6 +197,33 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         """
         async with self.submit(request, request_id=request_id) as handle:
             return await handle.result()
+
+    def _check_deadline(self, request: GenerationRequest, request_id: str) -> None:
+        """Refuse ``request`` if the estimate of its completion misses its deadline (L62).
+
+        The estimate is the measured step time (the worker's moving average) times
+        the steps ahead: those left of the running batch, those of the waiting
+        requests of equal or higher priority shared out over full batches, and the
+        request's own. It errs towards admitting (it assumes full batches; the
+        timer aborts what still misses); with no step measured yet it admits. Cost:
+        O(k), k the distinct priorities waiting, never a scan of the queue.
+        """
+        step_s = self._worker.step_s
+        deadline_s = request.deadline_s
+        if step_s is None or deadline_s is None:
+            return
+        waiting = self._worker.steps_ahead(request.priority)
+        steps = self._worker.steps_left + -(-waiting // self._worker.max_batch)
+        steps += request.num_steps
+        estimate = steps * step_s
+        if estimate > deadline_s:
+            raise DeadlineError(
+                f"the deadline of {deadline_s:g} s cannot be met: the estimate is "
+                f"{estimate:.3f} s ({steps} steps of {step_s * 1e3:.1f} ms)",
+                estimate_s=estimate,
+                deadline_s=deadline_s,
+                request_id=request_id,
+            )
 
     def _check_admitting(self) -> None:
         if self._dead is not None:
@@ -232,6 +280,13 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         # L6: a request still in the queue never reaches the worker.
         if record.status is RequestStatus.WAITING and self._worker.withdraw(record):
             self._terminate(record, RequestStatus.ABORTED, self._cut_error(record))
+
+    def _expire(self, record: Record) -> None:
+        """The timer's callback: ``record``'s deadline passed (L62)."""
+        try:
+            self._abort_record(record, DEADLINE)
+        except Exception as exc:  # an engine bug: fail loudly, never crash the loop
+            self._die(died(exc, "the engine failed to expire a deadline"))
 
     # -- statistics ----------------------------------------------------------
 
@@ -374,6 +429,8 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             outcome = GenerationOutput(
                 request_id=record.request_id, images=outcome, metrics=metrics
             )
+        if record.deadline is not None:
+            self._deadlines.ended(record)
         request_id = record.request_id
         if self._live.get(request_id) is record:
             del self._live[request_id]
@@ -501,10 +558,24 @@ async def open_engine(
     """
     engine = Engine._create(runner, config if config is not None else EngineConfig())
     engine._worker.start()
-    try:
-        yield engine
-    finally:
-        with anyio.CancelScope(shield=True):
-            await engine.aclose()
+    # The block's exception is held, not raised inside the task group, which would
+    # wrap it in an exception group; it is raised unchanged once the group is left.
+    raised: BaseException | None = None
+    async with anyio.create_task_group() as group:
+        try:
+            await group.start(engine._deadlines.run)
+            yield engine
+        except BaseException as exc:
+            raised = exc
+        finally:
+            with anyio.CancelScope(shield=True):
+                await engine.aclose()
+            # The timer holds nothing: cancelling it ends it at once.
+            group.cancel_scope.cancel()
+    if raised is not None:
+        try:
+            raise raised
+        finally:
+            raised = None  # no reference cycle through this frame
     if engine._dead is not None:
         raise engine._dead_error()

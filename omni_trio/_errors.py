@@ -12,7 +12,10 @@
         ├── InvalidRequestError     also a ValueError; bad field values, unknown extra keys
         ├── DuplicateRequestError   a live request already has this id
         ├── QueueFullError          max_waiting reached (backpressure)
-        ├── RequestAbortedError     .reason: "user", "consumer_gone", "cancelled", ...
+        ├── DeadlineError           .estimate_s: the engine's estimate says deadline_s
+        │                           cannot be met (refused at admission)
+        ├── RequestAbortedError     .reason: "user", "consumer_gone", "cancelled",
+        │                           "deadline", ...
         └── RequestFailedError      the runner raised or returned a bad output; __cause__ is
                                     the runner's exception or an InvalidOutputError
 
@@ -26,6 +29,7 @@ import copyreg
 from typing import Any
 
 __all__ = [
+    "DeadlineError",
     "DuplicateRequestError",
     "EngineClosedError",
     "EngineDeadError",
@@ -90,6 +94,21 @@ class DuplicateRequestError(RequestError):
 
 class QueueFullError(RequestError):
     """The waiting queue holds ``max_waiting`` requests already."""
+
+
+class DeadlineError(RequestError):
+    """The request's ``deadline_s`` cannot be met, by the engine's own estimate.
+
+    ``estimate_s`` is the estimated time to its completion, ``deadline_s`` the
+    request's deadline; the message states both.
+    """
+
+    def __init__(
+        self, message: str, *, estimate_s: float, deadline_s: float, request_id: str | None = None
+    ) -> None:
+        super().__init__(message, request_id=request_id)
+        self.estimate_s = estimate_s
+        self.deadline_s = deadline_s
 
 
 class RequestAbortedError(RequestError):

@@ -47,6 +47,7 @@ class Record(WorkItem):
 
     __slots__ = (
         "channel",
+        "deadline",
         "done",
         "handle_ref",
         "metrics",
@@ -64,8 +65,11 @@ class Record(WorkItem):
         batch_key: Hashable,
         *,
         event_buffer: int,
+        deadline: float | None = None,
     ) -> None:
         super().__init__(request, request_id, batch_key)
+        # The absolute deadline on the event loop's clock (L62), None for none.
+        self.deadline = deadline
         # Set once, by the engine, when the request ends; before that the status
         # is WAITING or RUNNING according to the worker's ``taken`` flag.
         self.terminal_status: RequestStatus | None = None

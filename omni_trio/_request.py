@@ -15,7 +15,7 @@ from types import MappingProxyType
 
 from ._validate import check_float, check_int, check_text, fail_request
 
-__all__ = ["MAX_GUIDANCE_SCALE", "MAX_PRIORITY", "GenerationRequest"]
+__all__ = ["MAX_DEADLINE_S", "MAX_GUIDANCE_SCALE", "MAX_PRIORITY", "GenerationRequest"]
 
 _SEED_LIMIT = 2**64
 
@@ -30,6 +30,11 @@ MAX_GUIDANCE_SCALE = 1e4
 #: client language and wire format carries exactly, and far more levels than any
 #: scheduling policy needs.
 MAX_PRIORITY = 2**31 - 1
+
+#: The longest ``deadline_s`` accepted: a million seconds (11.6 days), beyond any
+#: generation, and small enough that the absolute deadline (the loop's clock plus
+#: this) stays an exact, finite float.
+MAX_DEADLINE_S = 1e6
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,7 +58,13 @@ class GenerationRequest:
             Keys, and values that are strings, must be text, as ``prompt``.
         priority: an int, at most ``MAX_PRIORITY`` (2**31 - 1) in absolute value
             (not a bool). A worker takes the waiting request of highest priority
-            first; among equal priorities, the earliest admitted (L60).
+            first; among equal priorities, the earliest deadline, then the
+            earliest admitted (L60, L62).
+        deadline_s: seconds after submission by which the request must be done,
+            or ``None`` (no deadline). A finite number, > 0 and at most
+            ``MAX_DEADLINE_S`` (1e6). When it passes, the request is aborted with
+            reason ``"deadline"``; ``submit`` refuses it with ``DeadlineError`` when
+            the engine's estimate says it cannot be met (L62).
 
     Raises:
         InvalidRequestError: a field has a wrong type or value; ``field`` names it.
@@ -70,6 +81,7 @@ class GenerationRequest:
     preview_every: int = 0
     extra: Mapping[str, object] = field(default_factory=dict)
     priority: int = 0
+    deadline_s: float | None = None
 
     def __post_init__(self) -> None:
         fail = fail_request
@@ -104,6 +116,13 @@ class GenerationRequest:
             "priority",
             check_int(fail, "priority", self.priority, minimum=-MAX_PRIORITY, maximum=MAX_PRIORITY),
         )
+        if self.deadline_s is not None:
+            deadline = check_float(
+                fail, "deadline_s", self.deadline_s, minimum=0.0, maximum=MAX_DEADLINE_S
+            )
+            if deadline == 0.0:
+                fail("deadline_s", "must be > 0, got 0.0")
+            store(self, "deadline_s", deadline)
 
 
 def _checked_extra(extra: object) -> dict[str, object]:

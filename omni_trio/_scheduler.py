@@ -2,9 +2,10 @@
 
 Ranking (L60): every waiting request has a rank, ``(-priority, deadline,
 admission sequence)``, compared as a tuple; the smallest is the best-ranked.
-Higher priority goes first, and among equal priorities the earlier admission.
-The deadline slot is ``+inf`` for every request for now; it is where an
-earliest-deadline rule will rank requests of equal priority.
+Higher priority goes first; among equal priorities the earliest deadline (L62;
+``+inf`` for a request without one), then the earlier admission. The deadline is
+an absolute time on any one clock the caller picks (the engine uses its event
+loop's): the queue only compares the numbers.
 
 Batch formation: a request joins a running batch only when its batch key equals
 the batch's key and it is the best-ranked waiting request, so a stream of
@@ -18,7 +19,9 @@ amortised (the entry is forgotten at once and skipped when it reaches the top of
 the heap; the heap is rebuilt, in O(n), only once it holds more withdrawn entries
 than waiting ones, so it stays O(n) in size); ``take`` is O(log n) per heap entry
 it pops (each request taken, and each withdrawn entry it skips, once); ``drain``
-is O(n log n) (it sorts); ``len`` and membership are O(1) and exact.
+is O(n log n) (it sorts); ``len`` and membership are O(1) and exact;
+``steps_ahead`` is O(k), k the number of distinct priorities waiting (not a scan
+of the queue: a running sum of steps is kept per priority).
 """
 
 from __future__ import annotations
@@ -32,13 +35,10 @@ __all__ = ["WaitingQueue"]
 
 T = TypeVar("T", bound=Hashable)
 
-# The heap entry: (-priority, deadline, sequence, item, batch key). The sequence
-# is unique, so tuple comparison never reaches the item or the key (which need
-# not be orderable).
-_Entry = tuple[int, float, int, T, Hashable]
-
-#: The deadline slot of every rank until deadlines exist: no deadline.
-_NO_DEADLINE = math.inf
+# The heap entry: (-priority, deadline, sequence, item, batch key, steps). The
+# sequence is unique, so tuple comparison never reaches the item or the key (which
+# need not be orderable).
+_Entry = tuple[int, float, int, T, Hashable, int]
 
 #: Below this many withdrawn entries the heap is never rebuilt, so a short queue
 #: with a few aborts does not rebuild at every one (picked without measurement).
@@ -51,7 +51,7 @@ class WaitingQueue(Generic[T]):
     Items are compared by identity (the admission), never by request id.
     """
 
-    __slots__ = ("_entries", "_heap", "_sequence")
+    __slots__ = ("_entries", "_heap", "_sequence", "_steps")
 
     def __init__(self) -> None:
         # The waiting items and their live heap entries: the exact count and
@@ -59,6 +59,9 @@ class WaitingQueue(Generic[T]):
         self._entries: dict[T, _Entry[T]] = {}
         self._heap: list[_Entry[T]] = []
         self._sequence = 0
+        # The steps of the waiting items, summed per priority (for admission's
+        # estimate, ``steps_ahead``); a priority whose sum reaches 0 is removed.
+        self._steps: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -66,23 +69,61 @@ class WaitingQueue(Generic[T]):
     def __contains__(self, item: object) -> bool:
         return item in self._entries
 
-    def push(self, item: T, key: Hashable, *, priority: int = 0) -> None:
-        """Admit ``item`` with its batch ``key`` and ``priority`` (higher first).
+    def push(
+        self,
+        item: T,
+        key: Hashable,
+        *,
+        priority: int = 0,
+        deadline: float = math.inf,
+        steps: int = 0,
+    ) -> None:
+        """Admit ``item`` with its batch ``key``, ``priority`` (higher first) and ``deadline``.
+
+        Args:
+            item: what waits.
+            key: its batch key.
+            priority: higher ranks first.
+            deadline: an absolute time; among equal priorities the earliest ranks
+                first (``math.inf``: none).
+            steps: its step count, summed for ``steps_ahead``.
 
         Raises:
             ValueError: ``item`` is already waiting (an item may wait only once).
         """
         if item in self._entries:
             raise ValueError("item is already waiting")
-        entry: _Entry[T] = (-priority, _NO_DEADLINE, self._sequence, item, key)
+        entry: _Entry[T] = (-priority, deadline, self._sequence, item, key, steps)
         self._sequence += 1
         self._entries[item] = entry
         heapq.heappush(self._heap, entry)
+        if steps:
+            self._steps[priority] = self._steps.get(priority, 0) + steps
+
+    def steps_ahead(self, priority: int) -> int:
+        """The steps of the waiting items of ``priority`` or higher.
+
+        What a newcomer of ``priority`` waits behind, at most: it counts those of
+        equal priority whose deadline is later too (O(k), k the distinct priorities).
+        """
+        return sum(steps for level, steps in self._steps.items() if level >= priority)
+
+    def _forget_steps(self, entry: _Entry[T]) -> None:
+        priority, steps = -entry[0], entry[5]
+        if not steps:
+            return
+        left = self._steps[priority] - steps
+        if left:
+            self._steps[priority] = left
+        else:
+            del self._steps[priority]
 
     def remove(self, item: T) -> bool:
         """Withdraw ``item``; return whether it was waiting."""
-        if self._entries.pop(item, None) is None:
+        entry = self._entries.pop(item, None)
+        if entry is None:
             return False
+        self._forget_steps(entry)
         # Lazy deletion: the entry stays in the heap until it is popped.
         self._compact()
         return True
@@ -137,6 +178,7 @@ class WaitingQueue(Generic[T]):
                 break
             heapq.heappop(self._heap)
             del self._entries[item]
+            self._forget_steps(entry)
             taken.append(item)
         self._compact()
         return taken
@@ -146,4 +188,5 @@ class WaitingQueue(Generic[T]):
         entries = sorted(self._entries.values())
         self._entries.clear()
         self._heap.clear()
+        self._steps.clear()
         return [entry[3] for entry in entries]

@@ -27,6 +27,10 @@ from ._workitem import SHUTDOWN, WorkItem
 
 __all__ = ["Worker"]
 
+#: The weight of the newest step in the moving average of step durations: about
+#: the last ten steps count (picked without measurement).
+_STEP_WEIGHT = 0.2
+
 
 class Worker:
     """Owns the waiting queue, the step-loop thread and the materializer thread."""
@@ -55,6 +59,13 @@ class Worker:
         # Written by the worker thread only; the loop reads them for statistics.
         self.steps_run = 0
         self.batch_steps = 0
+        # For admission's deadline estimate (L62), each one float or int, written
+        # by the worker thread only and read by the loop without a lock (reading
+        # one reference is atomic; a stale value is one step old): an exponential
+        # moving average of step durations (None until the first step), and the
+        # steps left of the running batch (its longest member's).
+        self.step_s: float | None = None
+        self.steps_left = 0
         self._materializer = Materializer(runner, post, self._die, name=f"{name}-materializer")
         self._thread = threading.Thread(target=self._run, name=f"{name}-worker", daemon=False)
 
@@ -74,14 +85,34 @@ class Worker:
         self._materializer.start()
         self._thread.start()
 
-    def enqueue(self, item: WorkItem, *, limit: int) -> bool:
-        """Queue ``item`` unless ``limit`` items wait already; return whether queued."""
+    @property
+    def max_batch(self) -> int:
+        """The most requests one step runs together (the engine's and the runner's limit)."""
+        return self._max_batch
+
+    def enqueue(self, item: WorkItem, *, limit: int, deadline: float) -> bool:
+        """Queue ``item`` unless ``limit`` items wait already; return whether queued.
+
+        ``deadline`` is its absolute deadline, for ranking (``math.inf``: none).
+        """
         with self._cond:
             if len(self._queue) >= limit:
                 return False
-            self._queue.push(item, item.batch_key, priority=item.request.priority)
+            request = item.request
+            self._queue.push(
+                item,
+                item.batch_key,
+                priority=request.priority,
+                deadline=deadline,
+                steps=request.num_steps,
+            )
             self._cond.notify()
         return True
+
+    def steps_ahead(self, priority: int) -> int:
+        """The steps of the waiting requests of ``priority`` or higher."""
+        with self._cond:
+            return self._queue.steps_ahead(priority)
 
     def withdraw(self, item: WorkItem) -> bool:
         """Remove ``item`` if it still waits; return whether it did."""
@@ -163,7 +194,20 @@ class Worker:
                 raise
         for item in admitted:
             self._prepare(item, running)
+        self._note_left(running)
         return stop
+
+    def _note_left(self, running: list[WorkItem]) -> None:
+        self.steps_left = max((item.steps_total - item.steps_done for item in running), default=0)
+
+    def _measured(self, elapsed: float) -> None:
+        """Fold one batch step's duration into the moving average.
+
+        One global average, not one per batch key: admission's estimate is coarse
+        anyway, and one float needs no lock (a dict of them would, to be read).
+        """
+        average = self.step_s
+        self.step_s = elapsed if average is None else average + _STEP_WEIGHT * (elapsed - average)
 
     def _boundary(self, running: list[WorkItem]) -> tuple[list[WorkItem], list[WorkItem], bool]:
         with self._cond:
@@ -206,6 +250,7 @@ class Worker:
             for item in running:
                 self._run_whole(item)
             running.clear()
+            self.steps_left = 0
             return
         started = time.perf_counter()
         try:
@@ -219,6 +264,7 @@ class Worker:
             return
         elapsed = time.perf_counter() - started
         self.batch_steps += 1
+        self._measured(elapsed)
         keep: list[WorkItem] = []
         for item in running:
             error = self._stepped(item, elapsed)
@@ -229,6 +275,7 @@ class Worker:
             else:
                 keep.append(item)
         running[:] = keep
+        self._note_left(running)
 
     def _stepped(self, item: WorkItem, elapsed: float) -> Exception | None:
         """Count one step of ``item`` and post its event; return a preview's error.
@@ -263,7 +310,9 @@ class Worker:
                 item.steps_total = total
             now = time.perf_counter()
             self.batch_steps += 1
+            self._measured(now - last)
             error = self._stepped(item, now - last)
+            self.steps_left = item.steps_total - item.steps_done
             last = now
             # L7, L21: the boundary check; raising stops the loop before any decode.
             if error is not None or item.token.reason is not None:

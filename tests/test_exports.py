@@ -67,6 +67,7 @@ _ERRORS = [
     ot.RequestError("m", request_id="r"),
     ot.DuplicateRequestError("m", request_id="r"),
     ot.QueueFullError("m", request_id="r"),
+    ot.DeadlineError("m", estimate_s=2.5, deadline_s=1.0, request_id="r"),
     ot.RequestFailedError("m", request_id="r"),
     ot.RequestAbortedError("m", reason="user", request_id="r"),
     ot.InvalidRequestError("bad", field="f", request_id="r"),

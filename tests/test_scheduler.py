@@ -6,6 +6,7 @@ checks them against a simple list-based model.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from unittest import mock
 
@@ -107,10 +108,17 @@ class Ranked:
 
 ranked_ops = st.lists(
     st.one_of(
-        # (priority, batch key, an earlier item to push again or None for a new one)
+        # (priority, batch key, an earlier item to push again or None for a new one,
+        # deadline, steps)
         st.tuples(
             st.just("push"),
-            st.tuples(st.integers(-2, 2), st.integers(0, 2), st.none() | st.integers(0, 30)),
+            st.tuples(
+                st.integers(-2, 2),
+                st.integers(0, 2),
+                st.none() | st.integers(0, 30),
+                st.sampled_from([math.inf, 1.0, 2.0, 3.0]),
+                st.integers(1, 5),
+            ),
         ),
         st.tuples(st.just("remove"), st.integers(0, 30)),
         st.tuples(
@@ -123,7 +131,10 @@ ranked_ops = st.lists(
 
 
 def expected_take(
-    model: list[tuple[tuple[int, int], Ranked]], batch_key: int | None, free: int, can_join: bool
+    model: list[tuple[tuple[int, float, int], Ranked]],
+    batch_key: int | None,
+    free: int,
+    can_join: bool,
 ) -> list[Ranked]:
     """The reference rule: walk the waiting items in rank order while each has the key."""
     expected: list[Ranked] = []
@@ -144,14 +155,16 @@ def expected_take(
 @settings(max_examples=500)
 @given(ranked_ops, st.sampled_from([0, _scheduler._MIN_REBUILD]))
 def test_queue_matches_ranked_model(operations: list[tuple[str, object]], rebuild: int) -> None:
-    """L60: take returns the best-ranked items (priority, then admission), one key.
+    """L60, L62: take returns the best-ranked items (priority, deadline, admission), one key.
 
-    The reference model is a list sorted by (-priority, admission sequence) at every
-    take. With ``rebuild`` 0 the heap is rebuilt at every withdrawal that leaves more
-    withdrawn entries than waiting ones, so lazy deletion and rebuilding both run.
+    The reference model is a list sorted by (-priority, deadline, admission sequence)
+    at every take; ``steps_ahead`` is checked against it after every operation. With
+    ``rebuild`` 0 the heap is rebuilt at every withdrawal that leaves more withdrawn
+    entries than waiting ones, so lazy deletion and rebuilding both run.
     """
     queue: WaitingQueue[Ranked] = WaitingQueue()
-    model: list[tuple[tuple[int, int], Ranked]] = []
+    model: list[tuple[tuple[int, float, int], Ranked]] = []
+    steps_of: dict[int, int] = {}
     created: list[Ranked] = []
     sequence = 0
     with mock.patch.object(_scheduler, "_MIN_REBUILD", rebuild):
@@ -159,7 +172,7 @@ def test_queue_matches_ranked_model(operations: list[tuple[str, object]], rebuil
             waiting = [item for _, item in model]
             if op == "push":
                 assert isinstance(arg, tuple)
-                priority, key, reuse = arg
+                priority, key, reuse, deadline, steps = arg
                 if reuse is not None and created:
                     item = created[reuse % len(created)]
                     if item in waiting:
@@ -169,8 +182,9 @@ def test_queue_matches_ranked_model(operations: list[tuple[str, object]], rebuil
                 else:
                     item = Ranked(key)
                     created.append(item)
-                queue.push(item, item.key, priority=priority)
-                model.append(((-priority, sequence), item))
+                queue.push(item, item.key, priority=priority, deadline=deadline, steps=steps)
+                model.append(((-priority, deadline, sequence), item))
+                steps_of[id(item)] = steps
                 sequence += 1
             elif op == "remove":
                 assert isinstance(arg, int)
@@ -185,6 +199,10 @@ def test_queue_matches_ranked_model(operations: list[tuple[str, object]], rebuil
                 assert got == expected_take(model, batch_key, free, can_join)
                 model = [entry for entry in model if entry[1] not in got]
             assert len(queue) == len(model)
+            for level in range(-3, 4):
+                assert queue.steps_ahead(level) == sum(
+                    steps_of[id(item)] for rank, item in model if -rank[0] >= level
+                )
             assert all(item in queue for _, item in model)
             # Withdrawn entries never outnumber the waiting ones past the threshold.
             assert len(queue._heap) - len(queue) <= max(rebuild, len(queue))

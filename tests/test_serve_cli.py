@@ -66,6 +66,7 @@ def busy_port() -> Iterator[int]:
         (["--port", "http"], "argument --port: expected an integer from 0 to 65535"),
         (["--shutdown-grace", "-1"], "argument --shutdown-grace: expected a number of seconds"),
         (["--default-guidance", "nan"], "argument --default-guidance: expected a finite number"),
+        (["--max-priority", "-1"], "argument --max-priority: expected an integer from 0 to"),
     ],
 )
 def test_a_bad_option_is_one_line_and_status_2(args: list[str], text: str) -> None:
@@ -96,6 +97,8 @@ def test_options_come_from_the_environment_and_the_command_line_wins() -> None:
     on the command line wins over its variable (whose value is then never read)."""
     bad = serve(env={"OMNI_TRIO_MODEL": "fake", "OMNI_TRIO_MAX_WAITING": "many"})
     one_line_error(bad, 2, "OMNI_TRIO_MAX_WAITING: expected an integer >= 0, got 'many'")
+    high = serve(env={"OMNI_TRIO_MODEL": "fake", "OMNI_TRIO_MAX_PRIORITY": "high"})
+    one_line_error(high, 2, "OMNI_TRIO_MAX_PRIORITY: expected an integer from 0 to 2147483647")
     flag = serve(env={"OMNI_TRIO_MODEL": "fake", "OMNI_TRIO_NO_ACCESS_LOG": "perhaps"})
     one_line_error(flag, 2, "OMNI_TRIO_NO_ACCESS_LOG: expected 1 or 0")
     with busy_port() as port:

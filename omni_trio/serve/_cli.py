@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._command import EXIT_ERROR, CommandError, UsageError, seconds
+from .._request import MAX_PRIORITY
 from ._env import read_environment, resolve_environment
 from ._logging import LOG_FORMATS, configure_logging
 from ._models import MODELS, LoadedModel, load_model, model_folder
@@ -155,6 +156,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="Retry-After seconds sent with 429 and 503 (default 1)",
     )
+    limits.add_argument(
+        "--max-priority",
+        type=_count(0, MAX_PRIORITY),
+        default=0,
+        help="highest priority a request may ask for; more is a 400 (default 0: clients are"
+        " anonymous, none may put itself ahead of the others)",
+    )
     defaults = parser.add_argument_group("request defaults (by default: what suits the model)")
     defaults.add_argument(
         "--default-size", type=_size, default=None, metavar="WxH", help="size when none is asked"
@@ -225,6 +233,7 @@ def _service(args: argparse.Namespace, model: LoadedModel) -> ImageService:
             ),
             max_body_bytes=args.max_body_bytes,
             retry_after_s=args.retry_after,
+            max_priority=args.max_priority,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .._request import MAX_PRIORITY
+
 __all__ = ["ServeConfig"]
 
 
@@ -24,6 +26,10 @@ class ServeConfig:
         default_guidance_scale: ``guidance_scale`` when the request has none.
         max_body_bytes: larger request bodies are refused with 413 before parsing.
         retry_after_s: the ``Retry-After`` seconds sent with 429 and 503.
+        max_priority: the highest ``priority`` a request body may ask for (0 to
+            ``MAX_PRIORITY``); a higher one is a 400. Clients are anonymous, so by
+            default (0) none can put itself ahead of the others; lower priorities
+            are always accepted.
 
     Raises:
         ValueError: a field is out of range; the message names it.
@@ -36,6 +42,7 @@ class ServeConfig:
     default_guidance_scale: float = 7.5
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 1
+    max_priority: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -46,6 +53,15 @@ class ServeConfig:
                 raise ValueError(f"{name}: must be an int >= 1, got {value!r}")
         if not isinstance(self.retry_after_s, int) or self.retry_after_s < 0:
             raise ValueError(f"retry_after_s: must be an int >= 0, got {self.retry_after_s!r}")
+        priority = self.max_priority
+        if (
+            not isinstance(priority, int)
+            or isinstance(priority, bool)
+            or not 0 <= priority <= MAX_PRIORITY
+        ):
+            raise ValueError(
+                f"max_priority: must be an int from 0 to {MAX_PRIORITY}, got {priority!r}"
+            )
         scale = self.default_guidance_scale
         if (
             not isinstance(scale, int | float)

@@ -12,9 +12,12 @@ engine error                status  type                      code
 ==========================  ======  ========================  =====================
 InvalidRequestError         400     invalid_request_error     invalid_value
 QueueFullError              429     rate_limit_error          queue_full
+DeadlineError               429     rate_limit_error          deadline_unmeetable
 EngineClosedError           503     server_error              shutting_down
 EngineDeadError             503     server_error              engine_dead
 RequestAbortedError         503     server_error              request_aborted
+                                                              (reason in the message,
+                                                              e.g. ``deadline``)
 RequestFailedError          500     server_error              generation_failed
 ==========================  ======  ========================  =====================
 
@@ -33,6 +36,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from .._errors import (
+    DeadlineError,
     EngineClosedError,
     EngineDeadError,
     InvalidRequestError,
@@ -59,6 +63,8 @@ FIELD_PARAMS: Mapping[str, str] = MappingProxyType(
         "seed": "seed",
         "num_images": "n",
         "preview_every": "preview_every",
+        "priority": "priority",
+        "deadline_s": "deadline_ms",
     }
 )
 
@@ -66,6 +72,9 @@ FIELD_PARAMS: Mapping[str, str] = MappingProxyType(
 _OUTCOMES: Mapping[int, str] = MappingProxyType(
     {400: "invalid", 413: "too_large", 429: "queue_full", 503: "unavailable"}
 )
+
+#: Outcomes of codes that share a status with another refusal.
+_CODE_OUTCOMES: Mapping[str, str] = MappingProxyType({"deadline_unmeetable": "deadline_refused"})
 
 
 class ApiError(Exception):
@@ -101,7 +110,8 @@ class ApiError(Exception):
     @property
     def outcome(self) -> str:
         """The ``outcome`` label this error is counted under in ``/metrics``."""
-        return _OUTCOMES.get(self.status, "failed")
+        by_code = _CODE_OUTCOMES.get(self.code) if self.code is not None else None
+        return by_code or _OUTCOMES.get(self.status, "failed")
 
     def body(self) -> dict[str, object]:
         """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
@@ -193,6 +203,15 @@ def api_error_from(
                 f"the server is busy ({exc}); retry later",
                 type="rate_limit_error",
                 code="queue_full",
+                headers={"Retry-After": str(retry_after_s)},
+            )
+        case DeadlineError():
+            return ApiError(
+                429,
+                f"the deadline cannot be met: the estimate is {exc.estimate_s:.3f} s,"
+                f" the deadline {exc.deadline_s * 1000:.0f} ms; retry later or allow longer",
+                type="rate_limit_error",
+                code="deadline_unmeetable",
                 headers={"Retry-After": str(retry_after_s)},
             )
         case EngineClosedError():

@@ -33,7 +33,7 @@ from .._errors import OmniTrioError
 from .._outputs import RequestStatus
 from ._encode import b64, encode_images, sse_event
 from ._errors import ApiError, api_error_from
-from ._schema import ImageJob, parse_generation_body
+from ._schema import DEADLINE_HEADER, ImageJob, parse_generation_body
 
 if TYPE_CHECKING:
     from .._engine import Engine
@@ -120,6 +120,15 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None
             return b"".join(chunks)
 
 
+def _header(scope: Scope, name: str) -> str | None:
+    """The first value of header ``name`` (latin-1, as HTTP/1.1 defines), if sent."""
+    wanted = name.lower().encode("latin-1")
+    for key, value in scope.get("headers", ()):
+        if key == wanted:
+            return bytes(value).decode("latin-1")
+    return None
+
+
 class _Client:
     """The HTTP side of one generation: its ``send``, and whether it went away."""
 
@@ -198,7 +207,9 @@ class ImagesEndpoint:
             if body is None:
                 metrics.count("disconnected")
                 return
-            job = parse_generation_body(body, config)
+            job = parse_generation_body(
+                body, config, deadline_header=_header(scope, DEADLINE_HEADER)
+            )
             handle = engine.submit(job.request, request_id=f"img-{uuid.uuid4().hex}")
         except OmniTrioError as exc:
             error = api_error_from(exc, retry_after_s=config.retry_after_s)
@@ -227,7 +238,8 @@ class ImagesEndpoint:
         elif status is RequestStatus.COMPLETED:
             outcome = "completed"
         elif status is RequestStatus.ABORTED:
-            outcome = "shutdown" if handle.abort_reason == "shutdown" else "aborted"
+            reason = handle.abort_reason
+            outcome = reason if reason in ("shutdown", "deadline") else "aborted"
         else:
             outcome = "failed"
         metrics.count(outcome)

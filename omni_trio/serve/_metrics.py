@@ -19,9 +19,10 @@ omni_trio_engine_steps_total              counter    member-steps the engine ran
 ========================================  =========  ==========================================
 
 Outcomes: ``completed``, ``disconnected`` (the client went away; aborted),
-``shutdown`` (cut off by shutdown), ``aborted``, ``failed`` (the model raised),
-and the refusals ``invalid`` (400), ``too_large`` (413), ``queue_full`` (429),
-``unavailable`` (503).
+``shutdown`` (cut off by shutdown), ``deadline`` (aborted when its deadline passed),
+``aborted``, ``failed`` (the model raised), and the refusals ``invalid`` (400),
+``too_large`` (413), ``queue_full`` (429), ``deadline_refused`` (429: the deadline
+cannot be met), ``unavailable`` (503).
 
 Next to them, the standard series every Prometheus client exports: ``process_*``
 (CPU seconds, resident and virtual memory, open file descriptors, start time; on
@@ -58,11 +59,13 @@ OUTCOMES = (
     "completed",
     "disconnected",
     "shutdown",
+    "deadline",
     "aborted",
     "failed",
     "invalid",
     "too_large",
     "queue_full",
+    "deadline_refused",
     "unavailable",
 )
 

@@ -5,7 +5,10 @@ honoured (``prompt``, ``n``, ``size``, ``response_format``, ``output_format``,
 ``output_compression``, ``partial_images``, ``stream``, ``model``), the rest are
 type-checked and ignored (``quality``, ``style``, ``user``, ``moderation``, ...).
 Diffusion fields extend it: ``num_inference_steps``, ``guidance_scale``, ``seed``,
-``negative_prompt``, ``preview_every``. Anything else is refused, naming the field.
+``negative_prompt``, ``preview_every``, and scheduling: ``priority`` (at most the
+server's ``max_priority``) and ``deadline_ms`` (milliseconds after submission; the
+``X-Request-Deadline-Ms`` header says the same, and the earlier of the two wins).
+Anything else is refused, naming the field.
 
 Three stages, each refusing with a 400 that says what is wrong:
 
@@ -41,11 +44,24 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from .._errors import InvalidRequestError
-from .._request import GenerationRequest
+from .._request import MAX_DEADLINE_S, MAX_PRIORITY, GenerationRequest
 from ._config import ServeConfig
 from ._errors import ApiError, api_error_from, invalid
 
-__all__ = ["HUGE_DIGITS", "KNOWN_FIELDS", "GenerationBody", "ImageJob", "parse_generation_body"]
+__all__ = [
+    "DEADLINE_HEADER",
+    "HUGE_DIGITS",
+    "KNOWN_FIELDS",
+    "GenerationBody",
+    "ImageJob",
+    "parse_generation_body",
+]
+
+#: The header that carries a deadline in milliseconds, as ``deadline_ms`` does.
+DEADLINE_HEADER = "X-Request-Deadline-Ms"
+
+#: The longest ``deadline_ms``: the engine's ``MAX_DEADLINE_S``.
+MAX_DEADLINE_MS = int(MAX_DEADLINE_S * 1000)
 
 #: Output formats this server encodes (``gif`` and ``svg`` are refused).
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
@@ -163,6 +179,8 @@ class GenerationBody(BaseModel):
     seed: Annotated[int, Field(ge=0, le=2**64 - 1)] | None = None
     negative_prompt: Text | None = None
     preview_every: Every | None = None
+    priority: Annotated[int, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] | None = None
+    deadline_ms: Annotated[int, Field(ge=1, le=MAX_DEADLINE_MS)] | None = None
     # OpenAI fields accepted and ignored.
     quality: Text | None = None
     style: Text | None = None
@@ -324,8 +342,52 @@ def validate_body(data: Mapping[str, object]) -> GenerationBody:
         raise _api_error(_first(exc.errors(include_url=False))) from None
 
 
-def parse_generation_body(body: bytes, config: ServeConfig) -> ImageJob:
+def _header_deadline_ms(text: str | None) -> int | None:
+    """The ``X-Request-Deadline-Ms`` header's milliseconds; a 400 naming it if bad."""
+    if text is None:
+        return None
+    stripped = text.strip()
+    if not (stripped.isascii() and stripped.isdigit()) or len(stripped) > 12:
+        raise invalid(
+            f"{DEADLINE_HEADER}: must be an integer of milliseconds, got {shown(text)}",
+            DEADLINE_HEADER,
+            "invalid_header",
+        )
+    value = int(stripped)
+    if not 1 <= value <= MAX_DEADLINE_MS:
+        raise invalid(
+            f"{DEADLINE_HEADER}: must be from 1 to {MAX_DEADLINE_MS}, got {value}",
+            DEADLINE_HEADER,
+            "invalid_header",
+        )
+    return value
+
+
+def _deadline_s(body: GenerationBody, header: str | None) -> float | None:
+    """The request's deadline in seconds: the earlier of the body's and the header's."""
+    given = [ms for ms in (body.deadline_ms, _header_deadline_ms(header)) if ms is not None]
+    return min(given) / 1000 if given else None
+
+
+def _priority(body: GenerationBody, config: ServeConfig) -> int:
+    priority = 0 if body.priority is None else body.priority
+    if priority > config.max_priority:
+        raise invalid(
+            f"priority: must be <= {config.max_priority} on this server, got {priority}",
+            "priority",
+        )
+    return priority
+
+
+def parse_generation_body(
+    body: bytes, config: ServeConfig, *, deadline_header: str | None = None
+) -> ImageJob:
     """Decode, parse and check a generation body; build the engine request.
+
+    Args:
+        body: the raw body.
+        config: the server's configuration.
+        deadline_header: the ``X-Request-Deadline-Ms`` header's text, if sent.
 
     Raises:
         ApiError: 400 naming the field at fault (``param``), or ``invalid_json``.
@@ -342,6 +404,8 @@ def parse_generation_body(body: bytes, config: ServeConfig) -> ImageJob:
         config.default_steps if parsed.num_inference_steps is None else parsed.num_inference_steps
     )
     guidance = parsed.guidance_scale
+    priority = _priority(parsed, config)
+    deadline_s = _deadline_s(parsed, deadline_header)
     try:
         request = GenerationRequest(
             prompt=parsed.prompt,
@@ -353,6 +417,8 @@ def parse_generation_body(body: bytes, config: ServeConfig) -> ImageJob:
             seed=parsed.seed,
             num_images=1 if parsed.n is None else parsed.n,
             preview_every=_preview_every(parsed, steps),
+            priority=priority,
+            deadline_s=deadline_s,
         )
     except InvalidRequestError as exc:
         raise api_error_from(exc) from None
