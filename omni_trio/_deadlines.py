@@ -33,7 +33,7 @@ class DeadlineTimer(Generic[R]):
     Create it, call ``add`` and ``ended``, and run ``run``, all in the loop's thread.
     """
 
-    __slots__ = ("_expire", "_heap", "_pending", "_sequence", "_wake")
+    __slots__ = ("_closed", "_expire", "_heap", "_pending", "_sequence", "_wake")
 
     def __init__(self, expire: Callable[[R], None]) -> None:
         self._expire = expire
@@ -43,6 +43,7 @@ class DeadlineTimer(Generic[R]):
         self._pending: set[R] = set()
         self._sequence = 0
         self._wake = anyio.Event()
+        self._closed = False
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -64,6 +65,15 @@ class DeadlineTimer(Generic[R]):
             self._heap = [entry for entry in self._heap if entry[2] in self._pending]
             heapq.heapify(self._heap)
 
+    def close(self) -> None:
+        """Make ``run`` return at once; no deadline fires afterwards.
+
+        A return, not a cancellation: on asyncio a cancelled task's
+        ``CancelledError`` outlived the engine (kept by the task at C level).
+        """
+        self._closed = True
+        self._wake.set()
+
     def _fire(self, now: float) -> None:
         # ``self._heap`` each time: ``expire`` ends records, which may rebuild it.
         while self._heap and (self._heap[0][2] not in self._pending or self._heap[0][0] <= now):
@@ -75,15 +85,17 @@ class DeadlineTimer(Generic[R]):
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        """Expire records as their deadlines pass, until cancelled.
+        """Expire records as their deadlines pass, until ``close``.
 
         Cancellation:
-            The only way it ends; it holds nothing, so it ends at once.
+            Ends at once too; it holds nothing.
         """
         task_status.started()
-        while True:
+        while not self._closed:
             self._fire(anyio.current_time())
             wake = self._wake = anyio.Event()
+            if self._closed:
+                return
             earliest = self._heap[0][0] if self._heap else math.inf
             with anyio.CancelScope(deadline=earliest):
                 await wake.wait()

@@ -570,8 +570,8 @@ async def open_engine(
         finally:
             with anyio.CancelScope(shield=True):
                 await engine.aclose()
-            # The timer holds nothing: cancelling it ends it at once.
-            group.cancel_scope.cancel()
+            # The timer holds nothing: told to stop, it returns at once.
+            engine._deadlines.close()
     if raised is not None:
         try:
             raise raised
