@@ -38,6 +38,17 @@ class EngineConfig:
         max_width: largest ``width`` accepted, in pixels.
         max_num_images: largest ``num_images`` accepted.
         max_prompt_chars: longest prompt (and negative prompt) accepted.
+        preemption: whether a waiting request of strictly higher priority may
+            suspend a running one at a step boundary when it cannot start
+            otherwise (L61; only with a runner that declares ``suspendable``).
+        max_preemptions: most times one request is suspended; after that it runs
+            to its end whatever arrives, so a stream of urgent requests cannot
+            keep a long one from finishing.
+        park_on_host: suspended requests keep their state in host memory instead
+            of on the device (the runner moves it both ways).
+        max_parked_bytes: most bytes of suspended state the worker holds at once
+            (the runner's ``state_bytes``); a preemption that would exceed it does
+            not happen. ``None``: no bound.
     """
 
     max_batch_size: int = 4
@@ -49,6 +60,10 @@ class EngineConfig:
     max_width: int = 2048
     max_num_images: int = 16
     max_prompt_chars: int = 16_384
+    preemption: bool = True
+    max_preemptions: int = 2
+    park_on_host: bool = False
+    max_parked_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -66,6 +81,22 @@ class EngineConfig:
                 fail_config, name, getattr(self, name), minimum=1, maximum=sys.maxsize
             )
             object.__setattr__(self, name, value)
+        for name in ("preemption", "park_on_host"):
+            if not isinstance(getattr(self, name), bool):
+                fail_config(name, f"must be a bool, got {type(getattr(self, name)).__name__}")
+        preemptions = check_int(
+            fail_config, "max_preemptions", self.max_preemptions, minimum=0, maximum=sys.maxsize
+        )
+        object.__setattr__(self, "max_preemptions", preemptions)
+        if self.max_parked_bytes is not None:
+            parked = check_int(
+                fail_config,
+                "max_parked_bytes",
+                self.max_parked_bytes,
+                minimum=0,
+                maximum=sys.maxsize,
+            )
+            object.__setattr__(self, "max_parked_bytes", parked)
         grace = check_float(fail_config, "shutdown_grace", self.shutdown_grace, minimum=0.0)
         object.__setattr__(self, "shutdown_grace", grace)
 

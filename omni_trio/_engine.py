@@ -12,7 +12,6 @@ import itertools
 import logging
 import math
 import threading
-import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator
@@ -45,7 +44,7 @@ from ._record import Record, wait_shielded
 from ._request import GenerationRequest
 from ._runner import Runner, RunnerCapabilities
 from ._validate import check_text, fail_request
-from ._worker import Worker
+from ._worker import Withdrawal, Worker
 from ._workitem import SHUTDOWN, WorkItem
 
 if TYPE_CHECKING:
@@ -79,7 +78,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         self._inbox: LoopInbox[Message[WorkItem]] = LoopInbox(self._dispatch)
         self._worker = Worker(
             runner,
-            max_batch_size=config.max_batch_size,
+            config,
             post=self._inbox.post,
             post_quietly=self._inbox.post_quietly,
             name=f"omni-trio-{next(_engine_numbers)}",
@@ -93,6 +92,8 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         )
         self._counts = dict.fromkeys(RequestStatus, 0)
         self._admitted = 0
+        # Member-steps run for requests after their abort was asked, summed.
+        self._steps_after_abort = 0
         self._closing = False
         self._grace_deadline = 0.0
         self._dead: EngineDeadError | None = None
@@ -276,9 +277,11 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         """The one path by which anything ends a request early."""
         if record.status.is_terminal or not record.token.cancel(reason):
             return
-        record.t_abort = time.perf_counter()
-        # L6: a request still in the queue never reaches the worker.
-        if record.status is RequestStatus.WAITING and self._worker.withdraw(record):
+        record.mark_abort()
+        # L6: a request still in the queue never reaches the worker. Asked of the
+        # queue whatever the status reads: a suspended request may be on its way
+        # back into it (L61), and only the queue's lock makes the answer exact.
+        if self._worker.withdraw(record) is Withdrawal.WITHDRAWN:
             self._terminate(record, RequestStatus.ABORTED, self._cut_error(record))
 
     def _expire(self, record: Record) -> None:
@@ -298,7 +301,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         always add up to ``admitted``.
         """
         counts = self._counts
-        waiting = self._worker.waiting
+        waiting, suspended = self._worker.queue_counts()
         ended = (
             counts[RequestStatus.COMPLETED]
             + counts[RequestStatus.ABORTED]
@@ -311,8 +314,11 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             completed=counts[RequestStatus.COMPLETED],
             aborted=counts[RequestStatus.ABORTED],
             failed=counts[RequestStatus.FAILED],
+            suspended=suspended,
+            preemptions=self._worker.preemptions,
             steps_run=self._worker.steps_run,
             batch_steps=self._worker.batch_steps,
+            steps_after_abort=self._steps_after_abort,
             is_closing=self._closing,
             is_dead=self._dead is not None,
         )
@@ -354,7 +360,10 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             return
         self._closing = True
         self._grace_deadline = anyio.current_time() + self._config.shutdown_grace
-        for item in self._worker.withdraw_all():
+        fresh, releasing = self._worker.withdraw_all()
+        for item in releasing:  # suspended (L61): their release message follows
+            self._cut(cast(Record, item))
+        for item in fresh:
             record = cast(Record, item)
             self._cut(record)
             self._terminate(record, RequestStatus.ABORTED, self._cut_error(record))
@@ -362,7 +371,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
     def _cut(self, record: Record) -> None:
         """Mark ``record`` as cut off by shutdown; the worker drops it at its next boundary."""
         if record.token.cancel(SHUTDOWN):
-            record.t_abort = time.perf_counter()
+            record.mark_abort()
 
     # -- messages from the engine's threads ----------------------------------
 
@@ -425,6 +434,8 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         self._counts[status] += 1
         record.terminal_status = status
         metrics = record.metrics = record.build_metrics(status)
+        if metrics.steps_after_abort is not None:
+            self._steps_after_abort += metrics.steps_after_abort
         if status is RequestStatus.COMPLETED:
             outcome = GenerationOutput(
                 request_id=record.request_id, images=outcome, metrics=metrics

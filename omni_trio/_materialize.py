@@ -6,6 +6,10 @@ decode (L21): an aborted request is never decoded (L10). Shutdown does not stop 
 request whose denoising finished: its result is complete work and is delivered.
 The decoded images are checked against the output contract here too (see
 ``_imagecheck``), off the event loop: a bad output fails its request, unseen.
+
+It also releases, undecoded, the suspended requests that the event loop takes
+out of the queue (an abort, a deadline, shutdown: L61), so their parked state is
+freed at once, not at the step loop's next boundary.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ class Materializer:
         self._runner = runner
         self._post = post
         self._on_fatal = on_fatal
-        self._queue: queue.SimpleQueue[WorkItem | None] = queue.SimpleQueue()
+        # (item, decode?) jobs; None tells the thread to exit.
+        self._queue: queue.SimpleQueue[tuple[WorkItem, bool] | None] = queue.SimpleQueue()
         self._abandon = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=False)
 
@@ -58,7 +63,11 @@ class Materializer:
 
     def put(self, item: WorkItem) -> None:
         """Queue ``item`` (its steps done) for decoding; never blocks."""
-        self._queue.put(item)
+        self._queue.put((item, True))
+
+    def release(self, item: WorkItem) -> None:
+        """Queue ``item`` (cancelled, not finished) to be released undecoded; never blocks."""
+        self._queue.put((item, False))
 
     def stop(self, *, abandon: bool = False) -> None:
         """Let the thread finish what is queued, then exit.
@@ -72,19 +81,24 @@ class Materializer:
         """Discard what a dead thread left queued; call after joining it."""
         while True:
             try:
-                item = self._queue.get_nowait()
+                job = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if item is not None:
-                discard_quietly(self._runner, item)
+            if job is not None:
+                discard_quietly(self._runner, job[0])
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
+            job = self._queue.get()
+            if job is None:
                 return
+            item, finished = job
+            del job
             try:
-                self._materialize(item)
+                if finished:
+                    self._materialize(item)
+                else:
+                    release(self._runner, item, self._post)
             except BaseException as exc:
                 discard_quietly(self._runner, item)
                 self._on_fatal(exc)

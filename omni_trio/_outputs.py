@@ -60,7 +60,10 @@ class RequestMetrics:
     output was ready for the consumer (decode, device-to-host copy, hand-off), and
     is counted in neither ``exec_s`` nor ``stage_durations``.
     ``abort_latency_s`` is the time from the abort request to the release of the
-    request's state, for aborted requests only.
+    request's state, and ``steps_after_abort`` the denoise steps the worker ran for
+    it after the abort was asked (0 or 1: a step in flight), for aborted requests
+    only. ``preemptions`` counts the times it was suspended (L61) and
+    ``suspended_s`` the time it spent so; ``exec_s`` includes that time.
     """
 
     queue_wait_s: float
@@ -70,6 +73,9 @@ class RequestMetrics:
     steps_done: int
     total_s: float
     abort_latency_s: float | None = None
+    steps_after_abort: int | None = None
+    preemptions: int = 0
+    suspended_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, weakref_slot=True)
@@ -95,7 +101,12 @@ class GenerationOutput:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineStatistics:
-    """Counts at one moment; ``admitted`` always equals the sum of the five statuses."""
+    """Counts at one moment; ``admitted`` always equals the sum of the five statuses.
+
+    ``suspended`` counts the waiting requests that were suspended (L61) and hold
+    parked state; ``preemptions`` every suspension so far; ``steps_after_abort``
+    the member-steps run for requests after their abort was asked, summed.
+    """
 
     admitted: int
     waiting: int
@@ -107,3 +118,6 @@ class EngineStatistics:
     batch_steps: int
     is_closing: bool
     is_dead: bool
+    suspended: int = 0
+    preemptions: int = 0
+    steps_after_abort: int = 0

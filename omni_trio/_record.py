@@ -3,16 +3,18 @@
 ::
 
     WAITING ──taken by the worker──▶ RUNNING ──output ready──▶ COMPLETED
-       │                               │ ├──token seen at a boundary──▶ ABORTED
-       └──withdrawn from the queue─────┼─┴──runner raised─────────────▶ FAILED
+       │  ▲                            │ ├──token seen at a boundary──▶ ABORTED
+       │  └──suspended (L61)───────────┤ ├──runner raised─────────────▶ FAILED
+       └──withdrawn from the queue─────┼─┘
           (abort, shutdown) ──▶ ABORTED└──worker died──────────────────▶ FAILED
 
 The worker takes a request under the queue lock and marks it ``taken`` there, so
 WAITING and RUNNING are never stale: a request that reads WAITING is still in the
-queue, and an abort then withdraws it (L6). Every terminal transition happens in the
-event loop's thread, in ``Engine``. A record is terminal exactly when the engine's
-threads hold nothing of it any more, so waiting for ``done`` is waiting for the
-release (L8, L11).
+queue, and an abort then withdraws it (L6); a suspended one is released by the
+materializer then, and ends when its release message arrives. Every terminal
+transition happens in the event loop's thread, in ``Engine``. A record is terminal
+exactly when the engine's threads hold nothing of it any more, so waiting for
+``done`` is waiting for the release (L8, L11).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Record(WorkItem):
         "handle_ref",
         "metrics",
         "outcome",
+        "steps_at_abort",
         "t_abort",
         "t_admitted",
         "t_terminal",
@@ -80,7 +83,14 @@ class Record(WorkItem):
         self.handle_ref: weakref.ref[RequestHandle] | None = None
         self.t_admitted = time.perf_counter()
         self.t_abort: float | None = None
+        self.steps_at_abort = 0
         self.t_terminal: float | None = None
+
+    def mark_abort(self) -> None:
+        """Note when, and at which step, the abort (or shutdown's cut) was asked."""
+        self.t_abort = time.perf_counter()
+        # The worker thread's count, read here: a step in flight counts as after.
+        self.steps_at_abort = self.steps_done
 
     @property
     def status(self) -> RequestStatus:
@@ -102,9 +112,14 @@ class Record(WorkItem):
                 stages["denoise"] = self.denoise_s
         if self.decode_s:
             stages["decode"] = self.decode_s
-        abort_latency = None
+        abort_latency = steps_after_abort = None
         if status is RequestStatus.ABORTED and self.t_abort is not None:
             abort_latency = max(0.0, released - self.t_abort)
+            steps_after_abort = max(0, self.steps_done - self.steps_at_abort)
+        suspended_s = self.suspended_s
+        since = self.t_suspended
+        if since is not None:  # ended while suspended (L61)
+            suspended_s += max(0.0, released - since)
         return RequestMetrics(
             queue_wait_s=(taken if taken is not None else now) - self.t_admitted,
             exec_s=0.0 if taken is None else (denoised or released) - taken,
@@ -113,6 +128,9 @@ class Record(WorkItem):
             steps_done=self.steps_done,
             total_s=now - self.t_admitted,
             abort_latency_s=abort_latency,
+            steps_after_abort=steps_after_abort,
+            preemptions=self.preemptions,
+            suspended_s=suspended_s,
         )
 
 

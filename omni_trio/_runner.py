@@ -15,6 +15,9 @@ threads only, never from the event loop. The engine owns the denoise loop:
 - ``run(state, on_step)``: only for runners that declare ``whole_call`` (they cannot
   step, so they run their own loop); ``on_step()`` must be called after every step
   and may raise ``StopRun``, which ``run`` must let through.
+- ``state_bytes(state)``, ``suspend(state, to_host=...)``, ``resume(state)``: only
+  for runners that declare ``suspendable`` (L61): the engine parks a running
+  request at a step boundary and later resumes it from the step it reached.
 
 What a runner can do is declared up front in ``RunnerCapabilities``: the engine
 validates requests and forms batches from it, without calling the runner.
@@ -32,7 +35,7 @@ from ._request import GenerationRequest
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Runner", "RunnerCapabilities", "StopRun", "WholeCallRunner"]
+__all__ = ["Runner", "RunnerCapabilities", "StopRun", "SuspendableRunner", "WholeCallRunner"]
 
 StateT = TypeVar("StateT")
 
@@ -58,6 +61,11 @@ class RunnerCapabilities:
         whole_call: the runner cannot step: the engine calls ``run(state, on_step)``
             instead of ``step``, one request at a time, and ``on_step`` (called
             after every step) raises ``StopRun`` when the request must stop.
+        suspendable: the runner implements ``SuspendableRunner``: a running
+            request may be suspended between two steps and resumed later, alone or
+            in another batch, with the output it would have had (L61). Needs
+            ``can_join`` (a resumed state joins states at other steps) unless
+            ``max_batch_size`` is 1; never with ``whole_call``.
     """
 
     max_batch_size: int = 1
@@ -69,10 +77,17 @@ class RunnerCapabilities:
     negative_prompt: bool = True
     fixed_size: tuple[int, int] | None = None
     whole_call: bool = False
+    suspendable: bool = False
 
     def __post_init__(self) -> None:
         if self.whole_call and (self.max_batch_size != 1 or self.can_join):
             raise ValueError("whole_call: a whole-call runner serves one request at a time")
+        if self.suspendable and self.whole_call:
+            raise ValueError("suspendable: a whole-call runner runs its own loop to the end")
+        if self.suspendable and not self.can_join and self.max_batch_size != 1:
+            raise ValueError(
+                "suspendable: a resumed state joins states at other steps; declare can_join"
+            )
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size: must be >= 1")
         if self.size_multiple < 1:
@@ -166,4 +181,32 @@ class WholeCallRunner(Runner[StateT], Protocol):
         not the request's ``num_steps`` (an image-to-image call with strength < 1);
         step events then report it as their ``total``.
         """
+        ...
+
+
+class SuspendableRunner(Runner[StateT], Protocol):
+    """A runner that declares ``suspendable``: its states can be parked between steps.
+
+    The engine calls these from its worker thread, between two ``step`` calls; a
+    parked state is never stepped, previewed or decoded until ``resume``, but may
+    be discarded (from either engine thread) instead.
+    """
+
+    def state_bytes(self, state: StateT) -> int:
+        """Return the bytes that suspending ``state`` would keep parked.
+
+        The engine checks its ``max_parked_bytes`` bound with it before suspending.
+        """
+        ...
+
+    def suspend(self, state: StateT, *, to_host: bool) -> None:
+        """Park ``state``; with ``to_host``, move what it holds on the device to host memory.
+
+        Everything the next step needs must be kept: latents, the scheduler's
+        state, the random generator's state.
+        """
+        ...
+
+    def resume(self, state: StateT) -> None:
+        """Bring a parked ``state`` back, so that the next ``step`` continues it exactly."""
         ...

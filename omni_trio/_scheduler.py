@@ -77,7 +77,8 @@ class WaitingQueue(Generic[T]):
         priority: int = 0,
         deadline: float = math.inf,
         steps: int = 0,
-    ) -> None:
+        sequence: int | None = None,
+    ) -> int:
         """Admit ``item`` with its batch ``key``, ``priority`` (higher first) and ``deadline``.
 
         Args:
@@ -87,18 +88,39 @@ class WaitingQueue(Generic[T]):
             deadline: an absolute time; among equal priorities the earliest ranks
                 first (``math.inf``: none).
             steps: its step count, summed for ``steps_ahead``.
+            sequence: the admission sequence ``push`` returned when ``item`` was
+                first admitted, for an item that comes back (a suspended request,
+                L61): it keeps its place among equals. ``None``: a new one.
+
+        Returns:
+            The item's admission sequence.
 
         Raises:
             ValueError: ``item`` is already waiting (an item may wait only once).
         """
         if item in self._entries:
             raise ValueError("item is already waiting")
-        entry: _Entry[T] = (-priority, deadline, self._sequence, item, key, steps)
-        self._sequence += 1
+        if sequence is None:
+            sequence = self._sequence
+            self._sequence += 1
+        elif not 0 <= sequence < self._sequence:
+            raise ValueError("sequence: not one this queue gave out")
+        # A returning item's old entry left the heap when it was taken, so its
+        # sequence is unique among the heap's entries again.
+        entry: _Entry[T] = (-priority, deadline, sequence, item, key, steps)
         self._entries[item] = entry
         heapq.heappush(self._heap, entry)
         if steps:
             self._steps[priority] = self._steps.get(priority, 0) + steps
+        return sequence
+
+    def best(self) -> tuple[T, Hashable, int] | None:
+        """The best-ranked waiting item, its batch key and its priority; ``None`` if none.
+
+        O(1) amortised (it pops the withdrawn entries it finds on top).
+        """
+        entry = self._best()
+        return None if entry is None else (entry[3], entry[4], -entry[0])
 
     def steps_ahead(self, priority: int) -> int:
         """The steps of the waiting items of ``priority`` or higher.

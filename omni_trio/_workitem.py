@@ -8,6 +8,7 @@ timestamps). Threads never touch event-loop objects; they post messages
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
@@ -50,15 +51,20 @@ class WorkItem:
         "batch_key",
         "decode_s",
         "denoise_s",
+        "preemptions",
         "prepare_s",
+        "rank_deadline",
         "reading",
         "request",
         "request_id",
+        "sequence",
         "state",
         "steps_done",
         "steps_total",
+        "suspended_s",
         "t_denoised",
         "t_released",
+        "t_suspended",
         "t_taken",
         "taken",
         "token",
@@ -86,3 +92,17 @@ class WorkItem:
         self.prepare_s = 0.0
         self.denoise_s = 0.0
         self.decode_s = 0.0
+        # Its place in the queue's ranking, kept so that a suspended request comes
+        # back to the place it had (L61): the absolute deadline it was ranked by
+        # and the admission sequence the queue gave it.
+        self.rank_deadline = math.inf
+        self.sequence = 0
+        # L61: how often it was suspended, the time it spent suspended before its
+        # last resume, and when its current suspension began (None: not suspended).
+        self.preemptions = 0
+        self.suspended_s = 0.0
+        self.t_suspended: float | None = None
+
+    def rank(self) -> tuple[int, float, int]:
+        """Its rank, as the queue compares them: the smallest is the best-ranked."""
+        return (-self.request.priority, self.rank_deadline, self.sequence)

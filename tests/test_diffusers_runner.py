@@ -284,3 +284,39 @@ async def test_cuda_decode_overlaps_and_lands_in_pinned_memory() -> None:
     for output in outputs:
         assert output.images.is_pinned()
         torch.testing.assert_close(output.images, expected, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize(("kind", "park_on_host"), [("sd", False), ("sd", True), ("unet", True)])
+async def test_a_suspended_request_resumes_to_the_uninterrupted_image(
+    kind: str, park_on_host: bool
+) -> None:
+    """L61: suspended after its first step and resumed later, a request's image is bitwise
+    the one it makes uninterrupted (same batch composition: alone), and the parked state
+    counts its latents' bytes at least. "unet" is DDPM: its scheduler draws noise from the
+    request's generator at every step, so the generator's state must survive too.
+    """
+    low_request = request(kind, num_steps=5, seed=11, prompt="low")
+    high_request = request(kind, num_steps=2, seed=12, prompt="high", priority=1)
+    options = ot.EngineConfig(max_batch_size=1, park_on_host=park_on_host)
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(DiffusersRunner(pipe(kind)), options) as engine:
+            uninterrupted = await engine.generate(low_request)
+        runner = GatedDiffusers(pipe(kind))
+        async with ot.open_engine(runner, options) as engine:
+            low = engine.submit(low_request, request_id="low")
+            await runner.wait_arrived(1)
+            high = engine.submit(high_request, request_id="high")
+            runner.release(1)
+            await runner.wait_arrived(2)
+            stats = engine.statistics()
+            assert (stats.suspended, stats.preemptions) == (1, 1)
+            assert low.status is ot.RequestStatus.WAITING
+            assert engine._worker.parked_bytes >= 4 * 4 * (SIZE[kind] // 8) ** 2
+            runner.open_gate()
+            async with high:
+                await high.result()
+            async with low:
+                resumed = await low.result()
+    assert resumed.metrics.preemptions == 1
+    assert runner.live_states == 0
+    assert torch.equal(resumed.images, uninterrupted.images)

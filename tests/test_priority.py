@@ -83,8 +83,11 @@ async def test_higher_priority_starts_first_fifo_among_equals() -> None:
     are submitted. Batches of one: they start in the order high, high2, mid, low.
     """
     runner = RecordingRunner()
+    # Without preemption (L61), which would suspend "busy" for "high": the order of
+    # starts alone is under test here.
+    options = ot.EngineConfig(max_batch_size=1, preemption=False)
     with anyio.fail_after(BUDGET):
-        async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=1)) as engine:
+        async with ot.open_engine(runner, options) as engine:
             busy = engine.submit(req(), request_id="busy")
             await runner.wait_arrived(1)
             handles = [busy]

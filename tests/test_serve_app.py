@@ -496,6 +496,8 @@ async def test_disconnect_aborts_at_the_next_step(stream: bool) -> None:
             text = (await client.get("/metrics")).text
             assert metric(text, "omni_trio_requests_total", outcome="disconnected") == 1
             assert metric(text, "omni_trio_abort_latency_seconds_count") == 1
+            # The step in flight when the client left: the only one run after it.
+            assert metric(text, "omni_trio_steps_after_abort_total") == 1
             before = (runner.steps_run, runner.batch_steps)
             response = await client.post(PATH, json={"prompt": "y", "num_inference_steps": 5})
             assert response.status_code == 200

@@ -94,6 +94,39 @@ async def test_priority_orders_requests_and_is_bounded_by_max_priority() -> None
     assert [call.status for call in (busy, *calls)] == [200, 200, 200]
 
 
+async def test_metrics_count_preemptions_and_suspended_requests() -> None:
+    """L61, L63: a preemption over HTTP shows in ``/metrics``: the count and the suspended gauge.
+
+    "busy" runs its first step (gated); "urgent" (priority 1) arrives and, at the
+    boundary, suspends it; while "urgent" is held in its step, the scrape says one
+    preemption and one suspended request. Both answers are 200 afterwards.
+    """
+    runner = PromptRecorder()
+    service = make(runner, max_priority=1)
+    busy = AsgiCall({"prompt": "busy"})
+    urgent = AsgiCall({"prompt": "urgent", "priority": 1})
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            engine = service.engine
+            assert engine is not None
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(busy.run, service)
+                await runner.wait_arrived(1)
+                tg.start_soon(urgent.run, service)
+                await wait_until(lambda: engine.statistics().waiting == 1)
+                runner.release(1)
+                await runner.wait_arrived(2)
+                text = (await client.get("/metrics")).text
+                assert metric(text, "omni_trio_preemptions_total") == 1
+                assert metric(text, "omni_trio_requests_suspended") == 1
+                runner.open_gate()
+            text = (await client.get("/metrics")).text
+            assert metric(text, "omni_trio_requests_suspended") == 0
+            assert metric(text, "omni_trio_preemptions_total") == 1
+    assert runner.prompts == ["busy", "urgent"]
+    assert (busy.status, urgent.status) == (200, 200)
+
+
 async def test_default_max_priority_refuses_any_raise() -> None:
     """L63: by default (max_priority 0) a positive priority is a 400; zero and below are fine."""
     service = make(FakeRunner())

@@ -1,6 +1,7 @@
 """Runners: the seam between the engine and a model.
 
-- ``Runner`` and ``RunnerCapabilities``: the protocol a model implements.
+- ``Runner`` and ``RunnerCapabilities``: the protocol a model implements;
+  ``SuspendableRunner`` the three calls more that preemption needs.
 - ``DiffusersRunner``: a diffusers pipeline driven one step at a time.
 - ``PipelineCallRunner``: any other pipeline, through its own ``__call__``.
 - ``runner_for(pipeline)``: the first where it can, else the second.
@@ -14,6 +15,7 @@ from .._runner import Runner as Runner
 from .._runner import RunnerCapabilities as RunnerCapabilities
 from .._runner import StepCallback as StepCallback
 from .._runner import StopRun as StopRun
+from .._runner import SuspendableRunner as SuspendableRunner
 from .._runner import WholeCallRunner as WholeCallRunner
 from ._call import PipelineCallRunner as PipelineCallRunner
 from ._call import runner_for as runner_for
@@ -29,6 +31,7 @@ __all__ = [
     "RunnerCapabilities",
     "StepCallback",
     "StopRun",
+    "SuspendableRunner",
     "WholeCallRunner",
     "runner_for",
     "tiny_pipeline",

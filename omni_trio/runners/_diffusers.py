@@ -18,6 +18,7 @@ import torch
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities
 from ._families import RequestState, family_for
+from ._park import move_state, state_tensors
 
 __all__ = ["DiffusersRunner", "latent_preview"]
 
@@ -84,6 +85,7 @@ class DiffusersRunner:
             size_multiple=self._family.size_multiple,
             negative_prompt=self._family.negative_prompt,
             fixed_size=self._family.fixed_size,
+            suspendable=True,
         )
         device = torch.device(pipeline.device)
         # On CUDA, decodes run on their own stream and copy into pinned host
@@ -95,7 +97,7 @@ class DiffusersRunner:
 
     @property
     def capabilities(self) -> RunnerCapabilities:
-        """Batching with joins at any step, previews, the family's size rules."""
+        """Batching with joins at any step, previews, the family's size rules, suspension."""
         return self._capabilities
 
     @property
@@ -195,6 +197,28 @@ class DiffusersRunner:
         state.shared = {}
         state.ready = None
         self._count("live_states", -1)
+
+    def state_bytes(self, state: RequestState) -> int:
+        """The bytes of the state's tensors: latents, conditioning, scheduler (L61)."""
+        seen: set[int] = set()
+        total = 0
+        for tensor in state_tensors(state):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                total += tensor.nbytes
+        return total
+
+    def suspend(self, state: RequestState, *, to_host: bool) -> None:
+        """Park the state; with ``to_host``, move its tensors to host memory (L61)."""
+        if to_host and state.latents is not None and state.latents.device.type != "cpu":
+            state.parked_from = state.latents.device
+            move_state(state, torch.device("cpu"))
+
+    def resume(self, state: RequestState) -> None:
+        """Move a state parked in host memory back to its device; the next step continues it."""
+        if state.parked_from is not None:
+            move_state(state, state.parked_from)
+            state.parked_from = None
 
     def close(self) -> None:
         """Nothing to free: the pipeline belongs to the caller and stays usable."""

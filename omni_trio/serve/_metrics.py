@@ -13,9 +13,12 @@ omni_trio_step_seconds                    histogram  a request's mean denoise st
 omni_trio_output_ready_wait_seconds       histogram  last step to output ready (decode, copy)
 omni_trio_abort_latency_seconds           histogram  abort requested to the worker's release
 omni_trio_requests_running                gauge      requests the worker holds now
-omni_trio_requests_waiting                gauge      requests in the queue now
+omni_trio_requests_waiting                gauge      requests in the queue now (suspended included)
+omni_trio_requests_suspended              gauge      waiting requests that were suspended (L61)
 omni_trio_draining                        gauge      1 while shutting down
 omni_trio_engine_steps_total              counter    member-steps the engine ran
+omni_trio_preemptions_total               counter    suspensions of running requests (L61)
+omni_trio_steps_after_abort_total         counter    member-steps run after an abort was asked
 ========================================  =========  ==========================================
 
 Outcomes: ``completed``, ``disconnected`` (the client went away; aborted),
@@ -81,16 +84,34 @@ class _EngineCollector:
     def __init__(self, statistics: Callable[[], EngineStatistics | None]) -> None:
         self._statistics = statistics
 
+    _COUNTERS = (
+        (
+            "omni_trio_engine_steps",
+            "steps_run",
+            "Member-steps the engine ran (one per request per step).",
+        ),
+        (
+            "omni_trio_preemptions",
+            "preemptions",
+            "Suspensions of running requests at a step boundary.",
+        ),
+        (
+            "omni_trio_steps_after_abort",
+            "steps_after_abort",
+            "Member-steps run for requests after their abort (or disconnect) was asked.",
+        ),
+    )
+
     def collect(self) -> Iterator[Metric]:
         stats = self._statistics()
-        steps = CounterMetricFamily(
-            "omni_trio_engine_steps", "Member-steps the engine ran (one per request per step)."
-        )
-        steps.add_metric([], stats.steps_run if stats is not None else 0)
-        yield steps
+        for name, field, documentation in self._COUNTERS:
+            counter = CounterMetricFamily(name, documentation)
+            counter.add_metric([], getattr(stats, field) if stats is not None else 0)
+            yield counter
 
     def describe(self) -> Iterator[Metric]:
-        yield CounterMetricFamily("omni_trio_engine_steps", "")
+        for name, _, _ in self._COUNTERS:
+            yield CounterMetricFamily(name, "")
 
 
 class _WithoutCreated:
@@ -176,6 +197,11 @@ class ServeMetrics:
         Gauge(
             "omni_trio_requests_waiting", "Requests waiting in the queue now.", registry=registry
         ).set_function(stat("waiting"))
+        Gauge(
+            "omni_trio_requests_suspended",
+            "Waiting requests that were suspended and hold parked state.",
+            registry=registry,
+        ).set_function(stat("suspended"))
         Gauge(
             "omni_trio_draining", "1 while the server shuts down, else 0.", registry=registry
         ).set_function(lambda: float(is_draining()))

@@ -32,6 +32,10 @@ class FakeState:
     steps_done: int
     total: int
     discarded: bool = False
+    #: Suspended (L61): stepping, previewing or decoding it is a runner error.
+    parked: bool = False
+    #: Suspended with ``to_host``: its latents would be in host memory.
+    on_host: bool = False
 
 
 class FakeRunner:
@@ -47,11 +51,14 @@ class FakeRunner:
             step (1-based): the whole batch fails, as a real model call would.
         decode_seconds: sleep this long in every decode.
         max_batch_size: the runner's own batch limit.
+        suspendable: whether it declares ``suspendable`` (L61): its states can be
+            parked between steps and resumed exactly.
 
     Counters (read them from any thread): ``live_states`` (states held now),
     ``prepares``, ``steps_run`` (member-steps), ``batch_steps`` (``step`` calls),
-    ``decodes``, ``previews``, ``closed``, and ``threads`` (names of the threads
-    that called it).
+    ``decodes``, ``previews``, ``suspends``, ``resumes``, ``parked_states``
+    (suspended now), ``closed``, and ``threads`` (names of the threads that
+    called it).
     """
 
     def __init__(
@@ -61,6 +68,7 @@ class FakeRunner:
         fail_at_step: int | None = None,
         decode_seconds: float = 0.0,
         max_batch_size: int = 64,
+        suspendable: bool = True,
     ) -> None:
         self.step_seconds = step_seconds
         self.fail_at_step = fail_at_step
@@ -71,6 +79,7 @@ class FakeRunner:
             batch_key_fields=("height", "width", "num_images"),
             previews=True,
             size_multiple=LATENT_SCALE,
+            suspendable=suspendable,
         )
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -80,12 +89,15 @@ class FakeRunner:
         self.batch_steps = 0
         self.decodes = 0
         self.previews = 0
+        self.suspends = 0
+        self.resumes = 0
+        self.parked_states = 0
         self.closed = False
         self.threads: set[str] = set()
 
     @property
     def capabilities(self) -> RunnerCapabilities:
-        """Batching with joins, previews, sizes in multiples of 8."""
+        """Batching with joins, previews, sizes in multiples of 8, suspension."""
         return self._capabilities
 
     def _count(self, **increments: int) -> None:
@@ -119,20 +131,28 @@ class FakeRunner:
         if self.step_seconds > 0:
             time.sleep(self.step_seconds)
         for state in states:
-            if state.discarded:
-                raise RuntimeError(f"FakeRunner: step of discarded state {state.request_id}")
+            self._check_usable(state, "step")
             phase = state.prompt_code + math.pi * state.steps_done / state.total
             state.latents.mul_(0.9).add_(0.1 * math.cos(phase))
             state.steps_done += 1
         self._count(steps_run=len(states), batch_steps=1)
 
+    @staticmethod
+    def _check_usable(state: FakeState, call: str) -> None:
+        if state.discarded:
+            raise RuntimeError(f"FakeRunner: {call} of discarded state {state.request_id}")
+        if state.parked:
+            raise RuntimeError(f"FakeRunner: {call} of suspended state {state.request_id}")
+
     def preview(self, state: FakeState) -> torch.Tensor:
         """A sigmoid of three latent channels, at latent resolution."""
+        self._check_usable(state, "preview")
         self._count(previews=1)
         return torch.sigmoid(state.latents[:, :3]).clone()
 
     def decode(self, state: FakeState) -> torch.Tensor:
         """Upsample three latent channels to image size."""
+        self._check_usable(state, "decode")
         if self.decode_seconds > 0:
             time.sleep(self.decode_seconds)
         images = torch.sigmoid(state.latents[:, :3])
@@ -147,7 +167,28 @@ class FakeRunner:
         if state.discarded:
             raise RuntimeError(f"FakeRunner: state of {state.request_id} discarded twice")
         state.discarded = True
-        self._count(live_states=-1)
+        if state.parked:
+            state.parked = False
+            self._count(live_states=-1, parked_states=-1)
+        else:
+            self._count(live_states=-1)
+
+    def state_bytes(self, state: FakeState) -> int:
+        """The bytes of the state's latents."""
+        return state.latents.nbytes
+
+    def suspend(self, state: FakeState, *, to_host: bool) -> None:
+        """Mark the state parked; nothing moves (the latents are on the CPU already)."""
+        self._check_usable(state, "suspend")
+        state.parked, state.on_host = True, to_host
+        self._count(suspends=1, parked_states=1)
+
+    def resume(self, state: FakeState) -> None:
+        """Mark the state usable again."""
+        if not state.parked or state.discarded:
+            raise RuntimeError(f"FakeRunner: resume of a state not suspended: {state.request_id}")
+        state.parked = state.on_host = False
+        self._count(resumes=1, parked_states=-1)
 
     def close(self) -> None:
         """Mark the runner closed."""
@@ -184,9 +225,13 @@ class GatedRunner(FakeRunner):
         step_seconds: float = 0.0,
         fail_at_step: int | None = None,
         max_batch_size: int = 64,
+        suspendable: bool = True,
     ) -> None:
         super().__init__(
-            step_seconds=step_seconds, fail_at_step=fail_at_step, max_batch_size=max_batch_size
+            step_seconds=step_seconds,
+            fail_at_step=fail_at_step,
+            max_batch_size=max_batch_size,
+            suspendable=suspendable,
         )
         self.gate_timeout = gate_timeout
         self.gate_decodes = gate_decodes

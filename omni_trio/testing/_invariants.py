@@ -149,8 +149,10 @@ def engine_settled(engine: Engine, runner: RunnerCounters | None = None) -> bool
     held = 0
     for record in list(engine._live.values()):
         if record.status is RequestStatus.WAITING:
-            if record.t_taken is not None:
-                return False  # taken; the loop has not seen it yet
+            if record.t_suspended is not None and record.state is not None:
+                held += 1  # suspended (L61): back in the queue with its parked state
+            elif record.t_taken is not None:
+                return False  # taken; the loop has not seen it yet, or being released
             continue
         if record.state is None or record.steps_done >= record.request.num_steps:
             return False  # being prepared, released or materialized
