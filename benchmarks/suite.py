@@ -27,6 +27,7 @@ from .pipeline import (
 from .plot import save_plot
 from .postabort import plot_post_abort, run_post_abort, table_post_abort
 from .preview import plot_preview, run_preview, table_preview
+from .priority import plot_priority, run_priority, table_priority
 from .scale import plot_scale, run_scale, table_scale
 from .targets import targets_for
 
@@ -98,6 +99,13 @@ BENCHMARKS: dict[str, Benchmark] = {
             run=run_join,
             table=table_join,
             plot=plot_join,
+        ),
+        Benchmark(
+            name="priority",
+            what="an urgent request behind background batches: FIFO, priorities, preemption",
+            run=run_priority,
+            table=table_priority,
+            plot=plot_priority,
         ),
         Benchmark(
             name="scale",

@@ -129,6 +129,24 @@ TARGETS: tuple[Target, ...] = (
         met=lambda r: _s(r)["throughput_ratio_b4_over_b1"] >= 1.3,
     ),
     Target(
+        bench="priority",
+        label="urgent request's wait with preemption, p99",
+        target="≤ 1 step",
+        figure=lambda r: (
+            f"{_s(r)['high_priority_p99_wait_steps_preemption']:.2f} steps (priorities only"
+            f" {_s(r)['high_priority_p99_wait_steps']['priority']:.1f}, FIFO"
+            f" {_s(r)['high_priority_p99_wait_steps']['fifo']:.1f})"
+        ),
+        met=lambda r: _s(r)["high_priority_p99_wait_steps_preemption"] <= 1.0,
+    ),
+    Target(
+        bench="priority",
+        label="resumed output vs uninterrupted, same batch",
+        target="bitwise (0)",
+        figure=lambda r: f"max |diff| {_s(r)['resume_max_abs_diff']:.3g}",
+        met=lambda r: _s(r)["resume_max_abs_diff"] == 0.0,
+    ),
+    Target(
         bench="join",
         label="wait to join a running batch, p99",
         target="≤ 1 step",
