@@ -17,7 +17,7 @@ The data (no threads, no event loop):
 - ``_config``: ``EngineConfig``.
 - ``_request``: ``GenerationRequest``.
 - ``_outputs``: what the engine hands out: ``RequestStatus``, ``StepEvent``,
-  ``GenerationOutput``, ``RequestMetrics``, ``EngineStatistics``.
+  ``GenerationOutput``, ``RequestMetrics``, ``EngineStatistics``, ``WorkerStatistics``.
 - ``_runner``: the ``Runner`` protocol, the seam to a model (``runners/`` holds the
   diffusers implementations).
 - ``_construct``: ``NoPublicConstructor``, the metaclass of the final classes that
@@ -38,6 +38,7 @@ The loop side (runs in the event loop's thread only):
 The thread side (runs in the engine's own threads only):
 
 - ``_worker``: the step loop, one owned thread per device.
+- ``_pool``: what the workers share: one lock, the queue of new requests.
 - ``_materialize``: decode and copy to host, off the step loop.
 - ``_imagecheck``: the output contract, checked on every image and preview.
 - ``_failure``: a runner's exception made into a request's failure, formatted once
@@ -87,6 +88,7 @@ from ._outputs import GenerationOutput as GenerationOutput
 from ._outputs import RequestMetrics as RequestMetrics
 from ._outputs import RequestStatus as RequestStatus
 from ._outputs import StepEvent as StepEvent
+from ._outputs import WorkerStatistics as WorkerStatistics
 from ._request import GenerationRequest as GenerationRequest
 
 __version__ = "0.1.0"
@@ -112,6 +114,7 @@ __all__ = [
     "RequestMetrics",
     "RequestStatus",
     "StepEvent",
+    "WorkerStatistics",
     "open_engine",
 ]
 

@@ -49,6 +49,9 @@ class EngineConfig:
         max_parked_bytes: most bytes of suspended state the worker holds at once
             (the runner's ``state_bytes``); a preemption that would exceed it does
             not happen. ``None``: no bound.
+        torch_threads: torch's intra-op thread count for the process (it is
+            process-wide, one setting for every worker); ``None``: with several
+            workers, the CPU cores divided among them, with one, left as it is.
     """
 
     max_batch_size: int = 4
@@ -64,6 +67,7 @@ class EngineConfig:
     max_preemptions: int = 2
     park_on_host: bool = False
     max_parked_bytes: int | None = None
+    torch_threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -97,6 +101,11 @@ class EngineConfig:
                 maximum=sys.maxsize,
             )
             object.__setattr__(self, "max_parked_bytes", parked)
+        if self.torch_threads is not None:
+            threads = check_int(
+                fail_config, "torch_threads", self.torch_threads, minimum=1, maximum=4096
+            )
+            object.__setattr__(self, "torch_threads", threads)
         grace = check_float(fail_config, "shutdown_grace", self.shutdown_grace, minimum=0.0)
         object.__setattr__(self, "shutdown_grace", grace)
 

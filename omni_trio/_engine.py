@@ -11,10 +11,11 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import threading
 import uuid
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeVar, assert_never, cast, final
 
@@ -39,12 +40,19 @@ from ._handle import RequestHandle
 from ._inbox import LoopInbox
 from ._log import ENGINE, log_exception
 from ._messages import Completed, Died, Exited, Message, Released, Stepped, died
-from ._outputs import EngineStatistics, GenerationOutput, RequestStatus, StepEvent
+from ._outputs import (
+    EngineStatistics,
+    GenerationOutput,
+    RequestStatus,
+    StepEvent,
+    WorkerStatistics,
+)
+from ._pool import Pool, Withdrawal
 from ._record import Record, wait_shielded
 from ._request import GenerationRequest
 from ._runner import Runner, RunnerCapabilities
 from ._validate import check_text, fail_request
-from ._worker import Withdrawal, Worker
+from ._worker import Worker
 from ._workitem import SHUTDOWN, WorkItem
 
 if TYPE_CHECKING:
@@ -65,24 +73,33 @@ MAX_REQUEST_ID_CHARS = 1024
 
 @final
 class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
-    """Serves generation requests with one runner; create it with ``open_engine``."""
+    """Serves generation requests with one runner per device; create it with ``open_engine``."""
 
-    def __init__(self, runner: Runner[Any], config: EngineConfig) -> None:
+    def __init__(self, runners: Sequence[Runner[Any]], config: EngineConfig) -> None:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
-        capabilities = getattr(runner, "capabilities", None)
-        if not isinstance(capabilities, RunnerCapabilities):
-            raise TypeError("runner.capabilities must be a RunnerCapabilities")
+        self._capabilities = _capabilities_of(runners)
         self._config = config
-        self._capabilities = capabilities
         self._inbox: LoopInbox[Message[WorkItem]] = LoopInbox(self._dispatch)
-        self._worker = Worker(
-            runner,
-            config,
-            post=self._inbox.post,
-            post_quietly=self._inbox.post_quietly,
-            name=f"omni-trio-{next(_engine_numbers)}",
-        )
+        self._pool = Pool()
+        number = next(_engine_numbers)
+        several = len(runners) > 1
+        self._workers = [
+            Worker(
+                runner,
+                config,
+                self._pool,
+                index=index,
+                post=self._inbox.post,
+                post_quietly=self._inbox.post_quietly,
+                name=f"omni-trio-{number}" + (f".{index}" if several else ""),
+            )
+            for index, runner in enumerate(runners)
+        ]
+        self._pool.workers = self._workers
+        # L43: the workers whose threads have not died, and those that exited.
+        self._alive = set(range(len(self._workers)))
+        self._exited_workers = 0
         # Non-terminal requests by id: the engine drives them, so it holds them.
         self._live: dict[str, Record] = {}
         # Terminal requests whose handle is open keep their id (L2); held weakly,
@@ -109,8 +126,8 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
 
     @property
     def threads(self) -> tuple[threading.Thread, ...]:
-        """The threads this engine started (the worker and the materializer)."""
-        return self._worker.threads
+        """The threads this engine started (each worker's step loop and materializer)."""
+        return tuple(thread for worker in self._workers for thread in worker.threads)
 
     # -- admission -----------------------------------------------------------
 
@@ -170,7 +187,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             event_buffer=self._config.event_buffer,
             deadline=deadline,
         )
-        if not self._worker.enqueue(
+        if not self._pool.enqueue(
             record,
             limit=self._config.max_waiting,
             deadline=math.inf if deadline is None else deadline,
@@ -202,21 +219,27 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
     def _check_deadline(self, request: GenerationRequest, request_id: str) -> None:
         """Refuse ``request`` if the estimate of its completion misses its deadline (L62).
 
-        The estimate is the measured step time (the worker's moving average) times
-        the steps ahead: those left of the running batch, those of the waiting
-        requests of equal or higher priority shared out over full batches, and the
-        request's own. It errs towards admitting (it assumes full batches; the
-        timer aborts what still misses); with no step measured yet it admits. Cost:
-        O(k), k the distinct priorities waiting, never a scan of the queue.
+        The estimate, on the best worker, is its measured step time (its moving
+        average) times the steps ahead: those left of its running batch, those of
+        the waiting requests of equal or higher priority shared out over full
+        batches on every live worker, and the request's own. It errs towards
+        admitting (it assumes full batches; the timer aborts what still misses);
+        while a live worker has measured no step yet it admits. Cost: O(k + w), k
+        the distinct priorities waiting and w the workers, never a scan of the queue.
         """
-        step_s = self._worker.step_s
         deadline_s = request.deadline_s
-        if step_s is None or deadline_s is None:
+        workers = [self._workers[index] for index in self._alive]
+        measured = [(worker.step_s, worker.steps_left) for worker in workers]
+        if deadline_s is None or not workers or any(step_s is None for step_s, _ in measured):
             return
-        waiting = self._worker.steps_ahead(request.priority)
-        steps = self._worker.steps_left + -(-waiting // self._worker.max_batch)
-        steps += request.num_steps
-        estimate = steps * step_s
+        waiting = self._pool.steps_ahead(request.priority)
+        shared = -(-waiting // (self._workers[0].max_batch * len(workers)))
+        best = min(
+            ((left + shared + request.num_steps) * cast(float, step_s), left, cast(float, step_s))
+            for step_s, left in measured
+        )
+        estimate, left, step_s = best
+        steps = left + shared + request.num_steps
         if estimate > deadline_s:
             raise DeadlineError(
                 f"the deadline of {deadline_s:g} s cannot be met: the estimate is "
@@ -281,7 +304,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         # L6: a request still in the queue never reaches the worker. Asked of the
         # queue whatever the status reads: a suspended request may be on its way
         # back into it (L61), and only the queue's lock makes the answer exact.
-        if self._worker.withdraw(record) is Withdrawal.WITHDRAWN:
+        if self._pool.withdraw(record) is Withdrawal.WITHDRAWN:
             self._terminate(record, RequestStatus.ABORTED, self._cut_error(record))
 
     def _expire(self, record: Record) -> None:
@@ -301,7 +324,18 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         always add up to ``admitted``.
         """
         counts = self._counts
-        waiting, suspended = self._worker.queue_counts()
+        waiting, suspended = self._pool.counts()
+        workers = tuple(
+            WorkerStatistics(
+                name=worker.name,
+                alive=worker.index in self._alive,
+                running=worker.running,
+                steps_run=worker.steps_run,
+                batch_steps=worker.batch_steps,
+                preemptions=worker.preemptions,
+            )
+            for worker in self._workers
+        )
         ended = (
             counts[RequestStatus.COMPLETED]
             + counts[RequestStatus.ABORTED]
@@ -315,10 +349,12 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             aborted=counts[RequestStatus.ABORTED],
             failed=counts[RequestStatus.FAILED],
             suspended=suspended,
-            preemptions=self._worker.preemptions,
-            steps_run=self._worker.steps_run,
-            batch_steps=self._worker.batch_steps,
+            preemptions=sum(worker.preemptions for worker in workers),
+            steps_run=sum(worker.steps_run for worker in workers),
+            batch_steps=sum(worker.batch_steps for worker in workers),
             steps_after_abort=self._steps_after_abort,
+            workers_alive=len(self._alive),
+            workers=workers,
             is_closing=self._closing,
             is_dead=self._dead is not None,
         )
@@ -351,16 +387,17 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         finally:
             for record in list(self._live.values()):
                 self._cut(record)
-            self._worker.stop()
+            self._pool.stop()
             await wait_shielded(self._exited)
-            self._worker.join()
+            for worker in self._workers:
+                worker.join()
 
     def _begin_shutdown(self) -> None:
         if self._closing:
             return
         self._closing = True
         self._grace_deadline = anyio.current_time() + self._config.shutdown_grace
-        fresh, releasing = self._worker.withdraw_all()
+        fresh, releasing = self._pool.withdraw_all()
         for item in releasing:  # suspended (L61): their release message follows
             self._cut(cast(Record, item))
         for item in fresh:
@@ -420,10 +457,14 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
                     self._terminate(record, RequestStatus.FAILED, failed)
                 else:
                     self._terminate(record, RequestStatus.ABORTED, self._cut_error(record))
+            case Died(worker=worker) if worker is not None and self._alive - {worker}:
+                self._lose_worker(message, worker)
             case Died():
                 self._die(message)
             case Exited():
-                self._exited.set()
+                self._exited_workers += 1
+                if self._exited_workers == len(self._workers):
+                    self._exited.set()
             case _:
                 assert_never(message)
 
@@ -468,19 +509,49 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             request_id=record.request_id,
         )
 
+    def _lose_worker(self, death: Died, index: int) -> None:
+        """Worker ``index`` died; the others serve on (L43): fail only what it held."""
+        if index not in self._alive:
+            return
+        self._alive.discard(index)
+        text = death.traceback or format_traceback(death.error)
+        log_exception(
+            ENGINE,
+            f"{death.message}; {len(self._alive)} worker(s) serve on",
+            death.error,
+            text,
+            extra={},
+        )
+        with self._pool.cond:
+            # Its suspended requests end now; its exiting thread discards their state.
+            self._workers[index].orphan_parked()
+        for record in list(self._live.values()):
+            if record.worker == index:
+                record.token.cancel(SHUTDOWN)
+                failed = RequestFailedError(
+                    f"request {record.request_id!r} failed: {death.message}",
+                    request_id=record.request_id,
+                )
+                failed.__cause__ = death.error
+                self._terminate(record, RequestStatus.FAILED, failed)
+
     def _die(self, death: Died) -> None:
         if self._dead is not None:
             return
         dead = EngineDeadError(death.message)
         dead.__cause__ = death.error
         self._dead = dead
+        self._alive.clear()
         text = death.traceback or format_traceback(death.error)
         log_exception(ENGINE, death.message, death.error, text, extra={})
         self._closing = True
-        self._worker.withdraw_all()
-        self._worker.stop()
-        for record in list(self._live.values()):
+        live = list(self._live.values())
+        # Cut first, so that no suspension in flight parks a request that ends here.
+        for record in live:
             record.token.cancel(SHUTDOWN)
+        self._pool.withdraw_all()
+        self._pool.stop()
+        for record in live:
             self._terminate(record, RequestStatus.FAILED, self._dead_error())
 
     def _dead_error(self) -> EngineDeadError:
@@ -546,18 +617,71 @@ class _HandleOwner:
         self._engine._forget(record, handle)
 
 
+def _capabilities_of(runners: Sequence[Runner[Any]]) -> RunnerCapabilities:
+    """The capabilities every runner declares, the same for all (L42)."""
+    if not runners:
+        raise ValueError("runners: give at least one runner")
+    found: RunnerCapabilities | None = None
+    for runner in runners:
+        capabilities = getattr(runner, "capabilities", None)
+        if not isinstance(capabilities, RunnerCapabilities):
+            raise TypeError("runner.capabilities must be a RunnerCapabilities")
+        if found is not None and capabilities != found:
+            # One admission validates and batches for all: what one worker refuses,
+            # another must refuse too.
+            raise ValueError("runners: every runner must declare the same capabilities")
+        found = capabilities
+    assert found is not None
+    return found
+
+
+def _runner_list(runners: Runner[Any] | Sequence[Runner[Any]]) -> list[Runner[Any]]:
+    if isinstance(runners, Sequence) and not isinstance(runners, (str, bytes)):
+        return list(runners)
+    return [runners]
+
+
+def _set_torch_threads(config: EngineConfig, workers: int) -> None:
+    """Pick the process's torch intra-op thread count for ``workers`` workers.
+
+    The count is process-wide (``torch.set_num_threads``: the last call wins), so
+    it is one setting for all workers: ``config.torch_threads`` when given, else,
+    with several workers, the CPU cores divided among them, so that CPU workers do
+    not oversubscribe the cores. With one worker and no setting it is left alone.
+    """
+    threads = config.torch_threads
+    if threads is None:
+        if workers == 1:
+            return
+        threads = max(1, _cores() // workers)
+    import torch
+
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+        ENGINE.info("torch intra-op threads set to %d for %d worker(s)", threads, workers)
+
+
+def _cores() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
 @asynccontextmanager
 async def open_engine(
-    runner: Runner[StateT], config: EngineConfig | None = None
+    runners: Runner[StateT] | Sequence[Runner[StateT]], config: EngineConfig | None = None
 ) -> AsyncIterator[Engine]:
-    """Start an engine on ``runner``; shut it down when the block is left.
+    """Start an engine on one runner, or one runner per device; shut it down on exit.
 
     Args:
-        runner: the model runner (see ``omni_trio.runners.Runner``).
+        runners: the model runner (see ``omni_trio.runners.Runner``), or a
+            sequence of them, typically the same pipeline loaded once per device
+            (``omni_trio.runners.for_devices``): each gets its own worker, all
+            share one queue (L42). They must declare the same capabilities.
         config: the engine's configuration; defaults to ``EngineConfig()``.
 
     Raises:
-        EngineDeadError: on exit, if the worker died while the block ran and
+        ValueError: no runner, or runners that declare different capabilities.
+        EngineDeadError: on exit, if every worker died while the block ran and
             the block itself raised nothing.
 
     Exception policy: an exception raised in the block propagates unchanged
@@ -567,8 +691,12 @@ async def open_engine(
         The shutdown sequence runs shielded when the block is left, so leaving
         waits for ``shutdown_grace`` plus at most one step.
     """
-    engine = Engine._create(runner, config if config is not None else EngineConfig())
-    engine._worker.start()
+    config = config if config is not None else EngineConfig()
+    runner_list = _runner_list(runners)
+    engine = Engine._create(runner_list, config)
+    _set_torch_threads(config, len(runner_list))
+    for worker in engine._workers:
+        worker.start()
     # The block's exception is held, not raised inside the task group, which would
     # wrap it in an exception group; it is raised unchanged once the group is left.
     raised: BaseException | None = None

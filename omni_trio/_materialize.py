@@ -14,7 +14,7 @@ freed at once, not at the step loop's next boundary.
 
 from __future__ import annotations
 
-import queue
+import collections
 import threading
 import time
 from collections.abc import Callable
@@ -47,8 +47,12 @@ class Materializer:
         self._runner = runner
         self._post = post
         self._on_fatal = on_fatal
-        # (item, decode?) jobs; None tells the thread to exit.
-        self._queue: queue.SimpleQueue[tuple[WorkItem, bool] | None] = queue.SimpleQueue()
+        # Decodes in arrival order, and releases of suspended requests, which go
+        # first (freeing parked state should not wait behind a decode backlog).
+        self._lock = threading.Condition()
+        self._decodes: collections.deque[WorkItem] = collections.deque()
+        self._releases: collections.deque[WorkItem] = collections.deque()
+        self._stopped = False
         self._abandon = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=False)
 
@@ -63,33 +67,50 @@ class Materializer:
 
     def put(self, item: WorkItem) -> None:
         """Queue ``item`` (its steps done) for decoding; never blocks."""
-        self._queue.put((item, True))
+        with self._lock:
+            self._decodes.append(item)
+            self._lock.notify()
 
     def release(self, item: WorkItem) -> None:
-        """Queue ``item`` (cancelled, not finished) to be released undecoded; never blocks."""
-        self._queue.put((item, False))
+        """Queue ``item`` (cancelled, unfinished) to be released undecoded, first; never blocks."""
+        with self._lock:
+            self._releases.append(item)
+            self._lock.notify()
 
     def stop(self, *, abandon: bool = False) -> None:
         """Let the thread finish what is queued, then exit.
 
         With ``abandon`` (the engine died), queued requests are discarded undecoded.
         """
-        self._abandon = abandon
-        self._queue.put(None)
+        with self._lock:
+            self._abandon = abandon
+            self._stopped = True
+            self._lock.notify()
 
     def discard_leftovers(self) -> None:
         """Discard what a dead thread left queued; call after joining it."""
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if job is not None:
-                discard_quietly(self._runner, job[0])
+        with self._lock:
+            items = [*self._releases, *self._decodes]
+            self._releases.clear()
+            self._decodes.clear()
+        for item in items:
+            discard_quietly(self._runner, item)
+
+    def _next(self) -> tuple[WorkItem, bool] | None:
+        """The next job, (item, decode it?), or ``None`` to exit once all is done."""
+        with self._lock:
+            while True:
+                if self._releases:
+                    return self._releases.popleft(), False
+                if self._decodes:
+                    return self._decodes.popleft(), True
+                if self._stopped:
+                    return None
+                self._lock.wait()
 
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
+            job = self._next()
             if job is None:
                 return
             item, finished = job

@@ -73,16 +73,23 @@ class Released(Generic[W]):
 
 @dataclass(frozen=True, slots=True)
 class Died:
-    """An engine thread died; nothing more will run. ``message`` is formatted already."""
+    """An engine thread died. ``message`` is formatted already.
+
+    ``worker`` is the index of the worker whose thread died (the other workers go
+    on, L43); ``None`` for the engine itself (nothing more will run).
+    """
 
     error: BaseException
     message: str
     traceback: str = ""
+    worker: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Exited:
-    """Every engine thread has finished; the runner is closed."""
+    """Worker ``worker``'s threads have finished; its runner is closed."""
+
+    worker: int = 0
 
 
 Message = Stepped[W] | Completed[W] | Released[W] | Died | Exited
@@ -139,10 +146,10 @@ def ended(
     return Released(item, failure(item.request_id, error, call, batch))
 
 
-def died(error: BaseException, what: str) -> Died:
+def died(error: BaseException, what: str, *, worker: int | None = None) -> Died:
     """The message for an engine thread's death by ``error``; ``what`` says whose.
 
     Never raises: an engine that is dying must still say so, or nothing ends.
     """
     detach(error)
-    return Died(error, f"{what}: {describe(error)}", format_traceback(error))
+    return Died(error, f"{what}: {describe(error)}", format_traceback(error), worker)

@@ -17,6 +17,7 @@ __all__ = [
     "RequestMetrics",
     "RequestStatus",
     "StepEvent",
+    "WorkerStatistics",
 ]
 
 
@@ -100,12 +101,26 @@ class GenerationOutput:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerStatistics:
+    """One worker's counts at one moment (L43): ``running`` members in its batch now."""
+
+    name: str
+    alive: bool
+    running: int
+    steps_run: int
+    batch_steps: int
+    preemptions: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EngineStatistics:
     """Counts at one moment; ``admitted`` always equals the sum of the five statuses.
 
     ``suspended`` counts the waiting requests that were suspended (L61) and hold
     parked state; ``preemptions`` every suspension so far; ``steps_after_abort``
     the member-steps run for requests after their abort was asked, summed.
+    ``workers_alive`` counts the workers whose threads have not died (L43), and
+    ``workers`` holds each worker's own counts, in the order of the runners.
     """
 
     admitted: int
@@ -121,3 +136,5 @@ class EngineStatistics:
     suspended: int = 0
     preemptions: int = 0
     steps_after_abort: int = 0
+    workers_alive: int = 1
+    workers: tuple[WorkerStatistics, ...] = ()

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Generic, TypeVar
 
-__all__ = ["WaitingQueue"]
+__all__ = ["WaitingQueue", "best_of", "take"]
 
 T = TypeVar("T", bound=Hashable)
 
@@ -88,9 +88,10 @@ class WaitingQueue(Generic[T]):
             deadline: an absolute time; among equal priorities the earliest ranks
                 first (``math.inf``: none).
             steps: its step count, summed for ``steps_ahead``.
-            sequence: the admission sequence ``push`` returned when ``item`` was
-                first admitted, for an item that comes back (a suspended request,
-                L61): it keeps its place among equals. ``None``: a new one.
+            sequence: the admission sequence a queue's ``push`` returned when
+                ``item`` was first admitted, for an item that comes back (a
+                suspended request, L61), possibly into another queue: it keeps its
+                place among equals. ``None``: a new one, numbered by this queue.
 
         Returns:
             The item's admission sequence.
@@ -103,10 +104,8 @@ class WaitingQueue(Generic[T]):
         if sequence is None:
             sequence = self._sequence
             self._sequence += 1
-        elif not 0 <= sequence < self._sequence:
-            raise ValueError("sequence: not one this queue gave out")
-        # A returning item's old entry left the heap when it was taken, so its
-        # sequence is unique among the heap's entries again.
+        # A returning item's old entry left its heap when it was taken, so its
+        # sequence is unique among the heaps' entries again.
         entry: _Entry[T] = (-priority, deadline, sequence, item, key, steps)
         self._entries[item] = entry
         heapq.heappush(self._heap, entry)
@@ -174,36 +173,14 @@ class WaitingQueue(Generic[T]):
         return None
 
     def take(self, *, batch_key: Hashable | None, free: int, can_join: bool) -> list[T]:
-        """Remove and return the requests that may enter the batch now.
+        """Remove and return the requests that may enter the batch now (see ``take``)."""
+        return take((self,), batch_key=batch_key, free=free, can_join=can_join)
 
-        Args:
-            batch_key: the key of the running batch, ``None`` when none runs.
-            free: places left in the batch.
-            can_join: whether requests may join a batch that is already running.
-
-        Returns:
-            Up to ``free`` items, best-ranked first, all with one key: each was
-            the best-ranked waiting item when taken.
-        """
-        if free <= 0 or not self._entries or (batch_key is not None and not can_join):
-            return []
-        taken: list[T] = []
-        key = batch_key
-        while len(taken) < free:
-            entry = self._best()
-            if entry is None:
-                break
-            item, item_key = entry[3], entry[4]
-            if key is None:
-                key = item_key
-            elif item_key != key:
-                break
-            heapq.heappop(self._heap)
-            del self._entries[item]
-            self._forget_steps(entry)
-            taken.append(item)
-        self._compact()
-        return taken
+    def _pop(self, entry: _Entry[T]) -> None:
+        """Remove the best entry, which ``_best`` just returned."""
+        heapq.heappop(self._heap)
+        del self._entries[entry[3]]
+        self._forget_steps(entry)
 
     def drain(self) -> list[T]:
         """Remove and return every waiting item, best-ranked first (rank order)."""
@@ -212,3 +189,60 @@ class WaitingQueue(Generic[T]):
         self._heap.clear()
         self._steps.clear()
         return [entry[3] for entry in entries]
+
+
+def best_of(
+    queues: Sequence[WaitingQueue[T]],
+) -> tuple[T, Hashable, int, WaitingQueue[T]] | None:
+    """The best-ranked waiting item of several queues: item, key, priority and its queue.
+
+    The queues' items must have ranks from one numbering (distinct sequences).
+    """
+    found: tuple[_Entry[T], WaitingQueue[T]] | None = None
+    for queue in queues:
+        entry = queue._best()
+        if entry is not None and (found is None or entry[:3] < found[0][:3]):
+            found = (entry, queue)
+    if found is None:
+        return None
+    entry, queue = found
+    return entry[3], entry[4], -entry[0], queue
+
+
+def take(
+    queues: Sequence[WaitingQueue[T]], *, batch_key: Hashable | None, free: int, can_join: bool
+) -> list[T]:
+    """Remove and return the requests that may enter the batch now, from several queues.
+
+    The queues are taken from as if they were one (a worker's own suspended
+    requests beside the shared queue): each item taken is the best-ranked of all.
+
+    Args:
+        queues: where to take from; their ranks share one numbering.
+        batch_key: the key of the running batch, ``None`` when none runs.
+        free: places left in the batch.
+        can_join: whether requests may join a batch that is already running.
+
+    Returns:
+        Up to ``free`` items, best-ranked first, all with one key: each was
+        the best-ranked waiting item when taken.
+    """
+    if free <= 0 or (batch_key is not None and not can_join):
+        return []
+    taken: list[T] = []
+    key = batch_key
+    while len(taken) < free:
+        found = best_of(queues)
+        if found is None:
+            break
+        item, item_key, _, queue = found
+        if key is None:
+            key = item_key
+        elif item_key != key:
+            break
+        entry = queue._entries[item]
+        queue._pop(entry)
+        taken.append(item)
+    for queue in queues:
+        queue._compact()
+    return taken

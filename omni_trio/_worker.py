@@ -1,6 +1,6 @@
 """The step loop: one owned, non-daemon thread per device.
 
-At every step boundary, under the queue lock (microseconds, never across runner
+At every step boundary, under the pool's lock (microseconds, never across runner
 work), the worker drops the members whose token is set (L7, L21), takes the
 requests that may join the batch, and decides whether to stop. Then, without the
 lock, it prepares the new members, runs one runner step for the whole batch and
@@ -10,21 +10,28 @@ must run its own loop) gets one request at a time, and its step callback is the
 boundary: the token is checked there and ``StopRun`` raised to stop the loop. The
 worker never waits for the event loop or a consumer (L20): it only posts messages.
 
+Several workers (one per device, L42) take from the pool's one queue of new
+requests (see ``_pool``); a request lives its whole life on the worker that took
+it. A worker that dies fails only what it holds (L43): its thread's last act is to
+discard its states and say so.
+
 Preemption (L61), with a runner that declares ``suspendable``: when the
-best-ranked waiting request has a strictly higher priority than a running one and
-cannot start otherwise (the batch is full, has another batch key, or takes no
-joins), the worker suspends the lowest-ranked running member (or the whole batch,
-when only an empty batch lets the newcomer start) at the boundary, puts it back in
-the queue at the place it had, and takes the newcomer at once. A request is
+best-ranked request this worker could take has a strictly higher priority than a
+running one and cannot start otherwise (the batch is full, has another batch key,
+or takes no joins), the worker plans victims under the lock: the lowest-ranked
+running member, or the whole batch when only an empty batch lets the newcomer
+start. Outside the lock it asks the runner what parking them would hold; if that
+fits ``max_parked_bytes`` and the plan still stands, it reserves the newcomer
+(takes it), suspends the victims into its own queue of parked requests, at the
+rank they had, and prepares the newcomer at the same boundary. A request is
 suspended at most ``max_preemptions`` times. A suspended request reads WAITING;
-when it is taken again the runner resumes it from the step it reached. One that
-the event loop withdraws (abort, deadline, shutdown) is released by the
+when this worker takes it again the runner resumes it from the step it reached.
+One that the event loop withdraws (abort, deadline, shutdown) is released by the
 materializer thread at once, never decoded.
 """
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from typing import TYPE_CHECKING, Any, cast
@@ -34,26 +41,14 @@ from ._log import WORKER
 from ._materialize import Materializer
 from ._messages import Exited, Post, Stepped, died, discard_quietly, release
 from ._runner import Runner, StopRun, SuspendableRunner, WholeCallRunner
-from ._scheduler import WaitingQueue
+from ._scheduler import WaitingQueue, best_of, take
 from ._workitem import SHUTDOWN, WorkItem
 
 if TYPE_CHECKING:
     from ._config import EngineConfig
+    from ._pool import Pool
 
-__all__ = ["Withdrawal", "Worker"]
-
-
-class Withdrawal(enum.Enum):
-    """What ``Worker.withdraw`` did with an item."""
-
-    #: It was not waiting: the worker holds it and drops it at its next boundary.
-    HELD = "held"
-    #: Taken out of the queue; it holds nothing: the caller ends it now.
-    WITHDRAWN = "withdrawn"
-    #: Taken out of the queue with a suspended state: the materializer releases
-    #: it, and its ``Released`` message follows.
-    RELEASING = "releasing"
-
+__all__ = ["Worker"]
 
 #: The weight of the newest step in the moving average of step durations: about
 #: the last ten steps count (picked without measurement).
@@ -61,49 +56,56 @@ _STEP_WEIGHT = 0.2
 
 
 class Worker:
-    """Owns the waiting queue, the step-loop thread and the materializer thread."""
+    """Owns one runner, its step-loop thread, its materializer and its parked requests."""
 
     def __init__(
         self,
         runner: Runner[Any],
         config: EngineConfig,
+        pool: Pool,
         *,
+        index: int,
         post: Post,
         post_quietly: Post,
         name: str,
     ) -> None:
         capabilities = runner.capabilities
+        self.index = index
+        self.name = name
         self._runner = runner
+        self._pool = pool
+        self._cond = pool.cond
         self._post = post
         self._post_quietly = post_quietly
         self._max_batch = min(config.max_batch_size, capabilities.max_batch_size)
         self._can_join = capabilities.can_join
         self._previews = capabilities.previews
         self._whole_call = capabilities.whole_call
-        self._cond = threading.Condition()
-        self._queue: WaitingQueue[WorkItem] = WaitingQueue()
-        self._stopping = False
         self._fatal: BaseException | None = None
-        # L61: preemption, and the suspended items in the queue with the bytes
-        # each parks (under the lock). ``_closed``: the thread has exited and has
-        # discarded them; nothing is parked from then on.
+        # L61: preemption, and this worker's suspended requests (their state is on
+        # its device) with the bytes each parks, under the pool's lock. ``_closed``:
+        # the thread has exited and discarded them; nothing is parked from then on.
         self._preempting = capabilities.suspendable and config.preemption
         self._max_preemptions = config.max_preemptions
         self._park_on_host = config.park_on_host
         self._max_parked_bytes = config.max_parked_bytes
-        self._parked: dict[WorkItem, int] = {}
+        self.parked: WaitingQueue[WorkItem] = WaitingQueue()
+        self._parked_sizes: dict[WorkItem, int] = {}
+        # Suspended requests the engine ended because this worker died (L43);
+        # the exiting thread discards their state.
+        self._orphans: list[WorkItem] = []
         self._closed = False
         # Under the lock (the loop reads them for statistics).
         self.parked_bytes = 0
         self.preemptions = 0
-        # Written by the worker thread only; the loop reads them for statistics.
+        # Written by the worker thread only; the loop reads them for statistics
+        # (reading one reference is atomic; a stale value is one step old).
         self.steps_run = 0
         self.batch_steps = 0
-        # For admission's deadline estimate (L62), each one float or int, written
-        # by the worker thread only and read by the loop without a lock (reading
-        # one reference is atomic; a stale value is one step old): an exponential
-        # moving average of step durations (None until the first step), and the
-        # steps left of the running batch (its longest member's).
+        self.running = 0
+        # For admission's deadline estimate (L62): an exponential moving average
+        # of step durations (None until the first step), and the steps left of
+        # the running batch (its longest member's).
         self.step_s: float | None = None
         self.steps_left = 0
         self._materializer = Materializer(runner, post, self._die, name=f"{name}-materializer")
@@ -113,17 +115,6 @@ class Worker:
     def threads(self) -> tuple[threading.Thread, ...]:
         """The threads this worker owns."""
         return (self._thread, self._materializer.thread)
-
-    @property
-    def waiting(self) -> int:
-        """How many items wait in the queue (not yet taken)."""
-        with self._cond:
-            return len(self._queue)
-
-    def queue_counts(self) -> tuple[int, int]:
-        """How many items wait in the queue, and how many of them are suspended."""
-        with self._cond:
-            return len(self._queue), len(self._parked)
 
     def start(self) -> None:
         """Start the threads."""
@@ -135,72 +126,40 @@ class Worker:
         """The most requests one step runs together (the engine's and the runner's limit)."""
         return self._max_batch
 
-    def enqueue(self, item: WorkItem, *, limit: int, deadline: float) -> bool:
-        """Queue ``item`` unless ``limit`` items wait already; return whether queued.
-
-        ``deadline`` is its absolute deadline, for ranking (``math.inf``: none).
-        """
-        with self._cond:
-            if len(self._queue) >= limit:
-                return False
-            item.rank_deadline = deadline
-            item.sequence = self._queue.push(
-                item,
-                item.batch_key,
-                priority=item.request.priority,
-                deadline=deadline,
-                steps=item.request.num_steps,
-            )
-            self._cond.notify()
+    def let_go(self, item: WorkItem) -> bool:
+        """Withdraw ``item`` if it is suspended here: its release follows. Under the lock."""
+        if not self.parked.remove(item):
+            return False
+        self._hand_over(item)
         return True
 
-    def steps_ahead(self, priority: int) -> int:
-        """The steps of the waiting requests of ``priority`` or higher."""
-        with self._cond:
-            return self._queue.steps_ahead(priority)
+    def let_go_all(self) -> list[WorkItem]:
+        """Withdraw every suspended item here: their releases follow. Under the lock."""
+        items = self.parked.drain()
+        for item in items:
+            self._hand_over(item)
+        return items
 
-    def withdraw(self, item: WorkItem) -> Withdrawal:
-        """Remove ``item`` if it still waits; say what became of it.
-
-        Exact, under the lock: an item is in the queue, or the worker holds it.
-        """
-        with self._cond:
-            if not self._queue.remove(item):
-                return Withdrawal.HELD
-            return self._let_go(item)
-
-    def withdraw_all(self) -> tuple[list[WorkItem], list[WorkItem]]:
-        """Remove every waiting item: those holding nothing, and those being released."""
-        with self._cond:
-            items = self._queue.drain()
-            fresh: list[WorkItem] = []
-            releasing: list[WorkItem] = []
-            for item in items:
-                kept = self._let_go(item) is Withdrawal.WITHDRAWN
-                (fresh if kept else releasing).append(item)
-            return fresh, releasing
-
-    def _let_go(self, item: WorkItem) -> Withdrawal:
-        """``item`` left the queue by withdrawal; under the lock."""
-        if item not in self._parked:
-            return Withdrawal.WITHDRAWN
+    def _hand_over(self, item: WorkItem) -> None:
         # Never once closed: the exiting thread took every parked item out first.
         assert not self._closed
         self._unpark(item)
         # The engine's threads hold it until the materializer released it.
         item.taken = True
         self._materializer.release(item)
-        return Withdrawal.RELEASING
+
+    def orphan_parked(self) -> None:
+        """This worker died: take its suspended requests out, for its thread to discard.
+
+        Under the lock. Once the thread has exited nothing is parked any more.
+        """
+        for item in self.parked.drain():
+            self._unpark(item)
+            self._orphans.append(item)
 
     def _unpark(self, item: WorkItem) -> None:
-        """Forget ``item``'s parked bytes (it left the queue); under the lock."""
-        self.parked_bytes -= self._parked.pop(item)
-
-    def stop(self) -> None:
-        """Make the worker drop its members at the next boundary and exit."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
+        """Forget ``item``'s parked bytes (it left the parked queue); under the lock."""
+        self.parked_bytes -= self._parked_sizes.pop(item)
 
     def join(self) -> None:
         """Wait for both threads; call after the ``Exited`` message."""
@@ -212,7 +171,7 @@ class Worker:
         with self._cond:
             if self._fatal is None:
                 self._fatal = exc
-            self._cond.notify()
+            self._cond.notify_all()
 
     def _run(self) -> None:
         # Logged at start and end only: never from the step loop itself.
@@ -224,26 +183,28 @@ class Worker:
                 if running:
                     self._step(running)
         except BaseException as exc:
-            # L23: a BaseException that is not an Exception (KeyboardInterrupt,
+            # L23, L43: a BaseException that is not an Exception (KeyboardInterrupt,
             # SystemExit, a cancellation, the runner's own) leaves the runner in a
             # state nobody can vouch for: the worker dies, it does not fail a batch.
             dead = True
-            # The engine fails every request; free what the runner holds for them.
+            # The engine fails what this worker holds; free what the runner holds.
             for item in running:
                 discard_quietly(self._runner, item)
-            self._post(died(exc, "the engine's worker died"))
+            self._post(died(exc, f"the engine's worker {self.name} died", worker=self.index))
         finally:
             running.clear()
+            self.running = 0
             self._materializer.stop(abandon=dead or self._fatal is not None)
             self._materializer.thread.join()
             with self._cond:
-                # What a dead worker leaves parked in the queue; from now on the
-                # loop hands nothing to the materializer.
+                # What a dead worker leaves parked; from now on the loop hands
+                # nothing to the materializer.
                 self._closed = True
-                parked = list(self._parked)
+                parked = self.parked.drain()
                 for item in parked:
-                    self._queue.remove(item)
                     self._unpark(item)
+                parked += self._orphans
+                self._orphans.clear()
             self._materializer.discard_leftovers()
             for item in parked:
                 discard_quietly(self._runner, item)
@@ -253,30 +214,31 @@ class Worker:
             except BaseException as exc:
                 if not dead:
                     dead = True
-                    self._post(died(exc, "the runner's close raised"))
+                    self._post(died(exc, "the runner's close raised", worker=self.index))
             if self._fatal is not None and not dead:
-                self._post(died(self._fatal, "the engine's materializer died"))
+                what = f"the engine's materializer {self.name} died"
+                self._post(died(self._fatal, what, worker=self.index))
             WORKER.debug("%s exited; the runner is closed", self._thread.name)
-            self._post(Exited())
+            self._post(Exited(self.index))
 
     def _serve_boundary(self, running: list[WorkItem]) -> bool:
-        """Drop, admit and prepare at a step boundary; return whether to stop.
+        """Drop, preempt, admit and prepare at a step boundary; return whether to stop.
 
         A method of its own so that no loop variable outlives it: an idle worker
         holds no request (L14).
         """
-        # At most one round of preemption per boundary: a second newcomer that
-        # outranks the batch gets its place at the next boundary (one step later).
-        preempt = self._preempting
-        while True:
-            admitted, dropped, victims, stop = self._boundary(running, preempt=preempt)
-            self._release_all(dropped)
-            if not victims:
-                break
-            self._suspend(victims, running)
-            preempt = False
-        for item in admitted:
-            self._prepare(item, running)
+        admitted, dropped, plan, stop = self._boundary(running, plan=self._preempting)
+        self._release_all(dropped)
+        if plan is not None:
+            admitted = self._preempt(running, *plan)
+        for index, item in enumerate(admitted):
+            try:
+                self._prepare(item, running)
+            except BaseException:
+                # The worker dies (L23): these states are in no list it discards.
+                for rest in admitted[index:]:
+                    discard_quietly(self._runner, rest)
+                raise
         self._note_left(running)
         return stop
 
@@ -292,25 +254,37 @@ class Worker:
                 raise
 
     def _note_left(self, running: list[WorkItem]) -> None:
+        self.running = len(running)
         self.steps_left = max((item.steps_total - item.steps_done for item in running), default=0)
 
     def _measured(self, elapsed: float) -> None:
         """Fold one batch step's duration into the moving average.
 
-        One global average, not one per batch key: admission's estimate is coarse
-        anyway, and one float needs no lock (a dict of them would, to be read).
+        One average per worker, not one per batch key: admission's estimate is
+        coarse anyway, and one float needs no lock (a dict of them would, to be read).
         """
         average = self.step_s
         self.step_s = elapsed if average is None else average + _STEP_WEIGHT * (elapsed - average)
 
-    def _boundary(
-        self, running: list[WorkItem], *, preempt: bool
-    ) -> tuple[list[WorkItem], list[WorkItem], list[WorkItem], bool]:
-        """Under the lock: (admitted, dropped, victims to suspend, whether to stop).
+    def _queues(self, running: list[WorkItem]) -> tuple[WaitingQueue[WorkItem], ...]:
+        """Where this worker may take from now; under the lock.
 
-        With victims, nothing is admitted: they are suspended first, then the
-        caller comes back for the newcomer.
+        Its own suspended requests always; new ones too, unless it is busy while
+        another worker idles (that one starts them alone, on its own device).
         """
+        if running and self._pool.idle:
+            return (self.parked,)
+        return (self._pool.fresh, self.parked)
+
+    def _boundary(
+        self, running: list[WorkItem], *, plan: bool
+    ) -> tuple[list[WorkItem], list[WorkItem], tuple[list[WorkItem], WorkItem] | None, bool]:
+        """Under the lock: (admitted, dropped, a preemption plan, whether to stop).
+
+        With ``plan`` and a preemption to make, nothing is admitted: the plan
+        (victims, newcomer) is returned for ``_preempt`` to carry out.
+        """
+        pool = self._pool
         with self._cond:
             while True:
                 if self._fatal is not None:
@@ -318,33 +292,52 @@ class Worker:
                 dropped = [item for item in running if item.token.reason is not None]
                 if dropped:
                     running[:] = [item for item in running if item.token.reason is None]
-                if self._stopping:
+                if pool.stopping:
                     dropped += running
-                    for item in self._queue.drain():
-                        if item in self._parked:
-                            self._unpark(item)
+                    for item in self.parked.drain():
+                        self._unpark(item)
                         dropped.append(item)
+                    dropped += pool.fresh.drain()
                     running.clear()
                     for item in dropped:
                         item.token.cancel(SHUTDOWN)
-                    return [], dropped, [], True
-                victims = self._victims(running) if preempt else []
-                if victims:
-                    return [], dropped, victims, False
-                admitted = self._queue.take(
+                    return [], dropped, None, True
+                queues = self._queues(running)
+                if plan:
+                    found = self._plan(running, queues)
+                    if found is not None:
+                        return [], dropped, found, False
+                free = self._max_batch - len(running)
+                if not running and pool.idle:
+                    # Share the waiting requests with the idle workers (L42).
+                    waiting = sum(len(queue) for queue in queues)
+                    free = min(free, -(-waiting // (pool.idle + 1)))
+                admitted = take(
+                    queues,
                     batch_key=running[0].batch_key if running else None,
-                    free=self._max_batch - len(running),
+                    free=free,
                     can_join=self._can_join,
                 )
-                for item in admitted:
-                    item.taken = True
-                    if item in self._parked:
-                        self._unpark(item)
+                self._taken(admitted)
                 if running or admitted or dropped:
-                    return admitted, dropped, [], False
-                self._cond.wait()
+                    return admitted, dropped, None, False
+                pool.idle += 1
+                try:
+                    self._cond.wait()
+                finally:
+                    pool.idle -= 1
 
-    def _victims(self, running: list[WorkItem]) -> list[WorkItem]:
+    def _taken(self, items: list[WorkItem]) -> None:
+        """Mark ``items`` as this worker's, running; under the lock."""
+        for item in items:
+            item.taken = True
+            item.worker = self.index
+            if item in self._parked_sizes:
+                self._unpark(item)
+
+    def _plan(
+        self, running: list[WorkItem], queues: tuple[WaitingQueue[WorkItem], ...]
+    ) -> tuple[list[WorkItem], WorkItem] | None:
         """The running members to suspend so the best-ranked waiting one can start (L61).
 
         Only members of strictly lower priority that were suspended fewer than
@@ -353,55 +346,77 @@ class Worker:
         an empty batch lets it start (another batch key, or a runner that takes no
         joins), every member must qualify, or none is suspended. Under the lock.
         """
-        best = self._queue.best() if running else None
+        best = best_of(queues) if running else None
         if best is None:
-            return []
-        _, key, priority = best
+            return None
+        newcomer, key, priority, _ = best
         joinable = self._can_join and key == running[0].batch_key
         if joinable and len(running) < self._max_batch:
-            return []  # it joins at this boundary anyway
+            return None  # it joins at this boundary anyway
         eligible = [
             item
             for item in running
             if item.request.priority < priority and item.preemptions < self._max_preemptions
         ]
         if joinable:
-            return [max(eligible, key=WorkItem.rank)] if eligible else []
-        return eligible if len(eligible) == len(running) else []
+            return ([max(eligible, key=WorkItem.rank)], newcomer) if eligible else None
+        return (eligible, newcomer) if eligible and len(eligible) == len(running) else None
 
-    def _suspend(self, victims: list[WorkItem], running: list[WorkItem]) -> None:
-        """Park each victim and put it back in the queue, at its old place (L61).
+    def _preempt(
+        self, running: list[WorkItem], victims: list[WorkItem], newcomer: WorkItem
+    ) -> list[WorkItem]:
+        """Carry out a plan: suspend ``victims`` for ``newcomer``; return what to admit.
 
-        Outside the lock: the runner's calls. A victim whose parked bytes would
-        pass ``max_parked_bytes`` keeps running; one whose ``suspend`` raises fails;
-        one aborted meanwhile is released instead of queued.
+        Outside the lock: the runner's calls. All or nothing: if parking every
+        victim would pass ``max_parked_bytes``, or the plan no longer stands once
+        the sizes are known (the queue changed meanwhile), nothing is suspended and
+        the boundary goes on without preemption. A victim whose ``suspend`` raises
+        fails (it leaves the batch anyway); one aborted meanwhile is released
+        instead of parked.
         """
         runner = cast("SuspendableRunner[Any]", self._runner)
-        limit = self._max_parked_bytes
+        sizes: list[int] = []
         for item in victims:
             try:
-                size = runner.state_bytes(item.state)
-                if limit is not None and self.parked_bytes + size > limit:
-                    continue
-                runner.suspend(item.state, to_host=self._park_on_host)
+                sizes.append(runner.state_bytes(item.state))
             except Exception as exc:
                 running.remove(item)
+                release(self._runner, item, self._post, exc, call="state_bytes")
+                return self._no_preemption(running)
+        limit = self._max_parked_bytes
+        with self._cond:
+            fits = limit is None or self.parked_bytes + sum(sizes) <= limit
+            stands = fits and self._plan(running, self._queues(running)) == (victims, newcomer)
+            if stands:
+                # Reserved: it is this worker's from now on, whatever the suspensions do.
+                if not self._pool.fresh.remove(newcomer):
+                    self.parked.remove(newcomer)
+                self._taken([newcomer])
+        if not stands:
+            return self._no_preemption(running)
+        for item, size in zip(victims, sizes, strict=True):
+            running.remove(item)
+            try:
+                runner.suspend(item.state, to_host=self._park_on_host)
+            except Exception as exc:
                 release(self._runner, item, self._post, exc, call="suspend")
                 continue
-            running.remove(item)
-            item.t_suspended = time.perf_counter()
-            item.preemptions += 1
             with self._cond:
-                self.preemptions += 1
                 cut = item.token.reason is not None
                 if not cut:
-                    self._requeue(item, size)
+                    self._park(item, size)
             if cut:
                 release(self._runner, item, self._post, None)
+        return [newcomer]
 
-    def _requeue(self, item: WorkItem, size: int) -> None:
-        """Put a suspended ``item`` back in the queue; under the lock."""
-        self._queue.push(
+    def _no_preemption(self, running: list[WorkItem]) -> list[WorkItem]:
+        admitted, dropped, _, _ = self._boundary(running, plan=False)
+        self._release_all(dropped)
+        return admitted
+
+    def _park(self, item: WorkItem, size: int) -> None:
+        """Put a suspended ``item`` in this worker's parked queue, at its rank; under the lock."""
+        self.parked.push(
             item,
             item.batch_key,
             priority=item.request.priority,
@@ -409,8 +424,11 @@ class Worker:
             steps=item.steps_total - item.steps_done,
             sequence=item.sequence,
         )
-        self._parked[item] = size
+        self._parked_sizes[item] = size
         self.parked_bytes += size
+        self.preemptions += 1
+        item.preemptions += 1
+        item.t_suspended = time.perf_counter()
         item.taken = False
 
     def _prepare(self, item: WorkItem, running: list[WorkItem]) -> None:

@@ -68,6 +68,7 @@ class WorkItem:
         "t_taken",
         "taken",
         "token",
+        "worker",
     )
 
     def __init__(self, request: GenerationRequest, request_id: str, batch_key: Hashable) -> None:
@@ -80,6 +81,8 @@ class WorkItem:
         # Set by the worker, under the queue lock, when it takes the item: from
         # then on the request is running, whatever messages are still in flight.
         self.taken = False
+        # The index of the worker that took it (L42: it lives its life there).
+        self.worker: int | None = None
         # Owned by whichever engine thread holds the item.
         self.state: object | None = None
         self.steps_done = 0

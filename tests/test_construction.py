@@ -30,7 +30,7 @@ def test_engine_has_no_public_constructor() -> None:
         match=r"^omni_trio\.Engine has no public constructor available; "
         r"get one from open_engine\(\)$",
     ):
-        ot.Engine(runner, ot.EngineConfig())
+        ot.Engine([runner], ot.EngineConfig())
     assert engine_threads() == []
     assert (runner.prepares, runner.closed) == (0, False)
 

@@ -184,9 +184,9 @@ async def test_unmeetable_deadline_is_refused_at_admission() -> None:
             await runner.wait_arrived(1)
             runner.release(1)
             await runner.wait_arrived(2)
-            assert engine._worker.step_s is not None
-            engine._worker.step_s = 1.0  # the worker is held in a step: nothing overwrites it
-            assert engine._worker.steps_left == 3
+            assert engine._workers[0].step_s is not None
+            engine._workers[0].step_s = 1.0  # the worker is held in a step: nothing overwrites it
+            assert engine._workers[0].steps_left == 3
             others = [
                 engine.submit(req(num_steps=5, priority=1), request_id="ahead"),
                 engine.submit(req(num_steps=7, priority=-1), request_id="behind"),
@@ -213,8 +213,8 @@ async def test_step_time_is_measured_by_the_worker() -> None:
     runner = FakeRunner()
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(runner) as engine:
-            assert engine._worker.step_s is None
+            assert engine._workers[0].step_s is None
             await engine.generate(req(num_steps=3))
-            await wait_until(lambda: engine._worker.steps_left == 0)
-            step_s = engine._worker.step_s
+            await wait_until(lambda: engine._workers[0].steps_left == 0)
+            step_s = engine._workers[0].step_s
             assert step_s is not None and 0.0 < step_s < math.inf

@@ -286,22 +286,19 @@ async def test_cuda_decode_overlaps_and_lands_in_pinned_memory() -> None:
         torch.testing.assert_close(output.images, expected, atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize(("kind", "park_on_host"), [("sd", False), ("sd", True), ("unet", True)])
-async def test_a_suspended_request_resumes_to_the_uninterrupted_image(
-    kind: str, park_on_host: bool
-) -> None:
-    """L61: suspended after its first step and resumed later, a request's image is bitwise
-    the one it makes uninterrupted (same batch composition: alone), and the parked state
-    counts its latents' bytes at least. "unet" is DDPM: its scheduler draws noise from the
-    request's generator at every step, so the generator's state must survive too.
+async def resumed_and_uninterrupted(
+    pipeline: Any, kind: str, *, park_on_host: bool
+) -> tuple[ot.GenerationOutput, ot.GenerationOutput, int]:
+    """A request suspended after its first step and resumed, the same one uninterrupted,
+    and the bytes its suspension parked. Batches of one: the same composition both ways.
     """
     low_request = request(kind, num_steps=5, seed=11, prompt="low")
     high_request = request(kind, num_steps=2, seed=12, prompt="high", priority=1)
     options = ot.EngineConfig(max_batch_size=1, park_on_host=park_on_host)
     with anyio.fail_after(BUDGET):
-        async with ot.open_engine(DiffusersRunner(pipe(kind)), options) as engine:
+        async with ot.open_engine(DiffusersRunner(pipeline), options) as engine:
             uninterrupted = await engine.generate(low_request)
-        runner = GatedDiffusers(pipe(kind))
+        runner = GatedDiffusers(pipeline)
         async with ot.open_engine(runner, options) as engine:
             low = engine.submit(low_request, request_id="low")
             await runner.wait_arrived(1)
@@ -311,7 +308,7 @@ async def test_a_suspended_request_resumes_to_the_uninterrupted_image(
             stats = engine.statistics()
             assert (stats.suspended, stats.preemptions) == (1, 1)
             assert low.status is ot.RequestStatus.WAITING
-            assert engine._worker.parked_bytes >= 4 * 4 * (SIZE[kind] // 8) ** 2
+            parked = engine._workers[0].parked_bytes
             runner.open_gate()
             async with high:
                 await high.result()
@@ -319,4 +316,38 @@ async def test_a_suspended_request_resumes_to_the_uninterrupted_image(
                 resumed = await low.result()
     assert resumed.metrics.preemptions == 1
     assert runner.live_states == 0
+    return resumed, uninterrupted, parked
+
+
+@pytest.mark.parametrize(("kind", "park_on_host"), [("sd", False), ("sd", True), ("unet", True)])
+async def test_a_suspended_request_resumes_to_the_uninterrupted_image(
+    kind: str, park_on_host: bool
+) -> None:
+    """L61: suspended after its first step and resumed later, a request's image is bitwise
+    the one it makes uninterrupted (same batch composition: alone), and the parked state
+    counts its latents' bytes at least. "unet" is DDPM: its scheduler draws noise from the
+    request's generator at every step, so the generator's state must survive too. (On the
+    CPU, parking on the host moves nothing: the CUDA test below moves it.)
+    """
+    resumed, uninterrupted, parked = await resumed_and_uninterrupted(
+        pipe(kind), kind, park_on_host=park_on_host
+    )
+    assert parked >= 4 * 4 * (SIZE[kind] // 8) ** 2
+    assert torch.equal(resumed.images, uninterrupted.images)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "scheduler", ["PNDMScheduler", "DPMSolverMultistepScheduler", "EulerDiscreteScheduler"]
+)
+async def test_a_request_parked_on_the_host_resumes_exactly_on_cuda(scheduler: str) -> None:
+    """L61 on CUDA: parked in host memory (latents, conditioning, the scheduler's tensors and
+    history) and moved back, a request resumes to its uninterrupted image, bitwise, with
+    schedulers that keep history (PNDM, multistep DPM) and CPU-side sigmas (Euler).
+    """
+    import diffusers
+
+    cuda_pipe: Any = tiny_pipeline("sd").to("cuda")
+    cuda_pipe.scheduler = getattr(diffusers, scheduler).from_config(cuda_pipe.scheduler.config)
+    resumed, uninterrupted, _ = await resumed_and_uninterrupted(cuda_pipe, "sd", park_on_host=True)
     assert torch.equal(resumed.images, uninterrupted.images)

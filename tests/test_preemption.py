@@ -34,6 +34,16 @@ def config(**fields: Any) -> ot.EngineConfig:
     return ot.EngineConfig(**fields)
 
 
+async def opened(engine: ot.Engine, runner: GatedRunner) -> ot.RequestHandle:
+    """Hold the worker in the one step of an 8x8 "opener" (a batch key of its own).
+
+    What the test submits next waits, and starts together at the next boundary.
+    """
+    opener = engine.submit(req(num_steps=1, height=8, width=8), request_id="opener")
+    await runner.wait_arrived(1)
+    return opener
+
+
 async def suspended_by(
     engine: ot.Engine, runner: GatedRunner, low: ot.RequestHandle, *, arrived: int
 ) -> None:
@@ -113,25 +123,28 @@ async def test_equal_priorities_never_preempt() -> None:
 async def test_a_full_batch_gives_up_its_lowest_ranked_member() -> None:
     """L61: in a full batch the lowest-ranked member makes room, and only it.
 
-    "a" (priority 0) and "b" (priority -1) fill a batch of two; "c" (priority 0)
+    "a" (priority 0) and "b" (priority -1) fill a batch of two (they wait behind a
+    one-step "opener" of another size, so they start together); "c" (priority 0)
     has a higher priority than "b" only, so "b" is suspended and "c" joins at the
     same boundary; "b" resumes when a place is free, and joins "a".
     """
     runner = RecordingRunner()
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(runner, config(max_batch_size=2)) as engine:
-            handles = [
+            handles = [await opened(engine, runner)]
+            handles += [
                 engine.submit(req(num_steps=4), request_id="a"),
                 engine.submit(req(num_steps=4, priority=-1), request_id="b"),
             ]
-            await runner.wait_arrived(1)
+            runner.release(1)
+            await runner.wait_arrived(2)
             handles.append(engine.submit(req(num_steps=2), request_id="c"))
             runner.open_gate()
             for handle in handles:
                 async with handle:
                     await handle.result()
-    assert runner.batches[:3] == [("a", "b"), ("a", "c"), ("a", "c")]
-    assert runner.batches[3:] == [("a", "b"), ("b",), ("b",)]
+    assert runner.batches[:4] == [("opener",), ("a", "b"), ("a", "c"), ("a", "c")]
+    assert runner.batches[4:] == [("a", "b"), ("b",), ("b",)]
     assert runner.suspends == 1
 
 
@@ -147,11 +160,13 @@ async def test_an_incompatible_batch_is_suspended_whole_or_not_at_all() -> None:
         runner = RecordingRunner()
         with anyio.fail_after(BUDGET):
             async with ot.open_engine(runner, config(max_batch_size=4)) as engine:
-                handles = [
+                handles = [await opened(engine, runner)]
+                handles += [
                     engine.submit(req(), request_id="a"),
                     engine.submit(req(priority=b_priority), request_id="b"),
                 ]
-                await runner.wait_arrived(1)
+                runner.release(1)
+                await runner.wait_arrived(2)
                 handles.append(
                     engine.submit(req(height=32, width=32, priority=1), request_id="big")
                 )
@@ -160,10 +175,11 @@ async def test_an_incompatible_batch_is_suspended_whole_or_not_at_all() -> None:
                     async with handle:
                         await handle.result()
         assert runner.suspends == suspends
+        assert sorted(runner.batches[1]) == ["a", "b"]
         if suspends:
-            assert runner.batches[1:4] == [("big",)] * 3
+            assert runner.batches[2:5] == [("big",)] * 3
         else:
-            assert runner.batches[1:3] == [("b", "a")] * 2
+            assert runner.batches[2:4] == [("b", "a")] * 2
 
 
 @pytest.mark.anyio
@@ -235,11 +251,12 @@ async def test_a_suspended_request_expires_at_its_deadline(
     """L61, L62: a suspended request whose deadline passes is aborted at once, undecoded."""
     runner = GatedRunner()
     async with ot.open_engine(runner, config()) as engine:
-        low = engine.submit(req(num_steps=5, deadline_s=100), request_id="low")
+        # A deadline far longer than the virtual time the polls below can take.
+        low = engine.submit(req(num_steps=5, deadline_s=10_000), request_id="low")
         await runner.wait_arrived(1)
         high = engine.submit(req(priority=1), request_id="high")
         await suspended_by(engine, runner, low, arrived=2)
-        await trio.sleep(200)
+        await trio.sleep(20_000)
         async with low:
             with pytest.raises(ot.RequestAbortedError) as info:
                 await low.result()
@@ -375,7 +392,7 @@ async def test_park_on_host_and_the_parked_bytes_bound(park_on_host: bool) -> No
             await runner.wait_arrived(1)
             mid = engine.submit(req(num_steps=3, priority=1), request_id="mid")
             await suspended_by(engine, runner, low, arrived=2)
-            assert engine._worker.parked_bytes == one_state
+            assert engine._workers[0].parked_bytes == one_state
             high = engine.submit(req(num_steps=1, priority=2), request_id="high")
             runner.open_gate()
             for handle in (low, mid, high):

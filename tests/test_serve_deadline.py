@@ -200,8 +200,8 @@ async def test_an_unmeetable_deadline_gets_429_with_the_estimate() -> None:
             engine = service.engine
             assert engine is not None
             assert (await client.post(PATH, json={"prompt": "warm"})).status_code == 200
-            await wait_until(lambda: engine._worker.steps_left == 0)
-            engine._worker.step_s = 10.0  # idle: no step overwrites it
+            await wait_until(lambda: engine._workers[0].steps_left == 0)
+            engine._workers[0].step_s = 10.0  # idle: no step overwrites it
             refused = await client.post(PATH, json={"prompt": "x", "deadline_ms": 1000})
             assert refused.status_code == 429
             assert refused.headers["retry-after"] == "1"

@@ -18,7 +18,7 @@ import torch
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities
 from ._families import RequestState, family_for
-from ._park import move_state, state_tensors
+from ._park import park_on_host, state_tensors, unpark
 
 __all__ = ["DiffusersRunner", "latent_preview"]
 
@@ -210,14 +210,13 @@ class DiffusersRunner:
 
     def suspend(self, state: RequestState, *, to_host: bool) -> None:
         """Park the state; with ``to_host``, move its tensors to host memory (L61)."""
-        if to_host and state.latents is not None and state.latents.device.type != "cpu":
-            state.parked_from = state.latents.device
-            move_state(state, torch.device("cpu"))
+        if to_host:
+            state.parked_from = park_on_host(state)
 
     def resume(self, state: RequestState) -> None:
-        """Move a state parked in host memory back to its device; the next step continues it."""
+        """Move a state parked in host memory back to its devices; the next step continues it."""
         if state.parked_from is not None:
-            move_state(state, state.parked_from)
+            unpark(state, state.parked_from)
             state.parked_from = None
 
     def close(self) -> None:

@@ -44,8 +44,8 @@ class RequestState:
     position: int = 0
     steps_done: int = 0
     ready: Any = None
-    #: Where its tensors were before a suspension moved them to host memory.
-    parked_from: torch.device | None = None
+    #: Where the tensors that a suspension moved to host memory came from.
+    parked_from: dict[int, torch.device] | None = None
 
 
 def step_groups(calls: int, steps: int, order: int) -> list[int]:

@@ -43,7 +43,7 @@ def assert_engine_idle(engine: Engine) -> None:
     assert stats.waiting == 0 and stats.running == 0, stats
     assert not engine._live, f"live requests: {sorted(engine._live)}"
     assert not engine._terminal_open, f"open handles: {sorted(engine._terminal_open)}"
-    assert engine._worker.waiting == 0
+    assert engine._pool.counts()[0] == 0
     total = stats.waiting + stats.running + stats.completed + stats.aborted + stats.failed
     assert total == stats.admitted, stats
 

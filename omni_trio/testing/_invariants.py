@@ -121,7 +121,8 @@ def check_engine_invariants(
         assert handle.request_id == request_id
         assert handle.status.is_terminal, f"open-terminal table holds live {request_id!r}"
         assert not handle.is_closed, f"closed handle {request_id!r} still holds its id"
-    assert engine._worker.waiting <= stats.waiting, (engine._worker.waiting, stats)
+    queued = engine._pool.counts()[0]
+    assert queued <= stats.waiting, (queued, stats)
     if stats.is_dead:
         assert not live, f"L23: requests outlived the worker: {sorted(live)}"
     elif runner is not None:
@@ -181,7 +182,7 @@ def assert_nothing_left(
     assert not alive, f"L35: engine threads alive after shutdown: {alive}"
     assert_no_engine_threads()
     assert not engine._live, f"requests still live after shutdown: {sorted(engine._live)}"
-    assert engine._worker.waiting == 0, "requests still queued after shutdown"
+    assert engine._pool.counts()[0] == 0, "requests still queued after shutdown"
     assert (stats.waiting, stats.running) == (0, 0), stats
     if runner is not None:
         assert runner.closed, "L35: the runner was not closed"

@@ -1,0 +1,114 @@
+"""The workers' shared side: one lock, one queue of new requests, the idle count.
+
+Every worker (one per device, see ``_worker``) takes its requests from the one
+``fresh`` queue; a request it suspended (L61) waits in that worker's own queue of
+parked requests, because its state lives on that worker's device: a request lives
+its whole life on one worker (L42). One ``threading.Condition`` guards both kinds
+of queue, the idle count and the stop flag; it is held for microseconds, never
+across a runner call. The event loop admits, withdraws and counts here.
+
+Placement (L42): a request starts on the worker that can start it first. An idle
+worker waits on the condition and is woken by an admission; while any worker is
+idle, a busy one takes nothing new into its batch (the idle one starts it alone,
+on its own device) and preempts nothing for a new request; and an idle worker
+that wakes to several waiting requests takes its share of them (the waiting ones
+divided among the idle workers), not a whole batch that leaves the others idle.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from typing import TYPE_CHECKING
+
+from ._scheduler import WaitingQueue
+
+if TYPE_CHECKING:
+    from ._worker import Worker
+    from ._workitem import WorkItem
+
+__all__ = ["Pool", "Withdrawal"]
+
+
+class Withdrawal(enum.Enum):
+    """What ``Pool.withdraw`` did with an item."""
+
+    #: It was not waiting: a worker holds it and drops it at its next boundary.
+    HELD = "held"
+    #: Taken out of a queue; it holds nothing: the caller ends it now.
+    WITHDRAWN = "withdrawn"
+    #: Taken out of its worker's queue of suspended requests: that worker's
+    #: materializer releases it, and its ``Released`` message follows.
+    RELEASING = "releasing"
+
+
+class Pool:
+    """The shared lock, the queue of new requests and the workers that take from it."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.fresh: WaitingQueue[WorkItem] = WaitingQueue()
+        self.workers: list[Worker] = []
+        # Workers waiting for work in ``cond.wait`` (woken or not yet running).
+        self.idle = 0
+        self.stopping = False
+
+    def enqueue(self, item: WorkItem, *, limit: int, deadline: float) -> bool:
+        """Queue ``item`` unless ``limit`` items wait already; return whether queued.
+
+        ``deadline`` is its absolute deadline, for ranking (``math.inf``: none).
+        """
+        with self.cond:
+            if self._waiting() >= limit:
+                return False
+            item.rank_deadline = deadline
+            item.sequence = self.fresh.push(
+                item,
+                item.batch_key,
+                priority=item.request.priority,
+                deadline=deadline,
+                steps=item.request.num_steps,
+            )
+            self.cond.notify()
+        return True
+
+    def _waiting(self) -> int:
+        return len(self.fresh) + sum(len(worker.parked) for worker in self.workers)
+
+    def counts(self) -> tuple[int, int]:
+        """How many items wait (suspended ones included), and how many are suspended."""
+        with self.cond:
+            suspended = sum(len(worker.parked) for worker in self.workers)
+            return len(self.fresh) + suspended, suspended
+
+    def steps_ahead(self, priority: int) -> int:
+        """The steps of the waiting requests of ``priority`` or higher, on every worker."""
+        with self.cond:
+            steps = self.fresh.steps_ahead(priority)
+            return steps + sum(worker.parked.steps_ahead(priority) for worker in self.workers)
+
+    def withdraw(self, item: WorkItem) -> Withdrawal:
+        """Remove ``item`` if it still waits; say what became of it.
+
+        Exact, under the lock: an item is in a queue, or a worker holds it.
+        """
+        with self.cond:
+            if self.fresh.remove(item):
+                return Withdrawal.WITHDRAWN
+            worker = item.worker
+            if worker is not None and self.workers[worker].let_go(item):
+                return Withdrawal.RELEASING
+            return Withdrawal.HELD
+
+    def withdraw_all(self) -> tuple[list[WorkItem], list[WorkItem]]:
+        """Remove every waiting item: those holding nothing, and those being released."""
+        with self.cond:
+            fresh = self.fresh.drain()
+            releasing = [item for worker in self.workers for item in worker.let_go_all()]
+            return fresh, releasing
+
+    def stop(self) -> None:
+        """Make every worker drop its members at its next boundary and exit."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
