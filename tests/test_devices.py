@@ -229,7 +229,7 @@ async def test_shutdown_ends_requests_on_every_worker_with_one_grace() -> None:
             async with handle:
                 with pytest.raises(ot.EngineClosedError):
                     await handle.result()
-    assert_nothing_left(engine, Both(runners))  # type: ignore[arg-type]
+    assert_nothing_left(engine, Both(runners))
 
 
 @pytest.mark.anyio
