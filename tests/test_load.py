@@ -14,8 +14,10 @@ import dataclasses
 import json
 import logging
 import socket
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,7 @@ from omni_trio.serve._load import (
     run_load,
     summarize,
 )
-from omni_trio.testing import GatedRunner
+from omni_trio.testing import FakeRunner, GatedRunner
 
 from .test_serve_app import metric
 from .util import BUDGET
@@ -253,7 +255,72 @@ def test_an_unreachable_server_is_one_line_and_exit_1(capsys: pytest.CaptureFixt
     )
 
 
+def test_a_json_path_that_cannot_be_written_fails_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--json is opened first: a bad path is a usage error, and no server is contacted
+    (the port has no server: its error would be another)."""
+    missing = tmp_path / "no-such-folder" / "load.json"
+    url = f"http://127.0.0.1:{free_port()}"
+    assert main(["load", url, "--json", str(missing)]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err.count("\n")) == ("", 1)
+    assert err.startswith(f"omni-trio: error: --json: cannot write {str(missing)!r}: ")
+
+
 # -- a run against the app -------------------------------------------------------------
+
+
+@contextmanager
+def serving_in_a_thread(service: ImageService) -> Iterator[str]:
+    """Serve ``service.app`` with Uvicorn in a thread on a free loopback port, for the
+    command (which runs its own event loop); yield the base URL once it listens."""
+    import uvicorn
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    config = uvicorn.Config(service.app, log_level="warning", ws="none", access_log=False)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]})
+    thread.start()
+    try:
+        deadline = time.monotonic() + BUDGET
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(BUDGET)
+        listener.close()
+    assert not thread.is_alive()
+
+
+def test_the_command_prints_the_table_and_writes_every_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``omni-trio load`` against the app with an instant model and no give-ups: every
+    planned request completes; the table is on stdout, the JSON has every record."""
+    service = ImageService(
+        FakeRunner(), config=ServeConfig(model_name="fake", default_width=16, default_height=16)
+    )
+    saved = tmp_path / "load.json"
+    saved.write_text("an earlier, longer file that the run replaces entirely")
+    args = ["--rate", "20", "--duration", "0.3", "--seed", "2", "--give-up-fraction", "0"]
+    args += ["--size", "16x16", "--steps", "2", "--slo-s", "60", "--json", str(saved)]
+    planned = len(poisson_schedule(rate=20, duration_s=0.3, seed=2))
+    assert planned > 0
+    with serving_in_a_thread(service) as url:
+        status = main(["load", url, *args])
+    out, err = capsys.readouterr()
+    assert (status, err) == (0, "")
+    assert out.startswith(f"{planned} requests at 20/s for 0.3 s (seed 2) to {url}{PATH}; ")
+    assert f"  {'completed':<16}{planned:>7}\n" in out
+    data = json.loads(saved.read_text())
+    assert data["summary"]["counts"] == dict.fromkeys(OUTCOMES, 0) | {"completed": planned}
+    assert [r["outcome"] for r in data["records"]] == ["completed"] * planned
+    assert data["config"]["url"] == f"{url}{PATH}"
 
 
 @asynccontextmanager

@@ -28,6 +28,7 @@ the table to the stream it is given.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -654,6 +655,21 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _open_json(path: Path) -> TextIO:
+    """``path`` opened for writing now, so that a bad one fails before the run, not after.
+
+    Not truncated: a run that fails leaves an earlier file as it was. Truncate it
+    before writing.
+
+    Raises:
+        UsageError: it cannot be opened.
+    """
+    try:
+        return open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666), "w")
+    except OSError as exc:
+        raise UsageError(f"--json: cannot write {str(path)!r}: {exc.strerror}") from None
+
+
 def run_load_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """``omni-trio load``: check the server answers, run the load, print and save the result.
 
@@ -661,24 +677,24 @@ def run_load_command(args: argparse.Namespace, out: TextIO | None = None) -> int
         0 once the run is done (whatever its outcomes).
 
     Raises:
-        UsageError: a bad URL or option.
+        UsageError: a bad URL or option, a ``--json`` path that cannot be written.
         CommandError: the server cannot be reached, or every request was answered
             404 or 405 (the URL is not an images endpoint).
     """
     out = sys.stdout if out is None else out
     config = _config(args)
+    with contextlib.ExitStack() as stack:
+        saved = None if args.json is None else stack.enter_context(_open_json(args.json))
 
-    async def main() -> LoadResult:
-        await check_reachable(config.url)
-        return await run_load(config)
+        async def main() -> LoadResult:
+            await check_reachable(config.url)
+            return await run_load(config)
 
-    result = anyio.run(main, backend="trio")
+        result = anyio.run(main, backend="trio")
+        if saved is not None:
+            saved.truncate(0)
+            saved.write(json.dumps(result.as_json(), indent=2) + "\n")
     summary_ = result.summary()
-    if args.json is not None:
-        try:
-            args.json.write_text(json.dumps(result.as_json(), indent=2) + "\n")
-        except OSError as exc:
-            raise CommandError(f"--json: cannot write {str(args.json)!r}: {exc.strerror}") from None
     low, high = config.give_up_span
     out.write(
         f"{summary_['requests']} requests at {config.rate:g}/s for {config.duration_s:g} s"
