@@ -29,6 +29,7 @@ from .postabort import plot_post_abort, run_post_abort, table_post_abort
 from .preview import plot_preview, run_preview, table_preview
 from .priority import plot_priority, run_priority, table_priority
 from .scale import plot_scale, run_scale, table_scale
+from .serve import plot_serve, run_serve, table_serve
 from .targets import targets_for
 
 __all__ = [
@@ -127,6 +128,13 @@ BENCHMARKS: dict[str, Benchmark] = {
             run=run_pipeline,
             table=table_pipeline,
             plot=plot_pipeline,
+        ),
+        Benchmark(
+            name="serve",
+            what="open-loop HTTP load with impatient clients, omni-trio serve vs a naive server",
+            run=run_serve,
+            table=table_serve,
+            plot=plot_serve,
         ),
     )
 }

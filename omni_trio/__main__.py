@@ -1,4 +1,4 @@
-"""``omni-trio {demo,serve}`` (also ``python -m omni_trio``).
+"""``omni-trio {demo,serve,load}`` (also ``python -m omni_trio``).
 
 A mistake prints one line on stderr, ``omni-trio: error: <what, and what to do>``,
 and no traceback unless ``--debug`` is given. Exit statuses: 0 done, 1 error (a
@@ -13,17 +13,20 @@ import argparse
 import importlib.util
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
 
 from . import __version__
 from ._command import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, PROG, CommandError, summary
 from ._demo import add_demo_arguments, run_demo
 
-__all__ = ["SERVE_EXTRA_MODULES", "main"]
+__all__ = ["LOAD_MODULES", "SERVE_EXTRA_MODULES", "main"]
 
 SERVE_EXTRA_MODULES = ("starlette", "hypercorn", "uvicorn", "prometheus_client", "pydantic")
 """What ``pip install 'omni_trio[serve]'`` installs, as imported."""
+
+LOAD_MODULES = (*SERVE_EXTRA_MODULES, "httpx")
+"""What ``load`` imports: the ``serve`` package (the extra) and its HTTP client."""
 
 SERVE_EXTRA_PIP = "pip install 'omni_trio[serve]'"
 
@@ -58,24 +61,54 @@ def _missing(modules: Sequence[str]) -> str | None:
     return None
 
 
-# The serve command's two functions, or the name of what its extra is missing.
-_Serve = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]] | str
+# A command's two functions (add its arguments, run it), or the name of what its
+# extra is missing.
+_Command = (
+    tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]] | str
+)
 
 
-def _serve_command() -> _Serve:
-    """``(add_serve_arguments, run_serve)``, or what is missing when the extra is."""
-    missing = _missing(SERVE_EXTRA_MODULES)
+def _extra_command(modules: Sequence[str], load: Callable[[], _Command]) -> _Command:
+    """``load()`` (which imports a command's functions), or what is missing when the extra is."""
+    missing = _missing(modules)
     if missing is None:
         try:
-            from .serve._cli import add_serve_arguments, run_serve
+            return load()
         except ImportError as exc:  # installed but broken, or a dependency of one missing
             missing = exc.name or str(exc)
-        else:
-            return add_serve_arguments, run_serve
     return missing
 
 
-def _parser(serve: _Serve) -> _Parser:
+def _serve_command() -> _Command:
+    """``(add_serve_arguments, run_serve)``, or what is missing when the extra is."""
+
+    def load() -> _Command:
+        from .serve._cli import add_serve_arguments, run_serve
+
+        return add_serve_arguments, run_serve
+
+    return _extra_command(SERVE_EXTRA_MODULES, load)
+
+
+def _load_command() -> _Command:
+    """``(add_load_arguments, run_load_command)``, or what is missing when the extra is."""
+
+    def load() -> _Command:
+        from .serve._load import add_load_arguments, run_load_command
+
+        return add_load_arguments, run_load_command
+
+    return _extra_command(LOAD_MODULES, load)
+
+
+#: What each command that needs the serve extra does, for its ``--help`` line.
+_EXTRA_ABOUT = {
+    "serve": "serve a model over HTTP (OpenAI images API), drain on SIGTERM",
+    "load": "open-loop load test of an images endpoint: goodput and latency under an SLO",
+}
+
+
+def _parser(extras: Mapping[str, _Command]) -> _Parser:
     parser = _Parser(
         prog=PROG,
         description="A structured-concurrency serving engine for diffusion models.",
@@ -93,20 +126,21 @@ def _parser(serve: _Serve) -> _Parser:
     )
     add_demo_arguments(demo)
     _add_debug(demo)
-    about = "serve a model over HTTP (OpenAI images API), drain on SIGTERM"
-    if isinstance(serve, str):
-        # Without the extra the options are unknown: accept any, so that whatever
-        # was typed the user learns what to install.
-        commands.add_parser("serve", help=f"{about} (needs {SERVE_EXTRA_PIP})", add_help=False)
-    else:
-        serve_parser = commands.add_parser(
-            "serve",
+    for name, command in extras.items():
+        about = _EXTRA_ABOUT[name]
+        if isinstance(command, str):
+            # Without the extra the options are unknown: accept any, so that whatever
+            # was typed the user learns what to install.
+            commands.add_parser(name, help=f"{about} (needs {SERVE_EXTRA_PIP})", add_help=False)
+            continue
+        command_parser = commands.add_parser(
+            name,
             help=about,
             epilog=_EPILOG,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        serve[0](serve_parser)
-        _add_debug(serve_parser)
+        command[0](command_parser)
+        _add_debug(command_parser)
     return parser
 
 
@@ -132,22 +166,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         SystemExit: from argparse, for ``--help``, ``--version`` and usage errors
             (status 0 or 2, its message already printed).
     """
-    serve = _serve_command()
-    parser = _parser(serve)
+    extras = {"serve": _serve_command(), "load": _load_command()}
+    parser = _parser(extras)
     args, unknown = parser.parse_known_args(argv)
-    if args.command == "serve" and isinstance(serve, str):
+    command = extras.get(args.command)
+    if isinstance(command, str):
         return _fail(
-            CommandError(f"serve needs the 'serve' extra ({serve} is missing): {SERVE_EXTRA_PIP}"),
+            CommandError(
+                f"{args.command} needs the 'serve' extra ({command} is missing): {SERVE_EXTRA_PIP}"
+            ),
             debug=args.debug,
         )
     if unknown:
         _usage_error(f"{PROG} {args.command}", f"unrecognized arguments: {' '.join(unknown)}")
-    run: Callable[[argparse.Namespace], int]
-    if args.command == "demo":
-        run = run_demo
-    else:
-        assert not isinstance(serve, str)
-        run = serve[1]
+    run: Callable[[argparse.Namespace], int] = run_demo if command is None else command[1]
     try:
         return run(args)
     except KeyboardInterrupt:

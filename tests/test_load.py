@@ -1,0 +1,430 @@
+"""``omni-trio load``: the Poisson schedule, the summary's arithmetic, the command's errors,
+and one run against the real app over a real socket.
+
+The schedule and the summary are pure: exact values. The run serves the app with
+Hypercorn in the test's own event loop (trio or asyncio) on a loopback socket
+bound to port 0; its model is a ``GatedRunner`` whose steps wait until every
+impatient client has given up, so which clients complete and which give up is
+decided by the schedule alone, never by timing. Counts are asserted, not times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import sniffio
+
+from omni_trio import EngineConfig
+from omni_trio.__main__ import main
+from omni_trio.serve import ImageService, ServeConfig
+from omni_trio.serve._load import (
+    OUTCOMES,
+    PATH,
+    LoadConfig,
+    RequestRecord,
+    endpoint_url,
+    format_summary,
+    percentile,
+    poisson_schedule,
+    run_load,
+    summarize,
+)
+from omni_trio.testing import FakeRunner, GatedRunner
+
+from .test_serve_app import metric
+from .util import BUDGET
+
+# -- the schedule --------------------------------------------------------------------
+
+
+def test_the_schedule_is_the_same_for_a_seed_and_differs_for_another() -> None:
+    """Same seed, same arrivals (times and give-ups); another seed, other times."""
+    a = poisson_schedule(rate=10, duration_s=5, seed=7, give_up_fraction=0.3, give_up_s=(1, 2))
+    b = poisson_schedule(rate=10, duration_s=5, seed=7, give_up_fraction=0.3, give_up_s=(1, 2))
+    c = poisson_schedule(rate=10, duration_s=5, seed=8, give_up_fraction=0.3, give_up_s=(1, 2))
+    assert a == b
+    assert [x.at_s for x in a] != [x.at_s for x in c]
+
+
+def test_the_arrival_times_do_not_depend_on_the_give_up_settings() -> None:
+    """Three draws per arrival in a fixed order: the give-up settings change who gives up,
+    never when requests are sent (so two servers, or two settings, face the same load)."""
+    patient = poisson_schedule(rate=4, duration_s=10, seed=1)
+    impatient = poisson_schedule(
+        rate=4, duration_s=10, seed=1, give_up_fraction=1.0, give_up_s=(0.5, 3.0)
+    )
+    assert [x.at_s for x in patient] == [x.at_s for x in impatient]
+    assert all(x.give_up_s is None for x in patient)
+    assert all(x.give_up_s is not None and 0.5 <= x.give_up_s <= 3.0 for x in impatient)
+
+
+def test_the_schedule_is_a_poisson_process_in_the_window() -> None:
+    """Arrivals are in time order within [0, duration), indexed from 0; their count
+    is within 5 standard deviations of rate x duration (sqrt of it, for Poisson),
+    and the share of impatient clients near the fraction."""
+    rate, duration = 50.0, 200.0
+    arrivals = poisson_schedule(
+        rate=rate, duration_s=duration, seed=3, give_up_fraction=0.3, give_up_s=(0, 1)
+    )
+    times = [x.at_s for x in arrivals]
+    assert times == sorted(times) and times[0] > 0 and times[-1] < duration
+    assert [x.index for x in arrivals] == list(range(len(arrivals)))
+    expected = rate * duration
+    assert abs(len(arrivals) - expected) < 5 * expected**0.5
+    impatient = sum(x.give_up_s is not None for x in arrivals) / len(arrivals)
+    assert abs(impatient - 0.3) < 0.02
+
+
+# -- the summary -----------------------------------------------------------------------
+
+
+def rec(index: int, outcome: str, latency: float, **fields: Any) -> RequestRecord:
+    """A record sent at ``index`` seconds."""
+    if outcome == "completed":
+        fields.setdefault("images", 1)
+        fields.setdefault("status", 200)
+    return RequestRecord(
+        index=index, sent_s=float(index), outcome=outcome, latency_s=latency, **fields
+    )
+
+
+def test_percentiles_interpolate_between_ranks() -> None:
+    """Linear between the nearest ranks, as numpy's default; none for no values."""
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 4.0
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 99) == pytest.approx(3.97)
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([], 50) is None
+
+
+def test_the_summary_counts_goodput_within_the_slo_only() -> None:
+    """Goodput: images of requests completed within the SLO, per second of the window;
+    throughput: every image; latencies of completed requests only; every outcome
+    counted, refusals per status."""
+    records = [
+        rec(0, "completed", 0.5),
+        rec(1, "completed", 1.0, images=2),  # at the SLO: counts
+        rec(2, "completed", 3.0),  # late: throughput only
+        rec(3, "gave_up", 0.2, give_up_s=0.2),
+        rec(4, "refused", 0.01, status=429),
+        rec(5, "refused", 0.01, status=429),
+        rec(6, "refused", 0.01, status=503),
+        rec(7, "error", 0.0, error="ConnectError"),
+    ]
+    s = summarize(records, duration_s=4.0, slo_s=1.0)
+    assert s["requests"] == 8
+    assert s["impatient"] == 1
+    assert s["counts"] == {"completed": 3, "gave_up": 1, "refused": 3, "error": 1}
+    assert s["refused_by_status"] == {"429": 2, "503": 1}
+    assert (s["images"], s["good_images"], s["good_requests"]) == (4, 3, 2)
+    assert s["goodput_per_s"] == 3 / 4
+    assert s["throughput_per_s"] == 4 / 4
+    assert s["p50_latency_s"] == 1.0
+    assert s["p99_latency_s"] == pytest.approx(1.0 + (3.0 - 1.0) * 0.98)
+    assert (s["duration_s"], s["slo_s"]) == (4.0, 1.0)
+    json.dumps(s)  # JSON values only
+
+
+def test_the_summary_of_nothing_completed() -> None:
+    """No completion: zero rates, no latencies, every outcome still listed."""
+    s = summarize([rec(0, "gave_up", 1.0)], duration_s=2.0, slo_s=1.0)
+    assert s["counts"] == dict.fromkeys(OUTCOMES, 0) | {"gave_up": 1}
+    assert (s["goodput_per_s"], s["throughput_per_s"]) == (0.0, 0.0)
+    assert s["p50_latency_s"] is None and s["p99_latency_s"] is None
+    table = format_summary(s)
+    assert "latency p50      -" in table and "gave_up" in table
+
+
+def test_the_table_shows_refusals_per_status() -> None:
+    s = summarize([rec(0, "refused", 0.1, status=429)], duration_s=1.0, slo_s=1.0)
+    assert "refused (429)         1" in format_summary(s)
+
+
+# -- the configuration and the command's errors ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "endpoint"),
+    [
+        ("http://127.0.0.1:8000", f"http://127.0.0.1:8000{PATH}"),
+        ("http://127.0.0.1:8000/", f"http://127.0.0.1:8000{PATH}"),
+        (f"https://h{PATH}", f"https://h{PATH}"),
+        ("http://h/images", f"http://h/images{PATH}"),
+    ],
+)
+def test_a_base_url_gets_the_endpoint_path(url: str, endpoint: str) -> None:
+    assert endpoint_url(url) == endpoint
+
+
+def test_the_body_is_small_and_reproducible() -> None:
+    """Size and steps as asked, the arrival's index as its seed; the defaults leave
+    the server's own steps."""
+    config = LoadConfig(url="http://h", rate=1, duration_s=1, slo_s=1, size="32x32", steps=3)
+    assert config.body(5) == {
+        "prompt": config.prompt,
+        "n": 1,
+        "seed": 5,
+        "size": "32x32",
+        "num_inference_steps": 3,
+    }
+    assert "num_inference_steps" not in LoadConfig(
+        url="http://h", rate=1, duration_s=1, slo_s=1
+    ).body(0)
+    assert LoadConfig(url="http://h", rate=1, duration_s=1, slo_s=2).give_up_span == (0.0, 4.0)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"rate": 0.0}, "rate: must be a finite number > 0, got 0.0"),
+        ({"slo_s": float("inf")}, "slo_s: must be a finite number > 0, got inf"),
+        ({"give_up_fraction": 1.5}, "give_up_fraction: must be from 0 to 1, got 1.5"),
+        ({"give_up_s": (2.0, 1.0)}, "give_up_s: must be 0 <= low <= high, got (2.0, 1.0)"),
+    ],
+)
+def test_a_config_out_of_range_names_the_field(fields: dict[str, Any], message: str) -> None:
+    arguments: dict[str, Any] = {"url": "http://h", "rate": 1.0, "duration_s": 1.0, "slo_s": 1.0}
+    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        LoadConfig(**(arguments | fields))
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (
+            ["load", "ftp://h"],
+            "URL: expected http://HOST[:PORT][/PATH], e.g. http://127.0.0.1:8000, got 'ftp://h'",
+        ),
+        (
+            ["load", "http://:80"],
+            "URL: expected http://HOST[:PORT][/PATH], e.g. http://127.0.0.1:8000, got 'http://:80'",
+        ),
+        (
+            ["load", "http://h", "--give-up-fraction", "2"],
+            "argument --give-up-fraction: expected a number from 0 to 1, got '2'"
+            " (see 'omni-trio load --help')",
+        ),
+        (
+            ["load", "http://h", "--give-up-after", "3:1"],
+            "argument --give-up-after: expected MAX or MIN:MAX seconds, got '3:1'"
+            " (see 'omni-trio load --help')",
+        ),
+    ],
+)
+def test_usage_errors_are_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], args: list[str], line: str
+) -> None:
+    """A bad URL or option: one line on stderr, nothing on stdout, exit 2."""
+    with pytest.raises(SystemExit) as exited:
+        status = main(args)
+        raise SystemExit(status)
+    out, err = capsys.readouterr()
+    assert (exited.value.code, err, out) == (2, f"omni-trio: error: {line}\n", "")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def test_an_unreachable_server_is_one_line_and_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
+    """Nothing listens on the port: one line naming it, before any load; exit 1."""
+    port = free_port()
+    assert main(["load", f"http://127.0.0.1:{port}", "--duration", "1"]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        f"omni-trio: error: cannot reach 127.0.0.1:{port}: Connection refused;"
+        " is the server running?\n"
+    )
+
+
+def test_a_json_path_that_cannot_be_written_fails_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--json is opened first: a bad path is a usage error, and no server is contacted
+    (the port has no server: its error would be another)."""
+    missing = tmp_path / "no-such-folder" / "load.json"
+    url = f"http://127.0.0.1:{free_port()}"
+    assert main(["load", url, "--json", str(missing)]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err.count("\n")) == ("", 1)
+    assert err.startswith(f"omni-trio: error: --json: cannot write {str(missing)!r}: ")
+
+
+# -- a run against the app -------------------------------------------------------------
+
+
+@contextmanager
+def serving_in_a_thread(service: ImageService) -> Iterator[str]:
+    """Serve ``service.app`` with Uvicorn in a thread on a free loopback port, for the
+    command (which runs its own event loop); yield the base URL once it listens."""
+    import uvicorn
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    config = uvicorn.Config(service.app, log_level="warning", ws="none", access_log=False)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]})
+    thread.start()
+    try:
+        deadline = time.monotonic() + BUDGET
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(BUDGET)
+        listener.close()
+    assert not thread.is_alive()
+
+
+def test_the_command_prints_the_table_and_writes_every_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``omni-trio load`` against the app with an instant model and no give-ups: every
+    planned request completes; the table is on stdout, the JSON has every record."""
+    service = ImageService(
+        FakeRunner(), config=ServeConfig(model_name="fake", default_width=16, default_height=16)
+    )
+    saved = tmp_path / "load.json"
+    saved.write_text("an earlier, longer file that the run replaces entirely")
+    args = ["--rate", "20", "--duration", "0.3", "--seed", "2", "--give-up-fraction", "0"]
+    args += ["--size", "16x16", "--steps", "2", "--slo-s", "60", "--json", str(saved)]
+    planned = len(poisson_schedule(rate=20, duration_s=0.3, seed=2))
+    assert planned > 0
+    with serving_in_a_thread(service) as url:
+        status = main(["load", url, *args])
+    out, err = capsys.readouterr()
+    assert (status, err) == (0, "")
+    assert out.startswith(f"{planned} requests at 20/s for 0.3 s (seed 2) to {url}{PATH}; ")
+    assert f"  {'completed':<16}{planned:>7}\n" in out
+    data = json.loads(saved.read_text())
+    assert data["summary"]["counts"] == dict.fromkeys(OUTCOMES, 0) | {"completed": planned}
+    assert [r["outcome"] for r in data["records"]] == ["completed"] * planned
+    assert data["config"]["url"] == f"{url}{PATH}"
+
+
+@asynccontextmanager
+async def serving(service: ImageService) -> AsyncIterator[str]:
+    """Serve ``service.app`` with Hypercorn in this event loop on a free loopback port;
+    yield its base URL once /health answers 200; shut it down on exit."""
+    from hypercorn.config import Config
+
+    if sniffio.current_async_library() == "trio":
+        from hypercorn.trio import serve
+    else:
+        from hypercorn.asyncio import serve  # type: ignore[assignment]
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    config = Config()
+    config.bind = [f"fd://{listener.detach()}"]  # Hypercorn owns (and closes) it from now on
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")  # not stderr
+    stop = anyio.Event()
+    url = f"http://127.0.0.1:{port}"
+    app: Any = service.app
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: serve(app, config, shutdown_trigger=stop.wait))
+        async with httpx.AsyncClient() as client:
+            while True:
+                try:
+                    if (await client.get(f"{url}/health")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                await anyio.sleep(0.01)
+        try:
+            yield url
+        finally:
+            stop.set()
+
+
+@pytest.mark.anyio
+async def test_a_run_against_the_app_counts_every_outcome(tmp_path: Path) -> None:
+    """L51: a seeded schedule against the app over a real socket: every impatient client
+    gives up (the model's steps wait until they all did), and the server counts each as
+    a disconnect; every other client completes with its image. The CLI's pieces
+    write the JSON and the table."""
+    runner = GatedRunner()
+    service = ImageService(
+        runner,
+        engine_config=EngineConfig(max_batch_size=64),
+        config=ServeConfig(model_name="fake", default_width=16, default_height=16),
+    )
+    config = LoadConfig(
+        url="",  # set below, once the port is known
+        rate=20.0,
+        duration_s=0.5,
+        slo_s=60.0,
+        seed=4,
+        give_up_fraction=0.5,
+        # Long enough for any request to reach the app before its client leaves.
+        give_up_s=(0.3, 0.4),
+        size="16x16",
+        steps=2,
+        timeout_s=BUDGET,
+    )
+    arrivals = config.schedule()
+    impatient = sum(a.give_up_s is not None for a in arrivals)
+    assert 2 <= impatient <= len(arrivals) - 2  # the seed gives both kinds
+    gave_up = 0
+
+    def on_record(record: RequestRecord) -> None:
+        nonlocal gave_up
+        if record.outcome == "gave_up":
+            gave_up += 1
+            if gave_up == impatient:
+                runner.open_gate()
+
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as url:
+            config = dataclasses.replace(config, url=endpoint_url(url))
+            result = await run_load(config, on_record=on_record)
+            async with httpx.AsyncClient() as client:
+                while True:
+                    text = (await client.get(f"{url}/metrics")).text
+                    if (
+                        metric(text, "omni_trio_requests_total", outcome="disconnected")
+                        >= impatient
+                    ):
+                        break
+                    await anyio.sleep(0.01)
+    summary = result.summary()
+    patient = len(arrivals) - impatient
+    assert summary["counts"] == {
+        "completed": patient,
+        "gave_up": impatient,
+        "refused": 0,
+        "error": 0,
+    }
+    assert [r.index for r in result.records] == list(range(len(arrivals)))
+    assert all((r.outcome == "gave_up") == (r.give_up_s is not None) for r in result.records)
+    assert summary["good_images"] == summary["images"] == patient
+    assert summary["goodput_per_s"] == patient / 0.5
+    assert metric(text, "omni_trio_requests_total", outcome="completed") == patient
+    assert metric(text, "omni_trio_requests_total", outcome="disconnected") == impatient
+    saved = tmp_path / "load.json"
+    saved.write_text(json.dumps(result.as_json()))
+    assert json.loads(saved.read_text())["summary"] == json.loads(json.dumps(summary))
+    assert f"  {'completed':<16}{patient:>7}\n" in format_summary(summary)
