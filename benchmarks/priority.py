@@ -37,7 +37,7 @@ from omni_trio import EngineConfig, GenerationRequest, RequestHandle, open_engin
 from omni_trio.runners import DiffusersRunner
 
 from .common import Options, fmt, md_table, shared_pipeline, spread_p99
-from .peers import TimedRunner, sd_request, step_in_progress
+from .peers import TimedRunner, sd_request
 from .plot import figure
 
 __all__ = ["plot_priority", "run_priority", "table_priority"]

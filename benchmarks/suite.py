@@ -13,6 +13,7 @@ from typing import Any
 
 from .abort import plot_abort, run_abort, table_abort
 from .common import Options, machine
+from .devices import plot_devices, run_devices, table_devices
 from .join import plot_join, run_join, table_join
 from .leak import plot_leak, run_leak, table_leak
 from .overhead import plot_overhead, run_overhead, table_overhead
@@ -100,6 +101,13 @@ BENCHMARKS: dict[str, Benchmark] = {
             run=run_join,
             table=table_join,
             plot=plot_join,
+        ),
+        Benchmark(
+            name="devices",
+            what="throughput with 1, 2 and 4 workers sharing one queue",
+            run=run_devices,
+            table=table_devices,
+            plot=plot_devices,
         ),
         Benchmark(
             name="priority",

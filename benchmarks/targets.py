@@ -134,6 +134,23 @@ TARGETS: tuple[Target, ...] = (
         met=lambda r: _s(r)["throughput_ratio_b4_over_b1"] >= 1.3,
     ),
     Target(
+        bench="devices",
+        label="throughput, 4 workers (FakeRunner, sleeping steps)",
+        target="≥ 0.9 x 4 one worker's",
+        figure=lambda r: (
+            f"{_s(r)['fake_throughput_ratio']['4']:.2f}x one worker"
+            f" ({_s(r)['fake_scaling_efficiency_4']:.2f} per worker)"
+        ),
+        met=lambda r: _s(r)["fake_scaling_efficiency_4"] >= 0.9,
+    ),
+    Target(
+        bench="devices",
+        label="throughput, 2 workers (tiny SD, 2 cores)",
+        target="≥ 1.5 x one worker's",
+        figure=lambda r: f"{_s(r)['sd_throughput_ratio_2_over_1']:.2f}x one worker",
+        met=lambda r: _s(r)["sd_throughput_ratio_2_over_1"] >= 1.5,
+    ),
+    Target(
         bench="priority",
         label="urgent request's wait with preemption, p99",
         target="≤ 1 step",

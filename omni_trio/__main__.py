@@ -117,7 +117,7 @@ def _parser(extras: Mapping[str, _Command]) -> _Parser:
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,serve}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,serve,load}")
     demo = commands.add_parser(
         "demo",
         help="generate one image with a tiny model, no downloads",

@@ -30,6 +30,9 @@ SUMMARY_KEYS = {
     "scale": {"admit_us_per_request", "abort_us_per_request"},
     "preview": {"step_time_ratio_preview_over_off"},
     "pipeline": {"ratio_engine_over_pipeline"},
+    "priority": {"high_priority_p99_wait_steps", "resume_max_abs_diff"},
+    "devices": {"fake_throughput_ratio", "sd_throughput_ratio_2_over_1"},
+    "serve": {"goodput_ratio_over_naive"},
 }
 SCALE_LENGTHS = {"10", "100", "1000", "10000"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

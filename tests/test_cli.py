@@ -117,7 +117,7 @@ def test_console_script_is_main(capsys: pytest.CaptureFixture[str]) -> None:
         ),
         (
             [],
-            "the following arguments are required: {demo,serve} (see 'omni-trio --help')",
+            "the following arguments are required: {demo,serve,load} (see 'omni-trio --help')",
         ),
     ],
 )

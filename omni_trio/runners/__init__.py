@@ -6,6 +6,7 @@
 - ``PipelineCallRunner``: any other pipeline, through its own ``__call__``.
 - ``runner_for(pipeline)``: the first where it can, else the second.
 - ``tiny_pipeline``: tiny real pipelines with random weights, for tests and demos.
+- ``for_devices(make, devices)``: one runner per device, for ``open_engine``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from .._runner import SuspendableRunner as SuspendableRunner
 from .._runner import WholeCallRunner as WholeCallRunner
 from ._call import PipelineCallRunner as PipelineCallRunner
 from ._call import runner_for as runner_for
+from ._devices import for_devices as for_devices
+from ._devices import visible_devices as visible_devices
 from ._diffusers import DiffusersRunner as DiffusersRunner
 from ._tiny import TINY_KINDS as TINY_KINDS
 from ._tiny import tiny_pipeline as tiny_pipeline
@@ -33,8 +36,10 @@ __all__ = [
     "StopRun",
     "SuspendableRunner",
     "WholeCallRunner",
+    "for_devices",
     "runner_for",
     "tiny_pipeline",
+    "visible_devices",
 ]
 
 # Reprs, tracebacks and pickles name this package, not its private modules.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -41,18 +41,20 @@ NOT_STARTED = (
 
 
 class ImageService:
-    """Serve one runner over HTTP: routes, lifespan, health, metrics and drain.
+    """Serve one runner, or one per device, over HTTP: routes, lifespan, health, metrics, drain.
 
     ``service.app`` is the ASGI app. Its lifespan opens the engine (so it can run
     once: the engine closes the runner on shutdown). Routes:
 
     - ``POST /v1/images/generations``: OpenAI images API (JSON or server-sent events);
     - ``GET /v1/models`` and ``GET /v1/models/{id}``: the served model;
-    - ``GET /health``: 200 when ready, 503 while starting, draining or dead;
+    - ``GET /health``: 200 when ready (``"degraded"`` while some workers have died
+      and the others serve, L43), 503 while starting, draining or dead;
     - ``GET /metrics``: Prometheus text, from this service's own registry.
 
     Args:
-        runner: the model runner (see ``omni_trio.runners``).
+        runner: the model runner (see ``omni_trio.runners``), or a sequence of
+            them, one per device (see ``open_engine``).
         engine_config: the engine's configuration: batch size, queue bound,
             ``shutdown_grace``, and the limits on steps, sizes and ``n``.
         config: the HTTP layer's configuration.
@@ -60,7 +62,7 @@ class ImageService:
 
     def __init__(
         self,
-        runner: Runner[Any],
+        runner: Runner[Any] | Sequence[Runner[Any]],
         *,
         engine_config: EngineConfig | None = None,
         config: ServeConfig | None = None,
@@ -246,7 +248,13 @@ class ImageService:
         elif self.is_draining:
             status = "draining"
         else:
-            return JSONResponse({"status": "ok", "model": self.config.model_name})
+            stats = engine.statistics()
+            body: dict[str, Any] = {"status": "ok", "model": self.config.model_name}
+            if stats.workers_alive < len(stats.workers):
+                body.update(
+                    status="degraded", workers_alive=stats.workers_alive, workers=len(stats.workers)
+                )
+            return JSONResponse(body)
         headers = {"Retry-After": str(self.config.retry_after_s)}
         body = {"status": status}
         if status == "not_started":
@@ -271,7 +279,7 @@ class ImageService:
 
 
 def create_app(
-    runner: Runner[Any],
+    runner: Runner[Any] | Sequence[Runner[Any]],
     *,
     engine_config: EngineConfig | None = None,
     config: ServeConfig | None = None,

@@ -112,6 +112,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default="hypercorn",
         help="hypercorn runs on trio (default), uvicorn on asyncio",
     )
+    devices = parser.add_argument_group("devices (one worker each, one queue)")
+    choice = devices.add_mutually_exclusive_group()
+    choice.add_argument(
+        "--devices",
+        default=None,
+        metavar="LIST|auto",
+        help="torch devices, comma-separated (cuda:0,cuda:1), or auto: every visible GPU,"
+        " else the CPU (default: one worker where the model loads)",
+    )
+    choice.add_argument(
+        "--workers",
+        type=_count(1, 64),
+        default=None,
+        metavar="N",
+        help="N workers on the CPU, torch's threads shared out among them",
+    )
     limits = parser.add_argument_group("engine and limits")
     limits.add_argument(
         "--max-batch-size", type=_count(1), default=4, help="requests per denoise step (default 4)"
@@ -247,11 +263,12 @@ def _service(args: argparse.Namespace, model: LoadedModel) -> ImageService:
             guidance_scale=config.default_guidance_scale,
         )
         engine_config.check_request(probe)
-        model.runner.capabilities.check_request(probe)
+        model.runners[0].capabilities.check_request(probe)
     except InvalidRequestError as exc:
         option = _DEFAULT_OPTIONS.get(exc.field, "--default-size")
         raise UsageError(f"{option}: the model refuses it: {exc}") from None
-    return ImageService(model.runner, engine_config=engine_config, config=config)
+    runners = model.runners[0] if len(model.runners) == 1 else list(model.runners)
+    return ImageService(runners, engine_config=engine_config, config=config)
 
 
 # The option that sets each default, to name it in an error.
@@ -442,6 +459,24 @@ def _run_uvicorn(service: ImageService, args: argparse.Namespace) -> None:
     DrainingServer(config).run()
 
 
+def _devices(args: argparse.Namespace) -> list[str] | None:
+    """The devices ``--devices`` or ``--workers`` name; ``None`` when neither is given.
+
+    Raises:
+        UsageError: ``--devices`` names no device, a bad one, or one twice.
+    """
+    if args.workers is not None:
+        return ["cpu"] * args.workers
+    if args.devices is None:
+        return None
+    from ..runners._devices import parse_devices
+
+    try:
+        return parse_devices(args.devices)
+    except ValueError as exc:
+        raise UsageError(f"--{exc}") from None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server with parsed ``args`` until a signal drains it; return the exit status.
 
@@ -457,10 +492,16 @@ def run_serve(args: argparse.Namespace) -> int:
     resolve_environment(args)
     if args.model not in MODELS:
         model_folder(args.model)
+    devices = _devices(args)
     _check_port(args.host, args.port)
     # Only now: a command that stops at a usage error leaves the logging alone.
     configure_logging(args.log_level, args.log_format)
-    model = load_model(args.model, step_seconds=args.step_seconds, max_steps=args.max_steps)
+    model = load_model(
+        args.model,
+        step_seconds=args.step_seconds,
+        max_steps=args.max_steps,
+        devices=devices,
+    )
     service = _service(args, model)
     backend = "trio" if args.server == "hypercorn" else "asyncio"
     config = service.config

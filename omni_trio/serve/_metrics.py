@@ -16,6 +16,8 @@ omni_trio_requests_running                gauge      requests the worker holds n
 omni_trio_requests_waiting                gauge      requests in the queue now (suspended included)
 omni_trio_requests_suspended              gauge      waiting requests that were suspended (L61)
 omni_trio_draining                        gauge      1 while shutting down
+omni_trio_workers                         gauge      the engine's workers (one per device)
+omni_trio_workers_alive                   gauge      workers whose threads have not died (L43)
 omni_trio_engine_steps_total              counter    member-steps the engine ran
 omni_trio_preemptions_total               counter    suspensions of running requests (L61)
 omni_trio_steps_after_abort_total         counter    member-steps run after an abort was asked
@@ -202,6 +204,14 @@ class ServeMetrics:
             "Waiting requests that were suspended and hold parked state.",
             registry=registry,
         ).set_function(stat("suspended"))
+        Gauge(
+            "omni_trio_workers", "The engine's workers, one per device.", registry=registry
+        ).set_function(lambda: float(len(stats.workers)) if (stats := statistics()) else 0.0)
+        Gauge(
+            "omni_trio_workers_alive",
+            "Workers whose threads have not died; fewer than omni_trio_workers: degraded.",
+            registry=registry,
+        ).set_function(stat("workers_alive"))
         Gauge(
             "omni_trio_draining", "1 while the server shuts down, else 0.", registry=registry
         ).set_function(lambda: float(is_draining()))

@@ -18,6 +18,7 @@ The built-in tiny models are built for 64x64 (tiny-unet: 32x32) and default to
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,9 +41,9 @@ FALLBACK_GUIDANCE = 7.5
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoadedModel:
-    """A runner and the defaults that suit it."""
+    """The runners (one per device) and the defaults that suit them."""
 
-    runner: Any
+    runners: tuple[Any, ...]
     name: str
     description: str
     size: tuple[int, int]
@@ -101,18 +102,32 @@ def model_folder(spec: str) -> Path:
         raise UsageError(f"--model: {exc}; the built-in models are {', '.join(MODELS)}") from None
 
 
-def load_model(spec: str, *, step_seconds: float, max_steps: int = 200) -> LoadedModel:
-    """Build the runner for ``spec`` (a name in ``MODELS`` or a diffusers folder).
+def load_model(
+    spec: str,
+    *,
+    step_seconds: float,
+    max_steps: int = 200,
+    devices: Sequence[str] | None = None,
+) -> LoadedModel:
+    """Build the runners for ``spec`` (a name in ``MODELS`` or a diffusers folder).
+
+    Args:
+        spec: the model.
+        step_seconds: the fake model's simulated step.
+        max_steps: the most steps a default may be.
+        devices: one runner per device named (L42; ``parse_devices`` checked
+            them); ``None``: one runner, the pipeline where it loads (the CPU).
 
     Raises:
         UsageError: ``spec`` is neither a known name nor a diffusers folder.
-        CommandError: the folder's pipeline does not load.
+        CommandError: the folder's pipeline does not load, or not on a device.
     """
     if spec == "fake":
         from ..testing import FakeRunner
 
+        count = 1 if devices is None else len(devices)
         return LoadedModel(
-            runner=FakeRunner(step_seconds=step_seconds),
+            runners=tuple(FakeRunner(step_seconds=step_seconds) for _ in range(count)),
             name="fake",
             description=f"FakeRunner, {step_seconds * 1e3:g} ms per step",
             size=TINY_SIZE,
@@ -126,27 +141,45 @@ def load_model(spec: str, *, step_seconds: float, max_steps: int = 200) -> Loade
     if tiny:
         from ..runners import tiny_pipeline
 
-        pipeline: Any = tiny_pipeline(spec.removeprefix("tiny-"), seed=0)
-        runner: Any = DiffusersRunner(pipeline)
-        description = f"tiny {type(pipeline).__name__}, random weights"
+        def load() -> Any:
+            return tiny_pipeline(spec.removeprefix("tiny-"), seed=0)
+
+        wrap: Callable[[Any], Any] = DiffusersRunner
         steps = TINY_STEPS
         name = spec
     else:
         folder = model_folder(spec)
+
+        def load() -> Any:
+            loaded: Any = load_pipeline(folder)
+            loaded.set_progress_bar_config(disable=True)
+            return loaded
+
+        wrap = runner_for
+        name = folder.resolve().name
+    pipelines: list[Any] = []
+    runners: list[Any] = []
+    for device in devices if devices is not None else [None]:
         try:
-            pipeline = load_pipeline(folder)
-            pipeline.set_progress_bar_config(disable=True)
-            runner = runner_for(pipeline)
+            pipeline: Any = load() if device is None else load().to(device)
+            runners.append(wrap(pipeline))
         except Exception as exc:
-            raise CommandError(f"--model: cannot load {spec!r}: {summary(exc)}") from exc
-        description = f"{type(pipeline).__name__} from {folder}"
+            where = "" if device is None else f" on {device}"
+            raise CommandError(f"--model: cannot load {spec!r}{where}: {summary(exc)}") from exc
+        pipelines.append(pipeline)
+    pipeline = pipelines[0]
+    runner = runners[0]
+    where = "" if devices is None else f", on {', '.join(devices)}"
+    if tiny:
+        description = f"tiny {type(pipeline).__name__}, random weights{where}"
+    else:
+        description = f"{type(pipeline).__name__} from {folder}{where}"
         steps = int(_call_default(pipeline, "num_inference_steps", FALLBACK_STEPS))
         steps = max(1, min(steps, max_steps))
-        name = folder.resolve().name
     fixed = runner.capabilities.fixed_size
     size = (fixed[1], fixed[0]) if fixed is not None else model_size(pipeline, tiny=tiny)
     return LoadedModel(
-        runner=runner,
+        runners=tuple(runners),
         name=name,
         description=description,
         size=size,
