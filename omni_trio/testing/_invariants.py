@@ -157,6 +157,8 @@ def engine_settled(engine: Engine, runner: RunnerCounters | None = None) -> bool
             continue
         if record.state is None or record.steps_done >= record.request.num_steps:
             return False  # being prepared, released or materialized
+        if record.t_suspended is not None:
+            return False  # suspended, and being resumed or released (L61)
         held += 1
     return runner is None or runner.live_states == held
 
