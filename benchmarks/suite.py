@@ -13,6 +13,7 @@ from typing import Any
 
 from .abort import plot_abort, run_abort, table_abort
 from .common import Options, machine
+from .deadline import plot_deadline, run_deadline, table_deadline
 from .join import plot_join, run_join, table_join
 from .leak import plot_leak, run_leak, table_leak
 from .overhead import plot_overhead, run_overhead, table_overhead
@@ -119,6 +120,13 @@ BENCHMARKS: dict[str, Benchmark] = {
             run=run_pipeline,
             table=table_pipeline,
             plot=plot_pipeline,
+        ),
+        Benchmark(
+            name="deadline",
+            what="goodput under a 2x overload, with deadlines vs FIFO (FakeRunner)",
+            run=run_deadline,
+            table=table_deadline,
+            plot=plot_deadline,
         ),
     )
 }

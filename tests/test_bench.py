@@ -30,6 +30,7 @@ SUMMARY_KEYS = {
     "scale": {"admit_us_per_request", "abort_us_per_request"},
     "preview": {"step_time_ratio_preview_over_off"},
     "pipeline": {"ratio_engine_over_pipeline"},
+    "deadline": {"goodput_ratio_over_fifo", "steps_wasted_per_missed"},
 }
 SCALE_LENGTHS = {"10", "100", "1000", "10000"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
