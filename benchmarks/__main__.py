@@ -10,6 +10,7 @@ scale       admission and abort cost with 10 to 10,000 waiting (GatedRunner)
 preview     step time with previews read vs off (tiny SD)
 pipeline    one request at a time, engine vs the pipeline's own call
 devices     throughput with 1, 2 and 4 workers sharing one queue (FakeRunner; tiny SD)
+deadline    goodput under a 2x overload, with deadlines vs FIFO (FakeRunner)
 priority    an urgent request behind background batches: FIFO, priorities, preemption
 serve       open-loop HTTP load with impatient clients, omni-trio serve vs naive
 all         every benchmark above, in this order

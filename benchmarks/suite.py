@@ -13,6 +13,7 @@ from typing import Any
 
 from .abort import plot_abort, run_abort, table_abort
 from .common import Options, machine
+from .deadline import plot_deadline, run_deadline, table_deadline
 from .devices import plot_devices, run_devices, table_devices
 from .join import plot_join, run_join, table_join
 from .leak import plot_leak, run_leak, table_leak
@@ -143,6 +144,13 @@ BENCHMARKS: dict[str, Benchmark] = {
             run=run_serve,
             table=table_serve,
             plot=plot_serve,
+        ),
+        Benchmark(
+            name="deadline",
+            what="goodput under a 2x overload, with deadlines vs FIFO (FakeRunner)",
+            run=run_deadline,
+            table=table_deadline,
+            plot=plot_deadline,
         ),
     )
 }

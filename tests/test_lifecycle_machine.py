@@ -20,12 +20,19 @@ Determinism rules:
   back then). So each operation meets a state that depends on the plan alone.
 - Time only bounds: every operation runs under ``anyio.fail_after``, and nothing
   sleeps to let time pass; the polls (``wait_until``) only wait for the threads.
+- Deadlines (L62) are on a virtual clock (``tests/lifecycle/clock.py``): it runs with
+  real time, and the ``Advance`` operation jumps it forward by whole deadline units,
+  before that operation's hang budget starts (a jump passes every cancel scope's
+  deadline); deadlines are whole units too, so which have passed depends on the plan
+  alone. So this module gives each backend a jumpable clock: its own
+  ``anyio_backend`` fixture, over the same two backends as ``conftest.py``'s.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+from typing import Any
 
 import anyio
 import pytest
@@ -34,8 +41,9 @@ from hypothesis import HealthCheck, given, settings
 import omni_trio as ot
 from omni_trio.testing import assert_nothing_left
 
+from .lifecycle.clock import virtual_clock_options
 from .lifecycle.model import Machine, MachineRunner, hook_submit, note
-from .lifecycle.ops import MAX_SIZE, MAX_STEPS, Plan, plans
+from .lifecycle.ops import MAX_SIZE, MAX_STEPS, Advance, Plan, plans
 from .util import WorkerKilled
 
 _HEALTH = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
@@ -54,10 +62,18 @@ PROFILE = os.environ.get("OMNI_TRIO_HYPOTHESIS_PROFILE", "ci")
 OP_BUDGET = 10.0
 
 
+@pytest.fixture(params=["trio", "asyncio"])
+def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    """Both backends, each with a clock that ``Advance`` can jump (see ``clock``)."""
+    backend = str(request.param)
+    return backend, virtual_clock_options(backend)
+
+
 async def run_plan(plan: Plan) -> None:
     """Run ``plan`` on a fresh engine, checking the invariants after every operation.
 
-    Also callable outside pytest, to replay a plan: ``anyio.run(run_plan, plan)``.
+    Also callable outside pytest, to replay a plan: ``anyio.run(run_plan, plan,
+    backend="trio", backend_options=virtual_clock_options("trio"))``.
     """
     runner = MachineRunner(max_batch_size=3)
     config = ot.EngineConfig(
@@ -80,6 +96,9 @@ async def run_plan(plan: Plan) -> None:
                     tg.start_soon(machine.pump_forever)
                     final = [] if plan.final is None else [plan.final]
                     for op in [*plan.ops, *final]:
+                        if isinstance(op, Advance):
+                            # Before the budget starts: a jump would pass its deadline.
+                            machine.advance_clock(op)
                         with anyio.fail_after(OP_BUDGET):
                             await machine.apply(op)
                             await machine.settle()
@@ -119,14 +138,18 @@ async def run_plan(plan: Plan) -> None:
 @settings(settings.get_profile(PROFILE))
 @given(plan=plans)
 async def test_lifecycle_state_machine(plan: Plan) -> None:
-    """L1-L19, L22, L23, L30-L36: any sequence of operations keeps every invariant.
+    """L1-L19, L22, L23, L30-L36, L60, L62: any sequence of operations keeps every invariant.
 
     After each operation: every request ends exactly once and nothing follows its
     end (L15); the statistics add up and match each handle's status (L19); ids are
     held exactly as L2/L3 say; an idle engine's tables are empty (L14); the runner
     holds exactly the running requests' states (L8); undisturbed requests complete
     with the right images (L3, L9); aborts land within one step (L6, L7); after
-    shutdown no thread is left and nothing is held (L31-L35).
+    shutdown no thread is left and nothing is held (L31-L35); the worker takes
+    requests by priority, then deadline, then admission (L60, L62); a deadline the
+    clock passes aborts its request with "deadline", at once if waiting, at the
+    next step boundary if running, never decoded, and no other; an unmeetable one
+    is refused (L62).
     """
     await run_plan(plan)
 
@@ -136,3 +159,54 @@ def test_profile_sizes() -> None:
     assert settings.get_profile("ci").max_examples >= 200
     assert settings.get_profile("soak").max_examples >= 2000
     assert settings.get_profile(PROFILE).deadline is None
+
+
+@pytest.mark.anyio
+async def test_invariants_hold_while_the_worker_takes_a_request() -> None:
+    """L19: the invariant check must pass when the worker takes a request during it.
+
+    "a" holds the worker at the gate, "b" waits. Inside the check, right after it
+    reads the statistics ("b" waiting), "a"'s step is let go and the worker reaches
+    the boundary where it would take "b". The check reads the counts and the
+    records' statuses under the workers' lock, so the worker waits for it: "b" still
+    reads WAITING when the check reads it. (Without the lock the worker takes "b"
+    within the 50 ms given, and the check sees it waiting in the counts and running
+    in the records.)
+    """
+    import time
+
+    from omni_trio.testing import GatedRunner, check_engine_invariants
+
+    from .util import BUDGET, req
+
+    runner = GatedRunner()
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=1)) as engine:
+            a = engine.submit(req(num_steps=1), request_id="a")
+            await runner.wait_arrived(1)
+            b = engine.submit(req(num_steps=1), request_id="b")
+            statistics = engine.statistics
+
+            def racing_statistics() -> ot.EngineStatistics:
+                stats = statistics()
+                runner.release(1)  # "a" ends; the worker would take "b" at the boundary
+                given_up = time.monotonic() + BUDGET
+                while runner.steps_run < 1 and time.monotonic() < given_up:
+                    time.sleep(0.001)  # the worker thread needs nothing of the loop (L20)
+                time.sleep(0.05)  # time enough to take "b", were the lock not held
+                return stats
+
+            engine.statistics = racing_statistics  # type: ignore[method-assign]
+            failure: str | None = None
+            try:
+                check_engine_invariants(engine, runner)
+            except AssertionError as exc:
+                failure = repr(exc)
+            finally:
+                engine.statistics = statistics  # type: ignore[method-assign]
+                runner.open_gate()
+            for handle in (a, b):
+                async with handle:
+                    await handle.result()
+    assert b.metrics is not None and b.metrics.steps_done == 1
+    assert failure is None, failure

@@ -102,17 +102,22 @@ def check_engine_invariants(
     # Read the runner first: a state it holds now belongs to a request that was
     # taken before and that stays live until this (synchronous) check returns.
     states = runner.live_states if runner is not None else 0
-    stats = engine.statistics()
+    # The counts and the records' statuses in one moment: under the workers' lock,
+    # which a worker holds to take a request (WAITING becomes RUNNING there).
+    with engine._pool.cond:
+        stats = engine.statistics()
+        live = dict(engine._live)
+        statuses = {request_id: record.status for request_id, record in live.items()}
     counts = _counts(stats)
     assert all(count >= 0 for count in counts.values()), f"negative count: {stats}"
     assert stats.admitted == sum(counts.values()), f"L19: counts do not add up: {stats}"
-    live = dict(engine._live)
     taken = 0
     live_counts = dict.fromkeys(_STATUSES, 0)
     for request_id, record in live.items():
         assert record.request_id == request_id, f"live table key {request_id!r} names another"
-        assert not record.status.is_terminal, f"terminal request {request_id!r} still live"
-        live_counts[record.status] += 1
+        status = statuses[request_id]
+        assert not status.is_terminal, f"terminal request {request_id!r} still live"
+        live_counts[status] += 1
         taken += record.t_taken is not None
     assert live_counts[RequestStatus.WAITING] == stats.waiting, (live_counts, stats)
     assert live_counts[RequestStatus.RUNNING] == stats.running, (live_counts, stats)

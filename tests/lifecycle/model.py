@@ -8,11 +8,13 @@ is one admitted request as the model sees it.
 from __future__ import annotations
 
 import gc
+import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -37,14 +39,18 @@ from omni_trio.testing import (
 )
 
 from ..util import Boom, WorkerKilled, expected_images, req
+from .clock import jump
 from .ops import (
     ABSENT_ID,
+    DEADLINE_UNIT,
     INVALID_FIELD,
     MAX_SIZE,
     MAX_STEPS,
     PICKS,
     SLOTS,
+    TIGHT_DEADLINE,
     Abort,
+    Advance,
     CancelCaller,
     Drop,
     FailAt,
@@ -88,11 +94,14 @@ class MachineRunner(GatedRunner):
         # engine hands the runner the very request object that was submitted).
         self.request_of: dict[FakeState, ot.GenerationRequest] = {}
         self.decoded: set[int] = set()
+        # Every request the worker took, in the order it prepared them (L60).
+        self.prepared: list[ot.GenerationRequest] = []
 
     def prepare(self, request: ot.GenerationRequest, request_id: str) -> FakeState:
         state = super().prepare(request, request_id)
         with self._changed:
             self.request_of[state] = request
+            self.prepared.append(request)
         return state
 
     def decode(self, state: FakeState) -> torch.Tensor:
@@ -152,6 +161,21 @@ class Tracked:
     # frames of this test in a cycle that only the garbage collector frees, so
     # the handle is not dropped by this test.
     error_raised: bool = False
+    # The rank of L60 and L62: its priority, its deadline in whole units of the
+    # machine's clock (see ``Machine.epoch``; None: none), its admission order.
+    priority: int = 0
+    deadline_epoch: int | None = None
+    admission: int = 0
+
+    @property
+    def rank(self) -> tuple[int, float, int]:
+        """Smaller is taken first: higher priority, earlier deadline, earlier admission.
+
+        Deadlines of one epoch differ by the real time between their submissions,
+        so among them the earlier admission has the earlier deadline too.
+        """
+        deadline = math.inf if self.deadline_epoch is None else self.deadline_epoch
+        return (-self.priority, deadline, self.admission)
 
     @property
     def status(self) -> ot.RequestStatus:
@@ -196,6 +220,15 @@ class Machine:
     generated: int = 0
     on_submit: Callable[[ot.RequestHandle], None] | None = None
     finished_ids: list[str] = field(default_factory=list)
+    # Virtual time in DEADLINE_UNITs jumped so far: a deadline of ``d`` units set
+    # at epoch ``e`` has passed exactly when the epoch is ``e + d`` or more.
+    epoch: int = 0
+    admissions: int = 0
+    # What the last check saw waiting, and how many prepares it had seen (L60).
+    waiting_before: list[Tracked] = field(default_factory=list)
+    prepared_seen: int = 0
+    # The live requests before the last jump of the clock: status, cancel reason.
+    before_jump: dict[Tracked, tuple[ot.RequestStatus, str | None]] | None = None
 
     # -- helpers --
 
@@ -291,9 +324,45 @@ class Machine:
         if not engine._live and not engine._terminal_open and not stats.is_dead:
             assert_engine_idle(engine)  # L14
             assert self.runner.live_states == 0
+        self.check_order()
+        # L62: the timer holds exactly the live requests whose deadline is to come.
+        pending = self.deadlines_to_come()
+        assert len(engine._deadlines) == len(pending), (len(engine._deadlines), pending)
         kept = [t for t in self.tracked if t.holds_id or t.reader]
         self.finished_ids += [t.request_id for t in self.tracked if t not in kept]
         self.tracked = kept
+
+    def deadlines_to_come(self) -> list[Tracked]:
+        """The live requests whose deadline has not passed on the machine's clock."""
+        return [
+            t
+            for t in self.tracked
+            if not t.status.is_terminal
+            and t.deadline_epoch is not None
+            and t.deadline_epoch > self.epoch
+        ]
+
+    def check_order(self) -> None:
+        """L60, L62: each request the worker took ranked before every one left waiting.
+
+        A request that waited at the last check and waits still waited all along
+        (nothing returns to the queue: see ``priority_for``), so every request taken
+        since was taken while it waited, and must rank before it.
+        """
+        taken = self.runner.prepared[self.prepared_seen :]
+        self.prepared_seen += len(taken)
+        by_request = {id(t.request): t for t in self.tracked}
+        still = [t for t in self.waiting_before if t.status is ot.RequestStatus.WAITING]
+        for request in taken:
+            first = by_request[id(request)]
+            for waiting in still:
+                assert first.rank < waiting.rank, (
+                    f"L60: {first.request_id!r} {first.rank} was taken while"
+                    f" {waiting.request_id!r} {waiting.rank} waited"
+                )
+        if taken and still:
+            note("a request was taken while a worse-ranked one waited")
+        self.waiting_before = [t for t in self.tracked if t.status is ot.RequestStatus.WAITING]
 
     def check_end(self, tracked: Tracked) -> None:
         """How a request ended must match what happened to it."""
@@ -343,6 +412,41 @@ class Machine:
         finally:
             tracked.reader = False
 
+    def track(
+        self, handle: ot.RequestHandle, request: ot.GenerationRequest, *, keep: bool
+    ) -> Tracked:
+        """Follow an admitted request; ``keep``: this test holds its handle."""
+        self.ledger.track(handle)
+        self.admissions += 1
+        tracked = Tracked(
+            probe(handle),
+            handle if keep else None,
+            handle.request_id,
+            request,
+            priority=request.priority,
+            admission=self.admissions,
+        )
+        self.tracked.append(tracked)
+        return tracked
+
+    def priority_for(self, wanted: int) -> int:
+        """``wanted``, capped by the priority of every running request.
+
+        So no waiting request ever has a higher priority than a running one: an
+        engine that suspends a running request for a waiting one of strictly higher
+        priority (preemption at a step boundary) never has cause to, and every
+        request taken stays taken. Why it holds: the worker takes the best-ranked
+        waiting requests, so what it takes has a priority at least every waiting
+        one's, and what this caps has at most every running one's. Read between
+        operations, when the engine is settled: what runs is what the worker holds.
+        """
+        running = [
+            record.request.priority
+            for record in self.engine._live.values()
+            if record.status is ot.RequestStatus.RUNNING
+        ]
+        return min([wanted, *running])
+
     # -- operations --
 
     async def apply(self, op: Op) -> None:
@@ -380,13 +484,19 @@ class Machine:
                 self.disturb_live()
             case Shutdown(background):
                 await self.shutdown(background=background)
+            case Advance():
+                await self.check_expiry()
             case _:
                 raise AssertionError(op)
 
     def expected_admission_error(
-        self, request_id: str | None, invalid: str | None
+        self, request_id: str | None, invalid: str | None, *, tight: bool = False
     ) -> set[type[Exception]]:
-        """What submit must raise (empty: it must admit), by the order L30, L4, L2, L5."""
+        """What submit must raise (empty: it must admit), by the order L30, L4, L2, L62, L5.
+
+        ``tight``: the request's deadline is one no estimate meets, and a step was
+        measured: ``DeadlineError``, unless an earlier check refuses it.
+        """
         stats = self.engine.statistics()
         if stats.is_dead:
             return {ot.EngineDeadError}
@@ -399,6 +509,8 @@ class Machine:
             errors.add(ot.DuplicateRequestError)
         if invalid is not None:
             errors.add(ot.InvalidRequestError)
+        if not errors and tight:
+            errors.add(ot.DeadlineError)
         if not errors:
             waiting = sum(t.status is ot.RequestStatus.WAITING for t in self.tracked)
             if waiting >= self.plan.max_waiting:
@@ -409,17 +521,31 @@ class Machine:
         request_id = None if op.slot is None else f"r{op.slot}"
         if op.invalid == "empty_id":
             request_id = ""
+        deadline = op.deadline
+        if deadline == "tight" and self.engine._workers[0].step_s is None:
+            # Admitted before any step is measured, it would expire at a moment of
+            # the threads' choosing: sent only when admission must refuse it.
+            deadline = None
+        deadline_s = None
+        if deadline is not None:
+            deadline_s = TIGHT_DEADLINE if deadline == "tight" else deadline * DEADLINE_UNIT
+        priority = self.priority_for(op.priority)
+        ranked: dict[str, Any] = {"deadline_s": deadline_s, "priority": priority}
         request: object
         match op.invalid:
             case "steps":
-                request = req(num_steps=MAX_STEPS + 1, height=op.size, width=op.size, seed=op.seed)
+                request = req(
+                    num_steps=MAX_STEPS + 1, height=op.size, width=op.size, seed=op.seed, **ranked
+                )
             case "multiple":
-                request = ot.GenerationRequest(num_steps=op.steps, height=12, width=16)
+                request = ot.GenerationRequest(num_steps=op.steps, height=12, width=16, **ranked)
             case "width":
-                request = ot.GenerationRequest(num_steps=op.steps, height=8, width=MAX_SIZE + 8)
+                request = ot.GenerationRequest(
+                    num_steps=op.steps, height=8, width=MAX_SIZE + 8, **ranked
+                )
             case "extra":
                 request = ot.GenerationRequest(
-                    num_steps=op.steps, height=8, width=8, extra={"x": 1}
+                    num_steps=op.steps, height=8, width=8, extra={"x": 1}, **ranked
                 )
             case "type":
                 request = {"prompt": "not a request"}
@@ -430,8 +556,10 @@ class Machine:
                     width=op.size,
                     seed=op.seed,
                     preview_every=op.preview_every,
+                    **ranked,
                 )
-        expected = self.expected_admission_error(request_id or None, op.invalid)
+        tight = deadline == "tight" and op.invalid != "type"
+        expected = self.expected_admission_error(request_id or None, op.invalid, tight=tight)
         before = self.engine.statistics()
         error: ot.OmniTrioError | None = None
         try:
@@ -442,6 +570,10 @@ class Machine:
             assert type(error) in expected, f"submit raised {error!r}, expected {expected}"
             if isinstance(error, ot.InvalidRequestError):
                 assert op.invalid is not None and error.field == INVALID_FIELD[op.invalid], error
+            if isinstance(error, ot.DeadlineError):
+                # L62: the estimate is stated, and it is over the deadline.
+                assert error.deadline_s == TIGHT_DEADLINE < error.estimate_s, error
+                note("submit refused: deadline unmeetable")
             after = self.engine.statistics()
             assert admitted_and_live(after) == admitted_and_live(before)
             return
@@ -454,9 +586,11 @@ class Machine:
         after = self.engine.statistics()
         admitted, live = admitted_and_live(before)
         assert admitted_and_live(after) == (admitted + 1, live + 1)
-        self.ledger.track(handle)
-        tracked = Tracked(probe(handle), handle, handle.request_id, request, disturbed=self.chaos)
-        self.tracked.append(tracked)
+        tracked = self.track(handle, request, keep=True)
+        tracked.disturbed = self.chaos
+        if isinstance(deadline, int):
+            tracked.deadline_epoch = self.epoch + deadline
+            note(f"submit with a deadline, priority {priority}")
         if op.read:
             tracked.reader = True
             self.tg.start_soon(self.read_events, tracked, handle)
@@ -503,6 +637,62 @@ class Machine:
             # L8: returns once the request is terminal and released.
             assert tracked.status.is_terminal
             assert self.released(tracked)
+
+    def advance_clock(self, op: Advance) -> None:
+        """Jump the clock ``op.units`` deadline units; call it outside any hang budget.
+
+        A jump passes every cancel scope's deadline (see ``clock``): ``run_plan``
+        calls this before it starts the operation's budget, and the clock stands
+        still while shutting down, whose grace period is such a deadline. It gates
+        nothing and releases nothing: a running request whose deadline passed waits
+        at the gate, as after an ``abort_nowait``, until a later operation lets its
+        step run (teardown opens the gate).
+        """
+        if self.closing:
+            self.before_jump = None
+            return
+        self.before_jump = {t: (t.status, t.token_reason) for t in self.live()}
+        self.epoch += op.units
+        jump(op.units * DEADLINE_UNIT)
+
+    async def check_expiry(self) -> None:
+        """L62: every deadline the jump passed expired, at once if waiting; no other did."""
+        before, self.before_jump = self.before_jump, None
+        if before is None:
+            note("no jump: shutting down")
+            return
+        expired = [
+            t for t in before if t.deadline_epoch is not None and t.deadline_epoch <= self.epoch
+        ]
+        # The timer task runs on the loop's next turns; nothing else can end them.
+        # Its count too: a request that something aborted before still leaves it.
+        to_come = len(self.deadlines_to_come())
+        await wait_until(
+            lambda: (
+                all(t.abort_requested for t in expired) and len(self.engine._deadlines) == to_come
+            ),
+            interval=POLL,
+        )
+        for tracked, (status, reason) in before.items():
+            if tracked not in expired:
+                assert tracked.token_reason == reason, f"L62: {tracked} ended before its deadline"
+                continue
+            note(f"deadline passed for a {status.value} request")
+            if reason is None:
+                assert tracked.token_reason == "deadline", tracked
+                tracked.disturbed = True
+                tracked.reason = "deadline"
+                tracked.steps_at_abort = tracked.steps_done
+                tracked.must_abort = not self.gate_open
+            if status is ot.RequestStatus.WAITING:
+                # L6, L62: a waiting request ends at once and never reaches the worker.
+                assert tracked.status is ot.RequestStatus.ABORTED, tracked
+                assert tracked.steps_done == 0 and not tracked.probe.holds_state, tracked
+                assert all(r is not tracked.request for r in self.runner.prepared), tracked
+            elif not self.gate_open and not self.engine.statistics().is_dead:
+                # L7, L62: a running one stops at its next step boundary, and its
+                # step waits at the gate.
+                assert tracked.status is ot.RequestStatus.RUNNING, tracked
 
     async def leave(self, op: Leave) -> None:
         found = self.open_handle(op.pick)
@@ -581,17 +771,21 @@ class Machine:
         """generate(): submit and wait in one call; cancelled, it aborts (L11)."""
         self.generated += 1
         request_id = f"g{self.generated}"
-        request = req(num_steps=steps, height=8, width=8, seed=self.generated % 4)
+        request = req(
+            num_steps=steps,
+            height=8,
+            width=8,
+            seed=self.generated % 4,
+            priority=self.priority_for(0),
+        )
         expected = self.expected_admission_error(request_id, None)
         results: list[ot.GenerationOutput | Exception] = []
         admitted: list[tuple[Tracked, ot.RequestHandle]] = []
 
         def on_submit(handle: ot.RequestHandle) -> None:
             # Inside generate(), right after its submit: track it before it can end.
-            self.ledger.track(handle)
-            tracked = Tracked(probe(handle), None, request_id, request)
+            tracked = self.track(handle, request, keep=False)
             tracked.disturbed = self.chaos or cancel
-            self.tracked.append(tracked)
             admitted.append((tracked, handle))
 
         async def call() -> None:

@@ -21,6 +21,14 @@ ABSENT_ID = "r9"
 PICKS = 8
 MAX_STEPS = 6
 MAX_SIZE = 16
+#: Deadlines are whole multiples of this many seconds of virtual time, and the
+#: clock jumps by whole multiples of it (see ``clock``): so whether a deadline has
+#: passed depends on the plan alone, never on the real time an operation took (a
+#: plan takes seconds), and the engine's estimate (measured step time, gate waits
+#: included, times at most some 60 steps) never refuses one.
+DEADLINE_UNIT = 10_000.0
+#: A deadline no estimate can meet: refused once a step was measured (L62).
+TIGHT_DEADLINE = 1e-9
 
 Invalid = Literal["steps", "multiple", "width", "extra", "type", "empty_id"]
 INVALID_FIELD: dict[str, str] = {
@@ -42,6 +50,15 @@ class Submit:
     preview_every: int
     read: bool
     invalid: Invalid | None
+    # In DEADLINE_UNITs; "tight": TIGHT_DEADLINE (sent only once a step was measured).
+    deadline: int | Literal["tight"] | None = None
+    # Capped by the priority of the running requests: see Machine.priority_for.
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class Advance:
+    units: int  # jump the clock this many DEADLINE_UNITs forward
 
 
 @dataclass(frozen=True)
@@ -116,6 +133,7 @@ Op = (
     | FailAt
     | Kill
     | Shutdown
+    | Advance
 )
 
 
@@ -141,11 +159,13 @@ submits = st.builds(
     preview_every=st.sampled_from([0, 0, 1, 2]),
     read=st.booleans(),
     invalid=st.sampled_from([None] * 14 + list(INVALID_FIELD)),
+    deadline=st.sampled_from([None, None, 1, 1, 2, 3, "tight"]),
+    priority=st.sampled_from([0, 0, 0, -1, 1, 2]),
 )
 #: How often each operation comes, per hundred (picked by hand, not measured).
 WEIGHTED: list[tuple[int, st.SearchStrategy[Op]]] = [
-    (34, submits),
-    (12, st.builds(Release, n=st.integers(1, 2))),
+    (33, submits),
+    (14, st.builds(Release, n=st.integers(1, 2))),
     (
         10,
         st.builds(
@@ -169,6 +189,7 @@ WEIGHTED: list[tuple[int, st.SearchStrategy[Op]]] = [
     (1, st.builds(Shutdown, background=st.booleans())),
     (1, st.just(OpenGate())),
     (1, st.just(Kill())),
+    (7, st.builds(Advance, units=st.integers(1, 3))),
 ]
 _KINDS = [index for index, (weight, _) in enumerate(WEIGHTED) for _ in range(weight)]
 operations: st.SearchStrategy[Op] = st.sampled_from(_KINDS).flatmap(lambda i: WEIGHTED[i][1])
