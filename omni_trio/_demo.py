@@ -29,7 +29,7 @@ from ._runner import Runner, RunnerCapabilities
 
 __all__ = ["KINDS", "add_demo_arguments", "run_demo"]
 
-KINDS = ("sd", "sd3", "flux", "unet", "fake")
+KINDS = ("sd", "sdxl", "sd3", "flux", "qwen-image", "unet", "fake")
 
 DEFAULT_SIZE = 64
 """Image side when ``--size`` is not given and the model makes any size."""

@@ -287,13 +287,16 @@ async def test_cuda_decode_overlaps_and_lands_in_pinned_memory() -> None:
 
 
 async def resumed_and_uninterrupted(
-    pipeline: Any, kind: str, *, park_on_host: bool
+    pipeline: Any,
+    low_request: ot.GenerationRequest,
+    high_request: ot.GenerationRequest,
+    *,
+    park_on_host: bool,
 ) -> tuple[ot.GenerationOutput, ot.GenerationOutput, int]:
-    """A request suspended after its first step and resumed, the same one uninterrupted,
-    and the bytes its suspension parked. Batches of one: the same composition both ways.
+    """``low_request`` suspended after its first step for ``high_request`` (of a higher
+    priority) and resumed, the same request uninterrupted, and the bytes its suspension
+    parked. Batches of one: the same composition both ways.
     """
-    low_request = request(kind, num_steps=5, seed=11, prompt="low")
-    high_request = request(kind, num_steps=2, seed=12, prompt="high", priority=1)
     options = ot.EngineConfig(max_batch_size=1, park_on_host=park_on_host)
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(DiffusersRunner(pipeline), options) as engine:
@@ -329,8 +332,10 @@ async def test_a_suspended_request_resumes_to_the_uninterrupted_image(
     request's generator at every step, so the generator's state must survive too. (On the
     CPU, parking on the host moves nothing: the CUDA test below moves it.)
     """
+    low = request(kind, num_steps=5, seed=11, prompt="low")
+    high = request(kind, num_steps=2, seed=12, prompt="high", priority=1)
     resumed, uninterrupted, parked = await resumed_and_uninterrupted(
-        pipe(kind), kind, park_on_host=park_on_host
+        pipe(kind), low, high, park_on_host=park_on_host
     )
     assert parked >= 4 * 4 * (SIZE[kind] // 8) ** 2
     assert torch.equal(resumed.images, uninterrupted.images)
@@ -349,5 +354,9 @@ async def test_a_request_parked_on_the_host_resumes_exactly_on_cuda(scheduler: s
 
     cuda_pipe: Any = tiny_pipeline("sd").to("cuda")
     cuda_pipe.scheduler = getattr(diffusers, scheduler).from_config(cuda_pipe.scheduler.config)
-    resumed, uninterrupted, _ = await resumed_and_uninterrupted(cuda_pipe, "sd", park_on_host=True)
+    low = request("sd", num_steps=5, seed=11, prompt="low")
+    high = request("sd", num_steps=2, seed=12, prompt="high", priority=1)
+    resumed, uninterrupted, _ = await resumed_and_uninterrupted(
+        cuda_pipe, low, high, park_on_host=True
+    )
     assert torch.equal(resumed.images, uninterrupted.images)

@@ -93,7 +93,8 @@ def test_the_command_line_refuses_an_unknown_model(capsys: pytest.CaptureFixture
     assert main(["serve", "--model", "/no/such/folder"]) == 2
     assert capsys.readouterr().err == (
         "omni-trio: error: --model: no such folder: '/no/such/folder';"
-        " the built-in models are tiny-sd, tiny-sd3, tiny-flux, tiny-unet, fake\n"
+        " the built-in models are tiny-sd, tiny-sdxl, tiny-sd3, tiny-flux, tiny-qwen-image,"
+        " tiny-unet, fake\n"
     )
     with pytest.raises(SystemExit):
         main(["serve", "--model", "fake", "--default-size", "64"])  # argparse: exit 2

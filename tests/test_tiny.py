@@ -56,8 +56,8 @@ def _modules(pipe: Any) -> dict[str, torch.nn.Module]:
 
 def test_unknown_kind_lists_supported_kinds() -> None:
     """An unknown kind raises ValueError naming every supported kind."""
-    with pytest.raises(ValueError, match="unknown tiny pipeline kind 'sdxl'") as info:
-        tiny_pipeline("sdxl")
+    with pytest.raises(ValueError, match="unknown tiny pipeline kind 'sd4'") as info:
+        tiny_pipeline("sd4")
     assert all(kind in str(info.value) for kind in TINY_KINDS)
 
 

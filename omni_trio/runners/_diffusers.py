@@ -17,7 +17,7 @@ import torch
 
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities
-from ._families import RequestState, family_for
+from ._families import RequestState, family_for, joined
 from ._park import park_on_host, state_tensors, unpark
 
 __all__ = ["DiffusersRunner", "latent_preview"]
@@ -44,11 +44,6 @@ def _rgb_factors(channels: int) -> torch.Tensor:
     return factors
 
 
-def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
-    # A batch of one is the common case: no copy for it.
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-
-
 def latent_preview(latents: torch.Tensor) -> torch.Tensor:
     """A cheap RGB preview ``[N, 3, h, w]`` in [0, 1] of latents ``[N, C, h, w]``, on the CPU."""
     latents = latents.detach().float().cpu()
@@ -59,8 +54,9 @@ def latent_preview(latents: torch.Tensor) -> torch.Tensor:
 class DiffusersRunner:
     """Drive a diffusers pipeline step by step for the engine.
 
-    Supports ``StableDiffusionPipeline``, ``StableDiffusion3Pipeline``,
-    ``FluxPipeline``, ``DDPMPipeline`` and ``DDIMPipeline``. The pipeline is used,
+    Supports ``StableDiffusionPipeline``, ``StableDiffusionXLPipeline``,
+    ``StableDiffusion3Pipeline``, ``FluxPipeline``, ``QwenImagePipeline``,
+    ``DDPMPipeline`` and ``DDIMPipeline``. The pipeline is used,
     never changed: the runner builds its own scheduler per request and leaves the
     pipeline usable after the engine closes.
 
@@ -83,6 +79,7 @@ class DiffusersRunner:
             batch_key_fields=("height", "width"),
             previews=True,
             size_multiple=self._family.size_multiple,
+            extra_keys=self._family.extra_keys,
             negative_prompt=self._family.negative_prompt,
             fixed_size=self._family.fixed_size,
             suspendable=True,
@@ -102,7 +99,10 @@ class DiffusersRunner:
 
     @property
     def family(self) -> str:
-        """The model family: ``"sd"``, ``"sd3"``, ``"flux"`` or ``"unet"``."""
+        """The model family.
+
+        One of ``"sd"``, ``"sdxl"``, ``"sd3"``, ``"flux"``, ``"qwen-image"``, ``"unet"``.
+        """
         return self._family.name
 
     def _count(self, name: str, amount: int) -> None:
@@ -132,7 +132,6 @@ class DiffusersRunner:
         family = self._family
         inputs: list[torch.Tensor] = []
         steps: list[torch.Tensor] = []
-        cond: dict[str, list[torch.Tensor]] = {}
         for state in states:
             assert state.latents is not None
             t = state.timesteps[state.position]
@@ -140,21 +139,15 @@ class DiffusersRunner:
             rows = family.scale_input(state, rows, t)
             inputs.append(rows)
             steps.append(t.expand(rows.shape[0]).to(rows.device))
-            for key, value in state.cond.items():
-                cond.setdefault(key, []).append(value)
         output = family.denoise(
-            _joined(inputs),
-            _joined(steps),
-            {key: _joined(values) for key, values in cond.items()},
-            states[0].shared,
+            joined(inputs), joined(steps), family.join_cond(states), states[0].shared
         )
         start = 0
         for state, rows in zip(states, inputs, strict=True):
             prediction = output[start : start + rows.shape[0]]
             start += rows.shape[0]
             if state.cfg:
-                uncond, text = prediction.chunk(2)
-                prediction = uncond + state.request.guidance_scale * (text - uncond)
+                prediction = family.guide(state, prediction)
             t = state.timesteps[state.position]
             state.latents = state.scheduler.step(
                 prediction, t, state.latents, **state.step_kwargs, return_dict=False

@@ -9,7 +9,9 @@ The step loop itself, shared by all families, lives in ``_diffusers.py``.
 from __future__ import annotations
 
 import inspect
+import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +29,9 @@ class RequestState:
 
     ``cond`` holds per-row model inputs (with classifier-free guidance the rows
     are ``[uncond..., cond...]``); ``shared`` holds inputs that are the same for
-    every request of one batch (Flux's position ids).
+    every request of one batch (Flux's position ids, Qwen-Image's image shape).
+    ``text_lengths`` is each row's count of real text tokens where the family pads
+    its text conditioning to a common length (Qwen-Image); empty otherwise.
     """
 
     request_id: str
@@ -39,7 +43,8 @@ class RequestState:
     latents: torch.Tensor | None
     cfg: bool
     cond: dict[str, torch.Tensor]
-    shared: dict[str, torch.Tensor] = field(default_factory=dict)
+    shared: dict[str, Any] = field(default_factory=dict)
+    text_lengths: list[int] = field(default_factory=list)
     step_kwargs: dict[str, Any] = field(default_factory=dict)
     position: int = 0
     steps_done: int = 0
@@ -98,12 +103,19 @@ def _retrieve_timesteps(scheduler: Any, steps: int, device: Any, **kwargs: Any) 
     return result
 
 
+def joined(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along the batch; a batch of one is the common case: no copy for it."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors))
+
+
 class Family(ABC):
     """The family-specific half of a ``DiffusersRunner``."""
 
     name: str
     #: Whether ``negative_prompt`` is honoured.
     negative_prompt = True
+    #: The keys of ``GenerationRequest.extra`` the family reads.
+    extra_keys: frozenset[str] = frozenset()
 
     def __init__(self, pipe: Any) -> None:
         self.pipe = pipe
@@ -148,11 +160,21 @@ class Family(ABC):
         """The scheduler's input scaling (Euler-like schedulers scale by sigma)."""
         return rows
 
+    def join_cond(self, states: Sequence[RequestState]) -> dict[str, torch.Tensor]:
+        """The per-row inputs of one model call: every state's ``cond``, concatenated."""
+        return {key: joined([state.cond[key] for state in states]) for key in states[0].cond}
+
     @abstractmethod
     def denoise(
         self, rows: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor], shared: Any
     ) -> torch.Tensor:
         """One model call over a batch of rows; ``t`` holds one timestep per row."""
+
+    def guide(self, state: RequestState, prediction: torch.Tensor) -> torch.Tensor:
+        """Combine a guided state's ``[uncond, cond]`` predictions (classifier-free guidance)."""
+        uncond, text = prediction.chunk(2)
+        guided: torch.Tensor = uncond + state.request.guidance_scale * (text - uncond)
+        return guided
 
     @abstractmethod
     def decode(self, state: RequestState) -> torch.Tensor:
@@ -177,6 +199,39 @@ class StableDiffusion(Family):
     def size_multiple(self) -> int:
         return int(self.pipe.vae_scale_factor)
 
+    def _cfg(self, request: GenerationRequest) -> bool:
+        # As the pipelines' do_classifier_free_guidance: never for a guidance-embedding UNet.
+        return request.guidance_scale > 1 and self.pipe.unet.config.time_cond_proj_dim is None
+
+    def _latents(
+        self,
+        request: GenerationRequest,
+        generator: torch.Generator,
+        scheduler: Any,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        factor = self.size_multiple
+        shape = (
+            request.num_images,
+            self.pipe.unet.config.in_channels,
+            request.height // factor,
+            request.width // factor,
+        )
+        latents: torch.Tensor = _randn(shape, generator, self.device, dtype)
+        latents = latents * scheduler.init_noise_sigma
+        return latents
+
+    def _add_timestep_cond(
+        self, cond: dict[str, torch.Tensor], request: GenerationRequest, dtype: torch.dtype
+    ) -> None:
+        # LCM-style UNets take the guidance scale as an embedding instead of CFG.
+        dim = self.pipe.unet.config.time_cond_proj_dim
+        if dim is not None:
+            scale = torch.tensor(request.guidance_scale - 1).repeat(request.num_images)
+            cond["timestep_cond"] = self.pipe.get_guidance_scale_embedding(
+                scale, embedding_dim=dim
+            ).to(device=self.device, dtype=dtype)
+
     def _prepare(
         self,
         request: GenerationRequest,
@@ -184,10 +239,8 @@ class StableDiffusion(Family):
         generator: torch.Generator,
         scheduler: Any,
     ) -> RequestState:
-        pipe = self.pipe
-        unet_config = pipe.unet.config
-        cfg = request.guidance_scale > 1 and unet_config.time_cond_proj_dim is None
-        positive, negative = pipe.encode_prompt(
+        cfg = self._cfg(request)
+        positive, negative = self.pipe.encode_prompt(
             request.prompt,
             self.device,
             request.num_images,
@@ -195,20 +248,9 @@ class StableDiffusion(Family):
             request.negative_prompt,
         )
         cond = {"encoder_hidden_states": _guidance_rows(cfg, negative, positive)}
-        if unet_config.time_cond_proj_dim is not None:
-            scale = torch.tensor(request.guidance_scale - 1).repeat(request.num_images)
-            cond["timestep_cond"] = pipe.get_guidance_scale_embedding(
-                scale, embedding_dim=unet_config.time_cond_proj_dim
-            ).to(device=self.device, dtype=positive.dtype)
+        self._add_timestep_cond(cond, request, positive.dtype)
         timesteps = _retrieve_timesteps(scheduler, request.num_steps, self.device)
-        factor = self.size_multiple
-        shape = (
-            request.num_images,
-            unet_config.in_channels,
-            request.height // factor,
-            request.width // factor,
-        )
-        latents = _randn(shape, generator, self.device, positive.dtype) * scheduler.init_noise_sigma
+        latents = self._latents(request, generator, scheduler, positive.dtype)
         return RequestState(
             request_id, request, generator, scheduler, timesteps, [], latents, cfg, cond
         )
@@ -216,6 +258,10 @@ class StableDiffusion(Family):
     def scale_input(self, state: RequestState, rows: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         scaled: torch.Tensor = state.scheduler.scale_model_input(rows, t)
         return scaled
+
+    def _added_cond(self, cond: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """The UNet's ``added_cond_kwargs`` (none for SD 1.x/2.x)."""
+        return None
 
     def denoise(
         self, rows: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor], shared: Any
@@ -225,6 +271,7 @@ class StableDiffusion(Family):
             t,
             encoder_hidden_states=cond["encoder_hidden_states"],
             timestep_cond=cond.get("timestep_cond"),
+            added_cond_kwargs=self._added_cond(cond),
             return_dict=False,
         )[0]
         return out
@@ -236,6 +283,115 @@ class StableDiffusion(Family):
             state.latents / vae.config.scaling_factor, return_dict=False, generator=state.generator
         )[0]
         images: torch.Tensor = self.pipe.image_processor.postprocess(image, output_type="pt")
+        return images
+
+
+def _guidance_rescale(request: GenerationRequest) -> float:
+    """``extra["guidance_rescale"]``: a number in [0, 1], 0 when absent.
+
+    Raises:
+        ValueError: it is not such a number.
+    """
+    value = request.extra.get("guidance_rescale", 0.0)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"guidance_rescale: must be a number, got {type(value).__name__}")
+    if not (math.isfinite(value) and 0 <= value <= 1):
+        raise ValueError(f"guidance_rescale: must be in [0, 1], got {value!r}")
+    return float(value)
+
+
+class StableDiffusionXL(StableDiffusion):
+    """``StableDiffusionXLPipeline``: two CLIP encoders, pooled embeddings, size conditioning.
+
+    ``GenerationRequest.extra["guidance_rescale"]`` is the pipeline's
+    ``guidance_rescale`` (0 by default: off).
+    """
+
+    name = "sdxl"
+    extra_keys = frozenset({"guidance_rescale"})
+
+    def _prepare(
+        self,
+        request: GenerationRequest,
+        request_id: str,
+        generator: torch.Generator,
+        scheduler: Any,
+    ) -> RequestState:
+        pipe = self.pipe
+        _guidance_rescale(request)  # refused before any model work
+        cfg = self._cfg(request)
+        positive, negative, pooled, negative_pooled = pipe.encode_prompt(
+            prompt=request.prompt,
+            device=self.device,
+            num_images_per_prompt=request.num_images,
+            do_classifier_free_guidance=cfg,
+            negative_prompt=request.negative_prompt,
+        )
+        timesteps = _retrieve_timesteps(scheduler, request.num_steps, self.device)
+        latents = self._latents(request, generator, scheduler, positive.dtype)
+        if pipe.text_encoder_2 is None:
+            projection_dim = int(pooled.shape[-1])
+        else:
+            projection_dim = pipe.text_encoder_2.config.projection_dim
+        size = (request.height, request.width)
+        # Original and target size both the requested one, no crop: the __call__ defaults.
+        time_ids = pipe._get_add_time_ids(
+            size, (0, 0), size, dtype=positive.dtype, text_encoder_projection_dim=projection_dim
+        ).to(self.device)
+        time_ids = time_ids.repeat(request.num_images * (2 if cfg else 1), 1)
+        cond = {
+            "encoder_hidden_states": _guidance_rows(cfg, negative, positive),
+            "text_embeds": _guidance_rows(cfg, negative_pooled, pooled),
+            "time_ids": time_ids,
+        }
+        self._add_timestep_cond(cond, request, latents.dtype)
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(0)
+        return RequestState(
+            request_id, request, generator, scheduler, timesteps, [], latents, cfg, cond
+        )
+
+    def _added_cond(self, cond: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"text_embeds": cond["text_embeds"], "time_ids": cond["time_ids"]}
+
+    def guide(self, state: RequestState, prediction: torch.Tensor) -> torch.Tensor:
+        guided = super().guide(state, prediction)
+        rescale = _guidance_rescale(state.request)
+        if rescale > 0:
+            from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import (
+                rescale_noise_cfg,
+            )
+
+            unannotated: Any = rescale_noise_cfg
+            guided = unannotated(guided, prediction.chunk(2)[1], guidance_rescale=rescale)
+        return guided
+
+    def decode(self, state: RequestState) -> torch.Tensor:
+        assert state.latents is not None
+        pipe = self.pipe
+        vae = pipe.vae
+        latents = state.latents
+        # As __call__: a float16 VAE that overflows there decodes in float32, and is
+        # put back afterwards (the UNet, which the steps use, is not touched).
+        upcast = vae.dtype == torch.float16 and vae.config.force_upcast
+        if upcast:
+            vae.to(dtype=torch.float32)
+            latents = latents.to(torch.float32)
+        mean = getattr(vae.config, "latents_mean", None)
+        std = getattr(vae.config, "latents_std", None)
+        if mean is not None and std is not None:
+            view = (1, len(mean), 1, 1)
+            mean_t = torch.tensor(mean).view(view).to(latents.device, latents.dtype)
+            std_t = torch.tensor(std).view(view).to(latents.device, latents.dtype)
+            latents = latents * std_t / vae.config.scaling_factor + mean_t
+        else:
+            latents = latents / vae.config.scaling_factor
+        image = vae.decode(latents, return_dict=False)[0]
+        if upcast:
+            vae.to(dtype=torch.float16)
+        if pipe.watermark is not None:
+            image = pipe.watermark.apply_watermark(image)
+        images: torch.Tensor = pipe.image_processor.postprocess(image, output_type="pt")
         return images
 
 
@@ -326,6 +482,20 @@ class StableDiffusion3(Family):
         return _vae_decode_shifted(self.pipe, state.latents)
 
 
+def _flow_timesteps(
+    scheduler: Any, steps: int, image_seq_len: int, device: Any, *, linear: bool = True
+) -> torch.Tensor:
+    """As Flux's and Qwen-Image's ``__call__``: sigmas shifted by the image's token count.
+
+    ``linear``: pass the pipelines' linear sigmas (else the scheduler's own).
+    """
+    sigmas = np.linspace(1.0, 1 / steps, steps) if linear else None
+    mu = _calculate_shift(scheduler.config, image_seq_len, 1.15)
+    timesteps = _retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
+    scheduler.set_begin_index(0)
+    return timesteps
+
+
 class Flux(Family):
     """``FluxPipeline``: a guidance-distilled transformer over packed latents."""
 
@@ -361,13 +531,13 @@ class Flux(Family):
             self.device,
             generator,
         )
-        steps = request.num_steps
-        sigmas: np.ndarray[Any, Any] | None = np.linspace(1.0, 1 / steps, steps)
-        if getattr(scheduler.config, "use_flow_sigmas", False):
-            sigmas = None
-        mu = _calculate_shift(scheduler.config, latents.shape[1], 1.15)
-        timesteps = _retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
-        scheduler.set_begin_index(0)
+        timesteps = _flow_timesteps(
+            scheduler,
+            request.num_steps,
+            latents.shape[1],
+            self.device,
+            linear=not getattr(scheduler.config, "use_flow_sigmas", False),
+        )
         cond = {"encoder_hidden_states": positive, "pooled_projections": pooled}
         if pipe.transformer.config.guidance_embeds:
             cond["guidance"] = torch.full(
@@ -409,6 +579,149 @@ class Flux(Family):
 
     def preview_latents(self, state: RequestState) -> torch.Tensor:
         return self._unpacked(state)
+
+
+def _padded(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    """``tensor`` ``[rows, seq, dim]`` with zero rows appended along ``seq`` up to ``length``."""
+    missing = length - tensor.shape[1]
+    if missing == 0:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros(tensor.shape[0], missing, tensor.shape[2])], dim=1)
+
+
+class QwenImage(Family):
+    """``QwenImagePipeline``: an MMDiT over packed latents, text from Qwen2.5-VL, true CFG.
+
+    The request maps to ``__call__`` as ``true_cfg_scale=guidance_scale`` and
+    ``negative_prompt=negative_prompt``; so, as there, guidance runs only when
+    ``guidance_scale > 1`` *and* a negative prompt is given (``" "`` is one). Its
+    combination is the pipeline's: the guided prediction rescaled to the norm of
+    the conditional one, per token. Prompts encode to different token counts: a
+    model call pads every row's text to the longest and masks the padding.
+    """
+
+    name = "qwen-image"
+    #: ``__call__``'s ``max_sequence_length`` default: text tokens kept per prompt.
+    max_sequence_length = 512
+
+    @property
+    def size_multiple(self) -> int:
+        return int(self.pipe.vae_scale_factor * 2)
+
+    def _encode(self, prompt: str, num_images: int) -> tuple[torch.Tensor, list[int]]:
+        embeds, mask = self.pipe.encode_prompt(
+            prompt=prompt,
+            device=self.device,
+            num_images_per_prompt=num_images,
+            max_sequence_length=self.max_sequence_length,
+        )
+        # A single prompt is never padded (encode_prompt then returns no mask).
+        lengths = [embeds.shape[1]] * embeds.shape[0] if mask is None else mask.sum(1).tolist()
+        return embeds, lengths
+
+    def _prepare(
+        self,
+        request: GenerationRequest,
+        request_id: str,
+        generator: torch.Generator,
+        scheduler: Any,
+    ) -> RequestState:
+        pipe = self.pipe
+        cfg = request.guidance_scale > 1 and request.negative_prompt is not None
+        positive, lengths = self._encode(request.prompt, request.num_images)
+        embeds = positive
+        if cfg:
+            assert request.negative_prompt is not None
+            negative, negative_lengths = self._encode(request.negative_prompt, request.num_images)
+            longest = max(negative.shape[1], positive.shape[1])
+            embeds = torch.cat([_padded(negative, longest), _padded(positive, longest)])
+            lengths = negative_lengths + lengths
+        latents = pipe.prepare_latents(
+            request.num_images,
+            pipe.transformer.config.in_channels // 4,
+            request.height,
+            request.width,
+            positive.dtype,
+            self.device,
+            generator,
+        )
+        timesteps = _flow_timesteps(scheduler, request.num_steps, latents.shape[1], self.device)
+        factor = self.size_multiple
+        shared = {"img_shape": (1, request.height // factor, request.width // factor)}
+        state = RequestState(
+            request_id,
+            request,
+            generator,
+            scheduler,
+            timesteps,
+            [],
+            latents,
+            cfg,
+            {"encoder_hidden_states": embeds},
+            shared,
+        )
+        state.text_lengths = lengths
+        return state
+
+    def join_cond(self, states: Sequence[RequestState]) -> dict[str, torch.Tensor]:
+        embeds = [state.cond["encoder_hidden_states"] for state in states]
+        longest = max(e.shape[1] for e in embeds)
+        lengths = [n for state in states for n in state.text_lengths]
+        cond = {"encoder_hidden_states": joined([_padded(e, longest) for e in embeds])}
+        if any(n < longest for n in lengths):
+            # Known on the host: no device sync to decide whether a mask is needed,
+            # and none (the faster attention path) when no row is padded.
+            positions = torch.arange(longest, device=embeds[0].device)
+            limits = torch.tensor(lengths, device=embeds[0].device)
+            cond["encoder_hidden_states_mask"] = positions[None, :] < limits[:, None]
+        return cond
+
+    def denoise(
+        self, rows: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor], shared: Any
+    ) -> torch.Tensor:
+        out: torch.Tensor = self.pipe.transformer(
+            hidden_states=rows,
+            timestep=t.to(rows.dtype) / 1000,
+            guidance=None,
+            encoder_hidden_states_mask=cond.get("encoder_hidden_states_mask"),
+            encoder_hidden_states=cond["encoder_hidden_states"],
+            img_shapes=[[shared["img_shape"]]] * rows.shape[0],
+            attention_kwargs={},
+            return_dict=False,
+        )[0]
+        return out
+
+    def guide(self, state: RequestState, prediction: torch.Tensor) -> torch.Tensor:
+        negative, positive = prediction.chunk(2)
+        combined = negative + state.request.guidance_scale * (positive - negative)
+        positive_norm = torch.norm(positive, dim=-1, keepdim=True)
+        combined_norm = torch.norm(combined, dim=-1, keepdim=True)
+        guided: torch.Tensor = combined * (positive_norm / combined_norm)
+        return guided
+
+    def _unpacked(self, state: RequestState) -> torch.Tensor:
+        """The latents as the VAE takes them: ``[N, C, 1, h, w]`` (one video frame)."""
+        assert state.latents is not None
+        request = state.request
+        unpacked: torch.Tensor = self.pipe._unpack_latents(
+            state.latents, request.height, request.width, self.pipe.vae_scale_factor
+        )
+        return unpacked
+
+    def decode(self, state: RequestState) -> torch.Tensor:
+        vae = self.pipe.vae
+        latents = self._unpacked(state).to(vae.dtype)
+        view = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(view).to(latents.device, latents.dtype)
+        std = 1.0 / torch.tensor(vae.config.latents_std).view(view).to(
+            latents.device, latents.dtype
+        )
+        image = vae.decode(latents / std + mean, return_dict=False)[0][:, :, 0]
+        images: torch.Tensor = self.pipe.image_processor.postprocess(image, output_type="pt")
+        return images
+
+    def preview_latents(self, state: RequestState) -> torch.Tensor:
+        return self._unpacked(state)[:, :, 0]
 
 
 class Unconditional(Family):
@@ -456,8 +769,10 @@ class Unconditional(Family):
 
 _FAMILIES: dict[str, type[Family]] = {
     "StableDiffusionPipeline": StableDiffusion,
+    "StableDiffusionXLPipeline": StableDiffusionXL,
     "StableDiffusion3Pipeline": StableDiffusion3,
     "FluxPipeline": Flux,
+    "QwenImagePipeline": QwenImage,
     "DDPMPipeline": Unconditional,
     "DDIMPipeline": Unconditional,
 }

@@ -1,24 +1,27 @@
 """Tiny, randomly initialised diffusers pipelines for tests and benchmarks.
 
 Nothing is downloaded: every model is built from a config with seeded random weights, and
-the tokenizers are built in memory (a character-level CLIP BPE and a character-level T5
-Unigram). The pipelines are real diffusers pipelines with their real ``__call__``; only
-the models are tiny, so a denoise step costs milliseconds on a CPU.
+the tokenizers are built in memory (a character-level CLIP BPE, a character-level T5
+Unigram and a byte-level Qwen2 BPE). The pipelines are real diffusers pipelines with
+their real ``__call__``; only the models are tiny, so a denoise step costs milliseconds
+on a CPU.
 
 Sizes (``vae_scale_factor`` is 8 for every kind with a VAE, as in the real models):
 
-====  ========================  ==============  ==================  ============
-kind  pipeline                  latent chans    pixel multiple      default size
-====  ========================  ==============  ==================  ============
-sd    StableDiffusionPipeline   4               8                   64
-sd3   StableDiffusion3Pipeline  16              16 (8 x patch 2)    64
-flux  FluxPipeline              16 (64 packed)  16 (8 x 2x2 pack)   1024
-unet  DDIMPipeline              3 (pixels)      fixed 32x32         32
-====  ========================  ==============  ==================  ============
+==========  ==========================  ==============  ==================  ============
+kind        pipeline                    latent chans    pixel multiple      default size
+==========  ==========================  ==============  ==================  ============
+sd          StableDiffusionPipeline     4               8                   64
+sdxl        StableDiffusionXLPipeline   4               8                   64
+sd3         StableDiffusion3Pipeline    16              16 (8 x patch 2)    64
+flux        FluxPipeline                16 (64 packed)  16 (8 x 2x2 pack)   1024
+qwen-image  QwenImagePipeline           16 (64 packed)  16 (8 x 2x2 pack)   1024
+unet        DDIMPipeline                3 (pixels)      fixed 32x32         32
+==========  ==========================  ==============  ==================  ============
 
-FluxPipeline's default size is hard-wired to 1024 px (128 latent rows, 4096 tokens):
-always pass ``height`` and ``width``. A step at 64 px costs a few milliseconds on one CPU
-thread for every kind.
+FluxPipeline's and QwenImagePipeline's default size is hard-wired to 1024 px (128
+latent rows, 4096 tokens): always pass ``height`` and ``width``. A step at 64 px costs a
+few milliseconds on one CPU thread for every kind.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TINY_KINDS", "tiny_pipeline"]
 
-TINY_KINDS: tuple[str, ...] = ("sd", "sd3", "flux", "unet")
+TINY_KINDS: tuple[str, ...] = ("sd", "sdxl", "sd3", "flux", "qwen-image", "unet")
 """The kinds :func:`tiny_pipeline` builds."""
 
 _CLIP_MAX_LENGTH = 32
@@ -58,15 +61,19 @@ def tiny_pipeline(kind: str, *, seed: int = 0) -> DiffusionPipeline:
     imports trigger without torchvision is dropped while it builds.
 
     Args:
-        kind: ``"sd"`` (StableDiffusionPipeline, DDIM scheduler), ``"sd3"``
+        kind: ``"sd"`` (StableDiffusionPipeline, DDIM scheduler), ``"sdxl"``
+            (StableDiffusionXLPipeline, two CLIPs, DDIM, no watermark), ``"sd3"``
             (StableDiffusion3Pipeline without T5, flow-matching Euler), ``"flux"``
             (FluxPipeline with guidance embedding, flow-matching Euler with dynamic
-            shifting) or ``"unet"`` (unconditional DDIMPipeline, 32x32 pixels).
+            shifting), ``"qwen-image"`` (QwenImagePipeline: a Qwen2.5-VL text encoder,
+            the Qwen-Image VAE, flow-matching Euler with exponential dynamic shifting)
+            or ``"unet"`` (unconditional DDIMPipeline, 32x32 pixels).
         seed: Seed of the random weights.
 
     Returns:
-        The pipeline. ``sd``/``sd3``/``flux`` take ``pipe(prompt, height=, width=, ...)``
-        with sizes a multiple of 8/16/16 pixels; ``unet`` takes
+        The pipeline. ``sd``/``sdxl``/``sd3``/``flux``/``qwen-image`` take
+        ``pipe(prompt, height=, width=, ...)`` with sizes a multiple of 8/8/16/16/16
+        pixels; ``unet`` takes
         ``pipe(batch_size=, num_inference_steps=, generator=, output_type="np")``.
 
     Raises:
@@ -74,8 +81,10 @@ def tiny_pipeline(kind: str, *, seed: int = 0) -> DiffusionPipeline:
     """
     builders: dict[str, Callable[[int], Any]] = {
         "sd": _build_sd,
+        "sdxl": _build_sdxl,
         "sd3": _build_sd3,
         "flux": _build_flux,
+        "qwen-image": _build_qwen_image,
         "unet": _build_unet,
     }
     try:
@@ -173,6 +182,31 @@ def _t5_tokenizer() -> Any:
 
 _T5_VOCAB_SIZE = 128  # >= 4 + 94 printable characters
 
+_QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+"""Ids 256, 257, 258 of :func:`_qwen_tokenizer`: the padding and the chat template's markers."""
+
+
+def _qwen_tokenizer() -> Any:
+    """A byte-level Qwen2 tokenizer: ids 0-255 are the bytes, no merges; then the specials.
+
+    The chat markers are special tokens, as in the real one, so QwenImagePipeline's
+    prompt template splits the same way (one token per other byte: the template's
+    system part is longer than the real 34 tokens, which only keeps more of it).
+    """
+    transformers = _transformers()
+    vocab = {symbol: i for i, symbol in enumerate(_byte_symbols())}
+    for token in _QWEN_SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    return transformers.Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        additional_special_tokens=list(_QWEN_SPECIAL_TOKENS[1:]),
+        model_max_length=2048,
+    )
+
+
+_QWEN_VOCAB_SIZE = 256 + len(_QWEN_SPECIAL_TOKENS)
+
 
 # ------------------------------------------------------------------------ text encoders
 
@@ -266,6 +300,62 @@ def _build_sd(seed: int) -> Any:
         safety_checker=None,
         feature_extractor=None,
         requires_safety_checker=False,
+    )
+
+
+def _build_sdxl(seed: int) -> Any:
+    """StableDiffusionXLPipeline: 2-block UNet with text-time embedding, two CLIPs, DDIM."""
+    diffusers = _diffusers()
+    transformers = _transformers()
+
+    # Cross-attention takes both CLIPs' hidden states concatenated (32 + 32); the added
+    # embedding the second CLIP's pooled projection (32) and six size ids of 8 each.
+    unet = _seeded(
+        seed,
+        lambda: diffusers.UNet2DConditionModel(
+            sample_size=8,  # latent pixels: default size 8 * 8 = 64 px
+            in_channels=4,
+            out_channels=4,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            block_out_channels=(16, 32),
+            layers_per_block=1,
+            norm_num_groups=8,
+            cross_attention_dim=64,
+            attention_head_dim=(2, 4),
+            use_linear_projection=True,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=8,
+            projection_class_embeddings_input_dim=6 * 8 + 32,
+        ),
+    )
+    vae = _vae(seed, latent_channels=4, scaling_factor=0.13025)
+    text_encoder = _seeded(seed, lambda: transformers.CLIPTextModel(_clip_config()))
+    text_encoder_2 = _seeded(
+        seed + 1, lambda: transformers.CLIPTextModelWithProjection(_clip_config())
+    )
+    # SDXL 1.0's scheduler is Euler, whose set_timesteps warns with numpy 2.4 (see
+    # _build_sd); DDIM with SDXL's betas and "leading" spacing instead.
+    scheduler = diffusers.DDIMScheduler(
+        num_train_timesteps=1000,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        prediction_type="epsilon",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
+    return diffusers.StableDiffusionXLPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        text_encoder_2=text_encoder_2,
+        tokenizer=_clip_tokenizer(),
+        tokenizer_2=_clip_tokenizer(),
+        unet=unet,
+        scheduler=scheduler,
+        add_watermarker=False,
     )
 
 
@@ -380,6 +470,86 @@ def _build_flux(seed: int) -> Any:
         tokenizer=_clip_tokenizer(),
         text_encoder_2=text_encoder_2,
         tokenizer_2=_t5_tokenizer(),
+        transformer=transformer,
+    )
+
+
+def _build_qwen_image(seed: int) -> Any:
+    """QwenImagePipeline: 2-block MMDiT over 2x2-packed latents, 2-layer Qwen2.5-VL, its VAE."""
+    diffusers = _diffusers()
+    transformers = _transformers()
+
+    transformer = _seeded(
+        seed,
+        lambda: diffusers.QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=64,
+            out_channels=16,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,  # the text encoder's hidden size
+            axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
+        ),
+    )
+    # The causal 3D VAE, four levels: vae_scale_factor 2 ** len(temperal_downsample) = 8.
+    vae = _seeded(
+        seed,
+        lambda: diffusers.AutoencoderKLQwenImage(
+            base_dim=8,
+            z_dim=16,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+        ),
+    )
+    # The text model is what the pipeline reads (its last hidden state); the vision
+    # tower, never called for text, is one small block.
+    config = transformers.Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": _QWEN_VOCAB_SIZE,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 2048,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [1, 1, 2],  # sums to head_dim / 2
+            },
+            "bos_token_id": None,
+            "eos_token_id": 258,  # <|im_end|>
+            "pad_token_id": 256,  # <|endoftext|>
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": 32,
+            "fullatt_block_indexes": [0],
+        },
+    )
+    text_encoder = _seeded(seed, lambda: transformers.Qwen2_5_VLForConditionalGeneration(config))
+    # Qwen-Image's own scheduler config.
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=0.9,
+        base_image_seq_len=256,
+        max_image_seq_len=8192,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
+    )
+    return diffusers.QwenImagePipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=_qwen_tokenizer(),
         transformer=transformer,
     )
 

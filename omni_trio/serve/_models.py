@@ -8,8 +8,10 @@ a call leaves them out:
   ``default_sample_size`` times it (1024 for Flux); a model with a fixed size
   (unconditional UNets) uses that size;
 - steps and guidance: the defaults of the pipeline's ``__call__``
-  (``num_inference_steps``: 50 for SD, 28 for SD3 and Flux; ``guidance_scale``:
-  7.5, 7.0, 3.5), the steps at most ``--max-steps``.
+  (``num_inference_steps``: 50 for SD and SDXL, 28 for SD3 and Flux, 50 for
+  Qwen-Image; ``guidance_scale``: 7.5, 5.0, 7.0, 3.5; for Qwen-Image, whose
+  request ``guidance_scale`` is its ``true_cfg_scale``, that one's: 4.0), the
+  steps at most ``--max-steps``.
 
 The built-in tiny models are built for 64x64 (tiny-unet: 32x32) and default to
 ``TINY_STEPS`` steps: they exist to be fast.
@@ -28,7 +30,15 @@ from .._command import CommandError, UsageError, summary
 __all__ = ["MODELS", "TINY_SIZE", "TINY_STEPS", "LoadedModel", "load_model", "model_folder"]
 
 #: Built-in models: tiny real pipelines with random weights, and a fake one for tests.
-MODELS = ("tiny-sd", "tiny-sd3", "tiny-flux", "tiny-unet", "fake")
+MODELS = (
+    "tiny-sd",
+    "tiny-sdxl",
+    "tiny-sd3",
+    "tiny-flux",
+    "tiny-qwen-image",
+    "tiny-unet",
+    "fake",
+)
 
 #: The default size of the tiny models (and of ``fake``), as (width, height).
 TINY_SIZE = (64, 64)
@@ -37,6 +47,9 @@ TINY_STEPS = 20
 #: What a pipeline whose ``__call__`` says nothing gets.
 FALLBACK_STEPS = 30
 FALLBACK_GUIDANCE = 7.5
+#: The ``__call__`` parameter a ``DiffusersRunner`` family maps ``guidance_scale`` to,
+#: where it is not ``guidance_scale`` itself.
+_GUIDANCE_PARAMETER = {"qwen-image": "true_cfg_scale"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -178,11 +191,13 @@ def load_model(
         steps = max(1, min(steps, max_steps))
     fixed = runner.capabilities.fixed_size
     size = (fixed[1], fixed[0]) if fixed is not None else model_size(pipeline, tiny=tiny)
+    family = runner.family if isinstance(runner, DiffusersRunner) else None
+    guidance = _GUIDANCE_PARAMETER.get(family or "", "guidance_scale")
     return LoadedModel(
         runners=tuple(runners),
         name=name,
         description=description,
         size=size,
         steps=steps,
-        guidance_scale=float(_call_default(pipeline, "guidance_scale", FALLBACK_GUIDANCE)),
+        guidance_scale=float(_call_default(pipeline, guidance, FALLBACK_GUIDANCE)),
     )
