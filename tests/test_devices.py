@@ -281,3 +281,62 @@ async def test_several_workers_share_the_cores_between_torch_threads() -> None:
             assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.anyio
+async def test_a_runner_error_on_one_worker_fails_only_its_batch() -> None:
+    """L42, L22: an ordinary exception from one worker's step fails that batch only; the
+    other worker's request completes and both workers stay alive."""
+    runners = [PrepareRecorder(), PrepareRecorder()]
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runners, ot.EngineConfig(max_batch_size=1)) as engine:
+            first, second = await started_on_both(engine, runners, num_steps=3)
+            runners[0].fail_at_step = 2
+            for runner in runners:
+                runner.open_gate()
+            async with first:
+                with pytest.raises(ot.RequestFailedError):
+                    await first.result()
+            async with second:
+                output = await second.result()
+            assert torch.equal(output.images, expected_images(req(num_steps=3)))
+            stats = check_engine_invariants(engine, Both(runners))
+            assert stats.workers_alive == 2 and (stats.failed, stats.completed) == (1, 1)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("way", ["cancel", "close"])
+async def test_a_consumer_leaving_on_each_worker_aborts_and_waits_for_release(way: str) -> None:
+    """L42, L11, L12: with a request on each worker, a cancelled ``result()`` or a closed
+    handle aborts it and returns only once that worker released it; idle workers hold
+    nothing afterwards (L14)."""
+    runners = [PrepareRecorder(), PrepareRecorder()]
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runners, ot.EngineConfig(max_batch_size=1)) as engine:
+            handles = await started_on_both(engine, runners, num_steps=10)
+            for runner in runners:
+                runner.release(1)  # each ends a step; the next waits at its gate
+            for handle, runner in zip(handles, runners, strict=True):
+                await wait_until(lambda runner=runner: runner.arrived == 2)  # type: ignore[misc]
+                async with anyio.create_task_group() as group:
+                    if way == "cancel":
+
+                        async def cancel_result(handle: ot.RequestHandle = handle) -> None:
+                            with anyio.move_on_after(0):
+                                await handle.result()
+
+                        group.start_soon(cancel_result)
+                    else:
+                        group.start_soon(handle.aclose)
+                    record = engine._live[handle.request_id]
+                    await wait_until(lambda record=record: record.token.reason is not None)  # type: ignore[misc]
+                    assert handle.status is ot.RequestStatus.RUNNING  # held in its step
+                    runner.open_gate()
+                # The task returned only after the release.
+                assert handle.status is ot.RequestStatus.ABORTED
+                assert runner.live_states == 0 and runner.decodes == 0
+            for handle in handles:
+                await handle.aclose()
+            await wait_until(lambda: all(w.running == 0 for w in engine.statistics().workers))
+            assert not engine._live
+            check_engine_invariants(engine, Both(runners))
