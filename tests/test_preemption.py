@@ -44,14 +44,23 @@ async def opened(engine: ot.Engine, runner: GatedRunner) -> ot.RequestHandle:
     return opener
 
 
-async def suspended_by(
-    engine: ot.Engine, runner: GatedRunner, low: ot.RequestHandle, *, arrived: int
-) -> None:
-    """Let the running step end and wait until ``low`` is suspended and the next step waits."""
+async def low_suspended_for(
+    engine: ot.Engine,
+    runner: GatedRunner,
+    low: ot.GenerationRequest,
+    high: ot.GenerationRequest,
+) -> tuple[ot.RequestHandle, ot.RequestHandle]:
+    """Run ``low`` into its first step, submit ``high``, and let that step end: at the
+    boundary ``low`` is suspended and ``high``'s first step waits at the gate (L61).
+    """
+    low_handle = engine.submit(low, request_id="low")
+    await runner.wait_arrived(1)
+    high_handle = engine.submit(high, request_id="high")
     runner.release(1)
-    await runner.wait_arrived(arrived)
+    await runner.wait_arrived(2)
     await wait_until(lambda: engine.statistics().suspended == 1)
-    assert low.status is ot.RequestStatus.WAITING
+    assert low_handle.status is ot.RequestStatus.WAITING
+    return low_handle, high_handle
 
 
 @pytest.mark.anyio
@@ -66,10 +75,9 @@ async def test_higher_priority_suspends_the_running_request_which_resumes_exactl
     runner = RecordingRunner()
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(runner, config()) as engine:
-            low = engine.submit(req(num_steps=5, seed=7), request_id="low")
-            await runner.wait_arrived(1)
-            high = engine.submit(req(priority=1), request_id="high")
-            await suspended_by(engine, runner, low, arrived=2)
+            low, high = await low_suspended_for(
+                engine, runner, req(num_steps=5, seed=7), req(priority=1)
+            )
             stats = engine.statistics()
             assert (stats.waiting, stats.running, stats.suspended, stats.preemptions) == (
                 1,
@@ -186,25 +194,24 @@ async def test_an_incompatible_batch_is_suspended_whole_or_not_at_all() -> None:
 async def test_a_request_is_suspended_at_most_max_preemptions_times() -> None:
     """L61: after ``max_preemptions`` suspensions a request runs to its end.
 
-    With ``max_preemptions=1``, "low" gives way to "h1", then runs on past "h2",
+    With ``max_preemptions=1``, "low" gives way to "high", then runs on past "h2",
     which waits for it.
     """
     runner = RecordingRunner()
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(runner, config(max_preemptions=1)) as engine:
-            low = engine.submit(req(num_steps=4), request_id="low")
-            await runner.wait_arrived(1)
-            h1 = engine.submit(req(num_steps=1, priority=1), request_id="h1")
-            await suspended_by(engine, runner, low, arrived=2)
+            low, high = await low_suspended_for(
+                engine, runner, req(num_steps=4), req(num_steps=1, priority=1)
+            )
             runner.release(2)  # h1's step, then low's second
             await runner.wait_arrived(4)
             h2 = engine.submit(req(num_steps=1, priority=1), request_id="h2")
             runner.open_gate()
-            for handle in (low, h1, h2):
+            for handle in (low, high, h2):
                 async with handle:
                     await handle.result()
             assert engine.statistics().preemptions == 1
-    assert runner.batches == [("low",), ("h1",), ("low",), ("low",), ("low",), ("h2",)]
+    assert runner.batches == [("low",), ("high",), ("low",), ("low",), ("low",), ("h2",)]
 
 
 @pytest.mark.anyio
@@ -218,10 +225,7 @@ async def test_ending_a_suspended_request_frees_its_state_at_once(how: str) -> N
     runner = GatedRunner()
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(runner, config()) as engine:
-            low = engine.submit(req(num_steps=5), request_id="low")
-            await runner.wait_arrived(1)
-            high = engine.submit(req(priority=1), request_id="high")
-            await suspended_by(engine, runner, low, arrived=2)
+            low, high = await low_suspended_for(engine, runner, req(num_steps=5), req(priority=1))
             if how == "abort":
                 assert await engine.abort("low") is True
             elif how == "close":
@@ -252,10 +256,9 @@ async def test_a_suspended_request_expires_at_its_deadline(
     runner = GatedRunner()
     async with ot.open_engine(runner, config()) as engine:
         # A deadline far longer than the virtual time the polls below can take.
-        low = engine.submit(req(num_steps=5, deadline_s=10_000), request_id="low")
-        await runner.wait_arrived(1)
-        high = engine.submit(req(priority=1), request_id="high")
-        await suspended_by(engine, runner, low, arrived=2)
+        low, high = await low_suspended_for(
+            engine, runner, req(num_steps=5, deadline_s=10_000), req(priority=1)
+        )
         await trio.sleep(20_000)
         async with low:
             with pytest.raises(ot.RequestAbortedError) as info:
@@ -274,10 +277,7 @@ async def test_shutdown_cuts_a_suspended_request_and_frees_it() -> None:
     runner = GatedRunner()
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(runner, config()) as engine:
-            low = engine.submit(req(num_steps=5), request_id="low")
-            await runner.wait_arrived(1)
-            high = engine.submit(req(priority=1), request_id="high")
-            await suspended_by(engine, runner, low, arrived=2)
+            low, high = await low_suspended_for(engine, runner, req(num_steps=5), req(priority=1))
             async with anyio.create_task_group() as group:
                 group.start_soon(engine.aclose)
                 # Released while the worker is still held in "high"'s step.
@@ -388,14 +388,13 @@ async def test_park_on_host_and_the_parked_bytes_bound(park_on_host: bool) -> No
     options = config(park_on_host=park_on_host, max_parked_bytes=one_state, max_batch_size=1)
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(runner, options) as engine:
-            low = engine.submit(req(num_steps=5), request_id="low")
-            await runner.wait_arrived(1)
-            mid = engine.submit(req(num_steps=3, priority=1), request_id="mid")
-            await suspended_by(engine, runner, low, arrived=2)
+            low, mid = await low_suspended_for(
+                engine, runner, req(num_steps=5), req(num_steps=3, priority=1)
+            )
             assert engine._workers[0].parked_bytes == one_state
-            high = engine.submit(req(num_steps=1, priority=2), request_id="high")
+            top = engine.submit(req(num_steps=1, priority=2), request_id="top")
             runner.open_gate()
-            for handle in (low, mid, high):
+            for handle in (low, mid, top):
                 async with handle:
                     await handle.result()
             assert engine.statistics().preemptions == 1
