@@ -256,6 +256,21 @@ def _vae(seed: int, *, latent_channels: int, **extra: Any) -> Any:
 # ------------------------------------------------------------------------------ builders
 
 
+def _sd_ddim(**options: Any) -> Any:
+    """DDIM with Stable Diffusion's betas (SD 1.x/2.x and SDXL share them)."""
+    return _diffusers().DDIMScheduler(
+        num_train_timesteps=1000,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        prediction_type="epsilon",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,  # StableDiffusionPipeline warns (FutureWarning) on any other value
+        **options,
+    )
+
+
 def _build_sd(seed: int) -> Any:
     """StableDiffusionPipeline: 2-block UNet (8x8 latents at 64 px), one CLIP, DDIM."""
     diffusers = _diffusers()
@@ -281,16 +296,7 @@ def _build_sd(seed: int) -> Any:
     # Stable Diffusion 2.1-base's scheduler config. Not Euler: its set_timesteps calls
     # np.array on a torch tensor, a DeprecationWarning with numpy 2.4 (as do DPM-Solver
     # and UniPC); PNDM runs num_inference_steps + 1 UNet evaluations.
-    scheduler = diffusers.DDIMScheduler(
-        num_train_timesteps=1000,
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        prediction_type="epsilon",
-        clip_sample=False,
-        set_alpha_to_one=False,
-        steps_offset=1,  # StableDiffusionPipeline warns (FutureWarning) on any other value
-    )
+    scheduler = _sd_ddim()
     return diffusers.StableDiffusionPipeline(
         vae=vae,
         text_encoder=text_encoder,
@@ -336,17 +342,7 @@ def _build_sdxl(seed: int) -> Any:
     )
     # SDXL 1.0's scheduler is Euler, whose set_timesteps warns with numpy 2.4 (see
     # _build_sd); DDIM with SDXL's betas and "leading" spacing instead.
-    scheduler = diffusers.DDIMScheduler(
-        num_train_timesteps=1000,
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        prediction_type="epsilon",
-        clip_sample=False,
-        set_alpha_to_one=False,
-        steps_offset=1,
-        timestep_spacing="leading",
-    )
+    scheduler = _sd_ddim(timestep_spacing="leading")
     return diffusers.StableDiffusionXLPipeline(
         vae=vae,
         text_encoder=text_encoder,
