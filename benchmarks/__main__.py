@@ -12,6 +12,7 @@ pipeline    one request at a time, engine vs the pipeline's own call
 devices     throughput with 1, 2 and 4 workers sharing one queue (FakeRunner; tiny SD)
 priority    an urgent request behind background batches: FIFO, priorities, preemption
 serve       open-loop HTTP load with impatient clients, omni-trio serve vs naive
+ray         a Ray Serve replica vs plain serve: cost per request, disconnect aborts
 all         every benchmark above, in this order
 
 Each benchmark writes NAME.json (with a "summary" of headline figures), NAME.md

@@ -216,6 +216,31 @@ TARGETS: tuple[Target, ...] = (
 )
 
 
+def _ray_met(result: Result) -> bool:
+    s = _s(result)
+    return "skipped_in_quick" in s or s["steps_after_abort_max"] <= 1
+
+
+TARGETS = (
+    *TARGETS,
+    Target(
+        bench="ray",
+        label="disconnect through Ray Serve: steps after the abort, max",
+        target="≤ 1 step",
+        figure=lambda r: (
+            "skipped (--quick)"
+            if "skipped_in_quick" in _s(r)
+            else (
+                f"{_s(r)['steps_after_abort_max']:.0f} (counted after"
+                f" {_s(r)['disconnect_counted_p50_ms']:.1f} ms p50; Ray adds"
+                f" {_s(r)['ray_overhead_ms_per_request']:.2f} ms per request)"
+            )
+        ),
+        met=_ray_met,
+    ),
+)
+
+
 def targets_for(name: str) -> list[Target]:
     """The targets of benchmark ``name``."""
     return [target for target in TARGETS if target.bench == name]
