@@ -30,6 +30,7 @@ from .plot import save_plot
 from .postabort import plot_post_abort, run_post_abort, table_post_abort
 from .preview import plot_preview, run_preview, table_preview
 from .priority import plot_priority, run_priority, table_priority
+from .ray_bench import plot_ray, run_ray, table_ray
 from .scale import plot_scale, run_scale, table_scale
 from .serve import plot_serve, run_serve, table_serve
 from .targets import targets_for
@@ -151,6 +152,13 @@ BENCHMARKS: dict[str, Benchmark] = {
             run=run_deadline,
             table=table_deadline,
             plot=plot_deadline,
+        ),
+        Benchmark(
+            name="ray",
+            what="a Ray Serve replica vs plain omni-trio serve: cost per request, disconnects",
+            run=run_ray,
+            table=table_ray,
+            plot=plot_ray,
         ),
     )
 }

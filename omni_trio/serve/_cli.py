@@ -27,6 +27,7 @@ from .._request import MAX_PRIORITY
 from ._env import read_environment, resolve_environment
 from ._logging import LOG_FORMATS, configure_logging
 from ._models import MODELS, LoadedModel, load_model, model_folder
+from ._ray_cli import add_ray_arguments, run_ray
 
 if TYPE_CHECKING:
     import socket
@@ -212,6 +213,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="no line per HTTP request",
     )
+    add_ray_arguments(parser)
     read_environment(parser)
 
 
@@ -490,6 +492,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from ..testing import engine_threads
 
     resolve_environment(args)
+    if args.ray:
+        return run_ray(args)
     if args.model not in MODELS:
         model_folder(args.model)
     devices = _devices(args)

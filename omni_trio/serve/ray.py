@@ -1,0 +1,254 @@
+"""Scale out on Ray Serve: one engine per replica, the same HTTP API, a handle for composition.
+
+Needs the ``ray`` extra (``pip install 'omni_trio[ray]'``); ``import omni_trio`` and
+``import omni_trio.serve`` never import Ray.
+
+- ``deployment(model=..., num_replicas=..., ...)`` returns a bound application for
+  ``serve.run``: each replica loads the model, opens one engine (the
+  ``ImageService`` lifespan, run by Ray Serve's ASGI ingress) and serves the
+  OpenAI-style API of ``omni-trio serve`` unchanged;
+- ``ImageDeployment.generate(request)`` (a ``GenerationRequest`` or a dict of its
+  fields) is the Python handle method, for other deployments;
+- ``DeploymentResponse.cancel()`` on a handle call, and an HTTP client that
+  disconnects, abort the request at its next step boundary; the replica's call
+  returns only once the worker released it (L11, L51).
+
+The engine's lifetime is the replica's: the lifespan opens it when the replica
+starts and Ray Serve's destructor runs its shutdown sequence (L30-L35) when the
+replica stops, joining its threads. See docs/scaling.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from .._config import EngineConfig
+from .._errors import EngineClosedError
+from .._outputs import EngineStatistics, GenerationOutput
+from .._request import GenerationRequest
+from .._runner import Runner
+from ._app import ImageService
+from ._config import ServeConfig
+from ._ray_ingress import REPLICA_HEADER, App, ReplicaIngress
+
+__all__ = [
+    "DEFAULT_MAX_QUEUED_REQUESTS",
+    "REPLICA_HEADER",
+    "SHUTDOWN_MARGIN_S",
+    "ImageDeployment",
+    "deployment",
+]
+
+#: Seconds Ray Serve's ``graceful_shutdown_timeout_s`` runs past the engine's
+#: ``shutdown_grace``: time to cut what still runs at a step boundary, answer it and
+#: join the engine's threads before the controller kills the replica.
+SHUTDOWN_MARGIN_S = 5.0
+
+#: Requests each caller (the HTTP proxy, a handle) queues for the deployment when
+#: every replica is full; more get a 503 (``BackPressureError`` through a handle).
+#: Ray's own default, -1, queues without bound: a client would wait, never refused.
+DEFAULT_MAX_QUEUED_REQUESTS = 16
+
+ServiceFactory = Callable[[], ImageService]
+"""Builds a replica's service on the replica (picklable: it travels to the replica)."""
+
+RunnerFactory = Callable[[], "Runner[Any] | Sequence[Runner[Any]]"]
+
+
+class _ImageReplica:
+    """One replica: the service (its engine opened by the ingress's lifespan) and its handle."""
+
+    def __init__(self, make_service: ServiceFactory) -> None:
+        self._service = make_service()
+        self.replica_id = serve.get_replica_context().replica_tag
+
+    def __serve_build_asgi_app__(self) -> App:
+        app: App = self._service.app
+        return ReplicaIngress(app, replica_id=self.replica_id)
+
+    async def generate(
+        self, request: GenerationRequest | Mapping[str, Any], *, request_id: str | None = None
+    ) -> GenerationOutput:
+        """Generate ``request`` on this replica's engine; return its output.
+
+        Args:
+            request: a ``GenerationRequest``, or a dict of its fields.
+            request_id: the engine's id for it (default: a fresh one).
+
+        Raises:
+            EngineClosedError: the replica is starting or shutting down.
+            InvalidRequestError, QueueFullError, DeadlineError: as ``Engine.submit``.
+            RequestAbortedError, RequestFailedError: as ``RequestHandle.result``.
+
+        Cancellation:
+            ``DeploymentResponse.cancel()`` (a native cancellation of this call)
+            aborts the request at its next step boundary (reason ``cancelled``);
+            the call returns only once the worker released it (L11).
+        """
+        if not isinstance(request, GenerationRequest):
+            request = GenerationRequest(**request)
+        engine = self._service.engine
+        if engine is None or not self._service.is_ready:
+            raise EngineClosedError(f"replica {self.replica_id} is not serving")
+        return await engine.generate(request, request_id=request_id)
+
+    def statistics(self) -> tuple[str, EngineStatistics | None]:
+        """This replica's id and its engine's statistics (``None`` before it opened)."""
+        engine = self._service.engine
+        return self.replica_id, engine.statistics() if engine is not None else None
+
+
+ImageDeployment = serve.deployment(name="omni_trio")(serve.ingress()(_ImageReplica))
+"""The Serve deployment: bind it to a ``ServiceFactory``, or use ``deployment()``."""
+
+
+def _make_service(
+    model: str | RunnerFactory,
+    devices: tuple[str, ...] | None,
+    step_seconds: float,
+    engine_config: EngineConfig,
+    serve_config: ServeConfig | None,
+) -> ImageService:
+    """Load ``model`` here (on the replica) and build its service."""
+    if not isinstance(model, str):
+        runners = model()
+        config = serve_config if serve_config is not None else ServeConfig()
+        return ImageService(runners, engine_config=engine_config, config=config)
+    from ._models import load_model
+
+    loaded = load_model(
+        model, step_seconds=step_seconds, max_steps=engine_config.max_steps, devices=devices
+    )
+    if serve_config is None:
+        width, height = loaded.size
+        serve_config = ServeConfig(
+            model_name=loaded.name,
+            default_width=width,
+            default_height=height,
+            default_steps=min(loaded.steps, engine_config.max_steps),
+            default_guidance_scale=loaded.guidance_scale,
+        )
+    runners = loaded.runners[0] if len(loaded.runners) == 1 else list(loaded.runners)
+    return ImageService(runners, engine_config=engine_config, config=serve_config)
+
+
+def application(
+    make_service: ServiceFactory,
+    *,
+    shutdown_grace: float,
+    max_ongoing_requests: int,
+    num_replicas: int | str | None = 1,
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+    ray_actor_options: Mapping[str, Any] | None = None,
+    autoscaling_config: Mapping[str, Any] | None = None,
+    name: str = "omni_trio",
+) -> Application:
+    """Bind ``ImageDeployment`` to ``make_service`` with these Serve options.
+
+    Ray Serve's ``graceful_shutdown_timeout_s`` is ``shutdown_grace`` plus
+    ``SHUTDOWN_MARGIN_S``. ``deployment()`` and ``omni-trio serve --ray`` call this.
+    """
+    options: dict[str, Any] = {
+        "name": name,
+        "max_ongoing_requests": max_ongoing_requests,
+        "max_queued_requests": max_queued_requests,
+        "graceful_shutdown_timeout_s": shutdown_grace + SHUTDOWN_MARGIN_S,
+        # Ray polls the drain this often; the default (2 s) would add up to 2 s to
+        # every shutdown of an idle replica.
+        "graceful_shutdown_wait_loop_s": 0.1,
+    }
+    if autoscaling_config is not None:
+        options["autoscaling_config"] = dict(autoscaling_config)
+    else:
+        options["num_replicas"] = num_replicas
+    if ray_actor_options is not None:
+        options["ray_actor_options"] = dict(ray_actor_options)
+    return ImageDeployment.options(**options).bind(make_service)
+
+
+def deployment(
+    model: str | RunnerFactory,
+    *,
+    devices: Sequence[str] | None = None,
+    step_seconds: float = 0.05,
+    engine_config: EngineConfig | None = None,
+    serve_config: ServeConfig | None = None,
+    num_replicas: int | str | None = 1,
+    max_ongoing_requests: int | None = None,
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+    ray_actor_options: Mapping[str, Any] | None = None,
+    graceful_shutdown_timeout_s: float | None = None,
+    autoscaling_config: Mapping[str, Any] | None = None,
+    name: str = "omni_trio",
+) -> Application:
+    """A Ray Serve application that serves ``model``, one engine per replica.
+
+    Args:
+        model: one of ``omni-trio serve``'s models (``fake``, ``tiny-sd``, ...) or a
+            diffusers folder, loaded on each replica; or a picklable function that
+            returns the runner (or one per device), called on each replica.
+        devices: one runner per device on each replica (``--devices``); with
+            ``ray_actor_options={"num_gpus": k}`` Ray shows each replica its k GPUs
+            as ``cuda:0`` to ``cuda:k-1``.
+        step_seconds: the ``fake`` model's simulated step.
+        engine_config: each replica's engine configuration.
+        serve_config: the HTTP layer's; by default the model's own defaults (as
+            ``omni-trio serve``) for a named model, else ``ServeConfig()``.
+        num_replicas: replicas (ignored with ``autoscaling_config``).
+        max_ongoing_requests: requests Ray sends one replica at a time; default
+            ``max_batch_size + max_waiting``, so every request a replica takes fits
+            its engine and waits in the engine's queue (priorities, deadlines).
+        max_queued_requests: requests each caller holds when every replica is full;
+            more are answered 503 at once (never -1: that would queue forever).
+        ray_actor_options: each replica's resources (``{"num_gpus": 1}``).
+        graceful_shutdown_timeout_s: the most a stopping replica may take; the
+            engine's ``shutdown_grace`` becomes this minus ``SHUTDOWN_MARGIN_S``.
+            Default: ``shutdown_grace + SHUTDOWN_MARGIN_S``.
+        autoscaling_config: Ray Serve's autoscaling (``min_replicas``,
+            ``max_replicas``, ``target_ongoing_requests``, ...).
+        name: the deployment's name.
+
+    Returns:
+        The bound application, for ``serve.run``.
+
+    Raises:
+        ValueError: ``max_queued_requests`` is not positive, or a negative timeout.
+    """
+    config = engine_config if engine_config is not None else EngineConfig()
+    if graceful_shutdown_timeout_s is not None:
+        if graceful_shutdown_timeout_s < 0:
+            raise ValueError("graceful_shutdown_timeout_s: must be >= 0")
+        grace = max(0.0, graceful_shutdown_timeout_s - SHUTDOWN_MARGIN_S)
+        config = dataclasses.replace(config, shutdown_grace=grace)
+    if max_queued_requests < 1:
+        raise ValueError(
+            f"max_queued_requests: must be >= 1 (a bounded queue), got {max_queued_requests}"
+        )
+    make = functools.partial(
+        _make_service,
+        model,
+        None if devices is None else tuple(devices),
+        step_seconds,
+        config,
+        serve_config,
+    )
+    return application(
+        make,
+        shutdown_grace=config.shutdown_grace,
+        max_ongoing_requests=(
+            max_ongoing_requests
+            if max_ongoing_requests is not None
+            else config.max_batch_size + config.max_waiting
+        ),
+        num_replicas=num_replicas,
+        max_queued_requests=max_queued_requests,
+        ray_actor_options=ray_actor_options,
+        autoscaling_config=autoscaling_config,
+        name=name,
+    )

@@ -1,0 +1,359 @@
+"""Ray Serve: replicas, the HTTP API through Serve's proxy, handle calls, aborts, shutdown.
+
+Determinism rules:
+- one local Ray cluster (loopback, usage stats off) serves the module's in-process
+  tests (the ``cluster`` fixture): 2 replicas of the fake model, each engine with one
+  running and one waiting request, Ray sending each replica 2 at a time and
+  queueing 6 more; each test leaves it idle;
+- the CLI test runs first, before that cluster exists, with a cluster of its own;
+- "mid-way" is a step count read from the replicas' own ``/metrics`` or progress
+  events; which replica answered is its ``X-Omni-Trio-Replica`` header, and a
+  replica's metrics are read until every replica has answered;
+- every wait is a bounded poll; pytest-timeout bounds each test;
+- a Ray process is a descendant of the process that started the cluster, found
+  in /proc; none may be alive afterwards.
+
+``ReplicaIngress`` (cancellation as a disconnect) is also tested alone, without Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+import omni_trio as ot
+from omni_trio.serve._ray_cli import RAY_ENVIRONMENT
+from omni_trio.serve._ray_ingress import REPLICA_HEADER, Message, ReplicaIngress
+
+from .test_serve_app import metric
+from .test_serve_http import PATH, ROOT, free_port, poll_until
+
+HAVE_RAY = importlib.util.find_spec("ray") is not None
+
+STEP_S = 0.01
+#: Steps of a request that must still run when the test ends it: 1,000 s of steps,
+#: so however slow the machine, it is cut off by the test, never finished.
+ENDLESS = 100_000
+REPLICAS = 2
+STARTUP_S = 150.0
+
+
+def descendants(pid: int) -> set[int]:
+    """The live (not zombie) processes below ``pid``, from /proc."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z":
+            parents[int(entry)] = int(fields[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        children = {child for child, parent in parents.items() if parent in frontier}
+        frontier = children - found
+        found |= children
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    """Those of ``pids`` still running (zombies count as gone)."""
+    left = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            left.add(pid)
+    return left
+
+
+# -- ReplicaIngress alone ------------------------------------------------------
+
+
+def test_a_cancelled_request_reads_as_a_disconnect_and_waits_for_the_app() -> None:
+    """L51 under Ray Serve: a native cancellation of the request's task reaches the app as
+    ``http.disconnect``; the call returns only after the app did, then re-raises."""
+    events: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        message = await receive()
+        events.append(message["type"])
+        await asyncio.sleep(0.05)  # the release the app waits for
+        events.append("released")
+
+    async def receive() -> Message:
+        await asyncio.Event().wait()  # the proxy never says: it cancels
+        raise AssertionError
+
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def main() -> None:
+        ingress = ReplicaIngress(app, replica_id="r1")
+        task = asyncio.ensure_future(ingress({"type": "http"}, receive, send))
+        while not sent:
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert events == ["http.disconnect", "released"]
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    assert (REPLICA_HEADER.lower().encode(), b"r1") in sent[0]["headers"]
+
+
+# -- the CLI, first: its own cluster, gone before the module's starts ---------------
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.ray
+@pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
+def test_serve_ray_serves_replicas_and_sigterm_leaves_no_ray_process(tmp_path: Path) -> None:
+    """``omni-trio serve --ray --replicas 2`` serves the API behind Ray's proxy; SIGTERM
+    deletes the app, stops the local cluster and exits 0 with no Ray process left."""
+    port = free_port()
+    log = tmp_path / "serve-ray.log"
+    command = [sys.executable, "-m", "omni_trio", "serve", "--ray", "--replicas", "2"]
+    command += ["--model", "fake", "--port", str(port), "--step-seconds", str(STEP_S)]
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    seen: set[int] = set()
+    try:
+
+        def ready() -> bool:
+            assert process.poll() is None, log.read_text(errors="replace")
+            seen.update(descendants(process.pid))
+            try:
+                return httpx.get(f"{url}/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        poll_until(ready, timeout=STARTUP_S, what="serve --ray to answer /health")
+        answer = httpx.post(
+            url + PATH, json={"prompt": "a flower", "num_inference_steps": 2}, timeout=30
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.headers[REPLICA_HEADER]
+        seen.update(descendants(process.pid))
+        assert len(seen) >= 4, seen  # gcs_server, raylet, the controller, the replicas...
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=90) == 0, log.read_text(errors="replace")
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+    poll_until(lambda: not alive(seen), timeout=10, what="every Ray process to exit")
+    assert "Traceback" not in log.read_text(errors="replace")
+
+
+# -- one cluster for the rest ----------------------------------------------------
+
+
+@dataclass
+class Cluster:
+    """The module's Serve application: its URL and its handle."""
+
+    url: str
+    handle: Any
+
+    def post(self, body: dict[str, Any]) -> httpx.Response:
+        return httpx.post(self.url + PATH, json=body, timeout=60)
+
+    def per_replica(self, path: str) -> dict[str, str]:
+        """GET ``path`` until every replica answered once; their bodies by replica id."""
+        bodies: dict[str, str] = {}
+        deadline = time.monotonic() + 30
+        while len(bodies) < REPLICAS:
+            assert time.monotonic() < deadline, f"only {set(bodies)} answered {path}"
+            answer = httpx.get(self.url + path, timeout=10)
+            bodies.setdefault(answer.headers[REPLICA_HEADER], answer.text)
+        return bodies
+
+    def total(self, name: str, **labels: str) -> float:
+        """The sum over the replicas of one sample of their /metrics."""
+        return sum(metric(text, name, **labels) for text in self.per_replica("/metrics").values())
+
+    def wait_idle(self) -> None:
+        def idle() -> bool:
+            texts = self.per_replica("/metrics").values()
+            return all(
+                metric(t, "omni_trio_requests_running") == 0
+                and metric(t, "omni_trio_requests_waiting") == 0
+                for t in texts
+            )
+
+        poll_until(idle, timeout=30, what="every replica to be idle")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """A local Ray cluster on loopback with the module's application; no process left."""
+    for name, value in RAY_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    with warnings.catch_warnings():
+        # Ray Serve's own pydantic models use fields pydantic 2 deprecates.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import ray
+        from ray import serve
+
+        from omni_trio.serve.ray import deployment
+
+    port = free_port()
+    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=4, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = deployment(
+            "fake",
+            step_seconds=STEP_S,
+            num_replicas=REPLICAS,
+            engine_config=ot.EngineConfig(max_batch_size=1, max_waiting=1, max_steps=ENDLESS),
+            serve_config=ot.serve.ServeConfig(model_name="fake", default_steps=4),
+            max_ongoing_requests=2,
+            max_queued_requests=6,
+            graceful_shutdown_timeout_s=5.0,
+        )
+        handle = serve.run(app, name="images", route_prefix="/")
+        yield Cluster(f"http://127.0.0.1:{port}", handle)
+        serve.shutdown()
+    finally:
+        started = descendants(os.getpid())
+        ray.shutdown()
+    poll_until(lambda: not alive(started), timeout=20, what="every Ray process to exit")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.ray
+@pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
+def test_two_replicas_share_concurrent_requests(cluster: Cluster) -> None:
+    """Concurrent requests spread over both replicas (each takes 2 at most); all succeed."""
+    answers: list[httpx.Response] = []
+
+    def one() -> None:
+        answers.append(cluster.post({"prompt": "a flower", "num_inference_steps": 10}))
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+    assert len({a.headers[REPLICA_HEADER] for a in answers}) == REPLICAS
+    cluster.wait_idle()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.ray
+@pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
+def test_the_openai_sdk_works_through_the_proxy(cluster: Cluster) -> None:
+    """L50 through Ray Serve: the OpenAI SDK generates and lists the model."""
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0, timeout=30)
+    with client:
+        result = client.images.generate(
+            model="fake", prompt="a flower", n=2, size="64x64", response_format="b64_json"
+        )
+        assert result.data is not None and len(result.data) == 2
+        assert [m.id for m in client.models.list()] == ["fake"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.ray
+@pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
+def test_a_disconnect_aborts_within_one_step(cluster: Cluster) -> None:
+    """L51 through Ray Serve: a streaming client that leaves mid-way is counted
+    ``disconnected`` by its replica, which ran at most one step for it afterwards."""
+    gone = cluster.total("omni_trio_requests_total", outcome="disconnected")
+    after = cluster.total("omni_trio_steps_after_abort_total")
+    body = {"prompt": "a flower", "num_inference_steps": ENDLESS, "stream": True}
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", cluster.url + PATH, json=body) as answer,
+    ):
+        for line in answer.iter_lines():
+            if line.startswith("data:") and '"step":3' in line:
+                break
+    poll_until(
+        lambda: cluster.total("omni_trio_requests_total", outcome="disconnected") == gone + 1,
+        timeout=30,
+        what="the disconnect to be counted",
+    )
+    cluster.wait_idle()
+    assert cluster.total("omni_trio_steps_after_abort_total") - after <= 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.ray
+@pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
+def test_a_cancelled_handle_call_aborts_and_releases(cluster: Cluster) -> None:
+    """L11 through a handle: ``DeploymentResponse.cancel()`` aborts the running request at
+    its next step boundary; its replica then holds nothing and runs no more steps for it."""
+    from ray.serve.exceptions import RequestCancelledError
+
+    output = cluster.handle.generate.remote(
+        {"prompt": "a flower", "num_steps": 3, "width": 64, "height": 64}
+    ).result(timeout_s=30)
+    assert isinstance(output, ot.GenerationOutput) and tuple(output.images.shape) == (1, 3, 64, 64)
+    after = cluster.total("omni_trio_steps_after_abort_total")
+    steps = cluster.total("omni_trio_engine_steps_total")
+    response = cluster.handle.generate.remote(
+        ot.GenerationRequest(prompt="a flower", num_steps=ENDLESS, width=64, height=64)
+    )
+    poll_until(
+        lambda: cluster.total("omni_trio_engine_steps_total") >= steps + 3,
+        timeout=30,
+        what="the request to run 3 steps",
+    )
+    response.cancel()
+    with pytest.raises(RequestCancelledError):
+        response.result(timeout_s=30)
+    cluster.wait_idle()
+    ran = cluster.total("omni_trio_engine_steps_total")
+    assert ran < steps + ENDLESS
+    assert cluster.total("omni_trio_steps_after_abort_total") - after <= 1
+    assert cluster.total("omni_trio_engine_steps_total") == ran  # nothing runs on
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.ray
+@pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
+def test_backpressure_answers_at_once_never_hangs(cluster: Cluster) -> None:
+    """More requests than 2 replicas x 2 ongoing + 6 queued: the rest are answered 503
+    (Ray's queue bound) or 429 (an engine's) at once; the admitted ones complete."""
+    answers: list[httpx.Response] = []
+
+    def one() -> None:
+        answers.append(cluster.post({"prompt": "a flower", "num_inference_steps": 50}))
+
+    threads = [threading.Thread(target=one) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    codes = sorted(a.status_code for a in answers)
+    assert len(codes) == 16 and set(codes) <= {200, 429, 503}, codes
+    assert 4 <= codes.count(200) < 16, codes
+    cluster.wait_idle()
