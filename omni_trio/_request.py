@@ -29,6 +29,7 @@ __all__ = [
     "GenerationRequest",
     "ImageInput",
     "RequestKind",
+    "denoise_steps",
 ]
 
 #: What ``image`` and ``mask`` take: a PIL image or a CPU float tensor ``[C, H, W]``
@@ -218,9 +219,9 @@ class GenerationRequest:
         ``min(int(num_steps * strength), num_steps)`` of its schedule, as diffusers'
         image-to-image and inpainting pipelines count them (L75).
         """
-        if self.image is None or self.strength is None:
+        if self.image is None:
             return self.num_steps
-        return min(int(self.num_steps * self.strength), self.num_steps)
+        return denoise_steps(self.num_steps, self.strength)
 
     def __eq__(self, other: object) -> bool:
         # Not the dataclass's tuple comparison: a tensor's == is elementwise.
@@ -229,6 +230,17 @@ class GenerationRequest:
         return all(
             _same(getattr(self, name), getattr(other, name)) for name in _FIELD_NAMES
         )
+
+
+def denoise_steps(num_steps: int, strength: float | None) -> int:
+    """The steps an image's edit runs: ``min(int(num_steps * strength), num_steps)``.
+
+    ``None`` is a strength of 1 (all of them). Diffusers' image-to-image and
+    inpainting pipelines count them so.
+    """
+    if strength is None:
+        return num_steps
+    return min(int(num_steps * strength), num_steps)
 
 
 _FIELD_NAMES = tuple(f.name for f in fields(GenerationRequest))

@@ -44,7 +44,13 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from .._errors import InvalidRequestError
-from .._request import MAX_DEADLINE_S, MAX_PRIORITY, GenerationRequest
+from .._request import (
+    DEFAULT_STRENGTH,
+    MAX_DEADLINE_S,
+    MAX_PRIORITY,
+    GenerationRequest,
+    denoise_steps,
+)
 from ._config import ServeConfig
 from ._errors import ApiError, api_error_from, invalid
 
@@ -440,6 +446,10 @@ def job_from_body(
     steps = (
         config.default_steps if parsed.num_inference_steps is None else parsed.num_inference_steps
     )
+    runs = steps
+    if edit is not None:
+        kind = "inpaint" if edit.get("mask") is not None else "image-to-image"
+        runs = denoise_steps(steps, edit.get("strength") or DEFAULT_STRENGTH[kind])
     guidance = parsed.guidance_scale
     priority = _priority(parsed, config)
     deadline_s = _deadline_s(parsed, deadline_header)
@@ -453,7 +463,7 @@ def job_from_body(
             guidance_scale=config.default_guidance_scale if guidance is None else guidance,
             seed=parsed.seed,
             num_images=1 if parsed.n is None else parsed.n,
-            preview_every=_preview_every(parsed, steps),
+            preview_every=_preview_every(parsed, max(runs, 1)),
             priority=priority,
             deadline_s=deadline_s,
             **(edit or {}),
