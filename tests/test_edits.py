@@ -179,7 +179,7 @@ async def test_edits_batch_with_each_other_and_join_mid_way(family: str) -> None
         torch.testing.assert_close(output.images, expected, atol=TOLERANCE, rtol=0)
 
 
-async def test_an_ancestral_scheduler_draws_what_the_pipeline_draws() -> None:
+async def test_a_scheduler_that_draws_noise_draws_what_the_pipeline_draws() -> None:
     """L75: with a scheduler that draws noise at every step (DDPM), the edit's
     images still equal the pipeline's: every draw from the request's generator is made
     in the pipeline's order (the inpainting pipeline's sampling of the masked image too).
