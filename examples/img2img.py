@@ -8,6 +8,7 @@ Usage: python examples/img2img.py [IMAGE]   (default: a generated gradient; tiny
 """
 
 import sys
+from typing import Any
 
 import anyio
 from PIL import Image
@@ -26,19 +27,24 @@ def load_image() -> Image.Image:
     return Image.merge("RGB", (gradient, gradient.rotate(90), gradient.rotate(180)))
 
 
+def request(**fields: Any) -> ot.GenerationRequest:
+    return ot.GenerationRequest(
+        prompt="a harbour at dawn", num_steps=10, height=SIZE, width=SIZE, **fields
+    )
+
+
 async def main() -> None:
     image = load_image()
     mask = Image.new("L", (SIZE, SIZE), 0)
     mask.paste(255, (SIZE // 2, 0, SIZE, SIZE))  # white: repaint the right half
-    common = {"prompt": "a harbour at dawn", "num_steps": 10, "height": SIZE, "width": SIZE}
     async with ot.open_engine(DiffusersRunner(tiny_pipeline("sd"))) as engine:
-        varied = ot.GenerationRequest(**common, seed=1, image=image, strength=0.6)
+        varied = request(seed=1, image=image, strength=0.6)
         async with engine.submit(varied) as handle:
             async for event in handle:
                 print(f"img2img step {event.step}/{event.total}")
             output = await handle.result()
         output.to_pil()[0].save("img2img.png")
-        repainted = ot.GenerationRequest(**common, seed=2, image=image, mask=mask)
+        repainted = request(seed=2, image=image, mask=mask)
         (await engine.generate(repainted)).to_pil()[0].save("inpaint.png")
     print("wrote img2img.png and inpaint.png")
 

@@ -227,9 +227,7 @@ class GenerationRequest:
         # Not the dataclass's tuple comparison: a tensor's == is elementwise.
         if other.__class__ is not self.__class__:
             return NotImplemented
-        return all(
-            _same(getattr(self, name), getattr(other, name)) for name in _FIELD_NAMES
-        )
+        return all(_same(getattr(self, name), getattr(other, name)) for name in _FIELD_NAMES)
 
 
 def denoise_steps(num_steps: int, strength: float | None) -> int:

@@ -184,21 +184,20 @@ async def test_a_scheduler_that_draws_noise_draws_what_the_pipeline_draws() -> N
     images still equal the pipeline's: every draw from the request's generator is made
     in the pipeline's order (the inpainting pipeline's sampling of the masked image too).
     """
-    import diffusers
+    import diffusers as untyped
 
+    diffusers: Any = untyped
     base = pipe("sd")
-    ancestral = diffusers.StableDiffusionPipeline(
+    noisy = diffusers.StableDiffusionPipeline(
         **{
             **base.components,
-            "scheduler": diffusers.DDPMScheduler.from_config(
-                base.scheduler.config
-            ),
+            "scheduler": diffusers.DDPMScheduler.from_config(base.scheduler.config),
         }
     )
     for kind in ("image-to-image", "inpaint"):
         r = edit(kind, num_steps=8, strength=0.7)
         with anyio.fail_after(BUDGET):
-            async with ot.open_engine(DiffusersRunner(ancestral)) as engine:
+            async with ot.open_engine(DiffusersRunner(noisy)) as engine:
                 output = await engine.generate(r)
         expected, _ = reference("sd", r, "DDPMScheduler")
         torch.testing.assert_close(output.images, expected, atol=TOLERANCE, rtol=0)
@@ -314,7 +313,7 @@ def test_images_are_private_copies_compared_by_value_and_kept_out_of_batch_keys(
     pixels = torch.rand(3, SIZE, SIZE, dtype=torch.float64)
     r = edit(image=pixels, strength=None)
     pixels.fill_(0.0)
-    assert r.image is not None and r.image.dtype == torch.float32
+    assert isinstance(r.image, torch.Tensor) and r.image.dtype == torch.float32
     assert float(r.image.max()) > 0
     assert (r.kind, r.strength, r.denoise_steps) == ("image-to-image", 0.8, 8)
     inpaint = edit("inpaint", strength=None)

@@ -174,9 +174,7 @@ async def test_a_streamed_edit_reports_the_steps_that_run() -> None:
     assert totals == {4}
 
 
-def form(
-    image: bytes | None = None, mask: bytes | None = None, **fields: str
-) -> dict[str, Any]:
+def form(image: bytes | None = None, mask: bytes | None = None, **fields: str) -> dict[str, Any]:
     files: list[tuple[str, tuple[str, bytes, str]]] = []
     if image is not None:
         files.append(("image", ("image.png", image, "image/png")))

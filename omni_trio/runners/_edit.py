@@ -162,9 +162,7 @@ def edit_latents(
     pixels = pipe.image_processor.preprocess(request.image[None], height=height, width=width)
     if request.mask is None:
         # StableDiffusion(XL)Img2ImgPipeline.prepare_latents.
-        latents, _ = _encode(
-            pipe, pixels, generator, dtype, xl=xl, shift=xl, vae_lock=vae_lock
-        )
+        latents, _ = _encode(pipe, pixels, generator, dtype, xl=xl, shift=xl, vae_lock=vae_lock)
         latents = torch.cat([latents] * count)
         noise = _randn(tuple(latents.shape), generator, device, dtype)
         return EditLatents(timesteps, scheduler.add_noise(latents, noise, first), {})

@@ -150,7 +150,7 @@ def open_image(data: bytes, param: str, limits: UploadLimits) -> Image.Image:
         raise invalid(f"{param}: must be a PNG, JPEG or WebP file", param, "invalid_image")
     name, plugin = found
     try:
-        image = plugin(io.BytesIO(data))  # the header only: no pixel decoded yet
+        image: Image.Image = plugin(io.BytesIO(data))  # the header only: nothing decoded
     except Exception:  # Pillow raises many kinds for a hostile header
         raise invalid(
             f"{param}: could not be read as a {name} file", param, "invalid_image"
