@@ -43,6 +43,8 @@ _OPTIONS = {
     "height": "--size",
     "width": "--size",
     "seed": "--seed",
+    "image": "--image",
+    "strength": "--strength",
 }
 
 
@@ -66,6 +68,19 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"image side in pixels (default {DEFAULT_SIZE}; unet: 32)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--image",
+        default=None,
+        metavar="PATH",
+        help="start from this image (image-to-image; sd and sdxl), resized to --size",
+    )
+    parser.add_argument(
+        "--strength",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --image: how much of the schedule runs, in (0, 1] (default 0.8)",
+    )
     parser.add_argument("--out", default="demo.png", help="where to write the PNG")
     parser.add_argument(
         "--abort-after",
@@ -97,7 +112,13 @@ def _request(
     size = args.size if args.size is not None else fixed[0] if fixed else DEFAULT_SIZE
     try:
         request = GenerationRequest(
-            prompt=args.prompt, num_steps=args.steps, height=size, width=size, seed=args.seed
+            prompt=args.prompt,
+            num_steps=args.steps,
+            height=size,
+            width=size,
+            seed=args.seed,
+            image=_image(args.image, size),
+            strength=args.strength,
         )
         _CONFIG.check_request(request)
         if capabilities is not None:
@@ -106,6 +127,23 @@ def _request(
         option = _OPTIONS.get(exc.field, exc.field)
         raise UsageError(f"{option}: {str(exc).removeprefix(f'{exc.field}: ')}") from exc
     return request
+
+
+def _image(path: str | None, size: int) -> Any:
+    """The ``--image`` file as an RGB image of ``size`` x ``size``, or ``None``.
+
+    Raises:
+        UsageError: it cannot be read as an image.
+    """
+    if path is None:
+        return None
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB").resize((size, size), Image.Resampling.LANCZOS)
+    except (OSError, UnidentifiedImageError, ValueError) as exc:
+        raise UsageError(f"--image: cannot read {path!r} as an image ({exc})") from exc
 
 
 def _model_folder(args: argparse.Namespace) -> Path | None:
@@ -162,7 +200,7 @@ async def _demo(
             # tqdm draws on stderr: it redraws in place on a terminal and keeps to
             # plain lines in a pipe or a log.
             with tqdm(
-                total=request.num_steps, desc="  denoise", unit="step", file=sys.stderr
+                total=request.denoise_steps, desc="  denoise", unit="step", file=sys.stderr
             ) as bar:
                 async for event in handle:
                     if bar.total != event.total:
@@ -211,7 +249,7 @@ def run_demo(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     runner, description = _runner(args, folder)
     request = _request(args, runner.capabilities)
     out.write(
-        f"omni_trio demo: {request.num_steps} steps at {request.width}x{request.height},"
+        f"omni_trio demo: {request.denoise_steps} steps at {request.width}x{request.height},"
         f" seed {request.seed}\n"
     )
     out.write(f"  model: {description}\n")

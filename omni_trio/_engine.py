@@ -235,11 +235,15 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         waiting = self._pool.steps_ahead(request.priority)
         shared = -(-waiting // (self._workers[0].max_batch * len(workers)))
         best = min(
-            ((left + shared + request.num_steps) * cast(float, step_s), left, cast(float, step_s))
+            (
+                (left + shared + request.denoise_steps) * cast(float, step_s),
+                left,
+                cast(float, step_s),
+            )
             for step_s, left in measured
         )
         estimate, left, step_s = best
-        steps = left + shared + request.num_steps
+        steps = left + shared + request.denoise_steps
         if estimate > deadline_s:
             raise DeadlineError(
                 f"the deadline of {deadline_s:g} s cannot be met: the estimate is "

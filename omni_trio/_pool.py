@@ -67,7 +67,7 @@ class Pool:
                 item.batch_key,
                 priority=item.request.priority,
                 deadline=deadline,
-                steps=item.request.num_steps,
+                steps=item.steps_total,
             )
             self.cond.notify()
         return True

@@ -9,13 +9,39 @@ so hostile input is refused at admission, never counted as a model failure.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
-from ._validate import check_float, check_int, check_text, fail_request
+from ._validate import check_float, check_image, check_int, check_text, fail_request, image_size
 
-__all__ = ["MAX_DEADLINE_S", "MAX_GUIDANCE_SCALE", "MAX_PRIORITY", "GenerationRequest"]
+if TYPE_CHECKING:
+    import torch
+    from PIL import Image
+
+__all__ = [
+    "DEFAULT_STRENGTH",
+    "MAX_DEADLINE_S",
+    "MAX_GUIDANCE_SCALE",
+    "MAX_PRIORITY",
+    "GenerationRequest",
+    "ImageInput",
+    "RequestKind",
+    "denoise_steps",
+]
+
+#: What ``image`` and ``mask`` take: a PIL image or a CPU float tensor ``[C, H, W]``
+#: in [0, 1]. Either is stored as a private CPU ``float32`` tensor.
+ImageInput: TypeAlias = "torch.Tensor | Image.Image"
+
+#: What a request asks for: no image, an image to vary, or an image and a mask.
+RequestKind: TypeAlias = Literal["text-to-image", "image-to-image", "inpaint"]
+
+#: ``strength`` when an image is given without one: diffusers' Stable Diffusion
+#: defaults (``StableDiffusionImg2ImgPipeline``: 0.8, ``...InpaintPipeline``: 1.0).
+DEFAULT_STRENGTH: Mapping[str, float] = MappingProxyType({"image-to-image": 0.8, "inpaint": 1.0})
 
 _SEED_LIMIT = 2**64
 
@@ -65,6 +91,21 @@ class GenerationRequest:
             ``MAX_DEADLINE_S`` (1e6). When it passes, the request is aborted with
             reason ``"deadline"``; ``submit`` refuses it with ``DeadlineError`` when
             the engine's estimate says it cannot be met (L62).
+        image: an image to start from (image-to-image), or ``None`` (text to
+            image): a PIL image of mode ``RGB`` or a CPU float tensor ``[3, H, W]``
+            with values in [0, 1], exactly ``height`` x ``width`` (resize it first:
+            nothing is resized here). Stored as a private CPU ``float32`` tensor
+            ``[3, H, W]``, so a caller changing it later changes nothing (L74).
+        mask: where to repaint (inpainting): a PIL image of mode ``L`` or ``1``,
+            or a CPU float tensor ``[1, H, W]`` in [0, 1], of the image's size; white
+            (>= 0.5) is repainted, black kept. Needs ``image``. Stored as ``image`` is.
+        strength: how much of the schedule runs from the noised image: in (0, 1],
+            only with ``image``. ``None`` means ``DEFAULT_STRENGTH`` for the kind
+            (0.8 for image-to-image, 1.0 for inpainting); the stored value is the
+            one that applies. ``denoise_steps`` (``num_steps * strength`` rounded
+            down, as diffusers counts it) must be at least 1.
+
+    Equality compares every field, images by value; ``repr`` leaves the images out.
 
     Raises:
         InvalidRequestError: a field has a wrong type or value; ``field`` names it.
@@ -82,6 +123,9 @@ class GenerationRequest:
     extra: Mapping[str, object] = field(default_factory=dict)
     priority: int = 0
     deadline_s: float | None = None
+    image: ImageInput | None = field(default=None, repr=False)
+    mask: ImageInput | None = field(default=None, repr=False)
+    strength: float | None = None
 
     def __post_init__(self) -> None:
         fail = fail_request
@@ -123,6 +167,91 @@ class GenerationRequest:
             if deadline == 0.0:
                 fail("deadline_s", "must be > 0, got 0.0")
             store(self, "deadline_s", deadline)
+        self._check_edit()
+
+    def _check_edit(self) -> None:
+        """L74: ``image``, ``mask`` and ``strength``; sizes are read before any conversion."""
+        fail = fail_request
+        store = object.__setattr__
+        if self.image is None:
+            if self.mask is not None:
+                fail("mask", "needs an image to repaint")
+            if self.strength is not None:
+                fail("strength", "applies to an image; give one, or leave strength out")
+            return
+        size = (self.height, self.width)
+        for name, value in (("image", self.image), ("mask", self.mask)):
+            found = image_size(value)
+            if found is not None and found != size:
+                what = "the request is" if name == "image" else "the image is"
+                fail(
+                    name,
+                    f"is {found[1]}x{found[0]} (width x height), {what}"
+                    f" {size[1]}x{size[0]}: resize it, or set height and width to its size",
+                )
+        store(self, "image", check_image(fail, "image", self.image, channels=3))
+        if self.mask is not None:
+            store(self, "mask", check_image(fail, "mask", self.mask, channels=1))
+        if self.strength is None:
+            strength = DEFAULT_STRENGTH[self.kind]
+        else:
+            strength = check_float(fail, "strength", self.strength, minimum=0.0, maximum=1.0)
+            if strength == 0.0:
+                fail("strength", "must be > 0 (0 would keep the image as it is), got 0.0")
+        store(self, "strength", strength)
+        if self.denoise_steps < 1:
+            fail(
+                "strength",
+                f"{strength:g} x num_steps {self.num_steps} runs no step;"
+                f" it must be at least 1 / num_steps",
+            )
+
+    @property
+    def kind(self) -> RequestKind:
+        """``"text-to-image"``, ``"image-to-image"`` (an image) or ``"inpaint"`` (and a mask)."""
+        if self.image is None:
+            return "text-to-image"
+        return "image-to-image" if self.mask is None else "inpaint"
+
+    @property
+    def denoise_steps(self) -> int:
+        """The denoise steps that run: ``num_steps``, or with an image the last
+        ``min(int(num_steps * strength), num_steps)`` of its schedule, as diffusers'
+        image-to-image and inpainting pipelines count them (L75).
+        """
+        if self.image is None:
+            return self.num_steps
+        return denoise_steps(self.num_steps, self.strength)
+
+    def __eq__(self, other: object) -> bool:
+        # Not the dataclass's tuple comparison: a tensor's == is elementwise.
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return all(_same(getattr(self, name), getattr(other, name)) for name in _FIELD_NAMES)
+
+
+def denoise_steps(num_steps: int, strength: float | None) -> int:
+    """The steps an image's edit runs: ``min(int(num_steps * strength), num_steps)``.
+
+    ``None`` is a strength of 1 (all of them). Diffusers' image-to-image and
+    inpainting pipelines count them so.
+    """
+    if strength is None:
+        return num_steps
+    return min(int(num_steps * strength), num_steps)
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(GenerationRequest))
+
+
+def _same(first: Any, second: Any) -> bool:
+    """Field equality: tensors (the stored images) by shape and value."""
+    if first is second:
+        return True
+    torch = sys.modules.get("torch")  # a stored image is a tensor: torch is imported then
+    if torch is not None and isinstance(first, torch.Tensor):
+        return isinstance(second, torch.Tensor) and bool(torch.equal(first, second))
+    return bool(first == second)
 
 
 def _checked_extra(extra: object) -> dict[str, object]:

@@ -39,6 +39,11 @@ __all__ = ["Runner", "RunnerCapabilities", "StopRun", "SuspendableRunner", "Whol
 
 StateT = TypeVar("StateT")
 
+#: Batch-key names that are request properties, not fields.
+_DERIVED_KEYS = frozenset({"kind"})
+#: Request fields that never go into a batch key.
+_IMAGE_FIELDS = frozenset({"image", "mask"})
+
 
 class StopRun(Exception):
     """Raised by a whole-call runner's ``on_step`` callback: stop now, decode nothing."""
@@ -52,7 +57,9 @@ class RunnerCapabilities:
         max_batch_size: most states one ``step`` call takes.
         can_join: whether a state may join a batch whose members are mid-way.
         batch_key_fields: request fields that must be equal for two requests
-            to share a batch.
+            to share a batch; ``"kind"`` (``GenerationRequest.kind``) may be one.
+            Never ``image`` or ``mask``: a key is compared at every step boundary,
+            and images are kept out of it (L74).
         previews: whether ``preview`` works.
         size_multiple: ``height`` and ``width`` must be multiples of it.
         extra_keys: the keys of ``GenerationRequest.extra`` that the runner reads.
@@ -66,6 +73,11 @@ class RunnerCapabilities:
             in another batch, with the output it would have had (L61). Needs
             ``can_join`` (a resumed state joins states at other steps) unless
             ``max_batch_size`` is 1; never with ``whole_call``.
+        image_input: whether ``GenerationRequest.image`` (with ``strength``) is
+            honoured: image-to-image. The runner runs ``request.denoise_steps``
+            steps (L75).
+        mask_input: whether ``GenerationRequest.mask`` is honoured: inpainting.
+            Needs ``image_input``.
     """
 
     max_batch_size: int = 1
@@ -78,6 +90,8 @@ class RunnerCapabilities:
     fixed_size: tuple[int, int] | None = None
     whole_call: bool = False
     suspendable: bool = False
+    image_input: bool = False
+    mask_input: bool = False
 
     def __post_init__(self) -> None:
         if self.whole_call and (self.max_batch_size != 1 or self.can_join):
@@ -92,9 +106,18 @@ class RunnerCapabilities:
             raise ValueError("max_batch_size: must be >= 1")
         if self.size_multiple < 1:
             raise ValueError("size_multiple: must be >= 1")
-        unknown = set(self.batch_key_fields) - set(GenerationRequest.__dataclass_fields__)
+        if self.mask_input and not self.image_input:
+            raise ValueError("mask_input: a mask repaints an image; declare image_input")
+        fields = set(GenerationRequest.__dataclass_fields__) | _DERIVED_KEYS
+        unknown = set(self.batch_key_fields) - fields
         if unknown:
             raise ValueError(f"batch_key_fields: unknown request fields {sorted(unknown)}")
+        images = sorted(set(self.batch_key_fields) & _IMAGE_FIELDS)
+        if images:
+            raise ValueError(
+                f"batch_key_fields: {images} would compare images at every boundary;"
+                " use 'kind' to keep kinds of edits apart"
+            )
 
     def check_request(self, request: GenerationRequest) -> None:
         """Raise ``InvalidRequestError`` naming the first field this runner cannot serve."""
@@ -119,6 +142,10 @@ class RunnerCapabilities:
             )
         if request.negative_prompt is not None and not self.negative_prompt:
             raise InvalidRequestError("this runner does not support it", field="negative_prompt")
+        if request.image is not None and not self.image_input:
+            raise InvalidRequestError("this runner does not take an input image", field="image")
+        if request.mask is not None and not self.mask_input:
+            raise InvalidRequestError("this runner does not inpaint", field="mask")
 
     def batch_key(self, request: GenerationRequest) -> tuple[object, ...]:
         """The values that must match for requests to share a batch."""

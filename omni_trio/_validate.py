@@ -15,12 +15,22 @@ from __future__ import annotations
 import math
 import operator
 import re
+import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ._errors import InvalidRequestError
 
-__all__ = ["Fail", "check_float", "check_int", "check_text", "fail_config", "fail_request"]
+__all__ = [
+    "Fail",
+    "check_float",
+    "check_image",
+    "check_int",
+    "check_text",
+    "fail_config",
+    "fail_request",
+    "image_size",
+]
 
 Fail = Callable[[str, str], NoReturn]
 
@@ -102,3 +112,75 @@ def check_text(fail: Fail, name: str, value: object, *, what: str = "") -> str:
             problem = "a control character"
         fail(name, f"{label}must be text: {char!a} at index {found.start()} is {problem}")
     return text
+
+
+#: The PIL modes an image field takes, by its channel count: RGB pictures, grey masks.
+_PIL_MODES: dict[int, tuple[str, ...]] = {3: ("RGB",), 1: ("L", "1")}
+
+
+def image_size(value: object) -> tuple[int, int] | None:
+    """``(height, width)`` of a PIL image or a ``[C, H, W]`` tensor, read without converting it.
+
+    ``None`` when ``value`` is neither (``check_image`` then says why). Imports
+    nothing: a value of a module that was never imported cannot be of its types.
+    """
+    image_module = sys.modules.get("PIL.Image")
+    if image_module is not None and isinstance(value, image_module.Image):
+        width, height = value.size
+        return int(height), int(width)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor) and value.ndim == 3:
+        return int(value.shape[1]), int(value.shape[2])
+    return None
+
+
+def check_image(fail: Fail, name: str, value: object, *, channels: int) -> Any:
+    """Return ``value`` as a private CPU ``float32`` tensor ``[channels, H, W]`` in [0, 1].
+
+    Takes a PIL image (mode ``RGB`` for 3 channels, ``L`` or ``1`` for 1) or a CPU
+    floating-point tensor ``[channels, H, W]`` with values in [0, 1] and no NaN. A
+    copy, made once: a caller changing its image later changes no admitted request.
+    Anything else fails naming ``name``; a PIL image that cannot be decoded too.
+    """
+    modes = _PIL_MODES[channels]
+    image_module = sys.modules.get("PIL.Image")
+    torch_module = sys.modules.get("torch")
+    if image_module is not None and isinstance(value, image_module.Image):
+        import numpy as np
+        import torch
+
+        if value.mode not in modes:
+            fail(name, f"must be a PIL image of mode {' or '.join(modes)}, got mode {value.mode!r}")
+        try:
+            # Mode "1" reads as booleans: as grey levels first, as diffusers reads masks.
+            grey = value.convert("L") if value.mode == "1" else value
+            array = np.asarray(grey, dtype=np.float32) / np.float32(255)
+        except Exception as exc:  # a truncated or hostile file behind a lazy image
+            fail(name, f"could not be decoded ({type(exc).__name__})")
+        tensor = torch.from_numpy(np.array(array, copy=True))
+        tensor = tensor[None] if tensor.ndim == 2 else tensor.permute(2, 0, 1).contiguous()
+    elif torch_module is not None and isinstance(value, torch_module.Tensor):
+        import torch
+
+        if type(value) is not torch.Tensor:
+            fail(name, f"must be a plain torch.Tensor, got {type(value).__name__}")
+        if value.layout != torch.strided or value.device.type != "cpu":
+            fail(name, f"must be a dense CPU tensor, got {value.layout} on {value.device}")
+        if not value.is_floating_point():
+            fail(name, f"must be a floating-point tensor, got {value.dtype}")
+        if value.ndim != 3 or value.shape[0] != channels:
+            fail(name, f"must be a tensor [{channels}, H, W], got shape {list(value.shape)}")
+        tensor = value.detach().to(torch.float32, copy=True).contiguous()
+    else:
+        fail(
+            name,
+            f"must be a PIL image or a float tensor [{channels}, H, W], got {type(value).__name__}",
+        )
+    if tensor.shape[1] < 1 or tensor.shape[2] < 1:
+        fail(name, f"must have at least one pixel, got shape {list(tensor.shape)}")
+    low, high = (float(bound) for bound in torch.aminmax(tensor))  # NaN propagates to both
+    if math.isnan(low) or math.isnan(high):
+        fail(name, "must not have NaN values")
+    if low < 0.0 or high > 1.0:
+        fail(name, f"values must be in [0, 1], got [{low:g}, {high:g}]")
+    return tensor

@@ -482,7 +482,7 @@ class Worker:
             error = self._stepped(item, elapsed)
             if error is not None:
                 release(self._runner, item, self._post, error, call="preview")
-            elif item.steps_done >= item.request.num_steps:
+            elif item.steps_done >= item.steps_total:
                 self._denoised(item)
             else:
                 keep.append(item)

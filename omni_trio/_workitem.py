@@ -86,9 +86,10 @@ class WorkItem:
         # Owned by whichever engine thread holds the item.
         self.state: object | None = None
         self.steps_done = 0
-        # The steps the runner runs: the request's, unless a whole-call runner's
-        # pipeline says otherwise (img2img with strength < 1 runs fewer).
-        self.steps_total = request.num_steps
+        # The steps the runner runs (L75): the request's ``denoise_steps`` (fewer
+        # than ``num_steps`` for an image with strength < 1), unless a whole-call
+        # runner's pipeline says otherwise.
+        self.steps_total = request.denoise_steps
         self.t_taken: float | None = None
         self.t_denoised: float | None = None
         self.t_released: float | None = None

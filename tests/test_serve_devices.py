@@ -99,3 +99,18 @@ async def test_health_and_metrics_say_degraded_when_a_worker_dies() -> None:
             assert metric(text, "omni_trio_workers_alive") == 1
             ok = await client.post(PATH, json={"prompt": "y"})
             assert ok.status_code == 200
+
+
+def test_upload_limits_are_options() -> None:
+    """L76: ``--max-upload-bytes`` and ``--max-upload-pixels`` reach the service's limits."""
+    import argparse
+
+    from omni_trio.serve._cli import _service, add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(
+        ["--model", "fake", "--max-upload-bytes", "1000", "--max-upload-pixels", "4096"]
+    )
+    service = _service(args, load_model("fake", step_seconds=0.0))
+    assert (service.upload_limits.max_bytes, service.upload_limits.max_pixels) == (1000, 4096)

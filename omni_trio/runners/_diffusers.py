@@ -17,6 +17,7 @@ import torch
 
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities
+from ._edit import keep_unmasked
 from ._families import RequestState, family_for, joined
 from ._park import park_on_host, state_tensors, unpark
 
@@ -56,7 +57,9 @@ class DiffusersRunner:
 
     Supports ``StableDiffusionPipeline``, ``StableDiffusionXLPipeline``,
     ``StableDiffusion3Pipeline``, ``FluxPipeline``, ``QwenImagePipeline``,
-    ``DDPMPipeline`` and ``DDIMPipeline``. The pipeline is used,
+    ``DDPMPipeline`` and ``DDIMPipeline``. Requests with ``image`` (image-to-image)
+    and ``mask`` (inpainting) for Stable Diffusion and SDXL, as their img2img and
+    inpainting pipelines built from the same components (L75). The pipeline is used,
     never changed: the runner builds its own scheduler per request and leaves the
     pipeline usable after the engine closes.
 
@@ -83,6 +86,8 @@ class DiffusersRunner:
             negative_prompt=self._family.negative_prompt,
             fixed_size=self._family.fixed_size,
             suspendable=True,
+            image_input=self._family.edits,
+            mask_input=self._family.edits,
         )
         device = torch.device(pipeline.device)
         # On CUDA, decodes run on their own stream and copy into pinned host
@@ -152,6 +157,8 @@ class DiffusersRunner:
             state.latents = state.scheduler.step(
                 prediction, t, state.latents, **state.step_kwargs, return_dict=False
             )[0]
+            if state.edit:
+                keep_unmasked(state)
             state.position += 1
 
     def preview(self, state: RequestState) -> torch.Tensor:
@@ -188,11 +195,12 @@ class DiffusersRunner:
         state.latents = None
         state.cond = {}
         state.shared = {}
+        state.edit = {}
         state.ready = None
         self._count("live_states", -1)
 
     def state_bytes(self, state: RequestState) -> int:
-        """The bytes of the state's tensors: latents, conditioning, scheduler (L61)."""
+        """The bytes of the state's tensors: latents, conditioning, an edit's, scheduler (L61)."""
         seen: set[int] = set()
         total = 0
         for tensor in state_tensors(state):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from .._request import GenerationRequest
+from ._edit import EditLatents, edit_latents
 
 __all__ = ["Family", "RequestState", "family_for", "is_supported", "supported_pipelines"]
 
@@ -32,6 +34,9 @@ class RequestState:
     every request of one batch (Flux's position ids, Qwen-Image's image shape).
     ``text_lengths`` is each row's count of real text tokens where the family pads
     its text conditioning to a common length (Qwen-Image); empty otherwise.
+    ``edit`` holds an inpainting request's own tensors (the image's latents, the
+    noise, the mask; see ``_edit``); empty otherwise. ``timesteps`` are the ones
+    that run: for an image with strength < 1, the last ``denoise_steps`` (L75).
     """
 
     request_id: str
@@ -45,6 +50,7 @@ class RequestState:
     cond: dict[str, torch.Tensor]
     shared: dict[str, Any] = field(default_factory=dict)
     text_lengths: list[int] = field(default_factory=list)
+    edit: dict[str, torch.Tensor] = field(default_factory=dict)
     step_kwargs: dict[str, Any] = field(default_factory=dict)
     position: int = 0
     steps_done: int = 0
@@ -116,6 +122,8 @@ class Family(ABC):
     negative_prompt = True
     #: The keys of ``GenerationRequest.extra`` the family reads.
     extra_keys: frozenset[str] = frozenset()
+    #: Whether ``image``, ``mask`` and ``strength`` are honoured (L75).
+    edits = False
 
     def __init__(self, pipe: Any) -> None:
         self.pipe = pipe
@@ -138,11 +146,12 @@ class Family(ABC):
         scheduler = _new_scheduler(self.pipe)
         state = self._prepare(request, request_id, generator, scheduler)
         order = int(getattr(scheduler, "order", 1))
-        state.groups = step_groups(len(state.timesteps), request.num_steps, order)
-        if len(state.groups) != request.num_steps:
+        steps = request.denoise_steps  # the engine counts these (L75)
+        state.groups = step_groups(len(state.timesteps), steps, order)
+        if len(state.groups) != steps:
             raise ValueError(
                 f"{type(scheduler).__name__} makes {len(state.timesteps)} model calls that do"
-                f" not split into {request.num_steps} steps"
+                f" not split into {steps} steps"
             )
         state.step_kwargs = _step_kwargs(scheduler, generator)
         return state
@@ -191,9 +200,51 @@ def _guidance_rows(cfg: bool, negative: torch.Tensor, positive: torch.Tensor) ->
 
 
 class StableDiffusion(Family):
-    """``StableDiffusionPipeline``: UNet2DConditionModel with classifier-free guidance."""
+    """``StableDiffusionPipeline``: UNet2DConditionModel with classifier-free guidance.
+
+    With ``image`` (and ``mask``), as ``StableDiffusionImg2ImgPipeline`` (and
+    ``StableDiffusionInpaintPipeline``, legacy four-channel mode) built from the
+    same components (see ``_edit``).
+    """
 
     name = "sd"
+    edits = True
+    #: SDXL's edit pipelines encode images their own way (see ``_edit._encode``).
+    _xl = False
+
+    def __init__(self, pipe: Any) -> None:
+        super().__init__(pipe)
+        self._mask_processor: Any = None
+        # Held while a VAE's dtype is changed for an upcast encode or decode (SDXL).
+        self._vae_lock = threading.Lock()
+
+    def _edit_latents(
+        self,
+        request: GenerationRequest,
+        generator: torch.Generator,
+        scheduler: Any,
+        dtype: torch.dtype,
+    ) -> EditLatents:
+        if self._mask_processor is None:
+            from diffusers.image_processor import VaeImageProcessor
+
+            # The inpainting pipelines' own mask processor.
+            self._mask_processor = VaeImageProcessor(
+                vae_scale_factor=self.pipe.vae_scale_factor,
+                do_normalize=False,
+                do_binarize=True,
+                do_convert_grayscale=True,
+            )
+        return edit_latents(
+            self.pipe,
+            request,
+            generator,
+            scheduler,
+            dtype,
+            xl=self._xl,
+            mask_processor=self._mask_processor,
+            vae_lock=self._vae_lock,
+        )
 
     @property
     def size_multiple(self) -> int:
@@ -250,10 +301,18 @@ class StableDiffusion(Family):
         cond = {"encoder_hidden_states": _guidance_rows(cfg, negative, positive)}
         self._add_timestep_cond(cond, request, positive.dtype)
         timesteps = _retrieve_timesteps(scheduler, request.num_steps, self.device)
-        latents = self._latents(request, generator, scheduler, positive.dtype)
-        return RequestState(
+        edit: dict[str, torch.Tensor] = {}
+        if request.image is None:
+            latents = self._latents(request, generator, scheduler, positive.dtype)
+        else:
+            timesteps, latents, edit = self._edit_latents(
+                request, generator, scheduler, positive.dtype
+            )
+        state = RequestState(
             request_id, request, generator, scheduler, timesteps, [], latents, cfg, cond
         )
+        state.edit = edit
+        return state
 
     def scale_input(self, state: RequestState, rows: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         scaled: torch.Tensor = state.scheduler.scale_model_input(rows, t)
@@ -309,6 +368,7 @@ class StableDiffusionXL(StableDiffusion):
 
     name = "sdxl"
     extra_keys = frozenset({"guidance_rescale"})
+    _xl = True
 
     def _prepare(
         self,
@@ -328,7 +388,16 @@ class StableDiffusionXL(StableDiffusion):
             negative_prompt=request.negative_prompt,
         )
         timesteps = _retrieve_timesteps(scheduler, request.num_steps, self.device)
-        latents = self._latents(request, generator, scheduler, positive.dtype)
+        edit: dict[str, torch.Tensor] = {}
+        if request.image is None:
+            latents = self._latents(request, generator, scheduler, positive.dtype)
+        else:
+            # The edit pipelines' time ids are these too: no aesthetic score (their
+            # requires_aesthetics_score is off), sizes from the image, which is the
+            # request's size.
+            timesteps, latents, edit = self._edit_latents(
+                request, generator, scheduler, positive.dtype
+            )
         if pipe.text_encoder_2 is None:
             projection_dim = int(pooled.shape[-1])
         else:
@@ -345,11 +414,13 @@ class StableDiffusionXL(StableDiffusion):
             "time_ids": time_ids,
         }
         self._add_timestep_cond(cond, request, latents.dtype)
-        if hasattr(scheduler, "set_begin_index"):
-            scheduler.set_begin_index(0)
-        return RequestState(
+        if request.image is None and hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(0)  # an edit's begin index is where its steps start
+        state = RequestState(
             request_id, request, generator, scheduler, timesteps, [], latents, cfg, cond
         )
+        state.edit = edit
+        return state
 
     def _added_cond(self, cond: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {"text_embeds": cond["text_embeds"], "time_ids": cond["time_ids"]}
@@ -368,15 +439,20 @@ class StableDiffusionXL(StableDiffusion):
 
     def decode(self, state: RequestState) -> torch.Tensor:
         assert state.latents is not None
-        pipe = self.pipe
-        vae = pipe.vae
-        latents = state.latents
+        vae = self.pipe.vae
         # As __call__: a float16 VAE that overflows there decodes in float32, and is
         # put back afterwards (the UNet, which the steps use, is not touched).
-        upcast = vae.dtype == torch.float16 and vae.config.force_upcast
+        if vae.dtype == torch.float16 and vae.config.force_upcast:
+            # An edit's prepare changes the VAE's dtype too, from the worker thread.
+            with self._vae_lock:
+                return self._decode(state.latents.to(torch.float32), upcast=True)
+        return self._decode(state.latents, upcast=False)
+
+    def _decode(self, latents: torch.Tensor, *, upcast: bool) -> torch.Tensor:
+        pipe = self.pipe
+        vae = pipe.vae
         if upcast:
             vae.to(dtype=torch.float32)
-            latents = latents.to(torch.float32)
         mean = getattr(vae.config, "latents_mean", None)
         std = getattr(vae.config, "latents_std", None)
         if mean is not None and std is not None:

@@ -1,7 +1,8 @@
 """Suspending a ``DiffusersRunner`` state (L61): what it holds, and moving it.
 
-A request's state is its latents, its conditioning, the batch-shared inputs and
-its scheduler, whose own tensors (the sigmas, a multistep solver's previous model
+A request's state is its latents, its conditioning, the batch-shared inputs, an
+edit's own tensors (inpainting: the image's latents, the noise, the mask) and its
+scheduler, whose own tensors (the sigmas, a multistep solver's previous model
 outputs, PNDM's history) are part of where the next step starts. The random
 generator is kept as it is: its state is a few bytes wherever it lives, and
 moving it would change the numbers it draws next. Objects nested deeper in a
@@ -24,6 +25,7 @@ def _holders(state: RequestState) -> Iterator[dict[str, Any]]:
     """The attribute dictionaries whose values may be tensors or lists of them."""
     yield state.cond
     yield state.shared
+    yield state.edit  # an inpainting request's image latents, noise and mask
     yield vars(state.scheduler)
 
 

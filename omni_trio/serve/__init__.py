@@ -3,6 +3,7 @@
 - ``create_app(runner, ...)`` / ``ImageService``: the ASGI app, its engine bound to
   the app's lifespan;
 - ``ServeConfig``: the HTTP layer's own settings (model name, defaults, body limit);
+- ``UploadLimits``: how large an edit's upload may be (bytes, pixels);
 - ``python -m omni_trio serve``: the command line, under Hypercorn (trio) or
   Uvicorn (asyncio), with signal-driven draining.
 
@@ -18,8 +19,17 @@ from ._config import ServeConfig as ServeConfig
 from ._errors import ApiError as ApiError
 from ._images import CLIENT_GONE as CLIENT_GONE
 from ._metrics import OUTCOMES as OUTCOMES
+from ._upload import UploadLimits as UploadLimits
 
-__all__ = ["CLIENT_GONE", "OUTCOMES", "ApiError", "ImageService", "ServeConfig", "create_app"]
+__all__ = [
+    "CLIENT_GONE",
+    "OUTCOMES",
+    "ApiError",
+    "ImageService",
+    "ServeConfig",
+    "UploadLimits",
+    "create_app",
+]
 
 # Reprs, tracebacks and pickles name this package, not its private modules.
 _exports.set_public_module(__name__, globals())

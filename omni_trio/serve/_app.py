@@ -25,9 +25,12 @@ from .._engine import Engine, open_engine
 from .._outputs import EngineStatistics
 from .._runner import Runner
 from ._config import ServeConfig
+from ._edits import parse_edit_form
 from ._errors import ApiError, unexpected_error
-from ._images import ImagesEndpoint
+from ._images import ImagesEndpoint, Scope
 from ._metrics import ServeMetrics
+from ._schema import ImageJob
+from ._upload import UploadLimits
 
 __all__ = ["NOT_STARTED", "ImageService", "create_app"]
 
@@ -47,6 +50,9 @@ class ImageService:
     once: the engine closes the runner on shutdown). Routes:
 
     - ``POST /v1/images/generations``: OpenAI images API (JSON or server-sent events);
+    - ``POST /v1/images/edits``: OpenAI's image edits (a multipart form with an
+      image and an optional mask): image-to-image and inpainting, answered as
+      generations are (L76);
     - ``GET /v1/models`` and ``GET /v1/models/{id}``: the served model;
     - ``GET /health``: 200 when ready (``"degraded"`` while some workers have died
       and the others serve, L43), 503 while starting, draining or dead;
@@ -58,6 +64,7 @@ class ImageService:
         engine_config: the engine's configuration: batch size, queue bound,
             ``shutdown_grace``, and the limits on steps, sizes and ``n``.
         config: the HTTP layer's configuration.
+        upload_limits: how large an edit's upload may be (bytes, pixels).
     """
 
     def __init__(
@@ -66,8 +73,10 @@ class ImageService:
         *,
         engine_config: EngineConfig | None = None,
         config: ServeConfig | None = None,
+        upload_limits: UploadLimits | None = None,
     ) -> None:
         self.config = config if config is not None else ServeConfig()
+        self.upload_limits = upload_limits if upload_limits is not None else UploadLimits()
         self.engine_config = engine_config if engine_config is not None else EngineConfig()
         self._runner = runner
         self._engine: Engine | None = None
@@ -83,6 +92,17 @@ class ImageService:
                         config=self.config,
                         metrics=self.metrics,
                         admitting_engine=self.engine_for_requests,
+                    ),
+                    methods=["POST"],
+                ),
+                Route(
+                    "/v1/images/edits",
+                    ImagesEndpoint(
+                        config=self.config,
+                        metrics=self.metrics,
+                        admitting_engine=self.engine_for_requests,
+                        parse=self._parse_edit,
+                        max_body_bytes=self.upload_limits.max_bytes,
                     ),
                     methods=["POST"],
                 ),
@@ -213,6 +233,9 @@ class ImageService:
             yield
 
     # -- routes --------------------------------------------------------------
+
+    async def _parse_edit(self, scope: Scope, body: bytes) -> ImageJob:
+        return await parse_edit_form(scope, body, self.config, self.upload_limits)
 
     def _model_card(self) -> dict[str, object]:
         config = self.config

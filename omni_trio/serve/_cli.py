@@ -167,6 +167,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="larger request bodies get 413 (default 1 MiB)",
     )
     limits.add_argument(
+        "--max-upload-bytes",
+        type=_count(1),
+        default=16 << 20,
+        help="larger /v1/images/edits uploads get 413 (default 16 MiB)",
+    )
+    limits.add_argument(
+        "--max-upload-pixels",
+        type=_count(1),
+        default=4096 * 4096,
+        help="an uploaded image of more pixels (read from its header, before decoding)"
+        " gets 413 (default 4096x4096)",
+    )
+    limits.add_argument(
         "--retry-after",
         type=_count(0),
         default=1,
@@ -270,7 +283,10 @@ def _service(args: argparse.Namespace, model: LoadedModel) -> ImageService:
         option = _DEFAULT_OPTIONS.get(exc.field, "--default-size")
         raise UsageError(f"{option}: the model refuses it: {exc}") from None
     runners = model.runners[0] if len(model.runners) == 1 else list(model.runners)
-    return ImageService(runners, engine_config=engine_config, config=config)
+    from ._upload import UploadLimits
+
+    uploads = UploadLimits(max_bytes=args.max_upload_bytes, max_pixels=args.max_upload_pixels)
+    return ImageService(runners, engine_config=engine_config, config=config, upload_limits=uploads)
 
 
 # The option that sets each default, to name it in an error.

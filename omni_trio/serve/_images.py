@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from ._config import ServeConfig
     from ._metrics import ServeMetrics
 
-__all__ = ["CLIENT_GONE", "ImagesEndpoint", "send_json"]
+__all__ = ["CLIENT_GONE", "ImagesEndpoint", "JobParser", "header", "send_json"]
 
 Scope = Mapping[str, Any]
 Message = Mapping[str, Any]
@@ -120,7 +120,7 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None
             return b"".join(chunks)
 
 
-def _header(scope: Scope, name: str) -> str | None:
+def header(scope: Scope, name: str) -> str | None:
     """The first value of header ``name`` (latin-1, as HTTP/1.1 defines), if sent."""
     wanted = name.lower().encode("latin-1")
     for key, value in scope.get("headers", ()):
@@ -171,14 +171,20 @@ class _Client:
         await self.send({"type": "http.response.body", "body": data, "more_body": True})
 
 
+#: Turns a request's scope and whole body into a job, or raises ``ApiError``.
+JobParser = Callable[[Scope, bytes], Awaitable[ImageJob]]
+
+
 class ImagesEndpoint:
-    """The ASGI app of ``POST /v1/images/generations``.
+    """The ASGI app of ``POST /v1/images/generations`` (and, given its parser, of edits).
 
     Args:
         config: the HTTP layer's configuration (limits, defaults, ``Retry-After``).
         metrics: where each request's outcome and timings are counted.
         admitting_engine: returns the engine if it admits requests now, else
             raises ``ApiError`` (503 while starting, draining or dead).
+        parse: how a body becomes a job (default: a generation's JSON body).
+        max_body_bytes: the body limit (default: ``config.max_body_bytes``).
     """
 
     def __init__(
@@ -187,10 +193,19 @@ class ImagesEndpoint:
         config: ServeConfig,
         metrics: ServeMetrics,
         admitting_engine: Callable[[], Engine],
+        parse: JobParser | None = None,
+        max_body_bytes: int | None = None,
     ) -> None:
         self._config = config
         self._metrics = metrics
         self._admitting_engine = admitting_engine
+        self._parse = parse if parse is not None else self._parse_generation
+        self._max_body_bytes = config.max_body_bytes if max_body_bytes is None else max_body_bytes
+
+    async def _parse_generation(self, scope: Scope, body: bytes) -> ImageJob:
+        return parse_generation_body(
+            body, self._config, deadline_header=header(scope, DEADLINE_HEADER)
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer one generation request (see the module docstring).
@@ -203,13 +218,11 @@ class ImagesEndpoint:
         metrics = self._metrics
         try:
             engine = self._admitting_engine()
-            body = await _read_body(scope, receive, config.max_body_bytes)
+            body = await _read_body(scope, receive, self._max_body_bytes)
             if body is None:
                 metrics.count("disconnected")
                 return
-            job = parse_generation_body(
-                body, config, deadline_header=_header(scope, DEADLINE_HEADER)
-            )
+            job = await self._parse(scope, body)
             handle = engine.submit(job.request, request_id=f"img-{uuid.uuid4().hex}")
         except OmniTrioError as exc:
             error = api_error_from(exc, retry_after_s=config.retry_after_s)
@@ -277,7 +290,7 @@ class ImagesEndpoint:
                         "size": job.size,
                         "omni_trio": {
                             "request_id": handle.request_id,
-                            "steps": job.request.num_steps,
+                            "steps": job.request.denoise_steps,
                             "seed": job.request.seed,
                             "queue_wait_s": metrics.queue_wait_s,
                             "exec_s": metrics.exec_s,
@@ -309,9 +322,9 @@ class ImagesEndpoint:
             now = int(time.time())
             await client.chunk(
                 sse_event(
-                    "image_generation.progress",
+                    f"{job.events}.progress",
                     {
-                        "type": "image_generation.progress",
+                        "type": f"{job.events}.progress",
                         "step": event.step,
                         "total": event.total,
                         "created_at": now,
@@ -323,7 +336,7 @@ class ImagesEndpoint:
             previews = await encode_images(event.preview, job.output_format, job.output_compression)
             for index, data in enumerate(previews):
                 partial = {
-                    "type": "image_generation.partial_image",
+                    "type": f"{job.events}.partial_image",
                     "b64_json": b64(data),
                     "partial_image_index": partial_index,
                     "image_index": index,
@@ -332,7 +345,7 @@ class ImagesEndpoint:
                     "created_at": now,
                     **common,
                 }
-                await client.chunk(sse_event("image_generation.partial_image", partial))
+                await client.chunk(sse_event(f"{job.events}.partial_image", partial))
             partial_index += 1
         try:
             output = await handle.result()
@@ -348,13 +361,13 @@ class ImagesEndpoint:
             now = int(time.time())
             for index, data in enumerate(images):
                 completed = {
-                    "type": "image_generation.completed",
+                    "type": f"{job.events}.completed",
                     "b64_json": b64(data),
                     "image_index": index,
                     "created_at": now,
                     "usage": _NO_USAGE,
                     **common,
                 }
-                await client.chunk(sse_event("image_generation.completed", completed))
+                await client.chunk(sse_event(f"{job.events}.completed", completed))
         client.is_finished = True
         await client.send({"type": "http.response.body", "body": b"", "more_body": False})

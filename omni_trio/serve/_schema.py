@@ -44,7 +44,13 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from .._errors import InvalidRequestError
-from .._request import MAX_DEADLINE_S, MAX_PRIORITY, GenerationRequest
+from .._request import (
+    DEFAULT_STRENGTH,
+    MAX_DEADLINE_S,
+    MAX_PRIORITY,
+    GenerationRequest,
+    denoise_steps,
+)
 from ._config import ServeConfig
 from ._errors import ApiError, api_error_from, invalid
 
@@ -54,7 +60,10 @@ __all__ = [
     "KNOWN_FIELDS",
     "GenerationBody",
     "ImageJob",
+    "job_from_body",
     "parse_generation_body",
+    "parse_size",
+    "validate_body",
 ]
 
 #: The header that carries a deadline in milliseconds, as ``deadline_ms`` does.
@@ -298,6 +307,8 @@ class ImageJob:
         output_compression: the JPEG/WebP quality (0-100), ``None`` for the default.
         size: ``"WxH"`` as generated.
         quality: the ``quality`` to echo back.
+        events: the prefix of the stream's event types: ``image_generation``, or
+            ``image_edit`` for ``/v1/images/edits``, as OpenAI names them.
     """
 
     request: GenerationRequest
@@ -306,11 +317,17 @@ class ImageJob:
     output_compression: int | None
     size: str
     quality: str
+    events: str = "image_generation"
 
 
 def _size(size: str | None, config: ServeConfig) -> tuple[int, int]:
     if size is None or size == "auto":
         return config.default_width, config.default_height
+    return parse_size(size)
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    """``"WxH"`` as ``(width, height)``; a 400 naming ``size`` if it is not one."""
     match = _SIZE.fullmatch(size)
     if match is None:
         raise invalid(
@@ -392,17 +409,47 @@ def parse_generation_body(
     Raises:
         ApiError: 400 naming the field at fault (``param``), or ``invalid_json``.
     """
-    parsed = validate_body(_load(body))
+    return job_from_body(validate_body(_load(body)), config, deadline_header=deadline_header)
+
+
+def job_from_body(
+    parsed: GenerationBody,
+    config: ServeConfig,
+    *,
+    deadline_header: str | None = None,
+    edit: Mapping[str, Any] | None = None,
+    size: tuple[int, int] | None = None,
+    events: str = "image_generation",
+) -> ImageJob:
+    """Stage 3: a checked body to the engine's request and how to answer it.
+
+    Args:
+        parsed: the checked body.
+        config: the server's configuration.
+        deadline_header: the ``X-Request-Deadline-Ms`` header's text, if sent.
+        edit: the ``GenerationRequest`` fields of an edit (``image``, ``mask``,
+            ``strength``), for ``/v1/images/edits``.
+        size: ``(width, height)`` to use instead of the body's ``size`` (an edit's,
+            resolved from its image).
+        events: ``ImageJob.events``.
+
+    Raises:
+        ApiError: 400 naming the field at fault (``param``).
+    """
     if parsed.model is not None and parsed.model != config.model_name:
         raise invalid(
             f"model: this server serves {shown(config.model_name)}, not {shown(parsed.model)}",
             "model",
             "model_not_found",
         )
-    width, height = _size(parsed.size, config)
+    width, height = size if size is not None else _size(parsed.size, config)
     steps = (
         config.default_steps if parsed.num_inference_steps is None else parsed.num_inference_steps
     )
+    runs = steps
+    if edit is not None:
+        kind = "inpaint" if edit.get("mask") is not None else "image-to-image"
+        runs = denoise_steps(steps, edit.get("strength") or DEFAULT_STRENGTH[kind])
     guidance = parsed.guidance_scale
     priority = _priority(parsed, config)
     deadline_s = _deadline_s(parsed, deadline_header)
@@ -416,9 +463,10 @@ def parse_generation_body(
             guidance_scale=config.default_guidance_scale if guidance is None else guidance,
             seed=parsed.seed,
             num_images=1 if parsed.n is None else parsed.n,
-            preview_every=_preview_every(parsed, steps),
+            preview_every=_preview_every(parsed, max(runs, 1)),
             priority=priority,
             deadline_s=deadline_s,
+            **(edit or {}),
         )
     except InvalidRequestError as exc:
         raise api_error_from(exc) from None
@@ -430,4 +478,5 @@ def parse_generation_body(
         output_compression=parsed.output_compression,
         size=f"{width}x{height}",
         quality=quality if quality in _QUALITIES else "auto",
+        events=events,
     )

@@ -160,7 +160,7 @@ def engine_settled(engine: Engine, runner: RunnerCounters | None = None) -> bool
             elif record.t_taken is not None:
                 return False  # taken; the loop has not seen it yet, or being released
             continue
-        if record.state is None or record.steps_done >= record.request.num_steps:
+        if record.state is None or record.steps_done >= record.steps_total:
             return False  # being prepared, released or materialized
         if record.t_suspended is not None:
             return False  # suspended, and being resumed or released (L61)
@@ -308,7 +308,7 @@ class RequestLedger:
         """Check a step event the consumer of ``handle`` just read (L13, L15, L18)."""
         record = handle._record
         assert event.request_id == record.request_id, f"{event!r} read from {handle!r}"
-        assert event.total == record.request.num_steps, event
+        assert event.total == record.steps_total, event
         assert 1 <= event.step <= record.steps_done, (event, record.steps_done)
         if event.preview is not None:
             assert record.request.preview_every > 0, f"L18: preview without asking: {event!r}"
@@ -540,10 +540,10 @@ def _check_metrics(record: Record, metrics: RequestMetrics, status: RequestStatu
     parts = metrics.queue_wait_s + metrics.exec_s + metrics.output_ready_wait_s
     assert parts <= metrics.total_s + _EPS, f"L17: {request_id!r}: {metrics}"
     assert metrics.steps_done == record.steps_done, (metrics.steps_done, record.steps_done)
-    assert 0 <= metrics.steps_done <= record.request.num_steps, metrics
+    assert 0 <= metrics.steps_done <= record.steps_total, metrics
     assert "output_ready_wait" not in metrics.stage_durations, f"L16: {metrics}"
     if status is RequestStatus.COMPLETED:
-        assert metrics.steps_done == record.request.num_steps, f"L17: {request_id!r}: {metrics}"
+        assert metrics.steps_done == record.steps_total, f"L17: {request_id!r}: {metrics}"
         assert abs(parts - metrics.total_s) <= _EPS, f"L16: {request_id!r}: {metrics}"
     if status is RequestStatus.ABORTED:
         latency = metrics.abort_latency_s

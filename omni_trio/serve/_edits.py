@@ -1,0 +1,222 @@
+"""``POST /v1/images/edits``: an OpenAI-style multipart form to an image-to-image job.
+
+The form has what OpenAI's images edit API sends: ``image`` (one PNG, JPEG or
+WebP file; ``image[]`` with one file is the same), an optional ``mask`` file,
+``prompt``, ``n``, ``size``, ``response_format``, ``stream``, ... and the fields of
+``/v1/images/generations`` (``num_inference_steps``, ``guidance_scale``, ``seed``,
+``negative_prompt``, ``priority``, ...), plus ``strength`` (0 < strength <= 1).
+Form values are text: each is read as its field's type (``"3"`` for an integer,
+``"0.6"`` for a number, ``"true"``/``"false"`` for ``stream``), then checked by
+the same model and mapped to the same errors as a generation body (L76).
+
+Images:
+
+- the mask follows OpenAI where it has an alpha channel: its fully transparent
+  pixels are repainted; a mask without one is grey levels, white repainted;
+- with no mask, an image with fully transparent pixels is inpainted there (as
+  OpenAI uses an image's transparency as its mask); any other image is varied
+  whole (image-to-image, ``strength`` of it);
+- ``size`` (``WxH``) resizes the image and the mask (Lanczos, as diffusers
+  resizes); without it (or ``auto``) the image's own size is the output's, which
+  must suit the model (a multiple of 8 pixels for Stable Diffusion).
+
+Decoding and the request's construction run in a worker thread, never on the
+event loop; each upload's declared size is checked before it is decoded.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import anyio.to_thread
+
+from ._errors import ApiError, invalid
+from ._images import Scope, header
+from ._schema import (
+    DEADLINE_HEADER,
+    HUGE_DIGITS,
+    KNOWN_FIELDS,
+    GenerationBody,
+    ImageJob,
+    job_from_body,
+    parse_size,
+    shown,
+    validate_body,
+)
+from ._upload import UploadLimits, open_image, read_form
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from ._config import ServeConfig
+
+__all__ = ["EDIT_FIELDS", "parse_edit_form"]
+
+#: Fields of the edit form beyond a generation body's: files, and ``strength``.
+EDIT_FIELDS = frozenset({"image", "image[]", "mask", "strength", "input_fidelity", "markup"})
+_FILES = frozenset({"image", "image[]", "mask", "markup"})
+
+#: How each non-text form field is read.
+_INTEGERS = frozenset(
+    {
+        "n",
+        "output_compression",
+        "partial_images",
+        "num_inference_steps",
+        "seed",
+        "preview_every",
+        "priority",
+        "deadline_ms",
+        "frame_count",
+        "frame_duration_ms",
+    }
+)
+_NUMBERS = frozenset({"guidance_scale", "strength"})
+_BOOLEANS = frozenset({"stream"})
+_INTEGER = re.compile(r"-?[0-9]+")
+_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+
+
+def _typed(name: str, text: str) -> object:
+    """A form value as its field's type, or a 400 naming the field."""
+    if name in _INTEGERS:
+        if _INTEGER.fullmatch(text) is None:
+            raise invalid(f"{name}: must be an integer, got {shown(text)}", name, "invalid_type")
+        digits = len(text) - text.startswith("-")
+        if digits > HUGE_DIGITS:  # as a JSON body's: out of range, cheap to refuse
+            return -(10**HUGE_DIGITS) if text.startswith("-") else 10**HUGE_DIGITS
+        return int(text)
+    if name in _NUMBERS:
+        if len(text) > 400 or _NUMBER.fullmatch(text) is None:
+            raise invalid(f"{name}: must be a number, got {shown(text)}", name, "invalid_type")
+        return float(text)  # 1e999 is inf: the model refuses it as not finite
+    if name in _BOOLEANS:
+        if text not in ("true", "false"):
+            raise invalid(f"{name}: must be true or false, got {shown(text)}", name, "invalid_type")
+        return text == "true"
+    return text
+
+
+def _fields(parts: list[tuple[str, str | bytes]]) -> tuple[dict[str, object], dict[str, bytes]]:
+    """The form's text fields (typed) and files, each given once."""
+    values: dict[str, object] = {}
+    files: dict[str, bytes] = {}
+    for name, value in parts:
+        param = name if len(name) <= 64 else f"{name[:61]}..."
+        if name not in KNOWN_FIELDS and name not in EDIT_FIELDS:
+            raise invalid(
+                f"Unrecognized request argument supplied: {shown(name)}", param, "unknown_parameter"
+            )
+        if name in values or name in files or (name in ("image", "image[]") and "image" in files):
+            raise invalid(f"{name}: given more than once; this server edits one image", name)
+        if name in _FILES:
+            if not isinstance(value, bytes):
+                raise invalid(f"{name}: must be a file", name, "invalid_type")
+            files["image" if name == "image[]" else name] = value
+        elif isinstance(value, bytes):
+            raise invalid(f"{name}: must be a form field, not a file", name, "invalid_type")
+        else:
+            values[name] = _typed(name, value)
+    if "markup" in files:
+        raise invalid("markup: is not supported by this server", "markup", "unsupported_value")
+    if "image" not in files:
+        raise invalid("image: an image file is required", "image", "missing_required_parameter")
+    return values, files
+
+
+def _transparent(image: Image.Image) -> Image.Image | None:
+    """White where ``image`` is fully transparent (mode ``L``), if it has transparency."""
+    if image.mode not in ("RGBA", "LA", "PA") and "transparency" not in image.info:
+        return None
+    alpha = image.convert("RGBA").getchannel("A")
+    return alpha.point(lambda level: 255 if level == 0 else 0)
+
+
+def _build(
+    values: dict[str, object],
+    files: dict[str, bytes],
+    parsed: GenerationBody,
+    config: ServeConfig,
+    limits: UploadLimits,
+    deadline_header: str | None,
+) -> ImageJob:
+    """Decode the uploads, size them, and build the job (a worker thread's work)."""
+    from PIL import Image
+
+    image = open_image(files["image"], "image", limits)
+    mask: Image.Image | None = None
+    if "mask" in files:
+        given = open_image(files["mask"], "mask", limits)
+        if given.size != image.size:
+            raise invalid(
+                f"mask: is {given.size[0]}x{given.size[1]}, the image"
+                f" {image.size[0]}x{image.size[1]}: they must be the same size",
+                "mask",
+            )
+        mask = _transparent(given) or given.convert("L")
+    else:
+        found = _transparent(image)
+        if found is not None and found.getextrema()[1] == 255:
+            mask = found
+    try:
+        picture = image.convert("RGB")
+    except (ValueError, OSError):
+        raise invalid(
+            f"image: its mode {image.mode!r} cannot be read as RGB", "image", "invalid_image"
+        ) from None
+    width, height = image.size
+    if parsed.size is not None and parsed.size != "auto":
+        width, height = parse_size(parsed.size)
+    if (width, height) != image.size:
+        if width * height > limits.max_pixels:
+            raise ApiError(
+                413,
+                f"size: {width}x{height} is more than the {limits.max_pixels} pixels"
+                " this server takes",
+                param="size",
+                code="image_too_large",
+            )
+        picture = picture.resize((width, height), Image.Resampling.LANCZOS)
+        if mask is not None:
+            mask = mask.resize((width, height), Image.Resampling.LANCZOS)
+    edit: dict[str, Any] = {"image": picture, "mask": mask}
+    if "strength" in values:
+        edit["strength"] = values["strength"]
+    return job_from_body(
+        parsed,
+        config,
+        deadline_header=deadline_header,
+        edit=edit,
+        size=(width, height),
+        events="image_edit",
+    )
+
+
+async def parse_edit_form(
+    scope: Scope, body: bytes, config: ServeConfig, limits: UploadLimits
+) -> ImageJob:
+    """Parse and check an edit form; decode its images in a thread; build the job.
+
+    The fields are checked before any image is decoded.
+
+    Raises:
+        ApiError: 400 naming the field at fault, 413 for an image over the pixel limit.
+
+    Cancellation:
+        Safe: a decode already running in its thread finishes and is dropped.
+    """
+    headers = {
+        bytes(key).decode("latin-1"): bytes(value).decode("latin-1")
+        for key, value in scope.get("headers", ())
+    }
+    values, files = _fields(await read_form(headers, body, limits))
+    parsed = validate_body({k: v for k, v in values.items() if k not in EDIT_FIELDS})
+    if "strength" in values:
+        strength = values["strength"]
+        if not isinstance(strength, float) or not 0.0 < strength <= 1.0:
+            raise invalid(f"strength: must be > 0 and <= 1, got {shown(strength)}", "strength")
+    deadline_header = header(scope, DEADLINE_HEADER)
+    return await anyio.to_thread.run_sync(
+        _build, values, files, parsed, config, limits, deadline_header
+    )

@@ -1,0 +1,175 @@
+"""Uploaded images: a multipart form read within limits, files decoded only once sized.
+
+Two limits, both checked before anything is allocated for them:
+
+- ``UploadLimits.max_bytes``: the whole multipart body, refused (413) from its
+  ``Content-Length`` or as soon as the bytes read pass it, before parsing;
+- ``UploadLimits.max_pixels``: each image, refused (413 ``image_too_large``) from
+  the width and height its header declares, before a pixel is decoded. A
+  decompression bomb (a small file that declares a huge image) allocates nothing.
+
+Only PNG, JPEG and WebP are taken, recognised by their magic bytes; the header
+is parsed by Pillow's plugin for that format directly (``PngImageFile`` ...),
+which reads the header only, so that this check, not ``Image.open``'s
+``MAX_IMAGE_PIXELS`` warning, is the one in force. A file that is cut short or
+corrupt fails its ``load()`` and gets a 400 naming its field.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ._errors import ApiError, invalid
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+__all__ = ["UploadLimits", "open_image", "read_form"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UploadLimits:
+    """How large an upload to ``/v1/images/edits`` may be.
+
+    Args:
+        max_bytes: the whole multipart body (image, mask and fields), in bytes;
+            16 MiB by default.
+        max_pixels: width x height of each uploaded image, read from its header
+            before decoding; 4096 x 4096 by default (Pillow's own bomb limit is
+            about 89 million).
+        max_fields: the most form parts (fields and files together).
+
+    Raises:
+        ValueError: a limit is not an int >= 1.
+    """
+
+    max_bytes: int = 16 << 20
+    max_pixels: int = 4096 * 4096
+    max_fields: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_pixels", "max_fields"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: must be an int >= 1, got {value!r}")
+
+
+async def read_form(
+    headers: Mapping[str, str], body: bytes, limits: UploadLimits
+) -> list[tuple[str, str | bytes]]:
+    """Parse a ``multipart/form-data`` body: each part's name and text, or a file's bytes.
+
+    Args:
+        headers: the request's headers (``content-type`` with its boundary).
+        body: the whole body, already within ``limits.max_bytes``.
+        limits: the upload limits.
+
+    Raises:
+        ApiError: 400 ``invalid_content_type`` for another content type,
+            ``invalid_form`` for a body that is not a valid form.
+
+    Cancellation:
+        Safe: the parse holds nothing that outlives it.
+    """
+    from starlette.datastructures import Headers, UploadFile
+    from starlette.formparsers import MultiPartException, MultiPartParser
+
+    content_type = headers.get("content-type", "")
+    if not content_type.lower().startswith("multipart/form-data"):
+        raise invalid(
+            "the body must be multipart/form-data (an image file and form fields)",
+            None,
+            "invalid_content_type",
+        )
+
+    async def stream() -> AsyncGenerator[bytes, None]:
+        yield body
+
+    parser = MultiPartParser(
+        Headers(headers=dict(headers)),
+        stream(),
+        max_files=limits.max_fields,
+        max_fields=limits.max_fields,
+        max_part_size=limits.max_bytes,
+    )
+    try:
+        form = await parser.parse()
+    except MultiPartException as exc:
+        raise invalid(f"the form could not be read: {exc.message}", None, "invalid_form") from None
+    except (ValueError, KeyError, UnicodeDecodeError):
+        # A part whose headers or text the parser cannot decode.
+        raise invalid("the form could not be read", None, "invalid_form") from None
+    parts: list[tuple[str, str | bytes]] = []
+    try:
+        for name, value in form.multi_items():
+            if isinstance(value, UploadFile):
+                parts.append((name, await value.read()))
+            else:
+                parts.append((name, value))
+    finally:
+        await form.close()
+    return parts
+
+
+def _plugin(data: bytes) -> tuple[str, Any] | None:
+    """The format of ``data`` by its magic bytes, and Pillow's class for it."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        from PIL import PngImagePlugin
+
+        return "PNG", PngImagePlugin.PngImageFile
+    if data.startswith(b"\xff\xd8\xff"):
+        from PIL import JpegImagePlugin
+
+        return "JPEG", JpegImagePlugin.JpegImageFile
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        try:
+            from PIL import WebPImagePlugin
+        except ImportError:  # a Pillow built without libwebp
+            return None
+        return "WebP", WebPImagePlugin.WebPImageFile
+    return None
+
+
+def open_image(data: bytes, param: str, limits: UploadLimits) -> Image.Image:
+    """Decode an uploaded image, its declared size checked before any pixel is decoded.
+
+    Args:
+        data: the file's bytes.
+        param: the form field it came in, for the error.
+        limits: the upload limits.
+
+    Raises:
+        ApiError: 400 ``invalid_image`` (not a PNG, JPEG or WebP file, or cut short
+            or corrupt), 413 ``image_too_large`` (more than ``max_pixels``).
+    """
+    found = _plugin(data)
+    if found is None:
+        raise invalid(f"{param}: must be a PNG, JPEG or WebP file", param, "invalid_image")
+    name, plugin = found
+    try:
+        image: Image.Image = plugin(io.BytesIO(data))  # the header only: nothing decoded
+    except Exception:  # Pillow raises many kinds for a hostile header
+        raise invalid(
+            f"{param}: could not be read as a {name} file", param, "invalid_image"
+        ) from None
+    width, height = image.size
+    if width * height > limits.max_pixels:
+        raise ApiError(
+            413,
+            f"{param}: {width}x{height} is more than the {limits.max_pixels} pixels"
+            " this server decodes",
+            param=param,
+            code="image_too_large",
+        )
+    try:
+        image.load()
+    except Exception:  # truncated data, a corrupt stream, a decoder's own limits
+        raise invalid(
+            f"{param}: the {name} data could not be decoded (cut short or corrupt)",
+            param,
+            "invalid_image",
+        ) from None
+    return image
