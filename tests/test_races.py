@@ -366,6 +366,9 @@ async def test_id_reuse_while_old_cleanup_is_pending() -> None:
             assert status(old) is ot.RequestStatus.ABORTED
             with pytest.raises(ot.DuplicateRequestError):  # terminal, handle open
                 engine.submit(req(), request_id="r")
+            # The old reader sees the end of its events before its handle closes (trio
+            # runs woken tasks in a random order: it may not have yet).
+            await anyio.wait_all_tasks_blocked()
             await old.aclose()
             # L3: the id is free; the new request takes it.
             new_request = req(num_steps=4, seed=9)
