@@ -340,3 +340,34 @@ async def test_a_consumer_leaving_on_each_worker_aborts_and_waits_for_release(wa
             await wait_until(lambda: all(w.running == 0 for w in engine.statistics().workers))
             assert not engine._live
             check_engine_invariants(engine, Both(runners))
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("one_torch_thread")
+async def test_two_tiny_sd_workers_make_one_workers_images() -> None:
+    """L42: two tiny SD runners (the same pipeline loaded twice, as on two devices) serve
+    one queue; every image equals, bitwise, the one a single worker makes (batches of one:
+    the same composition), whichever worker ran it."""
+    from omni_trio.runners import DiffusersRunner, for_devices, tiny_pipeline
+
+    requests = [
+        ot.GenerationRequest(prompt=f"a boat {i}", num_steps=3, height=64, width=64, seed=i)
+        for i in range(6)
+    ]
+    config = ot.EngineConfig(max_batch_size=1, torch_threads=1)
+    with anyio.fail_after(BUDGET * 2):
+        async with ot.open_engine(DiffusersRunner(tiny_pipeline("sd")), config) as engine:
+            alone = [await engine.generate(r) for r in requests]
+        runners = for_devices(
+            lambda device: DiffusersRunner(tiny_pipeline("sd").to(device)), "cpu,cpu"
+        )
+        async with ot.open_engine(runners, config) as engine:
+            handles = [engine.submit(r) for r in requests]
+            outputs = []
+            for handle in handles:
+                async with handle:
+                    outputs.append(await handle.result())
+            stats = engine.statistics()
+    assert sum(worker.steps_run for worker in stats.workers) == 3 * len(requests)
+    for one, two in zip(alone, outputs, strict=True):
+        assert torch.equal(one.images, two.images)
