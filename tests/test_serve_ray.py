@@ -2,9 +2,13 @@
 
 Determinism rules:
 - one local Ray cluster (loopback, usage stats off) serves the module's in-process
-  tests (the ``cluster`` fixture): 2 replicas of the fake model, each engine with one
-  running and one waiting request, Ray sending each replica 2 at a time and
-  queueing 6 more; each test leaves it idle;
+  tests with two applications of the fake model: ``cluster``, 2 replicas, Ray sending
+  each 2 requests at a time and queueing 6 more; and ``solo``, 1 replica, for the tests
+  that read a busy replica's metrics (Ray routes a request to the less busy replica,
+  so with two, a busy one is never reached); each test leaves both idle, and a test
+  that starts an endless request ends it whatever happens;
+- requests that must overlap take seconds (hundreds of 10 ms steps), so that they
+  overlap however slowly the threads that send them start;
 - the CLI test runs first, before that cluster exists, with a cluster of its own;
 - "mid-way" is a step count read from the replicas' own ``/metrics`` or progress
   events; which replica answered is its ``X-Omni-Trio-Replica`` header, and a
@@ -176,10 +180,11 @@ def test_serve_ray_serves_replicas_and_sigterm_leaves_no_ray_process(tmp_path: P
 
 @dataclass
 class Cluster:
-    """The module's Serve application: its URL and its handle."""
+    """One Serve application of the module's cluster: its URL, its handle, its replicas."""
 
     url: str
     handle: Any
+    replicas: int = REPLICAS
 
     def post(self, body: dict[str, Any]) -> httpx.Response:
         return httpx.post(self.url + PATH, json=body, timeout=60)
@@ -188,7 +193,7 @@ class Cluster:
         """GET ``path`` until every replica answered once; their bodies by replica id."""
         bodies: dict[str, str] = {}
         deadline = time.monotonic() + 30
-        while len(bodies) < REPLICAS:
+        while len(bodies) < self.replicas:
             assert time.monotonic() < deadline, f"only {set(bodies)} answered {path}"
             answer = httpx.get(self.url + path, timeout=10)
             bodies.setdefault(answer.headers[REPLICA_HEADER], answer.text)
@@ -211,8 +216,8 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    """A local Ray cluster on loopback with the module's application; no process left."""
+def apps() -> Iterator[tuple[Cluster, Cluster]]:
+    """A local Ray cluster on loopback with the module's two applications; no process left."""
     for name, value in RAY_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
     with warnings.catch_warnings():
@@ -227,23 +232,42 @@ def cluster() -> Iterator[Cluster]:
     ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=4, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = deployment(
-            "fake",
-            step_seconds=STEP_S,
-            num_replicas=REPLICAS,
-            engine_config=ot.EngineConfig(max_batch_size=1, max_waiting=1, max_steps=ENDLESS),
-            serve_config=ot.serve.ServeConfig(model_name="fake", default_steps=4),
-            max_ongoing_requests=2,
-            max_queued_requests=6,
-            graceful_shutdown_timeout_s=5.0,
-        )
-        handle = serve.run(app, name="images", route_prefix="/")
-        yield Cluster(f"http://127.0.0.1:{port}", handle)
+
+        def app(replicas: int) -> Any:
+            return deployment(
+                "fake",
+                step_seconds=STEP_S,
+                num_replicas=replicas,
+                # The engine's own queue holds what Ray may send it (2 at a time, and
+                # Ray's count of them lags), so its 429 never races Ray's bound.
+                engine_config=ot.EngineConfig(max_batch_size=1, max_waiting=4, max_steps=ENDLESS),
+                serve_config=ot.serve.ServeConfig(model_name="fake", default_steps=4),
+                max_ongoing_requests=2,
+                max_queued_requests=6,
+                graceful_shutdown_timeout_s=5.0,
+            )
+
+        pair = serve.run(app(REPLICAS), name="images", route_prefix="/")
+        solo = serve.run(app(1), name="solo", route_prefix="/solo")
+        url = f"http://127.0.0.1:{port}"
+        yield Cluster(url, pair), Cluster(url + "/solo", solo, replicas=1)
         serve.shutdown()
     finally:
         started = descendants(os.getpid())
         ray.shutdown()
     poll_until(lambda: not alive(started), timeout=20, what="every Ray process to exit")
+
+
+@pytest.fixture
+def cluster(apps: tuple[Cluster, Cluster]) -> Cluster:
+    """The application of two replicas."""
+    return apps[0]
+
+
+@pytest.fixture
+def solo(apps: tuple[Cluster, Cluster]) -> Cluster:
+    """The application of one replica."""
+    return apps[1]
 
 
 @pytest.mark.timeout(120)
@@ -254,7 +278,8 @@ def test_two_replicas_share_concurrent_requests(cluster: Cluster) -> None:
     answers: list[httpx.Response] = []
 
     def one() -> None:
-        answers.append(cluster.post({"prompt": "a flower", "num_inference_steps": 10}))
+        # One second each: the four overlap, and one replica holds two at most.
+        answers.append(cluster.post({"prompt": "a flower", "num_inference_steps": 100}))
 
     threads = [threading.Thread(target=one) for _ in range(4)]
     for thread in threads:
@@ -283,9 +308,10 @@ def test_the_openai_sdk_works_through_the_proxy(cluster: Cluster) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.ray
 @pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
-def test_a_disconnect_aborts_within_one_step(cluster: Cluster) -> None:
+def test_a_disconnect_aborts_within_one_step(solo: Cluster) -> None:
     """L51 through Ray Serve: a streaming client that leaves mid-way is counted
     ``disconnected`` by its replica, which ran at most one step for it afterwards."""
+    cluster = solo
     gone = cluster.total("omni_trio_requests_total", outcome="disconnected")
     after = cluster.total("omni_trio_steps_after_abort_total")
     body = {"prompt": "a flower", "num_inference_steps": ENDLESS, "stream": True}
@@ -308,11 +334,12 @@ def test_a_disconnect_aborts_within_one_step(cluster: Cluster) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.ray
 @pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
-def test_a_cancelled_handle_call_aborts_and_releases(cluster: Cluster) -> None:
+def test_a_cancelled_handle_call_aborts_and_releases(solo: Cluster) -> None:
     """L11 through a handle: ``DeploymentResponse.cancel()`` aborts the running request at
     its next step boundary; its replica then holds nothing and runs no more steps for it."""
     from ray.serve.exceptions import RequestCancelledError
 
+    cluster = solo
     output = cluster.handle.generate.remote(
         {"prompt": "a flower", "num_steps": 3, "width": 64, "height": 64}
     ).result(timeout_s=30)
@@ -322,12 +349,14 @@ def test_a_cancelled_handle_call_aborts_and_releases(cluster: Cluster) -> None:
     response = cluster.handle.generate.remote(
         ot.GenerationRequest(prompt="a flower", num_steps=ENDLESS, width=64, height=64)
     )
-    poll_until(
-        lambda: cluster.total("omni_trio_engine_steps_total") >= steps + 3,
-        timeout=30,
-        what="the request to run 3 steps",
-    )
-    response.cancel()
+    try:
+        poll_until(
+            lambda: cluster.total("omni_trio_engine_steps_total") >= steps + 3,
+            timeout=30,
+            what="the request to run 3 steps",
+        )
+    finally:
+        response.cancel()  # whatever happened: the endless request must not run on
     with pytest.raises(RequestCancelledError):
         response.result(timeout_s=30)
     cluster.wait_idle()
@@ -346,7 +375,8 @@ def test_backpressure_answers_at_once_never_hangs(cluster: Cluster) -> None:
     answers: list[httpx.Response] = []
 
     def one() -> None:
-        answers.append(cluster.post({"prompt": "a flower", "num_inference_steps": 50}))
+        # Two seconds each: all 16 arrive while the first ones run.
+        answers.append(cluster.post({"prompt": "a flower", "num_inference_steps": 200}))
 
     threads = [threading.Thread(target=one) for _ in range(16)]
     for thread in threads:
