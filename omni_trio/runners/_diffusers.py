@@ -58,9 +58,10 @@ class DiffusersRunner:
     Supports ``StableDiffusionPipeline``, ``StableDiffusionXLPipeline``,
     ``StableDiffusion3Pipeline``, ``FluxPipeline``, ``QwenImagePipeline``,
     ``DDPMPipeline`` and ``DDIMPipeline``, and for video (L70) ``WanPipeline`` and
-    ``LTXPipeline``, whose ``decode`` returns ``[N, F, C, H, W]``. Requests with ``image`` (image-to-image)
-    and ``mask`` (inpainting) for Stable Diffusion and SDXL, as their img2img and
-    inpainting pipelines built from the same components (L75). The pipeline is used,
+    ``LTXPipeline``, whose ``decode`` returns ``[N, F, C, H, W]``. Requests with
+    ``image`` (image-to-image) and ``mask`` (inpainting) for Stable Diffusion and
+    SDXL, as their img2img and inpainting pipelines built from the same components
+    (L75). The pipeline is used,
     never changed: the runner builds its own scheduler per request and leaves the
     pipeline usable after the engine closes.
 

@@ -319,12 +319,17 @@ class LTXVideo(_Video):
         latents = latents.to(state.cond["encoder_hidden_states"].dtype)
         timestep = None
         if vae.config.timestep_conditioning:
-            # As __call__, for its one prompt: the noise is drawn whatever its scale.
+            # As __call__: the noise is drawn whatever its scale. One timestep per
+            # video: __call__ makes one per prompt, which its VAE refuses for
+            # num_videos_per_prompt > 1 (diffusers 0.42).
             noise = _randn(tuple(latents.shape), state.generator, self.device, latents.dtype)
             decode_timestep = unit_number(request, "decode_timestep", 0.0)
             scale = unit_number(request, "decode_noise_scale", decode_timestep)
-            timestep = torch.tensor([decode_timestep], device=self.device, dtype=latents.dtype)
-            noise_scale = torch.tensor([scale], device=self.device, dtype=latents.dtype)
+            count = request.num_images
+            timestep = torch.tensor(
+                [decode_timestep] * count, device=self.device, dtype=latents.dtype
+            )
+            noise_scale = torch.tensor([scale] * count, device=self.device, dtype=latents.dtype)
             noise_scale = noise_scale[:, None, None, None, None]
             latents = (1 - noise_scale) * latents + noise_scale * noise
         video = vae.decode(latents.to(vae.dtype), timestep, return_dict=False)[0]
