@@ -280,4 +280,4 @@ async def test_previews_are_the_first_latent_frame(kind: str) -> None:
     for preview in previews:
         assert preview is not None
         assert preview.shape == (1, 3, SIZE // 8, SIZE // 8)
-        assert 0.0 <= float(preview.min()) and float(preview.max()) <= 1.0
+        assert float(preview.min()) >= 0.0 and float(preview.max()) <= 1.0

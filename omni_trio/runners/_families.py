@@ -891,8 +891,9 @@ def _family_class(pipe: object) -> type[Family] | None:
     import diffusers
 
     for name, family in _registry().items():
-        # The exact class: a subclass may change the loop in ways we cannot see.
-        if type(pipe) is getattr(diffusers, name):
+        # The exact class: a subclass may change the loop in ways we cannot see. The
+        # name first: diffusers imports a pipeline's module (and its notices) on lookup.
+        if type(pipe).__name__ == name and type(pipe) is getattr(diffusers, name):
             return family
     return None
 
