@@ -435,9 +435,9 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
                             preview=preview,
                         )
                     )
-            case Completed(item, images):
+            case Completed(item):
                 record = cast(Record, item)
-                self._terminate(record, RequestStatus.COMPLETED, images)
+                self._terminate(record, RequestStatus.COMPLETED, message)
             case Released(item, failure):
                 record = cast(Record, item)
                 if failure is not None:
@@ -482,8 +482,12 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         if metrics.steps_after_abort is not None:
             self._steps_after_abort += metrics.steps_after_abort
         if status is RequestStatus.COMPLETED:
+            # ``outcome`` is the Completed message: the images, and a video's frames.
             outcome = GenerationOutput(
-                request_id=record.request_id, images=outcome, metrics=metrics
+                request_id=record.request_id,
+                images=outcome.images,
+                video=outcome.video,
+                metrics=metrics,
             )
         if record.deadline is not None:
             self._deadlines.ended(record)

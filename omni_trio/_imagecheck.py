@@ -1,5 +1,8 @@
 """The output contract: what a runner's images must be before the engine hands them out.
 
+A video request's decode is checked the same way as ``[N, F, C, H, W]``, ``F`` its
+``num_frames`` (``checked_video``): every frame keeps the image contract.
+
 Images (from ``decode``) and previews are float tensors ``[N, C, H, W]`` with ``N``
 the request's ``num_images``, ``C`` 1 (grey), 3 (RGB) or 4 (RGBA), and values in
 [0, 1], no NaN. For images, ``H`` and ``W`` are the request's ``height`` and
@@ -27,7 +30,7 @@ from ._errors import InvalidOutputError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CHANNELS", "PIXEL_SLACK", "OutputViolation", "checked_images"]
+__all__ = ["CHANNELS", "PIXEL_SLACK", "OutputViolation", "checked_images", "checked_video"]
 
 #: How far outside [0, 1] a value may be and still be clamped (under 1/510).
 PIXEL_SLACK = 1 / 512
@@ -64,22 +67,8 @@ def checked_images(
         InvalidOutputError: not a tensor, not dense, not floating point, a wrong
             shape, NaN, or values outside [0, 1] beyond the slack.
     """
-    import torch
-
     said = f"the runner's {call} returned"
-    if not isinstance(value, torch.Tensor):
-        raise OutputViolation(f"{said} a {type(value).__name__}, expected a torch.Tensor")
-    images = value
-    if type(images) is not torch.Tensor:
-        # A plain tensor (an alias, no copy): a subclass's methods and its
-        # __torch_function__ do not get to report on themselves.
-        images = torch.Tensor.as_subclass(images, torch.Tensor)
-    if images.layout is not torch.strided:
-        raise OutputViolation(f"{said} images of layout {images.layout}, expected dense ones")
-    if not images.is_floating_point():
-        raise OutputViolation(
-            f"{said} images of dtype {images.dtype}, expected a floating-point dtype"
-        )
+    images = _plain(value, said, "images")
     shape = tuple(images.shape)
     channels = shape[1] if len(shape) == 4 and shape[1] in CHANNELS else 3
     expected = (count, channels, *size) if size is not None else (count, channels)
@@ -91,16 +80,77 @@ def checked_images(
         elif empty:
             wanted += " (not empty)"
         raise OutputViolation(f"{said} images of shape {shape}, expected {wanted}")
+    return _in_range(images, said, own=own)
+
+
+def checked_video(
+    value: object, *, call: str, count: int, frames: int, size: tuple[int, int]
+) -> torch.Tensor:
+    """Return ``value`` as a plain CPU float32 tensor if it keeps the video contract (L70).
+
+    A video is ``[count, frames, C, H, W]``: ``count`` videos of ``frames`` frames,
+    each frame an image of the contract of ``checked_images``.
+
+    Args:
+        value: what the runner's ``call`` returned.
+        call: the runner call, named in the message (``"decode"``).
+        count: the number of videos expected (the request's ``num_images``).
+        frames: the frames each has (the request's ``num_frames``).
+        size: the expected ``(height, width)``.
+
+    Returns:
+        The videos, without a copy when they are a CPU float32 tensor already.
+
+    Raises:
+        InvalidOutputError: as ``checked_images``, for a video's shape.
+    """
+    said = f"the runner's {call} returned"
+    videos = _plain(value, said, "videos")
+    shape = tuple(videos.shape)
+    channels = shape[2] if len(shape) == 5 and shape[2] in CHANNELS else 3
+    expected = (count, frames, channels, *size)
+    if shape != expected:
+        wanted = str(expected)
+        if len(shape) == 5 and shape[2] not in CHANNELS:
+            wanted += " (1, 3 or 4 channels)"
+        raise OutputViolation(f"{said} videos of shape {shape}, expected {wanted}")
+    return _in_range(videos, said, own=False, what="videos")
+
+
+def _plain(value: object, said: str, what: str) -> torch.Tensor:
+    """``value`` as a plain, dense, floating-point tensor (an alias, no copy)."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise OutputViolation(f"{said} a {type(value).__name__}, expected a torch.Tensor")
+    tensor = value
+    if type(tensor) is not torch.Tensor:
+        # A plain tensor (an alias, no copy): a subclass's methods and its
+        # __torch_function__ do not get to report on themselves.
+        tensor = torch.Tensor.as_subclass(tensor, torch.Tensor)
+    if tensor.layout is not torch.strided:
+        raise OutputViolation(f"{said} {what} of layout {tensor.layout}, expected dense ones")
+    if not tensor.is_floating_point():
+        raise OutputViolation(
+            f"{said} {what} of dtype {tensor.dtype}, expected a floating-point dtype"
+        )
+    return tensor
+
+
+def _in_range(images: torch.Tensor, said: str, *, own: bool, what: str = "images") -> torch.Tensor:
+    """``images`` on the CPU as float32, if finite and in [0, 1] (within ``PIXEL_SLACK``)."""
+    import torch
+
     converted = images.detach().to(device="cpu", dtype=torch.float32)
     copied = converted.data_ptr() != images.data_ptr()
     images = converted
     low, high = (float(bound) for bound in torch.aminmax(images))
     if math.isnan(low) or math.isnan(high):
-        raise OutputViolation(f"{said} images with NaN values")
+        raise OutputViolation(f"{said} {what} with NaN values")
     if low < 0.0 or high > 1.0:
         if low < -PIXEL_SLACK or high > 1.0 + PIXEL_SLACK:
             raise OutputViolation(
-                f"{said} images with values from {low:.6g} to {high:.6g}, expected [0, 1]"
+                f"{said} {what} with values from {low:.6g} to {high:.6g}, expected [0, 1]"
             )
         # Out of place: the tensor may still be the runner's own memory.
         return images.clamp(0.0, 1.0)

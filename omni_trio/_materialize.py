@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._imagecheck import checked_images
+from ._imagecheck import checked_images, checked_video
 from ._messages import Completed, Post, discard_quietly, discard_state, ended, release
 from ._runner import Runner
 from ._workitem import SHUTDOWN, WorkItem
@@ -134,14 +134,26 @@ class Materializer:
             return
         started = time.perf_counter()
         request = item.request
+        video = None
         try:
             # The runner's own object is dropped here, in this thread, once checked.
-            images = checked_images(
-                self._runner.decode(item.state),
-                call="decode",
-                count=request.num_images,
-                size=(request.height, request.width),
-            )
+            if request.num_frames is None:
+                images = checked_images(
+                    self._runner.decode(item.state),
+                    call="decode",
+                    count=request.num_images,
+                    size=(request.height, request.width),
+                )
+            else:
+                # L70: every frame keeps the image contract; the images are the first frames.
+                video = checked_video(
+                    self._runner.decode(item.state),
+                    call="decode",
+                    count=request.num_images,
+                    frames=request.num_frames,
+                    size=(request.height, request.width),
+                )
+                images = video[:, 0]
         except Exception as exc:
             release(self._runner, item, self._post, exc, call="decode")
             return
@@ -150,11 +162,11 @@ class Materializer:
         if error is not None or _cut(item):
             # An abort that arrived during the decode wins: the image is dropped
             # unseen, so an aborted request never produces an output.
-            del images
+            del images, video
             self._post(ended(item, error, "discard"))
             return
         # Hand the images over without keeping a reference in this frame: the
         # consumer may drop them the moment the loop delivers them (L12).
-        completed = [Completed(item, images)]
-        del images
+        completed = [Completed(item, images, video)]
+        del images, video
         self._post(completed.pop())

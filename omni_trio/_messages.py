@@ -53,10 +53,14 @@ class Stepped(Generic[W]):
 
 @dataclass(frozen=True, slots=True)
 class Completed(Generic[W]):
-    """The request's images are decoded and on the host; its state is released."""
+    """The request's images are decoded and on the host; its state is released.
+
+    ``video`` is a video request's ``[N, F, C, H, W]`` (``images`` its first frames).
+    """
 
     item: W
     images: torch.Tensor
+    video: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)

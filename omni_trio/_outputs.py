@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import enum
+import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -81,11 +84,69 @@ class RequestMetrics:
 
 @dataclass(frozen=True, slots=True, kw_only=True, weakref_slot=True)
 class GenerationOutput:
-    """A finished request's images: a CPU float tensor ``[N, C, H, W]`` in [0, 1]."""
+    """A finished request's images: a CPU float tensor ``[N, C, H, W]`` in [0, 1].
+
+    For a video request (``num_frames`` set, L70) ``video`` is the CPU float tensor
+    ``[N, F, C, H, W]`` in [0, 1] and ``images`` its first frames (``video[:, 0]``, a
+    view, no copy), so what reads images (``to_pil``, the HTTP answer) shows a
+    still; for an image request ``video`` is ``None``.
+    """
 
     request_id: str
     images: torch.Tensor
     metrics: RequestMetrics
+    video: torch.Tensor | None = None
+
+    def save_video(
+        self, path: str | os.PathLike[str], fps: float = 24.0, *, index: int = 0
+    ) -> None:
+        """Write video ``index`` as an H.264 MP4 (``yuv420p``, what every player reads).
+
+        Needs PyAV (``pip install 'omni_trio[video]'``), imported here only. Grey
+        frames are written as RGB, an alpha channel is dropped.
+
+        Args:
+            path: the file to write (replaced if it exists).
+            fps: frames per second, finite and > 0 (stored as an exact fraction,
+                so 24000/1001 can be given as ``Fraction(24000, 1001)``).
+            index: which of the request's ``num_images`` videos.
+
+        Raises:
+            ValueError: this output is not a video, ``index`` or ``fps`` is out of
+                range, or a side is odd (H.264's ``yuv420p`` needs even sides).
+            ImportError: PyAV is not installed.
+        """
+        if self.video is None:
+            raise ValueError("save_video: this output is an image (its request had no num_frames)")
+        if not 0 <= index < self.video.shape[0]:
+            raise ValueError(f"save_video: index {index} out of range for {self.video.shape[0]}")
+        if isinstance(fps, bool) or not math.isfinite(fps) or fps <= 0:
+            raise ValueError(f"save_video: fps must be finite and > 0, got {fps!r}")
+        height, width = self.video.shape[-2:]
+        if height % 2 or width % 2:
+            raise ValueError(f"save_video: H.264 needs even sides, got {width}x{height}")
+        try:
+            import av
+        except ImportError as exc:
+            raise ImportError(
+                "save_video needs PyAV: pip install 'omni_trio[video]' (or pip install av)"
+            ) from exc
+        import torch
+
+        frames = self.video[index]
+        if frames.shape[1] == 1:
+            frames = frames.expand(-1, 3, -1, -1)
+        rgb = (frames[:, :3].clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+        rate = Fraction(fps).limit_denominator(1_000_000)
+        with av.open(os.fspath(path), mode="w", format="mp4") as container:
+            stream = container.add_stream("libx264", rate=rate)
+            stream.width = int(width)
+            stream.height = int(height)
+            stream.pix_fmt = "yuv420p"
+            for array in rgb.numpy():
+                frame = av.VideoFrame.from_ndarray(array, format="rgb24")
+                container.mux(stream.encode(frame))
+            container.mux(stream.encode(None))  # flush the encoder's delayed frames
 
     def to_pil(self) -> list[Image]:
         """Convert the images to PIL images (RGB, or L for one channel)."""

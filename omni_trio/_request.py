@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_STRENGTH",
     "MAX_DEADLINE_S",
     "MAX_GUIDANCE_SCALE",
+    "MAX_NUM_FRAMES",
     "MAX_PRIORITY",
     "GenerationRequest",
     "ImageInput",
@@ -61,6 +62,11 @@ MAX_PRIORITY = 2**31 - 1
 #: generation, and small enough that the absolute deadline (the loop's clock plus
 #: this) stays an exact, finite float.
 MAX_DEADLINE_S = 1e6
+
+#: The most ``num_frames`` accepted: three minutes at 24 frames a second, beyond what
+#: today's video models make in one generation (Wan: 81, LTX-Video: 257), so no
+#: useful request is refused, and a hostile number never sizes an allocation.
+MAX_NUM_FRAMES = 4320
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,6 +110,10 @@ class GenerationRequest:
             (0.8 for image-to-image, 1.0 for inpainting); the stored value is the
             one that applies. ``denoise_steps`` (``num_steps * strength`` rounded
             down, as diffusers counts it) must be at least 1.
+        num_frames: the frames of a video, or ``None`` for an image: an int from 1
+            to ``MAX_NUM_FRAMES`` (4320). A video runner takes only counts that
+            keep its frame rule (``RunnerCapabilities.frames``) and needs one; an
+            image runner refuses it (L70).
 
     Equality compares every field, images by value; ``repr`` leaves the images out.
 
@@ -126,6 +136,7 @@ class GenerationRequest:
     image: ImageInput | None = field(default=None, repr=False)
     mask: ImageInput | None = field(default=None, repr=False)
     strength: float | None = None
+    num_frames: int | None = None
 
     def __post_init__(self) -> None:
         fail = fail_request
@@ -167,6 +178,12 @@ class GenerationRequest:
             if deadline == 0.0:
                 fail("deadline_s", "must be > 0, got 0.0")
             store(self, "deadline_s", deadline)
+        if self.num_frames is not None:
+            store(
+                self,
+                "num_frames",
+                check_int(fail, "num_frames", self.num_frames, minimum=1, maximum=MAX_NUM_FRAMES),
+            )
         self._check_edit()
 
     def _check_edit(self) -> None:

@@ -8,8 +8,9 @@ threads only, never from the event loop. The engine owns the denoise loop:
 - ``step(states)``: run one denoise step for every state in the batch, in place.
   States may be at different steps when the runner declares ``can_join``.
 - ``preview(state)``: a cheap CPU image of the current latents (``previews``).
-- ``decode(state)``: the final images ``[N, C, H, W]`` in [0, 1], on any device. Made
-  from the engine's materializer thread, possibly while ``step`` runs for others.
+- ``decode(state)``: the final images ``[N, C, H, W]`` in [0, 1], on any device (for a
+  video request, the videos ``[N, F, C, H, W]``). Made from the engine's materializer
+  thread, possibly while ``step`` runs for others.
 - ``discard(state)``: the engine lets go of this state; free what it holds.
 - ``close()``: the engine is done with the runner (last call, worker thread).
 - ``run(state, on_step)``: only for runners that declare ``whole_call`` (they cannot
@@ -78,6 +79,11 @@ class RunnerCapabilities:
             steps (L75).
         mask_input: whether ``GenerationRequest.mask`` is honoured: inpainting.
             Needs ``image_input``.
+        frames: ``None`` for a runner that makes images; for a video runner
+            ``(a, b)``: it makes ``num_frames`` with ``num_frames % a == b`` (Wan:
+            ``(4, 1)``, 4k + 1 frames). A video runner needs ``num_frames`` in every
+            request, an image runner refuses it (L70), and ``batch_key`` always
+            holds ``num_frames`` for a video runner: frames are batch-wide.
     """
 
     max_batch_size: int = 1
@@ -92,6 +98,7 @@ class RunnerCapabilities:
     suspendable: bool = False
     image_input: bool = False
     mask_input: bool = False
+    frames: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.whole_call and (self.max_batch_size != 1 or self.can_join):
@@ -108,6 +115,10 @@ class RunnerCapabilities:
             raise ValueError("size_multiple: must be >= 1")
         if self.mask_input and not self.image_input:
             raise ValueError("mask_input: a mask repaints an image; declare image_input")
+        if self.frames is not None:
+            period, remainder = self.frames
+            if period < 1 or not 0 <= remainder < period:
+                raise ValueError(f"frames: (a, b) needs a >= 1 and 0 <= b < a, got {self.frames}")
         fields = set(GenerationRequest.__dataclass_fields__) | _DERIVED_KEYS
         unknown = set(self.batch_key_fields) - fields
         if unknown:
@@ -146,10 +157,43 @@ class RunnerCapabilities:
             raise InvalidRequestError("this runner does not take an input image", field="image")
         if request.mask is not None and not self.mask_input:
             raise InvalidRequestError("this runner does not inpaint", field="mask")
+        self._check_frames(request.num_frames)
+
+    def _check_frames(self, frames: int | None) -> None:
+        """L70: a video runner needs ``num_frames`` that keep its rule; others refuse it."""
+        if self.frames is None:
+            if frames is not None:
+                raise InvalidRequestError(
+                    "this runner makes images; leave num_frames out", field="num_frames"
+                )
+            return
+        period, remainder = self.frames
+        if frames is None:
+            raise InvalidRequestError(
+                f"this runner makes videos: give num_frames ({_frame_rule(period, remainder)})",
+                field="num_frames",
+            )
+        if frames % period != remainder:
+            raise InvalidRequestError(
+                f"must be {_frame_rule(period, remainder)} for this runner, got {frames}",
+                field="num_frames",
+            )
 
     def batch_key(self, request: GenerationRequest) -> tuple[object, ...]:
         """The values that must match for requests to share a batch."""
-        return tuple(getattr(request, name) for name in self.batch_key_fields)
+        key = tuple(getattr(request, name) for name in self.batch_key_fields)
+        if self.frames is not None and "num_frames" not in self.batch_key_fields:
+            key += (request.num_frames,)
+        return key
+
+
+def _frame_rule(period: int, remainder: int) -> str:
+    """``"4k + 1 (1, 5, 9, ...)"``: the counts ``n % period == remainder``, in words."""
+    first = remainder or period
+    counts = ", ".join(str(first + period * k) for k in range(3))
+    if period == 1:
+        return "any count"
+    return f"{period}k + {remainder} ({counts}, ...)"
 
 
 class Runner(Protocol[StateT]):

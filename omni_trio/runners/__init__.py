@@ -24,10 +24,12 @@ from ._devices import for_devices as for_devices
 from ._devices import visible_devices as visible_devices
 from ._diffusers import DiffusersRunner as DiffusersRunner
 from ._tiny import TINY_KINDS as TINY_KINDS
+from ._tiny import TINY_VIDEO_KINDS as TINY_VIDEO_KINDS
 from ._tiny import tiny_pipeline as tiny_pipeline
 
 __all__ = [
     "TINY_KINDS",
+    "TINY_VIDEO_KINDS",
     "DiffusersRunner",
     "PipelineCallRunner",
     "Runner",

@@ -57,9 +57,11 @@ class DiffusersRunner:
 
     Supports ``StableDiffusionPipeline``, ``StableDiffusionXLPipeline``,
     ``StableDiffusion3Pipeline``, ``FluxPipeline``, ``QwenImagePipeline``,
-    ``DDPMPipeline`` and ``DDIMPipeline``. Requests with ``image`` (image-to-image)
-    and ``mask`` (inpainting) for Stable Diffusion and SDXL, as their img2img and
-    inpainting pipelines built from the same components (L75). The pipeline is used,
+    ``DDPMPipeline`` and ``DDIMPipeline``, and for video (L70) ``WanPipeline`` and
+    ``LTXPipeline``, whose ``decode`` returns ``[N, F, C, H, W]``. Requests with
+    ``image`` (image-to-image) and ``mask`` (inpainting) for Stable Diffusion and
+    SDXL, as their img2img and inpainting pipelines built from the same components
+    (L75). The pipeline is used,
     never changed: the runner builds its own scheduler per request and leaves the
     pipeline usable after the engine closes.
 
@@ -79,7 +81,12 @@ class DiffusersRunner:
         self._capabilities = RunnerCapabilities(
             max_batch_size=max_batch_size,
             can_join=True,
-            batch_key_fields=("height", "width"),
+            # A video's frames are batch-wide: one model call covers the whole clip.
+            batch_key_fields=(
+                ("height", "width")
+                if self._family.frames is None
+                else ("height", "width", "num_frames")
+            ),
             previews=True,
             size_multiple=self._family.size_multiple,
             extra_keys=self._family.extra_keys,
@@ -88,6 +95,7 @@ class DiffusersRunner:
             suspendable=True,
             image_input=self._family.edits,
             mask_input=self._family.edits,
+            frames=self._family.frames,
         )
         device = torch.device(pipeline.device)
         # On CUDA, decodes run on their own stream and copy into pinned host
@@ -106,7 +114,8 @@ class DiffusersRunner:
     def family(self) -> str:
         """The model family.
 
-        One of ``"sd"``, ``"sdxl"``, ``"sd3"``, ``"flux"``, ``"qwen-image"``, ``"unet"``.
+        One of ``"sd"``, ``"sdxl"``, ``"sd3"``, ``"flux"``, ``"qwen-image"``, ``"unet"``,
+        and for video ``"wan"``, ``"ltx"``.
         """
         return self._family.name
 

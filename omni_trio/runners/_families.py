@@ -22,7 +22,14 @@ import torch
 from .._request import GenerationRequest
 from ._edit import EditLatents, edit_latents
 
-__all__ = ["Family", "RequestState", "family_for", "is_supported", "supported_pipelines"]
+__all__ = [
+    "Family",
+    "RequestState",
+    "family_for",
+    "is_supported",
+    "supported_pipelines",
+    "unit_number",
+]
 
 
 @dataclass(eq=False)
@@ -137,6 +144,11 @@ class Family(ABC):
     @property
     def fixed_size(self) -> tuple[int, int] | None:
         """The only image size the model makes, if it has one."""
+        return None
+
+    @property
+    def frames(self) -> tuple[int, int] | None:
+        """A video family's frame rule (``num_frames % a == b``); ``None`` for images (L70)."""
         return None
 
     def prepare(self, request: GenerationRequest, request_id: str) -> RequestState:
@@ -345,18 +357,27 @@ class StableDiffusion(Family):
         return images
 
 
+def unit_number(request: GenerationRequest, key: str, default: float) -> float:
+    """``extra[key]``: a number in [0, 1], ``default`` when absent.
+
+    Raises:
+        ValueError: it is not such a number.
+    """
+    value = request.extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{key}: must be a number, got {type(value).__name__}")
+    if not (math.isfinite(value) and 0 <= value <= 1):
+        raise ValueError(f"{key}: must be in [0, 1], got {value!r}")
+    return float(value)
+
+
 def _guidance_rescale(request: GenerationRequest) -> float:
     """``extra["guidance_rescale"]``: a number in [0, 1], 0 when absent.
 
     Raises:
         ValueError: it is not such a number.
     """
-    value = request.extra.get("guidance_rescale", 0.0)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"guidance_rescale: must be a number, got {type(value).__name__}")
-    if not (math.isfinite(value) and 0 <= value <= 1):
-        raise ValueError(f"guidance_rescale: must be in [0, 1], got {value!r}")
-    return float(value)
+    return unit_number(request, "guidance_rescale", 0.0)
 
 
 class StableDiffusionXL(StableDiffusion):
@@ -854,17 +875,25 @@ _FAMILIES: dict[str, type[Family]] = {
 }
 
 
+def _registry() -> dict[str, type[Family]]:
+    """Every family by pipeline class name; the video ones live in ``_video`` (L70)."""
+    from ._video import LTXVideo, Wan
+
+    return {**_FAMILIES, "WanPipeline": Wan, "LTXPipeline": LTXVideo}
+
+
 def supported_pipelines() -> list[str]:
     """The pipeline classes ``DiffusersRunner`` drives step by step."""
-    return list(_FAMILIES)
+    return list(_registry())
 
 
 def _family_class(pipe: object) -> type[Family] | None:
     import diffusers
 
-    for name, family in _FAMILIES.items():
-        # The exact class: a subclass may change the loop in ways we cannot see.
-        if type(pipe) is getattr(diffusers, name):
+    for name, family in _registry().items():
+        # The exact class: a subclass may change the loop in ways we cannot see. The
+        # name first: diffusers imports a pipeline's module (and its notices) on lookup.
+        if type(pipe).__name__ == name and type(pipe) is getattr(diffusers, name):
             return family
     return None
 

@@ -17,7 +17,15 @@ sd3         StableDiffusion3Pipeline    16              16 (8 x patch 2)    64
 flux        FluxPipeline                16 (64 packed)  16 (8 x 2x2 pack)   1024
 qwen-image  QwenImagePipeline           16 (64 packed)  16 (8 x 2x2 pack)   1024
 unet        DDIMPipeline                3 (pixels)      fixed 32x32         32
+wan         WanPipeline                 16              16 (8 x patch 2)    480x832
+ltx         LTXPipeline                 8               32 (check_inputs)   512x704
 ==========  ==========================  ==============  ==================  ============
+
+The video kinds (``TINY_VIDEO_KINDS``) make ``[N, F, C, H, W]`` frames
+(``pipe(...).frames``): Wan 4k + 1 frames (a temporal compression of 4), LTX-Video
+8k + 1 (8). Their ``__call__`` defaults are the real models' sizes (81 or 161
+frames at 480x832 or 512x704): pass ``height``, ``width`` and ``num_frames``
+(32 x 32 and 9 frames: a step in milliseconds).
 
 FluxPipeline's and QwenImagePipeline's default size is hard-wired to 1024 px (128
 latent rows, 4096 tokens): always pass ``height`` and ``width``. A step at 64 px costs a
@@ -39,10 +47,13 @@ if TYPE_CHECKING:
     # dummy placeholder class of diffusers' optional-dependency fallbacks.
     from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
-__all__ = ["TINY_KINDS", "tiny_pipeline"]
+__all__ = ["TINY_KINDS", "TINY_VIDEO_KINDS", "tiny_pipeline"]
 
 TINY_KINDS: tuple[str, ...] = ("sd", "sdxl", "sd3", "flux", "qwen-image", "unet")
-"""The kinds :func:`tiny_pipeline` builds."""
+"""The image kinds :func:`tiny_pipeline` builds."""
+
+TINY_VIDEO_KINDS: tuple[str, ...] = ("wan", "ltx")
+"""The video kinds :func:`tiny_pipeline` builds (L70)."""
 
 _CLIP_MAX_LENGTH = 32
 """Tokens per CLIP prompt (start and end tokens included); one token per character."""
@@ -67,17 +78,22 @@ def tiny_pipeline(kind: str, *, seed: int = 0) -> DiffusionPipeline:
             (FluxPipeline with guidance embedding, flow-matching Euler with dynamic
             shifting), ``"qwen-image"`` (QwenImagePipeline: a Qwen2.5-VL text encoder,
             the Qwen-Image VAE, flow-matching Euler with exponential dynamic shifting)
-            or ``"unet"`` (unconditional DDIMPipeline, 32x32 pixels).
+            or ``"unet"`` (unconditional DDIMPipeline, 32x32 pixels); video:
+            ``"wan"`` (WanPipeline: a UMT5 text encoder, the Wan VAE, flow-matching
+            Euler) or ``"ltx"`` (LTXPipeline: T5, the LTX-Video VAE with timestep
+            conditioning, flow-matching Euler with dynamic shifting).
         seed: Seed of the random weights.
 
     Returns:
         The pipeline. ``sd``/``sdxl``/``sd3``/``flux``/``qwen-image`` take
         ``pipe(prompt, height=, width=, ...)`` with sizes a multiple of 8/8/16/16/16
         pixels; ``unet`` takes
-        ``pipe(batch_size=, num_inference_steps=, generator=, output_type="np")``.
+        ``pipe(batch_size=, num_inference_steps=, generator=, output_type="np")``;
+        ``wan``/``ltx`` take ``pipe(prompt, height=, width=, num_frames=, ...)`` with
+        sizes a multiple of 16/32 and 4k + 1/8k + 1 frames.
 
     Raises:
-        ValueError: ``kind`` is not one of ``TINY_KINDS``.
+        ValueError: ``kind`` is not one of ``TINY_KINDS`` or ``TINY_VIDEO_KINDS``.
     """
     builders: dict[str, Callable[[int], Any]] = {
         "sd": _build_sd,
@@ -86,13 +102,14 @@ def tiny_pipeline(kind: str, *, seed: int = 0) -> DiffusionPipeline:
         "flux": _build_flux,
         "qwen-image": _build_qwen_image,
         "unet": _build_unet,
+        "wan": _build_wan,
+        "ltx": _build_ltx,
     }
     try:
         build = builders[kind]
     except KeyError:
-        raise ValueError(
-            f"unknown tiny pipeline kind {kind!r}; supported kinds: {', '.join(TINY_KINDS)}"
-        ) from None
+        kinds = ", ".join((*TINY_KINDS, *TINY_VIDEO_KINDS))
+        raise ValueError(f"unknown tiny pipeline kind {kind!r}; supported kinds: {kinds}") from None
     # Building imports diffusers' pipeline modules, which trigger transformers' notice
     # about torchvision (see ``quiet_notices``).
     with quiet_notices(), torch.random.fork_rng(devices=[]):
@@ -230,6 +247,25 @@ def _clip_config() -> Any:
         bos_token_id=_CLIP_BOS_ID,
         eos_token_id=_CLIP_EOS_ID,
         pad_token_id=_CLIP_EOS_ID,
+    )
+
+
+def _t5_config(kind: str = "T5Config") -> Any:
+    """A 2-layer T5-style encoder config matching :func:`_t5_tokenizer` (``kind``: its class)."""
+    return getattr(_transformers(), kind)(
+        vocab_size=_T5_VOCAB_SIZE,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        dropout_rate=0.0,
+        feed_forward_proj="gated-gelu",
+        is_encoder_decoder=False,
+        use_cache=False,
+        pad_token_id=0,
+        eos_token_id=1,
     )
 
 
@@ -433,22 +469,7 @@ def _build_flux(seed: int) -> Any:
         shift_factor=0.1159,
     )
     text_encoder = _seeded(seed, lambda: transformers.CLIPTextModel(_clip_config()))
-    t5_config = transformers.T5Config(
-        vocab_size=_T5_VOCAB_SIZE,
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        dropout_rate=0.0,
-        feed_forward_proj="gated-gelu",
-        is_encoder_decoder=False,
-        use_cache=False,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    text_encoder_2 = _seeded(seed, lambda: transformers.T5EncoderModel(t5_config))
+    text_encoder_2 = _seeded(seed, lambda: transformers.T5EncoderModel(_t5_config()))
     # FLUX.1-dev's scheduler: resolution-dependent shift.
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000,
@@ -573,3 +594,112 @@ def _build_unet(seed: int) -> Any:
         num_train_timesteps=1000, beta_schedule="linear", prediction_type="epsilon"
     )
     return diffusers.DDIMPipeline(unet=unet, scheduler=scheduler)
+
+
+def _build_wan(seed: int) -> Any:
+    """WanPipeline: 2-layer video DiT (patch 1x2x2), a UMT5 encoder, the Wan VAE (8x, 4x)."""
+    diffusers = _diffusers()
+    transformers = _transformers()
+
+    transformer = _seeded(
+        seed,
+        lambda: diffusers.WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=16,
+            out_channels=16,
+            text_dim=32,  # the UMT5 d_model
+            freq_dim=32,
+            ffn_dim=32,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        ),
+    )
+    # Three downsamplings (spatial 8x), two of them in time too (temporal 4x), as Wan 2.1's.
+    vae = _seeded(
+        seed,
+        lambda: diffusers.AutoencoderKLWan(
+            base_dim=8,
+            z_dim=16,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+        ),
+    )
+    text_encoder = _seeded(seed, lambda: transformers.UMT5EncoderModel(_t5_config("UMT5Config")))
+    return diffusers.WanPipeline(
+        tokenizer=_t5_tokenizer(),
+        text_encoder=text_encoder,
+        vae=vae,
+        # Wan 2.1 T2V's scheduler is UniPC (flow prediction, shift 5), whose
+        # set_timesteps warns with numpy 2.4 (see _build_sd): flow-matching Euler.
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0),
+        transformer=transformer,
+    )
+
+
+def _build_ltx(seed: int) -> Any:
+    """LTXPipeline: 1-layer video DiT over packed tokens, T5, the LTX-Video VAE (8x, 8x)."""
+    diffusers = _diffusers()
+    transformers = _transformers()
+
+    transformer = _seeded(
+        seed,
+        lambda: diffusers.LTXVideoTransformer3DModel(
+            in_channels=8,
+            out_channels=8,
+            patch_size=1,
+            patch_size_t=1,
+            num_attention_heads=4,
+            attention_head_dim=8,
+            cross_attention_dim=32,
+            num_layers=1,
+            caption_channels=32,  # the T5 d_model
+        ),
+    )
+    # Three space-time downsamplings: 8x in space and in time, as the real VAE's 32x
+    # and 8x are in time; timestep-conditioned, as LTX-Video 0.9.1 and later.
+    vae = _seeded(
+        seed,
+        lambda: diffusers.AutoencoderKLLTXVideo(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=8,
+            block_out_channels=(8, 8, 8, 8),
+            decoder_block_out_channels=(8, 8, 8, 8),
+            layers_per_block=(1, 1, 1, 1, 1),
+            decoder_layers_per_block=(1, 1, 1, 1, 1),
+            spatio_temporal_scaling=(True, True, True, False),
+            decoder_spatio_temporal_scaling=(True, True, True, False),
+            decoder_inject_noise=(False,) * 5,
+            upsample_residual=(False,) * 4,
+            upsample_factor=(1,) * 4,
+            timestep_conditioning=True,
+            patch_size=1,
+            patch_size_t=1,
+            encoder_causal=True,
+            decoder_causal=False,
+        ),
+    )
+    text_encoder = _seeded(seed, lambda: transformers.T5EncoderModel(_t5_config()))
+    # LTX-Video 0.9.x's scheduler config.
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.95,
+        max_shift=2.05,
+        base_image_seq_len=1024,
+        max_image_seq_len=4096,
+        shift_terminal=0.1,
+    )
+    return diffusers.LTXPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=_t5_tokenizer(),
+        transformer=transformer,
+    )

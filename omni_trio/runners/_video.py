@@ -1,0 +1,339 @@
+"""Video families: Wan and LTX-Video, step by step, as their pipelines' ``__call__`` (L70).
+
+A video request's latents hold every frame (``[N, C, F', H', W']`` for Wan, packed
+tokens ``[N, F' * H' * W', C]`` for LTX-Video); a step is one model call over the
+whole clip, so the frame count and the size are batch-wide (``num_frames`` is in
+the batch key) and everything else (prompt, seed, steps, guidance) is per request,
+per row, as for the image families. ``decode`` returns the videos
+``[N, F, C, H, W]`` in [0, 1]; a preview is the first latent frame.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._request import GenerationRequest
+from ._families import (
+    Family,
+    RequestState,
+    _calculate_shift,
+    _guidance_rows,
+    _randn,
+    _retrieve_timesteps,
+    unit_number,
+)
+
+__all__ = ["LTXVideo", "Wan"]
+
+
+class _Video(Family):
+    """What the video families share: a frame rule, the first frame as preview."""
+
+    @property
+    def frames(self) -> tuple[int, int]:
+        """``num_frames % a == b``: the counts the VAE's temporal compression takes."""
+        return (self._temporal, 1)
+
+    @property
+    def _temporal(self) -> int:
+        raise NotImplementedError
+
+    def _postprocess(self, video: torch.Tensor) -> torch.Tensor:
+        frames: torch.Tensor = self.pipe.video_processor.postprocess_video(video, output_type="pt")
+        return frames
+
+
+class Wan(_Video):
+    """``WanPipeline``: a video DiT over ``[N, C, F', H', W']`` latents, UMT5 text, CFG.
+
+    ``guidance_scale`` and ``negative_prompt`` as in ``__call__`` (guidance when
+    ``guidance_scale > 1``; without a negative prompt it guides against ``""``).
+    ``__call__`` makes the conditional and the unconditional model calls apart; here
+    they are rows of one call (the model attends within a row only), which changes
+    the sums' order, not the maths. Wan 2.2's two-expert pipelines
+    (``boundary_ratio``: ``transformer`` above the boundary timestep,
+    ``transformer_2`` below, each row by its own timestep) and per-token timesteps
+    (``expand_timesteps``) are followed as ``__call__`` does; ``guidance_scale_2``
+    is ``__call__``'s default, ``guidance_scale``.
+    """
+
+    name = "wan"
+    #: ``__call__``'s ``max_sequence_length`` default: text tokens per prompt.
+    max_sequence_length = 512
+
+    def __init__(self, pipe: Any) -> None:
+        super().__init__(pipe)
+        if pipe.transformer is None:
+            raise TypeError("DiffusersRunner drives a WanPipeline with a transformer")
+        ratio = pipe.config.boundary_ratio
+        self._boundary = (
+            None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps
+        )
+        if self._boundary is not None and pipe.transformer_2 is None:
+            raise TypeError("a WanPipeline with a boundary_ratio needs its transformer_2")
+
+    @property
+    def size_multiple(self) -> int:
+        patch = self.pipe.transformer.config.patch_size
+        spatial = int(self.pipe.vae_scale_factor_spatial)
+        return math.lcm(spatial * int(patch[1]), spatial * int(patch[2]))
+
+    @property
+    def _temporal(self) -> int:
+        return int(self.pipe.vae_scale_factor_temporal)
+
+    def _prepare(
+        self,
+        request: GenerationRequest,
+        request_id: str,
+        generator: torch.Generator,
+        scheduler: Any,
+    ) -> RequestState:
+        pipe = self.pipe
+        assert request.num_frames is not None  # a video runner's rule (L70)
+        cfg = request.guidance_scale > 1
+        positive, negative = pipe.encode_prompt(
+            prompt=request.prompt,
+            negative_prompt=request.negative_prompt,
+            do_classifier_free_guidance=cfg,
+            num_videos_per_prompt=request.num_images,
+            max_sequence_length=self.max_sequence_length,
+            device=self.device,
+        )
+        dtype = pipe.transformer.dtype
+        positive = positive.to(dtype)
+        rows = torch.cat([negative.to(dtype), positive]) if cfg else positive
+        scheduler.set_timesteps(request.num_steps, device=self.device)
+        latents = pipe.prepare_latents(
+            request.num_images,
+            pipe.transformer.config.in_channels,
+            request.height,
+            request.width,
+            request.num_frames,
+            torch.float32,
+            self.device,
+            generator,
+        )
+        scheduler.set_begin_index(0)
+        return RequestState(
+            request_id,
+            request,
+            generator,
+            scheduler,
+            scheduler.timesteps,
+            [],
+            latents,
+            cfg,
+            {"encoder_hidden_states": rows},
+        )
+
+    def _call(
+        self, model: Any, rows: torch.Tensor, t: torch.Tensor, text: torch.Tensor
+    ) -> torch.Tensor:
+        rows = rows.to(model.dtype)
+        timestep = t
+        if self.pipe.config.expand_timesteps:
+            # As __call__: one timestep per token, every 2x2 patch of every latent frame.
+            frames, height, width = rows.shape[2:]
+            tokens = frames * math.ceil(height / 2) * math.ceil(width / 2)
+            timestep = t[:, None].expand(-1, tokens)
+        out: torch.Tensor = model(
+            hidden_states=rows,
+            timestep=timestep,
+            encoder_hidden_states=text,
+            attention_kwargs=None,
+            return_dict=False,
+        )[0]
+        return out
+
+    def denoise(
+        self, rows: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor], shared: Any
+    ) -> torch.Tensor:
+        text = cond["encoder_hidden_states"]
+        if self._boundary is None:
+            return self._call(self.pipe.transformer, rows, t, text)
+        # Each row to the expert of its own timestep; one call per expert in use.
+        high = t >= self._boundary
+        if bool(high.all()):
+            return self._call(self.pipe.transformer, rows, t, text)
+        if not bool(high.any()):
+            return self._call(self.pipe.transformer_2, rows, t, text)
+        low = ~high
+        first = self._call(self.pipe.transformer, rows[high], t[high], text[high])
+        second = self._call(self.pipe.transformer_2, rows[low], t[low], text[low])
+        out = first.new_empty((rows.shape[0], *first.shape[1:]))
+        out[high] = first
+        out[low] = second
+        return out
+
+    def decode(self, state: RequestState) -> torch.Tensor:
+        assert state.latents is not None
+        vae = self.pipe.vae
+        latents = state.latents.to(vae.dtype)
+        view = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(view).to(latents.device, latents.dtype)
+        std = 1.0 / torch.tensor(vae.config.latents_std).view(view).to(
+            latents.device, latents.dtype
+        )
+        video = vae.decode(latents / std + mean, return_dict=False)[0]
+        return self._postprocess(video)
+
+    def preview_latents(self, state: RequestState) -> torch.Tensor:
+        assert state.latents is not None
+        return state.latents[:, :, 0]
+
+
+class LTXVideo(_Video):
+    """``LTXPipeline``: a video DiT over packed latent tokens, T5 text, CFG.
+
+    ``guidance_scale`` and ``negative_prompt`` as in ``__call__``; negative and
+    positive rows share one model call there too. ``__call__``'s ``frame_rate``
+    (25, which scales the positional embedding) is kept. With a
+    timestep-conditioned VAE (LTX-Video 0.9.1 and later), ``extra`` takes
+    ``decode_timestep`` and ``decode_noise_scale`` (numbers in [0, 1]; defaults as
+    ``__call__``: 0, and the timestep), and the decode noise is drawn from the
+    request's generator after its last step, as ``__call__`` draws it.
+    """
+
+    name = "ltx"
+    extra_keys = frozenset({"decode_timestep", "decode_noise_scale"})
+    #: ``__call__``'s defaults: text tokens per prompt, and frames per second.
+    max_sequence_length = 128
+    frame_rate = 25
+
+    @property
+    def size_multiple(self) -> int:
+        # LTXPipeline.check_inputs asks for multiples of 32 whatever the VAE.
+        spatial = int(self.pipe.vae_spatial_compression_ratio)
+        return math.lcm(32, spatial * int(self.pipe.transformer_spatial_patch_size))
+
+    @property
+    def _temporal(self) -> int:
+        return int(self.pipe.vae_temporal_compression_ratio)
+
+    def _grid(self, request: GenerationRequest) -> tuple[int, int, int]:
+        """Latent frames, height and width."""
+        assert request.num_frames is not None  # a video runner's rule (L70)
+        pipe = self.pipe
+        spatial = pipe.vae_spatial_compression_ratio
+        frames = (request.num_frames - 1) // pipe.vae_temporal_compression_ratio + 1
+        return frames, request.height // spatial, request.width // spatial
+
+    def _prepare(
+        self,
+        request: GenerationRequest,
+        request_id: str,
+        generator: torch.Generator,
+        scheduler: Any,
+    ) -> RequestState:
+        pipe = self.pipe
+        assert request.num_frames is not None
+        for key, default in (("decode_timestep", 0.0), ("decode_noise_scale", 0.0)):
+            unit_number(request, key, default)  # refused before any model work
+        cfg = request.guidance_scale > 1
+        positive, positive_mask, negative, negative_mask = pipe.encode_prompt(
+            prompt=request.prompt,
+            negative_prompt=request.negative_prompt,
+            do_classifier_free_guidance=cfg,
+            num_videos_per_prompt=request.num_images,
+            max_sequence_length=self.max_sequence_length,
+            device=self.device,
+        )
+        cond = {
+            "encoder_hidden_states": _guidance_rows(cfg, negative, positive),
+            "encoder_attention_mask": _guidance_rows(cfg, negative_mask, positive_mask),
+        }
+        latents = pipe.prepare_latents(
+            request.num_images,
+            pipe.transformer.config.in_channels,
+            request.height,
+            request.width,
+            request.num_frames,
+            torch.float32,
+            self.device,
+            generator,
+        )
+        frames, height, width = self._grid(request)
+        steps = request.num_steps
+        timesteps = _retrieve_timesteps(
+            scheduler,
+            steps,
+            self.device,
+            sigmas=np.linspace(1.0, 1 / steps, steps),
+            mu=_calculate_shift(scheduler.config, frames * height * width, 1.15),
+        )
+        spatial = pipe.vae_spatial_compression_ratio
+        shared = {
+            "grid": (frames, height, width),
+            "rope_interpolation_scale": (
+                pipe.vae_temporal_compression_ratio / self.frame_rate,
+                spatial,
+                spatial,
+            ),
+        }
+        return RequestState(
+            request_id, request, generator, scheduler, timesteps, [], latents, cfg, cond, shared
+        )
+
+    def denoise(
+        self, rows: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor], shared: Any
+    ) -> torch.Tensor:
+        text = cond["encoder_hidden_states"]
+        frames, height, width = shared["grid"]
+        out: torch.Tensor = self.pipe.transformer(
+            hidden_states=rows.to(text.dtype),
+            encoder_hidden_states=text,
+            timestep=t,
+            encoder_attention_mask=cond["encoder_attention_mask"],
+            num_frames=frames,
+            height=height,
+            width=width,
+            rope_interpolation_scale=shared["rope_interpolation_scale"],
+            attention_kwargs=None,
+            return_dict=False,
+        )[0]
+        return out.float()
+
+    def _unpacked(self, state: RequestState) -> torch.Tensor:
+        assert state.latents is not None
+        pipe = self.pipe
+        unpacked: torch.Tensor = pipe._unpack_latents(
+            state.latents,
+            *self._grid(state.request),
+            pipe.transformer_spatial_patch_size,
+            pipe.transformer_temporal_patch_size,
+        )
+        return unpacked
+
+    def decode(self, state: RequestState) -> torch.Tensor:
+        pipe = self.pipe
+        vae = pipe.vae
+        request = state.request
+        latents = pipe._denormalize_latents(
+            self._unpacked(state), vae.latents_mean, vae.latents_std, vae.config.scaling_factor
+        )
+        latents = latents.to(state.cond["encoder_hidden_states"].dtype)
+        timestep = None
+        if vae.config.timestep_conditioning:
+            # As __call__: the noise is drawn whatever its scale. One timestep per
+            # video: __call__ makes one per prompt, which its VAE refuses for
+            # num_videos_per_prompt > 1 (diffusers 0.42).
+            noise = _randn(tuple(latents.shape), state.generator, self.device, latents.dtype)
+            decode_timestep = unit_number(request, "decode_timestep", 0.0)
+            scale = unit_number(request, "decode_noise_scale", decode_timestep)
+            count = request.num_images
+            timestep = torch.tensor(
+                [decode_timestep] * count, device=self.device, dtype=latents.dtype
+            )
+            noise_scale = torch.tensor([scale] * count, device=self.device, dtype=latents.dtype)
+            noise_scale = noise_scale[:, None, None, None, None]
+            latents = (1 - noise_scale) * latents + noise_scale * noise
+        video = vae.decode(latents.to(vae.dtype), timestep, return_dict=False)[0]
+        return self._postprocess(video)
+
+    def preview_latents(self, state: RequestState) -> torch.Tensor:
+        return self._unpacked(state)[:, :, 0]
