@@ -121,6 +121,16 @@ def joined(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors))
 
 
+def unpacked_latents(pipe: Any, state: RequestState) -> torch.Tensor:
+    """A packed-latent family's latents (Flux, Qwen-Image) unpacked by its pipeline."""
+    assert state.latents is not None
+    request = state.request
+    unpacked: torch.Tensor = pipe._unpack_latents(
+        state.latents, request.height, request.width, pipe.vae_scale_factor
+    )
+    return unpacked
+
+
 class Family(ABC):
     """The family-specific half of a ``DiffusersRunner``."""
 
@@ -664,12 +674,7 @@ class Flux(Family):
         return out
 
     def _unpacked(self, state: RequestState) -> torch.Tensor:
-        assert state.latents is not None
-        request = state.request
-        unpacked: torch.Tensor = self.pipe._unpack_latents(
-            state.latents, request.height, request.width, self.pipe.vae_scale_factor
-        )
-        return unpacked
+        return unpacked_latents(self.pipe, state)
 
     def decode(self, state: RequestState) -> torch.Tensor:
         return _vae_decode_shifted(self.pipe, self._unpacked(state))
@@ -798,12 +803,7 @@ class QwenImage(Family):
 
     def _unpacked(self, state: RequestState) -> torch.Tensor:
         """The latents as the VAE takes them: ``[N, C, 1, h, w]`` (one video frame)."""
-        assert state.latents is not None
-        request = state.request
-        unpacked: torch.Tensor = self.pipe._unpack_latents(
-            state.latents, request.height, request.width, self.pipe.vae_scale_factor
-        )
-        return unpacked
+        return unpacked_latents(self.pipe, state)
 
     def decode(self, state: RequestState) -> torch.Tensor:
         vae = self.pipe.vae
