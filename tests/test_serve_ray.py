@@ -137,7 +137,7 @@ def test_a_cancelled_request_reads_as_a_disconnect_and_waits_for_the_app() -> No
 @pytest.mark.ray
 @pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
 def test_serve_ray_serves_replicas_and_sigterm_leaves_no_ray_process(tmp_path: Path) -> None:
-    """``omni-trio serve --ray --replicas 2`` serves the API behind Ray's proxy; SIGTERM
+    """L45, L47: ``omni-trio serve --ray --replicas 2`` serves the API behind Ray's proxy; SIGTERM
     deletes the app, stops the local cluster and exits 0 with no Ray process left."""
     port = free_port()
     log = tmp_path / "serve-ray.log"
@@ -274,7 +274,7 @@ def solo(apps: tuple[Cluster, Cluster]) -> Cluster:
 @pytest.mark.ray
 @pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
 def test_two_replicas_share_concurrent_requests(cluster: Cluster) -> None:
-    """Concurrent requests spread over both replicas (each takes 2 at most); all succeed."""
+    """L45: concurrent requests spread over both replicas (each takes 2 at most); all succeed."""
     answers: list[httpx.Response] = []
 
     def one() -> None:
@@ -295,7 +295,7 @@ def test_two_replicas_share_concurrent_requests(cluster: Cluster) -> None:
 @pytest.mark.ray
 @pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
 def test_the_openai_sdk_works_through_the_proxy(cluster: Cluster) -> None:
-    """L50 through Ray Serve: the OpenAI SDK generates and lists the model."""
+    """L45, L50 through Ray Serve: the OpenAI SDK generates and lists the model."""
     client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0, timeout=30)
     with client:
         result = client.images.generate(
@@ -309,7 +309,7 @@ def test_the_openai_sdk_works_through_the_proxy(cluster: Cluster) -> None:
 @pytest.mark.ray
 @pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
 def test_a_disconnect_aborts_within_one_step(solo: Cluster) -> None:
-    """L51 through Ray Serve: a streaming client that leaves mid-way is counted
+    """L46, L51 through Ray Serve: a streaming client that leaves mid-way is counted
     ``disconnected`` by its replica, which ran at most one step for it afterwards."""
     cluster = solo
     gone = cluster.total("omni_trio_requests_total", outcome="disconnected")
@@ -335,7 +335,7 @@ def test_a_disconnect_aborts_within_one_step(solo: Cluster) -> None:
 @pytest.mark.ray
 @pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
 def test_a_cancelled_handle_call_aborts_and_releases(solo: Cluster) -> None:
-    """L11 through a handle: ``DeploymentResponse.cancel()`` aborts the running request at
+    """L46, L11 through a handle: ``DeploymentResponse.cancel()`` aborts the running request at
     its next step boundary; its replica then holds nothing and runs no more steps for it."""
     from ray.serve.exceptions import RequestCancelledError
 
@@ -370,7 +370,7 @@ def test_a_cancelled_handle_call_aborts_and_releases(solo: Cluster) -> None:
 @pytest.mark.ray
 @pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
 def test_backpressure_answers_at_once_never_hangs(cluster: Cluster) -> None:
-    """More requests than 2 replicas x 2 ongoing + 6 queued: the rest are answered 503
+    """L47: more requests than 2 replicas x 2 ongoing + 6 queued: the rest are answered 503
     (Ray's queue bound) or 429 (an engine's) at once; the admitted ones complete."""
     answers: list[httpx.Response] = []
 
