@@ -321,6 +321,9 @@ class Worker:
                 self._taken(admitted)
                 if running or admitted or dropped:
                     return admitted, dropped, None, False
+                # Idle from here: whatever left the batch (a failed step, a whole
+                # call), statistics() must not count it while the worker waits.
+                self._note_left(running)
                 pool.idle += 1
                 try:
                     self._cond.wait()

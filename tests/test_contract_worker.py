@@ -131,6 +131,28 @@ async def test_runner_exception_fails_only_that_batch() -> None:
             assert_engine_idle(engine)
 
 
+
+async def test_idle_worker_statistics_after_a_failed_batch() -> None:
+    """L19, L22, L42: a worker idle after its batch failed counts no running member.
+
+    The one step of "a" raises (L22): "a" fails and the worker waits for work.
+    Its ``statistics().workers[0]`` must then say 0 running and 0 steps left (the
+    steps left feed admission's deadline estimate), as ``statistics().running`` does.
+    """
+    runner = GatedRunner(fail_at_step=1)
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner) as engine:
+            async with engine.submit(req(num_steps=2), request_id="a") as handle:
+                runner.release(1)
+                with pytest.raises(ot.RequestFailedError):
+                    await handle.result()
+            # Idle: the worker waits on the pool's condition; nothing changes now.
+            await wait_until(lambda: engine._pool.idle == 1)
+            stats = engine.statistics()
+            assert stats.running == 0
+            assert stats.workers[0].running == 0, stats.workers[0]
+            assert engine._workers[0].steps_left == 0
+
 class FlakyRunner(FakeRunner):
     """Raises in prepare, preview or decode for requests whose prompt names the call."""
 
