@@ -259,8 +259,8 @@ class ImageService:
             This service.
 
         The video jobs' task group (L73) lives inside it: leaving the block drains
-        the engine (every job's request ends), then cancels the jobs' tasks and
-        waits for them, so no job outlives the block.
+        the engine (every job's request ends), then waits for the jobs' tasks
+        (each within one MP4 encode), so no job's task outlives the block.
 
         Raises:
             RuntimeError: the lifespan ran before (the engine closes the runner).
@@ -286,7 +286,8 @@ class ImageService:
                 finally:
                     with anyio.CancelScope(shield=True):
                         await self.drain()
-                    jobs.cancel_scope.cancel()
+                    # Every job's request is terminal now: its task ends by itself.
+                    self.videos.close()
             if left is not None:
                 raise left
 
@@ -302,7 +303,7 @@ class ImageService:
 
     def _model_card(self) -> dict[str, object]:
         config = self.config
-        return {
+        card: dict[str, object] = {
             "id": config.model_name,
             "object": "model",
             "created": self._created,
@@ -312,6 +313,14 @@ class ImageService:
             "default_steps": config.default_steps,
             "default_guidance_scale": config.default_guidance_scale,
         }
+        if self.frames is not None:
+            # A video model (L73): what a job that gives no length gets.
+            videos = self.videos.config
+            period, remainder = self.frames
+            card["fps"] = videos.fps
+            card["default_seconds"] = f"{videos.default_seconds:g}"
+            card["frames"] = f"{period}k + {remainder}"
+        return card
 
     async def _models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})

@@ -255,24 +255,34 @@ class VideoJobs:
         self._seq = 0
         self._tasks: TaskGroup | None = None
         self._wake: anyio.Event | None = None
+        self._sweeper: anyio.CancelScope | None = None  # made in serve(): a loop's object
+        self._closed = False
 
     # -- the lifespan ---------------------------------------------------------
 
     async def serve(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
-        """Run the jobs' task group and the sweeper until cancelled.
+        """Run the jobs' task group and the sweeper until ``close()``, then the jobs' ends.
+
+        The service closes it after the engine's drain, when every job's request
+        is terminal: each job's task then ends within one MP4 encode, so a job
+        that completed before the drain is completed, not lost.
 
         Cancellation:
-            Cancelling it cancels every job's task (each leaves its handle's
-            block, which aborts a live request and waits for its release) and
-            returns when they all ended. The service cancels it after the
-            engine's drain, when every request is terminal already.
+            Cancels every job's task (each leaves its handle's block, which aborts
+            a live request and waits for its release); returns when they all ended.
         """
         try:
             async with anyio.create_task_group() as tasks:
                 self._tasks = tasks
                 self._wake = anyio.Event()
-                task_status.started()
-                await self._sweep()
+                self._sweeper = anyio.CancelScope()
+                if self._closed:
+                    self._sweeper.cancel()
+                with self._sweeper:
+                    task_status.started()
+                    await self._sweep()
+                # Closed: the jobs' tasks end by themselves (their requests are terminal
+                # after the drain), each within one MP4 encode.
         finally:
             self._tasks = None
             # A task cancelled before it first ran (asyncio) never left its handle's
@@ -293,6 +303,12 @@ class VideoJobs:
                     await wake.wait()
             else:
                 await wake.wait()
+
+    def close(self) -> None:
+        """Admit no more jobs and stop the sweeper; ``serve`` returns once the jobs ended."""
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
 
     def _nudge(self) -> None:
         if self._wake is not None:
@@ -339,7 +355,7 @@ class VideoJobs:
                 503 ``shutting_down`` once the task group is gone.
         """
         self.purge()
-        if self._tasks is None:
+        if self._tasks is None or self._closed:
             raise ApiError(
                 503,
                 "the server is shutting down",
@@ -425,6 +441,8 @@ class VideoJobs:
         return sum(len(job.mp4) for job in self._jobs.values() if job.mp4 is not None)
 
     def __len__(self) -> int:
+        """The jobs held now (expired ones dropped first)."""
+        self.purge()
         return len(self._jobs)
 
     # -- a job's task ---------------------------------------------------------
