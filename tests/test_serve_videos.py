@@ -58,7 +58,12 @@ class FakeClock:
 
 
 def make_service(
-    runner: FakeRunner | None = None, *, max_jobs: int = 8, ttl_s: float = 60.0, **video: Any
+    runner: FakeRunner | None = None,
+    *,
+    max_jobs: int = 8,
+    ttl_s: float = 60.0,
+    grace: float = 0.0,
+    **video: Any,
 ) -> tuple[ImageService, FakeRunner]:
     """A video service on ``runner`` (an instant 4k + 1 FakeRunner by default), 16x16, 4 steps."""
     runner = runner if runner is not None else FakeRunner(frames=RULE)
@@ -67,7 +72,8 @@ def make_service(
     )
     videos = VideoConfig(fps=FPS, max_jobs=max_jobs, ttl_s=ttl_s, **video)
     service = ImageService(
-        runner, engine_config=ot.EngineConfig(max_height=64, max_width=64), config=config,
+        runner, engine_config=ot.EngineConfig(max_height=64, max_width=64, shutdown_grace=grace),
+        config=config,
         video_config=videos,
     )  # fmt: skip
     return service, runner
@@ -104,7 +110,7 @@ def mp4_frames(data: bytes) -> list[tuple[int, int]]:
     """The (width, height) of each frame PyAV decodes from MP4 ``data``."""
     import av
 
-    with av.open(io.BytesIO(data)) as container:
+    with av.open(io.BytesIO(data), mode="r") as container:
         return [(frame.width, frame.height) for frame in container.decode(video=0)]
 
 
@@ -183,6 +189,7 @@ async def test_delete_while_running_aborts_the_request_and_answers_at_once() -> 
             engine = service.engine
             assert engine is not None
             await wait_until(lambda: engine.statistics().aborted == 1 and runner.live_states == 0)
+            await wait_until(lambda: job_tasks() == [])  # it closed the handle: nothing open
             assert_engine_idle(engine)
             assert (runner.steps_run, runner.decodes) == (2, 0)
             text = (await client.get("/metrics")).text
@@ -436,23 +443,27 @@ async def test_each_route_refuses_the_other_kind_of_model_in_one_line() -> None:
 
 
 async def test_shutdown_ends_every_job_and_leaves_no_task() -> None:
-    """L73: leaving the lifespan drains the engine: a running job finishes within the grace
-    period (its MP4 encoded), a waiting one fails shutting_down; no job's task is left.
+    """L73: leaving the lifespan drains the engine: the running job finishes within the grace
+    period (its MP4 encoded), the waiting one fails shutting_down; no job's task is left.
     """
     runner = GatedRunner(frames=RULE, max_batch_size=1)  # the second job waits
-    service, _ = make_service(runner)
+    service, _ = make_service(runner, grace=BUDGET)
+
+    async def open_when_draining() -> None:
+        await wait_until(lambda: service.is_draining)
+        runner.open_gate()  # the running job ends within its grace period
+
     with anyio.fail_after(BUDGET):
-        async with serving(service) as client:
-            vid = (await create(client, num_frames=5))["id"]
-            waiting = (await create(client, num_frames=5))["id"]
-            await runner.wait_arrived(1)
-            job = service.videos.get(vid)
-            queued = service.videos.get(waiting)
-            runner.open_gate()  # the grace period lets the running one end
-        assert job_tasks() == []
-    assert job.status == "completed" and job.mp4 is not None  # within the grace period
-    assert queued.status == "failed"
-    assert queued.error is not None and queued.error["code"] == "shutting_down"
+        async with anyio.create_task_group() as tg:
+            async with serving(service) as client:
+                running = service.videos.get((await create(client, num_frames=5))["id"])
+                waiting = service.videos.get((await create(client, num_frames=5))["id"])
+                await runner.wait_arrived(1)
+                tg.start_soon(open_when_draining)
+            assert job_tasks() == []
+    assert running.status == "completed" and running.mp4 is not None
+    assert waiting.status == "failed"
+    assert waiting.error is not None and waiting.error["code"] == "shutting_down"
 
 
 # -- the OpenAI SDK and a real model -----------------------------------------------------
@@ -478,8 +489,12 @@ async def test_the_openai_sdk_round_trip_on_tiny_wan() -> None:
     )
     with anyio.fail_after(BUDGET):
         async with service.lifespan():
+            # The SDK's types list only OpenAI's own lengths and sizes; any text goes.
             video = await client.videos.create(
-                prompt="a red fox", seconds="1", size="32x32", extra_body={"seed": 5}
+                prompt="a red fox",
+                seconds="1",  # type: ignore[arg-type]
+                size="32x32",  # type: ignore[arg-type]
+                extra_body={"seed": 5},
             )
             assert (video.status, video.progress, video.seconds) == ("queued", 0, "1")
             other = await client.videos.create(prompt="a cat", extra_body={"num_frames": 5})
