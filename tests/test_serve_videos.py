@@ -518,3 +518,32 @@ async def test_the_openai_sdk_round_trip_on_tiny_wan() -> None:
                 await client.videos.retrieve(video.id)
             await client.videos.delete(other.id)
         await http.aclose()
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+async def test_serve_tiny_wan_takes_the_video_options() -> None:
+    """L73: ``serve --model tiny-wan`` loads the tiny Wan pipeline (16 fps, 4k + 1 frames);
+    --video-jobs, --video-ttl and --video-fps reach the jobs' config, a bad one is a
+    one-line usage error; the model card states fps, default length and frame rule.
+    """
+    import argparse
+
+    from omni_trio._command import UsageError
+    from omni_trio.serve._cli import _service, add_serve_arguments
+    from omni_trio.serve._models import load_model
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    model = load_model("tiny-wan", step_seconds=0.0)
+    assert model.fps == 16.0 and model.runners[0].capabilities.frames == (4, 1)
+    args = parser.parse_args(["--model", "tiny-wan", "--video-jobs", "3", "--video-ttl", "5"])
+    service = _service(args, model)
+    config = service.videos.config
+    assert (config.max_jobs, config.ttl_s, config.fps, service.frames) == (3, 5.0, 16.0, (4, 1))
+    args = parser.parse_args(["--model", "tiny-wan", "--video-fps", "10000"])
+    with pytest.raises(UsageError, match="--video-fps: the model refuses it"):
+        _service(args, model)  # the default 4 s would be 40001 frames, over MAX_NUM_FRAMES
+    with anyio.fail_after(BUDGET):
+        async with serving(_service(parser.parse_args(["--model", "tiny-wan"]), model)) as client:
+            card = (await client.get("/v1/models")).json()["data"][0]
+    assert (card["fps"], card["default_seconds"], card["frames"]) == (16.0, "4", "4k + 1")
