@@ -47,6 +47,7 @@ __all__ = [
     "Client",
     "ImagesEndpoint",
     "JobParser",
+    "account",
     "header",
     "read_body",
     "send_json",
@@ -140,6 +141,23 @@ def header(scope: Scope, name: str) -> str | None:
         if key == wanted:
             return bytes(value).decode("latin-1")
     return None
+
+
+def account(metrics: ServeMetrics, handle: RequestHandle, *, gone: bool = False) -> None:
+    """Count a terminal request's outcome (``disconnected`` if its client is ``gone``), timings."""
+    status = handle.status
+    if gone:
+        outcome = "disconnected"
+    elif status is RequestStatus.COMPLETED:
+        outcome = "completed"
+    elif status is RequestStatus.ABORTED:
+        reason = handle.abort_reason
+        outcome = reason if reason in ("shutdown", "deadline") else "aborted"
+    else:
+        outcome = "failed"
+    metrics.count(outcome)
+    if handle.metrics is not None:
+        metrics.observe(handle.metrics)
 
 
 class Client:
@@ -262,20 +280,7 @@ class ImagesEndpoint:
             self._account(handle, client)
 
     def _account(self, handle: RequestHandle, client: Client) -> None:
-        metrics = self._metrics
-        status = handle.status
-        if client.is_gone:
-            outcome = "disconnected"
-        elif status is RequestStatus.COMPLETED:
-            outcome = "completed"
-        elif status is RequestStatus.ABORTED:
-            reason = handle.abort_reason
-            outcome = reason if reason in ("shutdown", "deadline") else "aborted"
-        else:
-            outcome = "failed"
-        metrics.count(outcome)
-        if handle.metrics is not None:
-            metrics.observe(handle.metrics)
+        account(self._metrics, handle, gone=client.is_gone)
 
     async def _answer_json(self, handle: RequestHandle, job: ImageJob, client: Client) -> None:
         status = 200

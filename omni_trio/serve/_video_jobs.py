@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.to_thread
@@ -36,9 +36,10 @@ import anyio.to_thread
 from .._errors import OmniTrioError
 from .._outputs import RequestStatus
 from ._errors import ApiError, api_error_from, invalid, unexpected_error
+from ._images import account
 
 if TYPE_CHECKING:
-    from anyio.abc import TaskGroup
+    from anyio.abc import TaskGroup, TaskStatus
 
     from .._handle import RequestHandle
     from .._outputs import GenerationOutput
@@ -226,17 +227,6 @@ def encode_mp4(output: GenerationOutput, fps: float) -> bytes:
     return data.getvalue()
 
 
-def outcome_of(handle: RequestHandle) -> str:
-    """The ``/metrics`` outcome of a terminal request."""
-    status = handle.status
-    if status is RequestStatus.COMPLETED:
-        return "completed"
-    if status is RequestStatus.ABORTED:
-        reason = handle.abort_reason
-        return reason if reason in ("shutdown", "deadline") else "aborted"
-    return "failed"
-
-
 class VideoJobs:
     """The jobs of one service: created, run in its task group, listed, deleted, expired.
 
@@ -260,7 +250,7 @@ class VideoJobs:
 
     # -- the lifespan ---------------------------------------------------------
 
-    async def serve(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Run the jobs' task group and the sweeper until ``close()``, then the jobs' ends.
 
         The service closes it after the engine's drain, when every job's request
@@ -473,7 +463,8 @@ class VideoJobs:
             _log.exception("video job %s failed", job.id, extra={"request_id": job.id})
             mp4, error = None, unexpected_error()
         finally:
-            self._account(handle)
+            if handle.status.is_terminal:  # cancelled from outside: the fallback closes it
+                account(self._metrics, handle)
         if job.removed:
             return  # deleted: its request was aborted, nothing is kept
         if mp4 is None and error is None:
@@ -481,13 +472,6 @@ class VideoJobs:
         self._expiries[job.id] = self.config.clock() + self.config.ttl_s
         job.end(mp4, error, int(time.time() + self.config.ttl_s))
         self._nudge()
-
-    def _account(self, handle: RequestHandle) -> None:
-        metrics = self._metrics
-        if handle.status.is_terminal:
-            metrics.count(outcome_of(handle))
-        if handle.metrics is not None:
-            metrics.observe(handle.metrics)
 
 
 def shown_id(text: str) -> str:
