@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -80,13 +80,15 @@ def generate(url: str, body: dict[str, object], out: Path) -> int:
 
 
 @contextlib.contextmanager
-def local_server() -> Iterator[str]:
-    """Run a fake-model server on a free loopback port; yield its URL."""
+def local_server(
+    options: Sequence[str] = ("--model", "fake", "--step-seconds", "0.02"),
+) -> Iterator[str]:
+    """Run ``omni-trio serve`` with ``options`` on a free loopback port; yield its URL."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "omni_trio", "serve", "--model", "fake"]
-    command += ["--port", str(port), "--step-seconds", "0.02", "--log-level", "warning"]
+    command = [sys.executable, "-m", "omni_trio", "serve", *options]
+    command += ["--port", str(port), "--log-level", "warning"]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

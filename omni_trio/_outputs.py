@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 if TYPE_CHECKING:
     import torch
@@ -98,7 +98,7 @@ class GenerationOutput:
     video: torch.Tensor | None = None
 
     def save_video(
-        self, path: str | os.PathLike[str], fps: float = 24.0, *, index: int = 0
+        self, path: str | os.PathLike[str] | BinaryIO, fps: float = 24.0, *, index: int = 0
     ) -> None:
         """Write video ``index`` as an H.264 MP4 (``yuv420p``, what every player reads).
 
@@ -106,7 +106,8 @@ class GenerationOutput:
         frames are written as RGB, an alpha channel is dropped.
 
         Args:
-            path: the file to write (replaced if it exists).
+            path: the file to write (replaced if it exists), or a writable,
+                seekable binary file object (``io.BytesIO``) to write the MP4 into.
             fps: frames per second, finite and > 0 (stored as an exact fraction,
                 so 24000/1001 can be given as ``Fraction(24000, 1001)``).
             index: which of the request's ``num_images`` videos.
@@ -138,7 +139,8 @@ class GenerationOutput:
             frames = frames.expand(-1, 3, -1, -1)
         rgb = (frames[:, :3].clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
         rate = Fraction(fps).limit_denominator(1_000_000)
-        with av.open(os.fspath(path), mode="w", format="mp4") as container:
+        target = os.fspath(path) if isinstance(path, str | os.PathLike) else path
+        with av.open(target, mode="w", format="mp4") as container:
             stream = container.add_stream("libx264", rate=rate)
             stream.width = int(width)
             stream.height = int(height)

@@ -94,7 +94,7 @@ def test_the_command_line_refuses_an_unknown_model(capsys: pytest.CaptureFixture
     assert capsys.readouterr().err == (
         "omni-trio: error: --model: no such folder: '/no/such/folder';"
         " the built-in models are tiny-sd, tiny-sdxl, tiny-sd3, tiny-flux, tiny-qwen-image,"
-        " tiny-unet, fake\n"
+        " tiny-unet, tiny-wan, tiny-ltx, fake\n"
     )
     with pytest.raises(SystemExit):
         main(["serve", "--model", "fake", "--default-size", "64"])  # argparse: exit 2

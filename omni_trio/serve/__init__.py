@@ -4,6 +4,7 @@
   the app's lifespan;
 - ``ServeConfig``: the HTTP layer's own settings (model name, defaults, body limit);
 - ``UploadLimits``: how large an edit's upload may be (bytes, pixels);
+- ``VideoConfig``: a video model's jobs (``/v1/videos``): fps, how many, how long;
 - ``python -m omni_trio serve``: the command line, under Hypercorn (trio) or
   Uvicorn (asyncio), with signal-driven draining.
 
@@ -20,6 +21,7 @@ from ._errors import ApiError as ApiError
 from ._images import CLIENT_GONE as CLIENT_GONE
 from ._metrics import OUTCOMES as OUTCOMES
 from ._upload import UploadLimits as UploadLimits
+from ._video_jobs import VideoConfig as VideoConfig
 
 __all__ = [
     "CLIENT_GONE",
@@ -28,6 +30,7 @@ __all__ = [
     "ImageService",
     "ServeConfig",
     "UploadLimits",
+    "VideoConfig",
     "create_app",
 ]
 

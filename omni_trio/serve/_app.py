@@ -31,6 +31,8 @@ from ._images import ImagesEndpoint, Scope
 from ._metrics import ServeMetrics
 from ._schema import ImageJob
 from ._upload import UploadLimits
+from ._video_jobs import VideoConfig, VideoJobs
+from ._videos import Asgi, VideosApi
 
 __all__ = ["NOT_STARTED", "ImageService", "create_app"]
 
@@ -53,6 +55,10 @@ class ImageService:
     - ``POST /v1/images/edits``: OpenAI's image edits (a multipart form with an
       image and an optional mask): image-to-image and inpainting, answered as
       generations are (L76);
+    - ``/v1/videos``: OpenAI's video jobs, for a video model (L73): ``POST`` makes
+      a job and answers at once, ``GET`` lists them, ``GET /v1/videos/{id}`` reads
+      one, ``DELETE`` aborts and drops it, ``.../content`` is its MP4 and
+      ``.../events`` its progress as server-sent events;
     - ``GET /v1/models`` and ``GET /v1/models/{id}``: the served model;
     - ``GET /health``: 200 when ready (``"degraded"`` while some workers have died
       and the others serve, L43), 503 while starting, draining or dead;
@@ -65,6 +71,7 @@ class ImageService:
             ``shutdown_grace``, and the limits on steps, sizes and ``n``.
         config: the HTTP layer's configuration.
         upload_limits: how large an edit's upload may be (bytes, pixels).
+        video_config: a video model's jobs: fps, the bound, the time-to-live.
     """
 
     def __init__(
@@ -74,6 +81,7 @@ class ImageService:
         engine_config: EngineConfig | None = None,
         config: ServeConfig | None = None,
         upload_limits: UploadLimits | None = None,
+        video_config: VideoConfig | None = None,
     ) -> None:
         self.config = config if config is not None else ServeConfig()
         self.upload_limits = upload_limits if upload_limits is not None else UploadLimits()
@@ -84,6 +92,23 @@ class ImageService:
         self._started = False
         self._created = int(time.time())
         self.metrics = ServeMetrics(self._statistics, lambda: self.is_draining)
+        first = runner if not isinstance(runner, Sequence) else (runner[0] if runner else None)
+        capabilities = getattr(first, "capabilities", None)
+        #: The runner's frame rule (L70): ``None`` for an image model.
+        self.frames: tuple[int, int] | None = getattr(capabilities, "frames", None)
+        self.videos = VideoJobs(
+            video_config if video_config is not None else VideoConfig(),
+            self.metrics,
+            retry_after_s=self.config.retry_after_s,
+        )
+        self.metrics.add_video_jobs(self.videos.counts, self.videos.held_bytes)
+        videos = VideosApi(
+            config=self.config,
+            metrics=self.metrics,
+            jobs=self.videos,
+            admitting_engine=self._engine_for_videos,
+            rule=self.frames,
+        )
         self.app = Starlette(
             routes=[
                 Route(
@@ -91,7 +116,7 @@ class ImageService:
                     ImagesEndpoint(
                         config=self.config,
                         metrics=self.metrics,
-                        admitting_engine=self.engine_for_requests,
+                        admitting_engine=self._engine_for_images,
                     ),
                     methods=["POST"],
                 ),
@@ -100,12 +125,17 @@ class ImageService:
                     ImagesEndpoint(
                         config=self.config,
                         metrics=self.metrics,
-                        admitting_engine=self.engine_for_requests,
+                        admitting_engine=self._engine_for_images,
                         parse=self._parse_edit,
                         max_body_bytes=self.upload_limits.max_bytes,
                     ),
                     methods=["POST"],
                 ),
+                Route("/v1/videos", Asgi(videos.create), methods=["POST"]),
+                Route("/v1/videos", videos.list, methods=["GET"]),
+                Route("/v1/videos/{video_id}", videos.job, methods=["GET", "DELETE"]),
+                Route("/v1/videos/{video_id}/content", videos.content, methods=["GET"]),
+                Route("/v1/videos/{video_id}/events", Asgi(videos.events), methods=["GET"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/v1/models/{model_id:path}", self._model, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
@@ -160,6 +190,25 @@ class ImageService:
             )
         return engine
 
+    def _engine_for_images(self) -> Engine:
+        if self.frames is not None:
+            raise ApiError(
+                400,
+                f"this server serves a video model ({self.config.model_name}): use POST /v1/videos",
+                code="unsupported_model",
+            )
+        return self.engine_for_requests()
+
+    def _engine_for_videos(self) -> Engine:
+        if self.frames is None:
+            raise ApiError(
+                400,
+                f"this server serves an image model ({self.config.model_name}):"
+                " use POST /v1/images/generations",
+                code="unsupported_model",
+            )
+        return self.engine_for_requests()
+
     async def drain(self) -> None:
         """Shut the engine down while the server still answers.
 
@@ -209,6 +258,10 @@ class ImageService:
         Yields:
             This service.
 
+        The video jobs' task group (L73) lives inside it: leaving the block drains
+        the engine (every job's request ends), then waits for the jobs' tasks
+        (each within one MP4 encode), so no job's task outlives the block.
+
         Raises:
             RuntimeError: the lifespan ran before (the engine closes the runner).
             EngineDeadError: on exit, if the worker died (L23).
@@ -221,11 +274,22 @@ class ImageService:
         self._started = True
         async with open_engine(self._runner, self.engine_config) as engine:
             self._engine = engine
-            try:
-                yield self
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await self.drain()
+            left: BaseException | None = None
+            async with anyio.create_task_group() as jobs:
+                await jobs.start(self.videos.serve)
+                try:
+                    yield self
+                except BaseException as exc:
+                    # Re-raised below, outside the task group, which would wrap it
+                    # in an exception group.
+                    left = exc
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await self.drain()
+                    # Every job's request is terminal now: its task ends by itself.
+                    self.videos.close()
+            if left is not None:
+                raise left
 
     @asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -239,7 +303,7 @@ class ImageService:
 
     def _model_card(self) -> dict[str, object]:
         config = self.config
-        return {
+        card: dict[str, object] = {
             "id": config.model_name,
             "object": "model",
             "created": self._created,
@@ -249,6 +313,14 @@ class ImageService:
             "default_steps": config.default_steps,
             "default_guidance_scale": config.default_guidance_scale,
         }
+        if self.frames is not None:
+            # A video model (L73): what a job that gives no length gets.
+            videos = self.videos.config
+            period, remainder = self.frames
+            card["fps"] = videos.fps
+            card["default_seconds"] = f"{videos.default_seconds:g}"
+            card["frames"] = f"{period}k + {remainder}"
+        return card
 
     async def _models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})

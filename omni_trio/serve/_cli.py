@@ -87,6 +87,13 @@ def _finite(text: str) -> float:
     return value
 
 
+def _positive(text: str) -> float:
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``serve`` command's options to ``parser``.
 
@@ -193,6 +200,29 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="highest priority a request may ask for; more is a 400 (default 0: clients are"
         " anonymous, none may put itself ahead of the others)",
     )
+    videos = parser.add_argument_group("video jobs (a video model's /v1/videos)")
+    videos.add_argument(
+        "--video-jobs",
+        type=_count(1),
+        default=64,
+        metavar="N",
+        help="most video jobs held at once, finished ones included; then 429 (default 64)",
+    )
+    videos.add_argument(
+        "--video-ttl",
+        type=_positive,
+        default=3600.0,
+        metavar="S",
+        help="seconds a finished video job (and its MP4) is kept (default 3600)",
+    )
+    videos.add_argument(
+        "--video-fps",
+        type=_positive,
+        default=None,
+        metavar="FPS",
+        help="frames per second of the MP4s, which turns seconds into frames"
+        " (default: the model's; Wan 16, LTX-Video 25)",
+    )
     defaults = parser.add_argument_group("request defaults (by default: what suits the model)")
     defaults.add_argument(
         "--default-size", type=_size, default=None, metavar="WxH", help="size when none is asked"
@@ -268,6 +298,18 @@ def _service(args: argparse.Namespace, model: LoadedModel) -> ImageService:
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    from ._video_body import frames_for
+    from ._video_jobs import VideoConfig
+
+    frames = model.runners[0].capabilities.frames
+    try:
+        videos = VideoConfig(
+            fps=args.video_fps or model.fps or 24.0,
+            max_jobs=args.video_jobs,
+            ttl_s=args.video_ttl,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     # The defaults are checked once, here, as a request that uses them all.
     try:
         probe = GenerationRequest(
@@ -276,6 +318,9 @@ def _service(args: argparse.Namespace, model: LoadedModel) -> ImageService:
             height=config.default_height,
             num_steps=config.default_steps,
             guidance_scale=config.default_guidance_scale,
+            num_frames=(
+                None if frames is None else frames_for(videos.default_seconds, videos.fps, frames)
+            ),
         )
         engine_config.check_request(probe)
         model.runners[0].capabilities.check_request(probe)
@@ -286,11 +331,18 @@ def _service(args: argparse.Namespace, model: LoadedModel) -> ImageService:
     from ._upload import UploadLimits
 
     uploads = UploadLimits(max_bytes=args.max_upload_bytes, max_pixels=args.max_upload_pixels)
-    return ImageService(runners, engine_config=engine_config, config=config, upload_limits=uploads)
+    return ImageService(
+        runners,
+        engine_config=engine_config,
+        config=config,
+        upload_limits=uploads,
+        video_config=videos,
+    )
 
 
 # The option that sets each default, to name it in an error.
 _DEFAULT_OPTIONS = {
+    "num_frames": "--video-fps",
     "width": "--default-size",
     "height": "--default-size",
     "num_steps": "--default-steps",

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
     from ._config import ServeConfig
 
-__all__ = ["EDIT_FIELDS", "parse_edit_form"]
+__all__ = ["EDIT_FIELDS", "form_value", "parse_edit_form"]
 
 #: Fields of the edit form beyond a generation body's: files, and ``strength``.
 EDIT_FIELDS = frozenset({"image", "image[]", "mask", "strength", "input_fidelity", "markup"})
@@ -70,6 +70,7 @@ _INTEGERS = frozenset(
         "deadline_ms",
         "frame_count",
         "frame_duration_ms",
+        "num_frames",  # /v1/videos
     }
 )
 _NUMBERS = frozenset({"guidance_scale", "strength"})
@@ -78,8 +79,8 @@ _INTEGER = re.compile(r"-?[0-9]+")
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 
 
-def _typed(name: str, text: str) -> object:
-    """A form value as its field's type, or a 400 naming the field."""
+def form_value(name: str, text: str) -> object:
+    """A form value as its field's type (integer, number, boolean, text), or a 400 naming it."""
     if name in _INTEGERS:
         if _INTEGER.fullmatch(text) is None:
             raise invalid(f"{name}: must be an integer, got {shown(text)}", name, "invalid_type")
@@ -117,7 +118,7 @@ def _fields(parts: list[tuple[str, str | bytes]]) -> tuple[dict[str, object], di
         elif isinstance(value, bytes):
             raise invalid(f"{name}: must be a form field, not a file", name, "invalid_type")
         else:
-            values[name] = _typed(name, value)
+            values[name] = form_value(name, value)
     if "markup" in files:
         raise invalid("markup: is not supported by this server", "markup", "unsupported_value")
     if "image" not in files:

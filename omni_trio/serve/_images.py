@@ -41,7 +41,17 @@ if TYPE_CHECKING:
     from ._config import ServeConfig
     from ._metrics import ServeMetrics
 
-__all__ = ["CLIENT_GONE", "ImagesEndpoint", "JobParser", "header", "send_json"]
+__all__ = [
+    "CLIENT_GONE",
+    "SSE_HEADERS",
+    "Client",
+    "ImagesEndpoint",
+    "JobParser",
+    "account",
+    "header",
+    "read_body",
+    "send_json",
+]
 
 Scope = Mapping[str, Any]
 Message = Mapping[str, Any]
@@ -51,7 +61,7 @@ Send = Callable[[Message], Awaitable[None]]
 #: The abort reason of a request whose client disconnected.
 CLIENT_GONE = "client_disconnected"
 
-_SSE_HEADERS = [
+SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
@@ -85,8 +95,12 @@ async def send_json(
     await send({"type": "http.response.body", "body": data, "more_body": False})
 
 
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
-    """Read the whole body, or ``None`` if the client left; 413 past ``limit`` bytes."""
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
+    """Read the whole body, or ``None`` if the client left; 413 past ``limit`` bytes.
+
+    Cancellation:
+        Safe: what was read is dropped.
+    """
     too_large = ApiError(
         413,
         f"the request body is larger than {limit} bytes",
@@ -129,10 +143,31 @@ def header(scope: Scope, name: str) -> str | None:
     return None
 
 
-class _Client:
-    """The HTTP side of one generation: its ``send``, and whether it went away."""
+def account(metrics: ServeMetrics, handle: RequestHandle, *, gone: bool = False) -> None:
+    """Count a terminal request's outcome (``disconnected`` if its client is ``gone``), timings."""
+    status = handle.status
+    if gone:
+        outcome = "disconnected"
+    elif status is RequestStatus.COMPLETED:
+        outcome = "completed"
+    elif status is RequestStatus.ABORTED:
+        reason = handle.abort_reason
+        outcome = reason if reason in ("shutdown", "deadline") else "aborted"
+    else:
+        outcome = "failed"
+    metrics.count(outcome)
+    if handle.metrics is not None:
+        metrics.observe(handle.metrics)
 
-    def __init__(self, receive: Receive, send: Send, handle: RequestHandle) -> None:
+
+class Client:
+    """The HTTP side of one answer: its ``send``, and whether the client went away.
+
+    With a ``handle``, a disconnect aborts its request; without one (a video job's
+    event stream: the job outlives its watchers) it only stops the answer.
+    """
+
+    def __init__(self, receive: Receive, send: Send, handle: RequestHandle | None) -> None:
         self._receive = receive
         self._send = send
         self._handle = handle
@@ -147,7 +182,8 @@ class _Client:
         if not self.is_gone and not self.is_finished:
             self.is_gone = True
             # First reason wins: leaving the handle's block afterwards keeps this one.
-            self._handle.abort_nowait(reason=CLIENT_GONE)
+            if self._handle is not None:
+                self._handle.abort_nowait(reason=CLIENT_GONE)
             self.scope.cancel()
 
     async def watch(self) -> None:
@@ -218,7 +254,7 @@ class ImagesEndpoint:
         metrics = self._metrics
         try:
             engine = self._admitting_engine()
-            body = await _read_body(scope, receive, self._max_body_bytes)
+            body = await read_body(scope, receive, self._max_body_bytes)
             if body is None:
                 metrics.count("disconnected")
                 return
@@ -233,7 +269,7 @@ class ImagesEndpoint:
             metrics.count(error.outcome)
             await send_json(send, error.status, error.body(), error.headers)
             return
-        client = _Client(receive, send, handle)
+        client = Client(receive, send, handle)
         try:
             async with handle:
                 if job.stream:
@@ -243,23 +279,10 @@ class ImagesEndpoint:
         finally:
             self._account(handle, client)
 
-    def _account(self, handle: RequestHandle, client: _Client) -> None:
-        metrics = self._metrics
-        status = handle.status
-        if client.is_gone:
-            outcome = "disconnected"
-        elif status is RequestStatus.COMPLETED:
-            outcome = "completed"
-        elif status is RequestStatus.ABORTED:
-            reason = handle.abort_reason
-            outcome = reason if reason in ("shutdown", "deadline") else "aborted"
-        else:
-            outcome = "failed"
-        metrics.count(outcome)
-        if handle.metrics is not None:
-            metrics.observe(handle.metrics)
+    def _account(self, handle: RequestHandle, client: Client) -> None:
+        account(self._metrics, handle, gone=client.is_gone)
 
-    async def _answer_json(self, handle: RequestHandle, job: ImageJob, client: _Client) -> None:
+    async def _answer_json(self, handle: RequestHandle, job: ImageJob, client: Client) -> None:
         status = 200
         headers: Mapping[str, str] = {"X-Request-Id": handle.request_id}
         body: object = None
@@ -301,8 +324,8 @@ class ImagesEndpoint:
         if not client.is_gone:
             await send_json(client.send, status, body, headers)
 
-    async def _answer_stream(self, handle: RequestHandle, job: ImageJob, client: _Client) -> None:
-        headers = [*_SSE_HEADERS, (b"x-request-id", handle.request_id.encode())]
+    async def _answer_stream(self, handle: RequestHandle, job: ImageJob, client: Client) -> None:
+        headers = [*SSE_HEADERS, (b"x-request-id", handle.request_id.encode())]
         with client.scope:
             await client.send({"type": "http.response.start", "status": 200, "headers": headers})
             async with anyio.create_task_group() as tg:
@@ -310,7 +333,7 @@ class ImagesEndpoint:
                 await self._send_events(handle, job, client)
                 tg.cancel_scope.cancel()
 
-    async def _send_events(self, handle: RequestHandle, job: ImageJob, client: _Client) -> None:
+    async def _send_events(self, handle: RequestHandle, job: ImageJob, client: Client) -> None:
         common = {
             "background": "opaque",
             "output_format": job.output_format,

@@ -21,6 +21,8 @@ omni_trio_workers_alive                   gauge      workers whose threads have 
 omni_trio_engine_steps_total              counter    member-steps the engine ran
 omni_trio_preemptions_total               counter    suspensions of running requests (L61)
 omni_trio_steps_after_abort_total         counter    member-steps run after an abort was asked
+omni_trio_video_jobs{status}              gauge      video jobs held now by status (L73)
+omni_trio_video_bytes                     gauge      MP4 bytes the finished video jobs hold now
 ========================================  =========  ==========================================
 
 Outcomes: ``completed``, ``disconnected`` (the client went away; aborted),
@@ -41,7 +43,7 @@ change every registry of the process.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import (
     CollectorRegistry,
@@ -53,7 +55,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .._outputs import EngineStatistics, RequestMetrics
@@ -114,6 +116,31 @@ class _EngineCollector:
     def describe(self) -> Iterator[Metric]:
         for name, _, _ in self._COUNTERS:
             yield CounterMetricFamily(name, "")
+
+
+class _VideoCollector:
+    """Reads the video jobs' counts at scrape time (L73)."""
+
+    def __init__(self, counts: Callable[[], Mapping[str, int]], held: Callable[[], int]) -> None:
+        self._counts = counts
+        self._held = held
+
+    def collect(self) -> Iterator[Metric]:
+        jobs = GaugeMetricFamily(
+            "omni_trio_video_jobs", "Video jobs held now, by status.", labels=["status"]
+        )
+        for status, count in self._counts().items():
+            jobs.add_metric([status], count)
+        yield jobs
+        yield GaugeMetricFamily(
+            "omni_trio_video_bytes",
+            "MP4 bytes the finished video jobs hold now.",
+            value=self._held(),
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("omni_trio_video_jobs", "", labels=["status"])
+        yield GaugeMetricFamily("omni_trio_video_bytes", "")
 
 
 class _WithoutCreated:
@@ -222,6 +249,12 @@ class ServeMetrics:
         PlatformCollector(registry=registry)
         GCCollector(registry=registry)
         self._exposed = _WithoutCreated(registry)
+
+    def add_video_jobs(
+        self, counts: Callable[[], Mapping[str, int]], held: Callable[[], int]
+    ) -> None:
+        """Export the video jobs by status and the bytes they hold (read at scrape time)."""
+        self.registry.register(_VideoCollector(counts, held))
 
     def count(self, outcome: str) -> None:
         """Count one request that ended with ``outcome``."""

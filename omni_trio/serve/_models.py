@@ -14,7 +14,8 @@ a call leaves them out:
   steps at most ``--max-steps``.
 
 The built-in tiny models are built for 64x64 (tiny-unet: 32x32) and default to
-``TINY_STEPS`` steps: they exist to be fast.
+``TINY_STEPS`` steps: they exist to be fast. ``tiny-wan`` and ``tiny-ltx`` make
+videos (``/v1/videos``, L73), at 16 and 25 frames per second.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ MODELS = (
     "tiny-flux",
     "tiny-qwen-image",
     "tiny-unet",
+    "tiny-wan",
+    "tiny-ltx",
     "fake",
 )
 
@@ -50,6 +53,10 @@ FALLBACK_GUIDANCE = 7.5
 #: The ``__call__`` parameter a ``DiffusersRunner`` family maps ``guidance_scale`` to,
 #: where it is not ``guidance_scale`` itself.
 _GUIDANCE_PARAMETER = {"qwen-image": "true_cfg_scale"}
+#: The frames per second of a video family's clips, as their model cards export them
+#: (Wan 16; LTX-Video 25, its ``__call__``'s ``frame_rate``); another video runner 24.
+VIDEO_FPS = {"wan": 16.0, "ltx": 25.0}
+FALLBACK_FPS = 24.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +69,8 @@ class LoadedModel:
     size: tuple[int, int]
     steps: int
     guidance_scale: float
+    #: A video model's frames per second (``None`` for an image model).
+    fps: float | None = None
 
 
 def _call_default(pipeline: Any, name: str, fallback: float) -> float:
@@ -193,6 +202,7 @@ def load_model(
     size = (fixed[1], fixed[0]) if fixed is not None else model_size(pipeline, tiny=tiny)
     family = runner.family if isinstance(runner, DiffusersRunner) else None
     guidance = _GUIDANCE_PARAMETER.get(family or "", "guidance_scale")
+    video = runner.capabilities.frames is not None
     return LoadedModel(
         runners=tuple(runners),
         name=name,
@@ -200,4 +210,5 @@ def load_model(
         size=size,
         steps=steps,
         guidance_scale=float(_call_default(pipeline, guidance, FALLBACK_GUIDANCE)),
+        fps=VIDEO_FPS.get(family or "", FALLBACK_FPS) if video else None,
     )

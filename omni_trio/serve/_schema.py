@@ -38,7 +38,7 @@ import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails, PydanticCustomError
@@ -60,9 +60,16 @@ __all__ = [
     "KNOWN_FIELDS",
     "GenerationBody",
     "ImageJob",
+    "check_model",
+    "checked_priority",
+    "deadline_seconds",
     "job_from_body",
+    "load_json",
     "parse_generation_body",
     "parse_size",
+    "shown",
+    "size_of",
+    "validate",
     "validate_body",
 ]
 
@@ -202,6 +209,8 @@ class GenerationBody(BaseModel):
     svg: dict[str, Any] | None = None
 
 
+_M = TypeVar("_M", bound=BaseModel)
+
 #: Every field the body may have.
 KNOWN_FIELDS = frozenset(GenerationBody.model_fields)
 
@@ -244,9 +253,9 @@ def _api_error(error: ErrorDetails) -> ApiError:
     return invalid(f"{name}: {error['msg']}", name)
 
 
-def _first(errors: list[ErrorDetails]) -> ErrorDetails:
+def _first(errors: list[ErrorDetails], model: type[BaseModel]) -> ErrorDetails:
     # Unknown fields first (alphabetically), then the model's field order.
-    order = {name: index for index, name in enumerate(GenerationBody.model_fields)}
+    order = {name: index for index, name in enumerate(model.model_fields)}
 
     def rank(error: ErrorDetails) -> tuple[int, int, str]:
         name = str(error["loc"][0]) if error["loc"] else ""
@@ -266,7 +275,12 @@ def _parse_int(text: str) -> int:
     return int(text)
 
 
-def _load(body: bytes) -> dict[str, object]:
+def load_json(body: bytes, known: frozenset[str] = KNOWN_FIELDS) -> dict[str, object]:
+    """Stage 1: the body as a JSON object whose keys are all in ``known``.
+
+    Raises:
+        ApiError: 400 ``invalid_json``, or ``unknown_parameter`` naming the key.
+    """
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -284,7 +298,7 @@ def _load(body: bytes) -> dict[str, object]:
     if not isinstance(data, dict):
         raise invalid(f"the body must be a JSON object, got {shown(data)}", None, "invalid_json")
     # Here rather than by the model, which cannot even name a key with a lone surrogate.
-    unknown = sorted(set(data) - KNOWN_FIELDS)
+    unknown = sorted(set(data) - known)
     if unknown:
         param = _field_name(unknown[0])
         raise invalid(
@@ -320,7 +334,18 @@ class ImageJob:
     events: str = "image_generation"
 
 
-def _size(size: str | None, config: ServeConfig) -> tuple[int, int]:
+def check_model(model: str | None, config: ServeConfig) -> None:
+    """A 400 ``model_not_found`` unless ``model`` is absent or the served model's id."""
+    if model is not None and model != config.model_name:
+        raise invalid(
+            f"model: this server serves {shown(config.model_name)}, not {shown(model)}",
+            "model",
+            "model_not_found",
+        )
+
+
+def size_of(size: str | None, config: ServeConfig) -> tuple[int, int]:
+    """``(width, height)`` of a body's ``size``: the default when absent or ``"auto"``."""
     if size is None or size == "auto":
         return config.default_width, config.default_height
     return parse_size(size)
@@ -353,10 +378,20 @@ def validate_body(data: Mapping[str, object]) -> GenerationBody:
     Raises:
         ApiError: 400 naming the field at fault.
     """
+    return validate(GenerationBody, data)
+
+
+def validate(model: type[_M], data: Mapping[str, object]) -> _M:
+    """Stage 2: type-check a parsed JSON object (or typed form) as ``model``.
+
+    Raises:
+        ApiError: 400 naming the field at fault (unknown fields first, then the
+            model's field order).
+    """
     try:
-        return GenerationBody.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
-        raise _api_error(_first(exc.errors(include_url=False))) from None
+        raise _api_error(_first(exc.errors(include_url=False), model)) from None
 
 
 def _header_deadline_ms(text: str | None) -> int | None:
@@ -380,14 +415,19 @@ def _header_deadline_ms(text: str | None) -> int | None:
     return value
 
 
-def _deadline_s(body: GenerationBody, header: str | None) -> float | None:
-    """The request's deadline in seconds: the earlier of the body's and the header's."""
-    given = [ms for ms in (body.deadline_ms, _header_deadline_ms(header)) if ms is not None]
+def deadline_seconds(deadline_ms: int | None, header: str | None) -> float | None:
+    """The request's deadline in seconds: the earlier of the body's and the header's.
+
+    Raises:
+        ApiError: 400 naming the header if it is not a number of milliseconds.
+    """
+    given = [ms for ms in (deadline_ms, _header_deadline_ms(header)) if ms is not None]
     return min(given) / 1000 if given else None
 
 
-def _priority(body: GenerationBody, config: ServeConfig) -> int:
-    priority = 0 if body.priority is None else body.priority
+def checked_priority(given: int | None, config: ServeConfig) -> int:
+    """The body's ``priority`` (0 if absent); a 400 above the server's ``max_priority``."""
+    priority = 0 if given is None else given
     if priority > config.max_priority:
         raise invalid(
             f"priority: must be <= {config.max_priority} on this server, got {priority}",
@@ -409,7 +449,7 @@ def parse_generation_body(
     Raises:
         ApiError: 400 naming the field at fault (``param``), or ``invalid_json``.
     """
-    return job_from_body(validate_body(_load(body)), config, deadline_header=deadline_header)
+    return job_from_body(validate_body(load_json(body)), config, deadline_header=deadline_header)
 
 
 def job_from_body(
@@ -436,13 +476,8 @@ def job_from_body(
     Raises:
         ApiError: 400 naming the field at fault (``param``).
     """
-    if parsed.model is not None and parsed.model != config.model_name:
-        raise invalid(
-            f"model: this server serves {shown(config.model_name)}, not {shown(parsed.model)}",
-            "model",
-            "model_not_found",
-        )
-    width, height = size if size is not None else _size(parsed.size, config)
+    check_model(parsed.model, config)
+    width, height = size if size is not None else size_of(parsed.size, config)
     steps = (
         config.default_steps if parsed.num_inference_steps is None else parsed.num_inference_steps
     )
@@ -451,8 +486,8 @@ def job_from_body(
         kind = "inpaint" if edit.get("mask") is not None else "image-to-image"
         runs = denoise_steps(steps, edit.get("strength") or DEFAULT_STRENGTH[kind])
     guidance = parsed.guidance_scale
-    priority = _priority(parsed, config)
-    deadline_s = _deadline_s(parsed, deadline_header)
+    priority = checked_priority(parsed.priority, config)
+    deadline_s = deadline_seconds(parsed.deadline_ms, deadline_header)
     try:
         request = GenerationRequest(
             prompt=parsed.prompt,

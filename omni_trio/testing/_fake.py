@@ -36,6 +36,8 @@ class FakeState:
     parked: bool = False
     #: Suspended with ``to_host``: its latents would be in host memory.
     on_host: bool = False
+    #: The request's ``num_frames`` (a video runner's, L70), else ``None``.
+    frames: int | None = None
 
 
 class FakeRunner:
@@ -53,6 +55,9 @@ class FakeRunner:
         max_batch_size: the runner's own batch limit.
         suspendable: whether it declares ``suspendable`` (L61): its states can be
             parked between steps and resumed exactly.
+        frames: ``None`` for images; ``(a, b)`` makes it a video runner
+            (``RunnerCapabilities.frames``, L70) whose decode returns
+            ``[N, F, C, H, W]``: the image, dimmed frame by frame.
 
     Counters (read them from any thread): ``live_states`` (states held now),
     ``prepares``, ``steps_run`` (member-steps), ``batch_steps`` (``step`` calls),
@@ -69,6 +74,7 @@ class FakeRunner:
         decode_seconds: float = 0.0,
         max_batch_size: int = 64,
         suspendable: bool = True,
+        frames: tuple[int, int] | None = None,
     ) -> None:
         self.step_seconds = step_seconds
         self.fail_at_step = fail_at_step
@@ -80,6 +86,7 @@ class FakeRunner:
             previews=True,
             size_multiple=LATENT_SCALE,
             suspendable=suspendable,
+            frames=frames,
         )
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -119,7 +126,7 @@ class FakeRunner:
         )
         code = (zlib.crc32(request.prompt.encode()) % 1000) / 1000.0
         self._count(prepares=1, live_states=1)
-        return FakeState(request_id, latents, code, 0, request.num_steps)
+        return FakeState(request_id, latents, code, 0, request.num_steps, frames=request.num_frames)
 
     def step(self, states: Sequence[FakeState]) -> None:
         """Advance each state by one step; sleep ``step_seconds`` once."""
@@ -159,6 +166,10 @@ class FakeRunner:
         images = images.repeat_interleave(LATENT_SCALE, dim=2).repeat_interleave(
             LATENT_SCALE, dim=3
         )
+        if state.frames is not None:
+            # A video: frame f is the image dimmed by f / (2F), so the frames differ.
+            dim = 1 - torch.arange(state.frames, dtype=images.dtype) / (2 * state.frames)
+            images = images[:, None] * dim[None, :, None, None, None]
         self._count(decodes=1)
         return images
 
@@ -226,12 +237,14 @@ class GatedRunner(FakeRunner):
         fail_at_step: int | None = None,
         max_batch_size: int = 64,
         suspendable: bool = True,
+        frames: tuple[int, int] | None = None,
     ) -> None:
         super().__init__(
             step_seconds=step_seconds,
             fail_at_step=fail_at_step,
             max_batch_size=max_batch_size,
             suspendable=suspendable,
+            frames=frames,
         )
         self.gate_timeout = gate_timeout
         self.gate_decodes = gate_decodes

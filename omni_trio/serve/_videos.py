@@ -1,0 +1,264 @@
+"""The ``/v1/videos`` routes (L73): OpenAI's video jobs API over ``VideoJobs``.
+
+- ``POST /v1/videos``: check the body (a form, as the OpenAI SDK sends, or JSON),
+  submit the request, start the job's task, answer the job at once (``queued``);
+- ``GET /v1/videos``: the jobs, newest first, OpenAI's list shape and cursor
+  (``limit``, ``after``, ``order``);
+- ``GET /v1/videos/{id}``: the job; ``DELETE``: abort and drop it, at once;
+- ``GET /v1/videos/{id}/content``: the MP4 (``video/mp4``) once completed;
+- ``GET /v1/videos/{id}/events``: server-sent events: the job after every change
+  (``video.progress``), then ``video.completed`` or ``video.failed`` (or
+  ``error`` if it is deleted meanwhile). A watcher that disconnects stops only
+  its stream: the job goes on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from .._errors import OmniTrioError
+from ._encode import sse_event
+from ._errors import ApiError, api_error_from, invalid
+from ._images import (
+    SSE_HEADERS,
+    Client,
+    Receive,
+    Scope,
+    Send,
+    header,
+    read_body,
+    send_json,
+)
+from ._schema import DEADLINE_HEADER, shown
+from ._upload import UploadLimits, read_form
+from ._video_body import parse_video_body
+
+if TYPE_CHECKING:
+    from .._engine import Engine
+    from ._config import ServeConfig
+    from ._metrics import ServeMetrics
+    from ._video_jobs import VideoJob, VideoJobs
+
+__all__ = ["Asgi", "VideosApi"]
+
+#: The most jobs one page lists, and how many when ``limit`` is not given.
+MAX_LIMIT = 100
+DEFAULT_LIMIT = 20
+
+
+class Asgi:
+    """A bound ``async (scope, receive, send)`` method as an ASGI app.
+
+    Starlette calls a function or method with a ``Request``; an object with
+    ``__call__`` it runs as an ASGI app, as these routes need (to watch for the
+    client's disconnect, to bound the body as it is read).
+    """
+
+    def __init__(self, call: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        self._call = call
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._call(scope, receive, send)
+
+
+def _json_error(error: ApiError) -> Response:
+    return JSONResponse(error.body(), status_code=error.status, headers=dict(error.headers))
+
+
+class VideosApi:
+    """The ``/v1/videos`` routes of one service.
+
+    Args:
+        config: the HTTP layer's configuration.
+        metrics: where refusals are counted (the jobs count their own outcomes).
+        jobs: the store.
+        admitting_engine: returns the engine if it admits video jobs now, else
+            raises ``ApiError`` (400 for an image model, 503 while starting,
+            draining or dead).
+        rule: the runner's frame rule, ``None`` for an image model.
+    """
+
+    def __init__(
+        self,
+        *,
+        config: ServeConfig,
+        metrics: ServeMetrics,
+        jobs: VideoJobs,
+        admitting_engine: Callable[[], Engine],
+        rule: tuple[int, int] | None,
+    ) -> None:
+        self._config = config
+        self._metrics = metrics
+        self._jobs = jobs
+        self._admitting_engine = admitting_engine
+        self._rule = rule
+
+    # -- POST /v1/videos --------------------------------------------------------
+
+    async def create(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer ``POST /v1/videos`` (an ASGI app).
+
+        Cancellation:
+            Safe: a job is started only once the answer is decided, and runs in
+            the service's task group, not in this call.
+        """
+        try:
+            job = await self._create(scope, receive)
+        except OmniTrioError as exc:
+            error = api_error_from(exc, retry_after_s=self._config.retry_after_s)
+        except ApiError as exc:
+            error = exc
+        else:
+            if job is not None:
+                await send_json(send, 200, job.body(), {"X-Request-Id": job.id})
+            else:
+                self._metrics.count("disconnected")
+            return
+        self._metrics.count(error.outcome)
+        await send_json(send, error.status, error.body(), error.headers)
+
+    async def _create(self, scope: Scope, receive: Receive) -> VideoJob | None:
+        engine = self._admitting_engine()
+        assert self._rule is not None  # admitting_engine refused an image model
+        limit = self._config.max_body_bytes
+        body = await read_body(scope, receive, limit)
+        if body is None:
+            return None
+        content_type = header(scope, "content-type") or ""
+        form = None
+        if content_type.lower().startswith("multipart/form-data"):
+            headers = {
+                bytes(key).decode("latin-1"): bytes(value).decode("latin-1")
+                for key, value in scope.get("headers", ())
+            }
+            form = await read_form(headers, body, UploadLimits(max_bytes=limit))
+        video = self._jobs.config
+        spec = parse_video_body(
+            body,
+            form,
+            self._config,
+            fps=video.fps,
+            default_seconds=video.default_seconds,
+            rule=self._rule,
+            deadline_header=header(scope, DEADLINE_HEADER),
+        )
+        self._jobs.check_room()
+        job_id = self._jobs.new_id()
+        handle = engine.submit(spec.request, request_id=job_id)
+        return self._jobs.start(job_id, spec, handle, self._config.model_name)
+
+    # -- the other routes -------------------------------------------------------
+
+    async def list(self, request: Request) -> Response:
+        """``GET /v1/videos``: a page of jobs, OpenAI's list shape."""
+        params = request.query_params
+        try:
+            limit = _limit(params.get("limit"))
+            order = params.get("order", "desc")
+            if order not in ("asc", "desc"):
+                raise invalid(f"order: must be 'asc' or 'desc', got {shown(order)}", "order")
+            jobs, more = self._jobs.page(limit=limit, after=params.get("after"), order=order)
+        except ApiError as error:
+            return _json_error(error)
+        data = [job.body() for job in jobs]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "first_id": jobs[0].id if jobs else None,
+                "last_id": jobs[-1].id if jobs else None,
+                "has_more": more,
+            }
+        )
+
+    async def job(self, request: Request) -> Response:
+        """``GET`` the job, or ``DELETE`` it (abort its request, drop it, answer at once)."""
+        job_id = request.path_params["video_id"]
+        try:
+            if request.method == "DELETE":
+                self._jobs.delete(job_id)
+                return JSONResponse({"id": job_id, "object": "video.deleted", "deleted": True})
+            return JSONResponse(self._jobs.get(job_id).body())
+        except ApiError as error:
+            return _json_error(error)
+
+    async def content(self, request: Request) -> Response:
+        """``GET /v1/videos/{id}/content``: the MP4 of a completed job."""
+        try:
+            variant = request.query_params.get("variant", "video")
+            if variant != "video":
+                raise invalid(
+                    f"variant: only 'video' is served here, got {shown(variant)}",
+                    "variant",
+                    "unsupported_value",
+                )
+            job = self._jobs.get(request.path_params["video_id"])
+            if job.mp4 is None:
+                state = "failed" if job.is_finished else f"{job.status} ({job.progress}%)"
+                raise invalid(
+                    f"video {job.id} is {state}: its content is there once it completed",
+                    "video_id",
+                    "video_not_ready",
+                )
+        except ApiError as error:
+            return _json_error(error)
+        return Response(job.mp4, media_type="video/mp4")
+
+    async def events(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET /v1/videos/{id}/events``: the job's changes as server-sent events (ASGI).
+
+        Cancellation:
+            Stops the stream; the job goes on.
+        """
+        try:
+            job = self._jobs.get(scope["path_params"]["video_id"])
+        except ApiError as error:
+            await send_json(send, error.status, error.body(), error.headers)
+            return
+        client = Client(receive, send, None)
+        headers = [*SSE_HEADERS, (b"x-request-id", job.id.encode())]
+        with client.scope:
+            await client.send({"type": "http.response.start", "status": 200, "headers": headers})
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client.watch)
+                await self._send_events(job, client)
+                tg.cancel_scope.cancel()
+
+    async def _send_events(self, job: VideoJob, client: Client) -> None:
+        sent: tuple[str, int] | None = None
+        while True:
+            if job.removed:
+                error = ApiError(
+                    404, f"video {job.id} was deleted or expired", code="video_not_found"
+                )
+                await client.chunk(sse_event("error", {"type": "error", **error.body()}))
+                break
+            now = (job.status, job.progress)
+            if now != sent:
+                kind = job.status if job.is_finished else "progress"
+                body = {"type": f"video.{kind}", "sent_at": int(time.time()), **job.body()}
+                await client.chunk(sse_event(f"video.{kind}", body))
+                sent = now
+                continue  # the send may have let a change pass: look again first
+            if job.is_finished:
+                break
+            # Nothing awaited since the check above: no change can slip past this wait.
+            await job.wait_changed()
+        client.is_finished = True
+        await client.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _limit(text: str | None) -> int:
+    if text is None:
+        return DEFAULT_LIMIT
+    if not (text.isascii() and text.isdigit()) or len(text) > 6 or not 1 <= int(text) <= MAX_LIMIT:
+        raise invalid(
+            f"limit: must be an integer from 1 to {MAX_LIMIT}, got {shown(text)}", "limit"
+        )
+    return int(text)

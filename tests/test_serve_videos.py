@@ -1,0 +1,549 @@
+"""``/v1/videos`` in-process (L73): jobs, their progress, deletes, expiry, paging, the SDK.
+
+Determinism rules:
+- every test runs on trio and asyncio inside the service's own lifespan and
+  ``anyio.fail_after(BUDGET)``;
+- the runners are ``FakeRunner``/``GatedRunner`` with a frame rule (4k + 1), so
+  "the job is at step k" or "in its decode" is exact; one test runs the tiny Wan
+  pipeline (seeded weights, one torch thread) end to end through the OpenAI SDK;
+- expiry reads a fake clock the test moves, never the time that passes;
+- requests go through ``httpx.ASGITransport``, the OpenAI SDK through
+  ``httpx2.ASGITransport`` (its own client), and the event stream through
+  ``AsgiCall``, which shows what the app sent while it is still sending.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import httpx
+import httpx2
+import openai
+import pytest
+
+import omni_trio as ot
+from omni_trio.runners import DiffusersRunner, tiny_pipeline
+from omni_trio.serve import ImageService, ServeConfig, VideoConfig
+from omni_trio.serve._video_body import frames_for
+from omni_trio.testing import (
+    FakeRunner,
+    GatedRunner,
+    assert_engine_idle,
+    live_objects,
+    wait_until,
+)
+
+from .test_serve_app import AsgiCall, metric, parse_sse
+from .util import BUDGET
+
+pytestmark = pytest.mark.anyio
+
+RULE = (4, 1)
+FPS = 8.0
+SIZE = 16
+
+
+class FakeClock:
+    """Monotonic seconds that move only when the test says."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_service(
+    runner: FakeRunner | None = None,
+    *,
+    max_jobs: int = 8,
+    ttl_s: float = 60.0,
+    grace: float = 0.0,
+    **video: Any,
+) -> tuple[ImageService, FakeRunner]:
+    """A video service on ``runner`` (an instant 4k + 1 FakeRunner by default), 16x16, 4 steps."""
+    runner = runner if runner is not None else FakeRunner(frames=RULE)
+    config = ServeConfig(
+        model_name="fake-video", default_width=SIZE, default_height=SIZE, default_steps=4
+    )
+    videos = VideoConfig(fps=FPS, max_jobs=max_jobs, ttl_s=ttl_s, **video)
+    service = ImageService(
+        runner, engine_config=ot.EngineConfig(max_height=64, max_width=64, shutdown_grace=grace),
+        config=config,
+        video_config=videos,
+    )  # fmt: skip
+    return service, runner
+
+
+@asynccontextmanager
+async def serving(service: ImageService) -> AsyncIterator[httpx.AsyncClient]:
+    """Run the service's lifespan; yield a client that calls it in-process."""
+    transport = httpx.ASGITransport(app=service.app)
+    async with (
+        service.lifespan(),
+        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
+    ):
+        yield client
+
+
+async def create(client: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
+    response = await client.post("/v1/videos", json={"prompt": "a fox", **body})
+    assert response.status_code == 200, response.text
+    job: dict[str, Any] = response.json()
+    return job
+
+
+async def finished(client: httpx.AsyncClient, job_id: str) -> dict[str, Any]:
+    """Poll the job until it completed or failed (the hang budget bounds it)."""
+    while True:
+        job: dict[str, Any] = (await client.get(f"/v1/videos/{job_id}")).json()
+        if job["status"] in ("completed", "failed"):
+            return job
+        await anyio.sleep(0.001)
+
+
+def mp4_frames(data: bytes) -> list[tuple[int, int]]:
+    """The (width, height) of each frame PyAV decodes from MP4 ``data``."""
+    import av
+
+    with av.open(io.BytesIO(data), mode="r") as container:
+        return [(frame.width, frame.height) for frame in container.decode(video=0)]
+
+
+def error_of(response: httpx.Response) -> dict[str, Any]:
+    error: dict[str, Any] = response.json()["error"]
+    return error
+
+
+# -- the life of a job ---------------------------------------------------------------
+
+
+async def test_a_job_is_queued_progresses_and_completes_with_an_mp4() -> None:
+    """L73: POST answers at once with the job queued; it turns in_progress when the worker
+    takes it, its progress follows the steps (25, 50, 75), then it completes (100) and its
+    content is an MP4 of its frames; the finished job holds the MP4 bytes only: no output
+    or video tensor of it is alive and the engine holds nothing.
+    """
+    runner = GatedRunner(frames=RULE)
+    service, _ = make_service(runner)
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            job = await create(client, seconds="1", seed=3)
+            assert (job["status"], job["progress"], job["object"]) == ("queued", 0, "video")
+            assert job["omni_trio"]["num_frames"] == 9  # 1 s at 8 fps: 8, so 4k + 1 gives 9
+            assert (job["seconds"], job["size"], job["model"]) == ("1", "16x16", "fake-video")
+            vid = job["id"]
+            stored = service.videos.get(vid)
+            await runner.wait_arrived(1)
+            got = (await client.get(f"/v1/videos/{vid}")).json()
+            assert (got["status"], got["progress"]) == ("in_progress", 0)
+            seen = []
+            for step in (1, 2, 3):
+                runner.release(1)
+                await wait_until(lambda step=step: stored.progress == 25 * step)  # type: ignore[misc]
+                seen.append((await client.get(f"/v1/videos/{vid}")).json()["progress"])
+            assert seen == [25, 50, 75]
+            runner.open_gate()
+            done = await finished(client, vid)
+            assert (done["status"], done["progress"], done["error"]) == ("completed", 100, None)
+            assert done["completed_at"] >= done["created_at"]
+            assert done["expires_at"] == done["completed_at"] + 60
+            content = await client.get(f"/v1/videos/{vid}/content")
+            assert content.status_code == 200
+            assert content.headers["content-type"] == "video/mp4"
+            assert mp4_frames(content.content) == [(SIZE, SIZE)] * 9
+            assert done["omni_trio"]["bytes"] == len(content.content) == service.videos.held_bytes()
+            assert live_objects(ot.GenerationOutput, request_id=vid) == []
+            engine = service.engine
+            assert engine is not None
+            assert_engine_idle(engine)
+            assert runner.live_states == 0
+            text = (await client.get("/metrics")).text
+            assert metric(text, "omni_trio_video_jobs", status="completed") == 1
+            assert metric(text, "omni_trio_video_bytes") == len(content.content)
+            assert metric(text, "omni_trio_requests_total", outcome="completed") == 1
+
+
+async def test_delete_while_running_aborts_the_request_and_answers_at_once() -> None:
+    """L73: DELETE of a running job answers at once (the worker is still inside a step),
+    the job is gone (404), and the engine's abort lands at the next boundary: the request
+    is aborted, never decoded, and nothing of it is left in the engine or the runner.
+    """
+    runner = GatedRunner(frames=RULE)
+    service, _ = make_service(runner)
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            vid = (await create(client, num_frames=5))["id"]
+            runner.release(1)
+            await runner.wait_arrived(2)  # step 1 done, step 2 held inside the runner
+            response = await client.delete(f"/v1/videos/{vid}")
+            assert response.json() == {"id": vid, "object": "video.deleted", "deleted": True}
+            assert runner.steps_run == 1 and runner.live_states == 1  # answered before release
+            assert (await client.get(f"/v1/videos/{vid}")).status_code == 404
+            assert len(service.videos) == 0
+            runner.release(1)
+            engine = service.engine
+            assert engine is not None
+            await wait_until(lambda: engine.statistics().aborted == 1 and runner.live_states == 0)
+            await wait_until(lambda: job_tasks() == [])  # it closed the handle: nothing open
+            assert_engine_idle(engine)
+            assert (runner.steps_run, runner.decodes) == (2, 0)
+            text = (await client.get("/metrics")).text
+            assert metric(text, "omni_trio_requests_total", outcome="aborted") == 1
+            assert metric(text, "omni_trio_video_jobs", status="in_progress") == 0
+            assert (await client.delete(f"/v1/videos/{vid}")).status_code == 404
+
+
+async def test_delete_during_the_decode_keeps_nothing() -> None:
+    """L73: a job deleted while its frames are decoded is gone at once; when the decode
+    ends, no output, MP4 or engine state of it is left.
+    """
+    runner = GatedRunner(frames=RULE, gate_decodes=True)
+    runner.open_gate()
+    service, _ = make_service(runner)
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            vid = (await create(client, num_frames=5))["id"]
+            await wait_until(lambda: runner.decodes_arrived == 1)
+            assert (await client.delete(f"/v1/videos/{vid}")).status_code == 200
+            runner.release_decode(1)
+            engine = service.engine
+            assert engine is not None
+            await wait_until(lambda: engine.statistics().running == 0 and runner.live_states == 0)
+            await wait_until(lambda: job_tasks() == [])
+            assert_engine_idle(engine)
+            assert live_objects(ot.GenerationOutput, request_id=vid) == []
+            assert (len(service.videos), service.videos.held_bytes()) == (0, 0)
+            assert (await client.get(f"/v1/videos/{vid}/content")).status_code == 404
+
+
+def job_tasks() -> list[str]:
+    """The names of the video jobs' tasks still running."""
+    return [t.name for t in anyio.get_running_tasks() if t.name and "video job" in t.name]
+
+
+async def test_finished_jobs_expire_after_their_time_to_live_and_the_store_is_bounded() -> None:
+    """L73: with max_jobs 2, a third job gets 429 (one line, Retry-After) and never reaches
+    the engine; a finished job is kept ttl_s after it finished, then dropped with its MP4
+    (404, no bytes held), which makes room again.
+    """
+    clock = FakeClock()
+    service, _ = make_service(max_jobs=2, ttl_s=60.0, clock=clock)
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            first = (await create(client, num_frames=5))["id"]
+            await finished(client, first)
+            clock.now += 30
+            second = (await create(client, num_frames=5))["id"]
+            await finished(client, second)
+            full = await client.post("/v1/videos", json={"prompt": "a third", "num_frames": 5})
+            assert full.status_code == 429
+            assert full.headers["retry-after"] == "1"
+            error = error_of(full)
+            assert error["code"] == "video_jobs_full" and "\n" not in error["message"]
+            engine = service.engine
+            assert engine is not None
+            assert engine.statistics().admitted == 2
+            clock.now += 29.5  # the first finished 59.5 s ago: kept
+            assert (await client.get(f"/v1/videos/{first}")).status_code == 200
+            clock.now += 1  # 60.5 s: dropped, the second (30.5 s) kept
+            assert (await client.get(f"/v1/videos/{first}")).status_code == 404
+            assert (await client.get(f"/v1/videos/{second}")).status_code == 200
+            held = service.videos.held_bytes()
+            assert len(service.videos) == 1 and held > 0
+            third = (await create(client, num_frames=5))["id"]
+            await finished(client, third)
+            clock.now += 61
+            assert (len(service.videos), service.videos.held_bytes()) == (0, 0)
+            assert (await client.get("/v1/videos")).json()["data"] == []
+
+
+async def test_the_sweeper_drops_expired_jobs_without_being_asked() -> None:
+    """L73: an expired job's MP4 is freed by the sweeper at its expiry, with no request."""
+    service, _ = make_service(ttl_s=0.001)
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            vid = (await create(client, num_frames=5))["id"]
+            job = service.videos.get(vid)
+            await wait_until(lambda: job.removed)
+            assert job.mp4 is None and service.videos._jobs == {}
+
+
+async def test_list_pages_newest_first_and_its_cursor_survives_a_delete() -> None:
+    """L73: GET /v1/videos is OpenAI's list (object, data, first_id, last_id, has_more),
+    newest first; limit and after page through it (also once the cursor's job is
+    deleted), order=asc reverses it; a bad limit, order or after is a 400 naming it.
+    """
+    service, _ = make_service()
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            ids = [(await create(client, num_frames=5, seed=i))["id"] for i in range(5)]
+            page = (await client.get("/v1/videos", params={"limit": 2})).json()
+            assert [v["id"] for v in page["data"]] == ids[:2:-1][:2] == [ids[4], ids[3]]
+            assert (page["object"], page["has_more"]) == ("list", True)
+            assert (page["first_id"], page["last_id"]) == (ids[4], ids[3])
+            await client.delete(f"/v1/videos/{ids[3]}")
+            page = (await client.get("/v1/videos", params={"limit": 2, "after": ids[3]})).json()
+            assert [v["id"] for v in page["data"]] == [ids[2], ids[1]] and page["has_more"]
+            page = (await client.get("/v1/videos", params={"after": ids[1]})).json()
+            assert [v["id"] for v in page["data"]] == [ids[0]] and not page["has_more"]
+            page = (await client.get("/v1/videos", params={"order": "asc", "limit": 3})).json()
+            assert [v["id"] for v in page["data"]] == [ids[0], ids[1], ids[2]]
+            for params, param in [
+                ({"limit": "0"}, "limit"),
+                ({"limit": "101"}, "limit"),
+                ({"limit": "x"}, "limit"),
+                ({"order": "up"}, "order"),
+                ({"after": "img-1"}, "after"),
+            ]:
+                response = await client.get("/v1/videos", params=params)
+                assert response.status_code == 400 and error_of(response)["param"] == param
+
+
+async def test_the_event_stream_follows_the_job_and_a_watcher_leaving_stops_only_it() -> None:
+    """L73: GET /v1/videos/{id}/events sends the job after each change (video.progress)
+    and video.completed at the end; a watcher that disconnects ends its stream only: the
+    job goes on and completes.
+    """
+    runner = GatedRunner(frames=RULE)
+    service, _ = make_service(runner)
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            vid = (await create(client, num_frames=5))["id"]
+            watcher, leaver = events_call(vid), events_call(vid)
+            left = anyio.Event()
+
+            async def leave() -> None:
+                await leaver.run(service)
+                left.set()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watcher.run, service)
+                tg.start_soon(leave)
+                await wait_until(lambda: len(parse_sse(watcher.body.decode())) == 1)
+                await wait_until(lambda: len(parse_sse(leaver.body.decode())) == 1)
+                leaver.disconnect.set()
+                await left.wait()  # its stream ended; the job goes on
+                for step in (1, 2, 3):
+                    runner.release(1)
+                    await wait_until(
+                        lambda n=step: len(parse_sse(watcher.body.decode())) == n + 1  # type: ignore[misc]
+                    )
+                runner.open_gate()
+            events = parse_sse(watcher.body.decode())
+            names = [name for name, _ in events]
+            progress = [data["progress"] for _, data in events]
+            assert names[:4] == ["video.progress"] * 4 and progress[:4] == [0, 25, 50, 75]
+            # The last step makes 99 (100 only once encoded): seen unless the end came first.
+            assert names[4:] in (["video.completed"], ["video.progress", "video.completed"])
+            assert progress[4:] in ([100], [99, 100])
+            assert all(data["id"] == vid and data["object"] == "video" for _, data in events)
+            assert watcher.status == 200
+            assert (await client.get(f"/v1/videos/{vid}")).json()["status"] == "completed"
+            done = events_call(vid)  # a finished job: its last state, and the stream ends
+            await done.run(service)
+            assert [name for name, _ in parse_sse(done.body.decode())] == ["video.completed"]
+
+
+def events_call(video_id: str) -> AsgiCall:
+    call = AsgiCall({})
+    path = f"/v1/videos/{video_id}/events"
+    call.scope.update(method="GET", path=path, raw_path=path.encode(), headers=[])
+    return call
+
+
+# -- errors ----------------------------------------------------------------------------
+
+
+async def test_bad_input_gets_a_400_naming_the_field_and_changes_nothing() -> None:
+    """L73, L52: bad seconds, both seconds and num_frames, frames off the rule, a bad size,
+    an unknown field, an input_reference or another model's id get a 400 naming the field,
+    in one line; nothing reaches the engine.
+    """
+    service, _ = make_service()
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        ({"seconds": "four"}, "seconds", "positive number"),
+        ({"seconds": "0"}, "seconds", "> 0"),
+        ({"seconds": "1e9"}, "seconds", "positive number"),
+        ({"seconds": 1e9}, "seconds", "<= 540"),
+        ({"seconds": True}, "seconds", "a string or a number"),
+        ({"seconds": "1", "num_frames": 5}, "num_frames", "not both"),
+        ({"num_frames": 6}, "num_frames", "4k + 1"),
+        ({"num_frames": 0}, "num_frames", ">= 1"),
+        ({"size": "16"}, "size", "WIDTHxHEIGHT"),
+        ({"size": "12x12"}, "size", "multiple of 8"),
+        ({"fps": 8}, "fps", "Unrecognized"),
+        ({"input_reference": "x"}, "input_reference", "not supported"),
+        ({"model": "sora-2"}, "model", "fake-video"),
+        ({"num_inference_steps": "4"}, "num_inference_steps", "an integer"),
+        ({"priority": 1}, "priority", "<= 0"),
+    ]
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            for fields, param, words in cases:
+                response = await client.post("/v1/videos", json={"prompt": "a fox", **fields})
+                assert response.status_code == 400, (fields, response.text)
+                error = error_of(response)
+                assert error["param"] == param, (fields, error)
+                assert words in error["message"] and "\n" not in error["message"], error
+            response = await client.post(
+                "/v1/videos", content=b"{", headers={"content-type": "application/json"}
+            )
+            assert error_of(response)["code"] == "invalid_json"
+            form = await client.post(
+                "/v1/videos", files={"input_reference": b"x"}, data={"prompt": "p"}
+            )
+            assert error_of(form)["param"] == "input_reference"
+            engine = service.engine
+            assert engine is not None
+            assert engine.statistics().admitted == 0 and len(service.videos) == 0
+            missing = await client.get("/v1/videos/video_00000001ffffffffffffffffffffffff")
+            assert missing.status_code == 404 and error_of(missing)["code"] == "video_not_found"
+
+
+async def test_a_failed_job_reports_a_generic_error_and_has_no_content() -> None:
+    """L73, L54: a job whose model raises fails with generation_failed and a message that
+    names the job, never the model's text; its content is a 400 video_not_ready.
+    """
+    service, _ = make_service(FakeRunner(frames=RULE, fail_at_step=2))
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            vid = (await create(client, num_frames=5))["id"]
+            done = await finished(client, vid)
+            assert done["status"] == "failed" and done["error"]["code"] == "generation_failed"
+            assert vid in done["error"]["message"] and "FakeRunner" not in str(done)
+            content = await client.get(f"/v1/videos/{vid}/content")
+            assert content.status_code == 400 and error_of(content)["code"] == "video_not_ready"
+            thumbnail = await client.get(
+                f"/v1/videos/{vid}/content", params={"variant": "thumbnail"}
+            )
+            assert error_of(thumbnail)["param"] == "variant"
+
+
+async def test_each_route_refuses_the_other_kind_of_model_in_one_line() -> None:
+    """L73: image routes on a video model and /v1/videos on an image model answer 400
+    unsupported_model, naming the route to use.
+    """
+    video, _ = make_service()
+    image = ImageService(FakeRunner(), config=ServeConfig(model_name="fake", default_width=16))
+    with anyio.fail_after(BUDGET):
+        async with serving(video) as client:
+            response = await client.post("/v1/images/generations", json={"prompt": "x"})
+            assert response.status_code == 400
+            assert error_of(response)["code"] == "unsupported_model"
+            assert "POST /v1/videos" in error_of(response)["message"]
+        async with serving(image) as client:
+            response = await client.post("/v1/videos", json={"prompt": "x"})
+            assert response.status_code == 400
+            assert "POST /v1/images/generations" in error_of(response)["message"]
+
+
+async def test_shutdown_ends_every_job_and_leaves_no_task() -> None:
+    """L73: leaving the lifespan drains the engine: the running job finishes within the grace
+    period (its MP4 encoded), the waiting one fails shutting_down; no job's task is left.
+    """
+    runner = GatedRunner(frames=RULE, max_batch_size=1)  # the second job waits
+    service, _ = make_service(runner, grace=BUDGET)
+
+    async def open_when_draining() -> None:
+        await wait_until(lambda: service.is_draining)
+        runner.open_gate()  # the running job ends within its grace period
+
+    with anyio.fail_after(BUDGET):
+        async with anyio.create_task_group() as tg:
+            async with serving(service) as client:
+                running = service.videos.get((await create(client, num_frames=5))["id"])
+                waiting = service.videos.get((await create(client, num_frames=5))["id"])
+                await runner.wait_arrived(1)
+                tg.start_soon(open_when_draining)
+            assert job_tasks() == []
+    assert running.status == "completed" and running.mp4 is not None
+    assert waiting.status == "failed"
+    assert waiting.error is not None and waiting.error["code"] == "shutting_down"
+
+
+# -- the OpenAI SDK and a real model -----------------------------------------------------
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+async def test_the_openai_sdk_round_trip_on_tiny_wan() -> None:
+    """L73: the OpenAI SDK's videos.create (a multipart form, seconds as text, the
+    extensions in extra_body), retrieve, list (auto-paging), download_content and delete
+    work unchanged against tiny Wan; the MP4 reads back with PyAV: 9 frames of 32x32.
+    """
+    runner = DiffusersRunner(tiny_pipeline("wan"))
+    service = ImageService(
+        runner,
+        config=ServeConfig(model_name="tiny-wan", default_width=32, default_height=32,
+                           default_steps=2),
+        video_config=VideoConfig(fps=FPS),
+    )  # fmt: skip
+    http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=service.app), base_url="http://t")
+    client = openai.AsyncOpenAI(
+        base_url="http://t/v1", api_key="x", http_client=http, max_retries=0
+    )
+    with anyio.fail_after(BUDGET):
+        async with service.lifespan():
+            # The SDK's types list only OpenAI's own lengths and sizes; any text goes.
+            video = await client.videos.create(
+                prompt="a red fox",
+                seconds="1",  # type: ignore[arg-type]
+                size="32x32",  # type: ignore[arg-type]
+                extra_body={"seed": 5},
+            )
+            assert (video.status, video.progress, video.seconds) == ("queued", 0, "1")
+            other = await client.videos.create(prompt="a cat", extra_body={"num_frames": 5})
+            done = await client.videos.poll(video.id, poll_interval_ms=5)
+            assert (done.status, done.progress, done.size) == ("completed", 100, "32x32")
+            content = await client.videos.download_content(video.id)
+            assert (
+                mp4_frames(content.read())
+                == [(32, 32)] * frames_for(1, FPS, (4, 1))
+                == [(32, 32)] * 9
+            )
+            listed = [v.id async for v in client.videos.list(limit=1)]
+            assert listed == [other.id, video.id]
+            deleted = await client.videos.delete(video.id)
+            assert (deleted.id, deleted.deleted, deleted.object) == (
+                video.id,
+                True,
+                "video.deleted",
+            )
+            with pytest.raises(openai.NotFoundError):
+                await client.videos.retrieve(video.id)
+            await client.videos.delete(other.id)
+        await http.aclose()
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+async def test_serve_tiny_wan_takes_the_video_options() -> None:
+    """L73: ``serve --model tiny-wan`` loads the tiny Wan pipeline (16 fps, 4k + 1 frames);
+    --video-jobs, --video-ttl and --video-fps reach the jobs' config, a bad one is a
+    one-line usage error; the model card states fps, default length and frame rule.
+    """
+    import argparse
+
+    from omni_trio._command import UsageError
+    from omni_trio.serve._cli import _service, add_serve_arguments
+    from omni_trio.serve._models import load_model
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    model = load_model("tiny-wan", step_seconds=0.0)
+    assert model.fps == 16.0 and model.runners[0].capabilities.frames == (4, 1)
+    args = parser.parse_args(["--model", "tiny-wan", "--video-jobs", "3", "--video-ttl", "5"])
+    service = _service(args, model)
+    config = service.videos.config
+    assert (config.max_jobs, config.ttl_s, config.fps, service.frames) == (3, 5.0, 16.0, (4, 1))
+    args = parser.parse_args(["--model", "tiny-wan", "--video-fps", "10000"])
+    with pytest.raises(UsageError, match="--video-fps: the model refuses it"):
+        _service(args, model)  # the default 4 s would be 40001 frames, over MAX_NUM_FRAMES
+    with anyio.fail_after(BUDGET):
+        async with serving(_service(parser.parse_args(["--model", "tiny-wan"]), model)) as client:
+            card = (await client.get("/v1/models")).json()["data"][0]
+    assert (card["fps"], card["default_seconds"], card["frames"]) == (16.0, "4", "4k + 1")
