@@ -1,5 +1,10 @@
 """Cancel points (L71, L72): a step or a decode left mid-way when its work is not wanted.
 
+Real models: tiny Wan, where a test hook holds one block (or one VAE decoder call)
+of the model in the worker's (the materializer's) thread while the test aborts the
+request, so the abort lands at a known place without any timing; then the next
+request must equal a fresh engine's, bitwise (one torch thread).
+
 Engine side, with fake runners whose steps run virtual blocks and whose decodes run
 chunks (``FakeRunner(blocks=...)``), gated per block or chunk, so where the worker
 leaves is exact: the test holds it inside block k, stops the request, and lets one
@@ -9,17 +14,24 @@ gate for a release that never comes (the gate's timeout fails the test).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 import pytest
+import torch
 import trio
 import trio.testing
 
 import omni_trio as ot
-from omni_trio.runners import RunnerCapabilities
+from omni_trio._cancelpoint import active_checks
+from omni_trio.runners import DiffusersRunner, RunnerCapabilities, tiny_pipeline
+from omni_trio.runners._cancel import hooked
 from omni_trio.testing import GatedRunner, probe, wait_until
 
+from .test_video import pipe as video_pipe
+from .test_video import request as video_request
 from .util import BUDGET, expected_images, req
 
 BLOCKS = 4
@@ -208,3 +220,173 @@ def test_cancel_points_are_declared_apart_from_whole_calls() -> None:
         RunnerCapabilities(whole_call=True, cancel_points=True)
     with pytest.raises(ValueError, match="gate_blocks"):
         GatedRunner(gate_blocks=True)
+
+
+# -- real models: tiny Wan (L71, L72) and the image families' hooks -----------------
+
+
+class ModuleGate:
+    """A forward pre-hook on ``module`` that holds its ``at``-th call until ``release()``.
+
+    It runs after the runner's own cancel-point hook (hooks run in the order they were
+    registered), so the held call is inside the block: the cancel point before it
+    passed. ``calls`` counts the calls that began, ``finished`` those that ran to the end.
+    """
+
+    def __init__(self, module: torch.nn.Module, at: int) -> None:
+        self.at = at
+        self.calls = 0
+        self.finished = 0
+        self.arrived = threading.Event()
+        self._go = threading.Event()
+        self._handles = [
+            module.register_forward_pre_hook(self._hook),
+            module.register_forward_hook(self._done),
+        ]
+
+    def _done(self, module: torch.nn.Module, args: object, output: object) -> None:
+        self.finished += 1
+
+    def _hook(self, module: torch.nn.Module, args: object) -> None:
+        self.calls += 1
+        if self.calls == self.at:
+            self.arrived.set()
+            if not self._go.wait(20):
+                raise RuntimeError("ModuleGate: never released")
+
+    def release(self) -> None:
+        self._go.set()
+
+    def remove(self) -> None:
+        self._go.set()
+        for handle in self._handles:
+            handle.remove()
+
+    async def wait_arrived(self) -> None:
+        await wait_until(self.arrived.is_set)
+
+
+def _vae_cache_clear(pipe: Any) -> bool:
+    # None before its first decode; every entry None once a decode ended or was left.
+    return all(feature is None for feature in getattr(pipe.vae, "_feat_map", None) or ())
+
+
+async def _fresh_video(r: ot.GenerationRequest) -> torch.Tensor:
+    async with ot.open_engine(DiffusersRunner(video_pipe("wan"))) as engine:
+        output = await engine.generate(r)
+    assert output.video is not None
+    return output.video
+
+
+async def _abort_inside(
+    where: Callable[[Any], torch.nn.Module], at: int
+) -> tuple[ModuleGate, DiffusersRunner, ot.RequestHandle, torch.Tensor, torch.Tensor]:
+    """Abort a tiny Wan video while ``where(pipe)``'s ``at``-th call runs; then serve another.
+
+    Returns the gate, the runner, the aborted handle, the next request's video and a
+    fresh engine's video for that request.
+    """
+    wan = video_pipe("wan")
+    runner = DiffusersRunner(wan)
+    gate = ModuleGate(where(wan), at)
+    after = video_request(seed=3, prompt="after", num_steps=2)
+    try:
+        async with ot.open_engine(runner) as engine:
+            handle = engine.submit(video_request(num_steps=3), request_id="r")
+            await gate.wait_arrived()
+
+            async def release_once_cut() -> None:
+                await wait_until(lambda: probe(handle).cancel_reason is not None)
+                gate.release()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(release_once_cut)
+                assert await engine.abort("r") is True
+            assert runner.live_states == 0 and active_checks() == 0
+            assert _vae_cache_clear(wan)
+            calls = gate.calls
+            await handle.aclose()
+            output = await engine.generate(after)
+            gate.calls = calls  # the counts of the aborted request only
+    finally:
+        gate.remove()
+    assert output.video is not None
+    return gate, runner, handle, output.video, await _fresh_video(after)
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("one_torch_thread")
+async def test_a_wan_step_is_left_at_the_next_block_and_the_model_serves_on_as_fresh() -> None:
+    """L71: a tiny Wan video aborted inside block 0 of its second step: the step is left
+    before block 1 (block 1 ran once: in step 1), one step counted, nothing decoded, no
+    check armed, the VAE's cache empty; the next request's video is bitwise a fresh
+    engine's.
+    """
+    with anyio.fail_after(BUDGET):
+        block_1 = ModuleGate(video_pipe("wan").transformer.blocks[1], at=0)
+        try:
+            gate, runner, handle, video, fresh = await _abort_inside(
+                lambda wan: wan.transformer.blocks[0], at=2
+            )
+            block_1_calls = block_1.finished
+        finally:
+            block_1.remove()
+    assert gate.calls == 2  # block 0: steps 1 and 2
+    # Step 1 of the aborted one (not its step 2), then 2 steps each of the next and the fresh.
+    assert block_1_calls == 1 + 2 + 2
+    assert handle.metrics is not None and handle.metrics.steps_done == 1
+    assert runner.decodes == 1  # the next request's only
+    assert torch.equal(video, fresh)
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("one_torch_thread")
+async def test_a_wan_decode_is_left_at_the_next_latent_frame() -> None:
+    """L72: a tiny Wan video (3 latent frames) aborted while its VAE decodes latent frame
+    2: the decode is left before frame 3, the VAE's feature cache is cleared, the request
+    is released undecoded, and the next video is bitwise a fresh engine's.
+    """
+    with anyio.fail_after(BUDGET):
+        gate, runner, handle, video, fresh = await _abort_inside(lambda wan: wan.vae.decoder, at=2)
+    assert gate.calls == 2
+    assert handle.status is ot.RequestStatus.ABORTED
+    assert handle.metrics is not None and handle.metrics.steps_done == 3
+    assert torch.equal(video, fresh)
+
+
+EXPECTED_BLOCKS = {
+    "sd": ("unet", ("down_blocks", "mid_block", "up_blocks")),
+    "sdxl": ("unet", ("down_blocks", "mid_block", "up_blocks")),
+    "unet": ("unet", ("down_blocks", "mid_block", "up_blocks")),
+    "sd3": ("transformer", ("transformer_blocks",)),
+    "flux": ("transformer", ("transformer_blocks", "single_transformer_blocks")),
+    "qwen-image": ("transformer", ("transformer_blocks",)),
+    "wan": ("transformer", ("blocks",)),
+    "ltx": ("transformer", ("transformer_blocks",)),
+}
+
+
+@pytest.mark.parametrize("kind", list(EXPECTED_BLOCKS))
+def test_every_family_hooks_its_blocks_and_decoder_once(kind: str) -> None:
+    """L71, L72: a DiffusersRunner declares cancel_points and hooks every block of its
+    denoiser and its VAE's decoder (if it has a VAE), once however many runners share
+    the pipeline; the last runner's close removes the hooks.
+    """
+    pipeline = tiny_pipeline(kind)
+    denoiser_name, attributes = EXPECTED_BLOCKS[kind]
+    denoiser = getattr(pipeline, denoiser_name)
+    blocks: list[torch.nn.Module] = []
+    for attribute in attributes:
+        value = getattr(denoiser, attribute)
+        blocks += list(value) if isinstance(value, torch.nn.ModuleList) else [value]
+    vae = getattr(pipeline, "vae", None)
+    expected = blocks + ([vae.decoder] if vae is not None else [])
+    first, second = DiffusersRunner(pipeline), DiffusersRunner(pipeline)
+    assert first.capabilities.cancel_points
+    assert first.cancel_point_count == len(expected)
+    for module in expected:
+        assert hooked(module) and len(module._forward_pre_hooks) == 1
+    first.close()
+    assert all(hooked(module) for module in expected)
+    second.close()
+    assert not any(hooked(module) or module._forward_pre_hooks for module in expected)
