@@ -349,6 +349,7 @@ async def test_a_wan_decode_is_left_at_the_next_latent_frame() -> None:
     with anyio.fail_after(BUDGET):
         gate, runner, handle, video, fresh = await _abort_inside(lambda wan: wan.vae.decoder, at=2)
     assert gate.calls == 2
+    assert runner.decodes == 2  # begun: the aborted one's (left) and the next one's
     assert handle.status is ot.RequestStatus.ABORTED
     assert handle.metrics is not None and handle.metrics.steps_done == 3
     assert torch.equal(video, fresh)
