@@ -8,7 +8,7 @@ scheduler then steps its own rows.
 
 Cancel points (L71, L72; see ``_cancel``): the runner declares ``cancel_points``, and
 a step can be left before any block of the denoiser, a decode before any call of
-the VAE's decoder (once per latent frame for Wan and Qwen-Image).
+the VAE's decoder (once per latent frame for Wan).
 """
 
 from __future__ import annotations
