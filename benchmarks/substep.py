@@ -158,9 +158,11 @@ async def _trials(pipe: Any, trials: int, step_s: float) -> dict[str, list[float
     ):
         clock = _BlockClock(pipe)
         try:
-            for engine in (on, off):
-                async with engine.submit(_request(0, 2)) as handle:  # warm-up
-                    await handle.result()
+            for engine in (on, off):  # warm-up, aborted as the trials are: no decode
+                async with engine.submit(_request(0), request_id="r") as handle:
+                    async for _ in handle:
+                        break
+                    await engine.abort("r")
             for i in range(trials):
                 for name, engine in (("cancel_points", on), ("step_end", off)):
                     async with engine.submit(_request(i), request_id="r") as handle:
@@ -183,7 +185,7 @@ async def _trials(pipe: Any, trials: int, step_s: float) -> dict[str, list[float
     return out
 
 
-def _hook_cost(steps: int) -> dict[str, Any]:
+def _hook_cost(steps: int, *, calls: int) -> dict[str, Any]:
     """Per-step time of tiny SD with the hooks armed vs none, alternating step by step.
 
     Two pipelines built alike (the same seeded weights), stepped in turn (ABBA, so
@@ -227,11 +229,11 @@ def _hook_cost(steps: int) -> dict[str, Any]:
         "ratios": ratios,
         "hooks_per_step": hooks,
         "steps": steps,
-        "hook_call_us": _hook_call_us(),
+        "hook_call_us": _hook_call_us(calls),
     }
 
 
-def _hook_call_us(calls: int = 20_000) -> float:
+def _hook_call_us(calls: int) -> float:
     """What one armed hook adds to a module call, in µs: an Identity with it vs without."""
     import torch
 
@@ -257,8 +259,9 @@ def _hook_call_us(calls: int = 20_000) -> float:
 def run_substep(options: Options) -> dict[str, Any]:
     """Abort latency inside a ~1 s step, with and without cancel points; the hooks' cost."""
     quick = options.quick
-    trials = 2 if quick else 24
-    layers = _layers_for(0.1 if quick else 1.0)
+    trials = 1 if quick else 24
+    # Quick: a fixed depth, no calibration (seconds matter more than the step's length).
+    layers = 4 if quick else _layers_for(1.0)
     pipe = _deep_wan(layers)
     step_s, blocks = _block_times(pipe, 1 if quick else 3)
     data = options.run(_trials, pipe, trials, step_s)
@@ -266,7 +269,7 @@ def run_substep(options: Options) -> dict[str, Any]:
     on = spread_p99([v * 1e3 for v in data["cancel_points"]])
     off = spread_p99([v * 1e3 for v in data["step_end"]])
     after_block = spread_p99([v * 1e3 for v in data["after_block"]])
-    cost = _hook_cost(6 if quick else 400)
+    cost = _hook_cost(4 if quick else 400, calls=2_000 if quick else 20_000)
     cost_pct = (cost["ratio"] - 1) * 100
     no_hooks_ms = cost["no_hooks_step_s"]["median"] * 1e3
     estimate_pct = cost["hook_call_us"] * cost["hooks_per_step"] / (no_hooks_ms * 1e3) * 100
