@@ -33,6 +33,7 @@ from .priority import plot_priority, run_priority, table_priority
 from .ray_bench import plot_ray, run_ray, table_ray
 from .scale import plot_scale, run_scale, table_scale
 from .serve import plot_serve, run_serve, table_serve
+from .substep import plot_substep, run_substep, table_substep
 from .targets import targets_for
 
 __all__ = [
@@ -82,6 +83,13 @@ BENCHMARKS: dict[str, Benchmark] = {
             run=run_post_abort,
             table=table_post_abort,
             plot=plot_post_abort,
+        ),
+        Benchmark(
+            name="substep",
+            what="an abort inside a long step: left at the next block (L71) vs at the step's end",
+            run=run_substep,
+            table=table_substep,
+            plot=plot_substep,
         ),
         Benchmark(
             name="leak",

@@ -111,6 +111,24 @@ TARGETS: tuple[Target, ...] = (
         met=lambda r: _s(r)["waiting_p99_ms"] <= 1.0,
     ),
     Target(
+        bench="substep",
+        label="abort inside a step with cancel points, p99",
+        target="≤ 1 block + 2 ms",
+        figure=lambda r: (
+            f"{_s(r)['substep_abort_p99_ms']:.1f} ms, blocks of {_s(r)['block_ms']:.1f} ms"
+            f" (at the step's end: {_s(r)['step_end_abort_p99_ms']:.0f} ms, steps of"
+            f" {_s(r)['step_ms']:.0f} ms)"
+        ),
+        met=lambda r: _s(r)["substep_abort_p99_ms"] <= _s(r)["substep_target_ms"],
+    ),
+    Target(
+        bench="substep",
+        label="cancel-point hooks' cost per UNet step, tiny SD",
+        target="≤ 1 %",
+        figure=lambda r: f"{_s(r)['hook_cost_pct']:+.2f} % of {_s(r)['hook_step_ms']:.2f} ms steps",
+        met=lambda r: _s(r)["hook_cost_pct"] <= 1.0,
+    ),
+    Target(
         bench="post-abort",
         label="omni_trio post-abort overhead, worse of 64 and 128 px",
         target="≤ +1 %",

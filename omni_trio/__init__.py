@@ -54,6 +54,8 @@ The seam between them:
   died, exited).
 - ``_inbox``: the thread-to-loop hand-off that carries those messages without ever
   blocking a thread.
+- ``_cancelpoint``: ``cancel_point()``, which a runner calls inside a step or a decode,
+  and the check an engine thread arms it with for one call (L71, L72).
 
 The command line (``omni-trio`` / ``python -m omni_trio``):
 

@@ -7,6 +7,12 @@ request whose denoising finished: its result is complete work and is delivered.
 The decoded images are checked against the output contract here too (see
 ``_imagecheck``), off the event loop: a bad output fails its request, unseen.
 
+With a runner that declares ``cancel_points`` (L72), the decode runs armed with a
+check that the runner's ``cancel_point()`` calls between the decode's chunks
+(the latent frames of a video, for Wan): an abort during the decode leaves it at
+the next chunk, and the request is released undecoded. Shutdown cuts no decode (the
+request finished denoising); only a dying engine abandons one.
+
 It also releases, undecoded, the suspended requests that the event loop takes
 out of the queue (an abort, a deadline, shutdown: L61), so their parked state is
 freed at once, not at the step loop's next boundary.
@@ -20,9 +26,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ._cancelpoint import armed
 from ._imagecheck import checked_images, checked_video
 from ._messages import Completed, Post, discard_quietly, discard_state, ended, release
-from ._runner import Runner
+from ._runner import Runner, StopRun
 from ._workitem import SHUTDOWN, WorkItem
 
 __all__ = ["Materializer"]
@@ -31,6 +38,10 @@ __all__ = ["Materializer"]
 def _cut(item: WorkItem) -> bool:
     reason = item.token.reason
     return reason is not None and reason != SHUTDOWN
+
+
+class _LeftDecode(Exception):
+    """The decode was left at a cancel point: the request stopped meanwhile (L72)."""
 
 
 class Materializer:
@@ -54,6 +65,7 @@ class Materializer:
         self._releases: collections.deque[WorkItem] = collections.deque()
         self._stopped = False
         self._abandon = False
+        self._cancel_points = runner.capabilities.cancel_points
         self._thread = threading.Thread(target=self._run, name=name, daemon=False)
 
     @property
@@ -139,7 +151,7 @@ class Materializer:
             # The runner's own object is dropped here, in this thread, once checked.
             if request.num_frames is None:
                 images = checked_images(
-                    self._runner.decode(item.state),
+                    self._decode(item),
                     call="decode",
                     count=request.num_images,
                     size=(request.height, request.width),
@@ -147,13 +159,16 @@ class Materializer:
             else:
                 # L70: every frame keeps the image contract; the images are the first frames.
                 video = checked_video(
-                    self._runner.decode(item.state),
+                    self._decode(item),
                     call="decode",
                     count=request.num_images,
                     frames=request.num_frames,
                     size=(request.height, request.width),
                 )
                 images = video[:, 0]
+        except _LeftDecode:
+            release(self._runner, item, self._post)  # L72: cancelled, undecoded
+            return
         except Exception as exc:
             release(self._runner, item, self._post, exc, call="decode")
             return
@@ -170,3 +185,30 @@ class Materializer:
         completed = [Completed(item, images, video)]
         del images, video
         self._post(completed.pop())
+
+    def _decode(self, item: WorkItem) -> Any:
+        """The runner's decode of ``item``; with cancel points, left when it is cut (L72).
+
+        Raises:
+            _LeftDecode: our check stopped the decode (a ``StopRun`` that the
+                runner raised on its own is a failure, as any other exception).
+        """
+        if not self._cancel_points:
+            return self._runner.decode(item.state)
+        # L72: left only for an abort or a dying engine; shutdown lets a finished request
+        # be decoded.
+        left = False
+
+        def check() -> None:
+            nonlocal left
+            if self._abandon or _cut(item):
+                left = True
+                raise StopRun
+
+        try:
+            with armed(check):
+                return self._runner.decode(item.state)
+        except StopRun:
+            if left:
+                raise _LeftDecode from None
+            raise

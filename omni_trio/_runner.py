@@ -19,6 +19,13 @@ threads only, never from the event loop. The engine owns the denoise loop:
 - ``state_bytes(state)``, ``suspend(state, to_host=...)``, ``resume(state)``: only
   for runners that declare ``suspendable`` (L61): the engine parks a running
   request at a step boundary and later resumes it from the step it reached.
+- ``cancel_point()`` (a function, not a method): a runner that declares
+  ``cancel_points`` calls it at every point inside ``step`` (between transformer
+  blocks) and ``decode`` (between chunks) where the call may be left (L71, L72).
+  There the engine may raise ``StopRun``: the runner lets it through and leaves its
+  model as clean as a fresh one (no half-applied state, per-call caches cleared);
+  the states of that call are discarded, never stepped or decoded again. See
+  ``_cancelpoint``.
 
 What a runner can do is declared up front in ``RunnerCapabilities``: the engine
 validates requests and forms batches from it, without calling the runner.
@@ -47,7 +54,11 @@ _IMAGE_FIELDS = frozenset({"image", "mask"})
 
 
 class StopRun(Exception):
-    """Raised by a whole-call runner's ``on_step`` callback: stop now, decode nothing."""
+    """Raised inside a runner call by the engine: stop now, decode nothing.
+
+    A whole-call runner's ``on_step`` raises it, and so does ``cancel_point()`` in a
+    runner that declares ``cancel_points`` (L71, L72).
+    """
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,6 +95,10 @@ class RunnerCapabilities:
             ``(4, 1)``, 4k + 1 frames). A video runner needs ``num_frames`` in every
             request, an image runner refuses it (L70), and ``batch_key`` always
             holds ``num_frames`` for a video runner: frames are batch-wide.
+        cancel_points: the runner calls ``cancel_point()`` inside ``step`` and
+            ``decode`` and lets its ``StopRun`` through with its model clean: a step
+            whose every member stopped, or a decode whose request stopped, is left
+            at the next cancel point (L71, L72). Never with ``whole_call``.
     """
 
     max_batch_size: int = 1
@@ -99,8 +114,11 @@ class RunnerCapabilities:
     image_input: bool = False
     mask_input: bool = False
     frames: tuple[int, int] | None = None
+    cancel_points: bool = False
 
     def __post_init__(self) -> None:
+        if self.cancel_points and self.whole_call:
+            raise ValueError("cancel_points: a whole-call runner stops at its on_step callback")
         if self.whole_call and (self.max_batch_size != 1 or self.can_join):
             raise ValueError("whole_call: a whole-call runner serves one request at a time")
         if self.suspendable and self.whole_call:

@@ -10,6 +10,14 @@ must run its own loop) gets one request at a time, and its step callback is the
 boundary: the token is checked there and ``StopRun`` raised to stop the loop. The
 worker never waits for the event loop or a consumer (L20): it only posts messages.
 
+Cancel points (L71), with a runner that declares ``cancel_points``: the step runs
+armed with a check that the runner's ``cancel_point()`` calls between its
+transformer blocks (see ``_cancelpoint``). When every
+member's token is set (an abort, a gone consumer, a deadline, shutdown past its
+grace: the loop sets the token for each), it raises ``StopRun``; the worker then
+releases every member undecoded, as a boundary drop does, and counts no step.
+When only some members stopped, the step runs on and they drop at its end.
+
 Several workers (one per device, L42) take from the pool's one queue of new
 requests (see ``_pool``); a request lives its whole life on the worker that took
 it. A worker that dies fails only what it holds (L43): its thread's last act is to
@@ -34,8 +42,10 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, cast
 
+from ._cancelpoint import armed
 from ._imagecheck import checked_images
 from ._log import WORKER
 from ._materialize import Materializer
@@ -81,6 +91,7 @@ class Worker:
         self._can_join = capabilities.can_join
         self._previews = capabilities.previews
         self._whole_call = capabilities.whole_call
+        self._cancel_points = capabilities.cancel_points
         self._fatal: BaseException | None = None
         # L61: preemption, and this worker's suspended requests (their state is on
         # its device) with the bytes each parks, under the pool's lock. ``_closed``:
@@ -468,14 +479,31 @@ class Worker:
             self.steps_left = 0
             return
         started = time.perf_counter()
+        left = False
+
+        def check() -> None:
+            # L71: leave the step only when nobody is left to want it.
+            nonlocal left
+            if all(item.token.reason is not None for item in running):
+                left = True
+                raise StopRun
+
         try:
-            self._runner.step([item.state for item in running])
-        except Exception as exc:
-            # L22: the whole batch of this step fails; the engine goes on.
-            batch = tuple(item.request_id for item in running)
-            for item in running:
-                release(self._runner, item, self._post, exc, call="step", batch=batch)
+            # No local holds the states: a failure's traceback keeps this frame (L22).
+            with armed(check) if self._cancel_points else nullcontext():
+                self._runner.step([item.state for item in running])
+        except StopRun as stop:
+            if not left:
+                self._fail_batch(running, stop)
+                return
+            # Left mid-step: no step counted, none measured; each keeps its own reason.
+            dropped = running[:]
             running.clear()
+            self._note_left(running)
+            self._release_all(dropped)
+            return
+        except Exception as exc:
+            self._fail_batch(running, exc)
             return
         elapsed = time.perf_counter() - started
         self.batch_steps += 1
@@ -491,6 +519,13 @@ class Worker:
                 keep.append(item)
         running[:] = keep
         self._note_left(running)
+
+    def _fail_batch(self, running: list[WorkItem], exc: Exception) -> None:
+        """L22: the whole batch of this step fails; the engine goes on."""
+        batch = tuple(item.request_id for item in running)
+        for item in running:
+            release(self._runner, item, self._post, exc, call="step", batch=batch)
+        running.clear()
 
     def _stepped(self, item: WorkItem, elapsed: float) -> Exception | None:
         """Count one step of ``item`` and post its event; return a preview's error.

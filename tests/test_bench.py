@@ -24,6 +24,7 @@ SUMMARY_KEYS = {
     "overhead": {"ratio_engine_over_raw", "per_step_overhead_us"},
     "abort": {"running_p99_steps", "waiting_p99_ms"},
     "post-abort": {"omni_trio_overhead_pct", "naive_overhead_pct", "interrupt_overhead_pct"},
+    "substep": {"substep_abort_p99_ms", "block_ms", "hook_cost_pct"},
     "leak": {"live_tensors", "rss_growth_mib"},
     "batching": {"throughput_ratio_b4_over_b1"},
     "join": {"first_step_wait_steps"},

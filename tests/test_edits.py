@@ -204,8 +204,9 @@ async def test_a_scheduler_that_draws_noise_draws_what_the_pipeline_draws() -> N
 
 
 async def test_an_aborted_edit_is_never_decoded() -> None:
-    """L75, L10: an inpainting request aborted mid-way stops at the next step boundary,
-    undecoded, and its state (the image's latents, noise and mask with it) is freed.
+    """L75, L10, L71: an inpainting request aborted while its third step waits to start
+    leaves that step at its first cancel point (the UNet's first block), undecoded, and
+    its state (the image's latents, noise and mask with it) is freed.
     """
     runner = GatedDiffusers(pipe("sd"))
     with anyio.fail_after(BUDGET):
@@ -218,7 +219,7 @@ async def test_an_aborted_edit_is_never_decoded() -> None:
             async with handle:
                 with pytest.raises(ot.RequestAbortedError):
                     await handle.result()
-            assert handle.metrics is not None and handle.metrics.steps_done == 3
+            assert handle.metrics is not None and handle.metrics.steps_done == 2
     assert runner.decodes == 0
     assert runner.live_states == 0
 

@@ -83,10 +83,10 @@ CASES = [
 
 @pytest.mark.parametrize(("kind", "fields"), CASES)
 async def test_a_video_equals_its_pipeline_call(kind: str, fields: dict[str, Any]) -> None:
-    """L70: for a seed, the engine's video is the pipeline's own __call__ frames, a CPU float
-    tensor [N, F, C, H, W] in [0, 1] (1e-5; reached: identical for LTX-Video, 1.2e-6 for
-    guided Wan, whose __call__ makes its two guidance calls apart); images are the first
-    frames.
+    """L70, L72: for a seed, the engine's video is the pipeline's own __call__ frames, a CPU
+    float tensor [N, F, C, H, W] in [0, 1] (1e-5; reached: identical for LTX-Video, 1.2e-6
+    for guided Wan, whose __call__ makes its two guidance calls apart), decoded in chunks
+    with cancel points between them; images are the first frames.
     """
     r = request(**fields)
     with anyio.fail_after(BUDGET):

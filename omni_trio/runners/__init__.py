@@ -1,7 +1,8 @@
 """Runners: the seam between the engine and a model.
 
 - ``Runner`` and ``RunnerCapabilities``: the protocol a model implements;
-  ``SuspendableRunner`` the three calls more that preemption needs.
+  ``SuspendableRunner`` the three calls more that preemption needs;
+  ``cancel_point()`` what a runner declaring ``cancel_points`` calls (L71, L72).
 - ``DiffusersRunner``: a diffusers pipeline driven one step at a time.
 - ``PipelineCallRunner``: any other pipeline, through its own ``__call__``.
 - ``runner_for(pipeline)``: the first where it can, else the second.
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 from .. import _exports
+from .._cancelpoint import cancel_point as cancel_point
 from .._runner import Runner as Runner
 from .._runner import RunnerCapabilities as RunnerCapabilities
 from .._runner import StepCallback as StepCallback
@@ -38,6 +40,7 @@ __all__ = [
     "StopRun",
     "SuspendableRunner",
     "WholeCallRunner",
+    "cancel_point",
     "for_devices",
     "runner_for",
     "tiny_pipeline",

@@ -5,6 +5,10 @@ prepared exactly as the pipeline's ``__call__`` would, so a seed gives the same
 image. One ``step`` call runs one model call over the whole batch, with one
 timestep per row, so requests at different steps share it; each request's
 scheduler then steps its own rows.
+
+Cancel points (L71, L72; see ``_cancel``): the runner declares ``cancel_points``, and
+a step can be left before any block of the denoiser, a decode before any call of
+the VAE's decoder (once per latent frame for Wan).
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from typing import Any
 import torch
 
 from .._request import GenerationRequest
-from .._runner import RunnerCapabilities
+from .._runner import RunnerCapabilities, StopRun
+from ._cancel import CancelPoints, cancel_modules
 from ._edit import keep_unmasked
 from ._families import RequestState, family_for, joined
 from ._park import park_on_host, state_tensors, unpark
@@ -96,7 +101,9 @@ class DiffusersRunner:
             image_input=self._family.edits,
             mask_input=self._family.edits,
             frames=self._family.frames,
+            cancel_points=True,
         )
+        self._cancel_points = CancelPoints(cancel_modules(pipeline))
         device = torch.device(pipeline.device)
         # On CUDA, decodes run on their own stream and copy into pinned host
         # memory, overlapping the next steps on the default stream.
@@ -131,7 +138,14 @@ class DiffusersRunner:
         return state
 
     def step(self, states: Sequence[RequestState]) -> None:
-        """Run one step for every state: one batched model call per round of calls."""
+        """Run one step for every state: one batched model call per round of calls.
+
+        A cancel point before every block of the denoiser (L71).
+
+        Raises:
+            StopRun: from a cancel point; the states are left half-stepped, for the
+                engine to discard.
+        """
         with torch.no_grad():
             calls = [state.groups[state.steps_done] for state in states]
             for round_ in range(max(calls)):
@@ -181,9 +195,23 @@ class DiffusersRunner:
         """Decode the final latents through the pipeline's VAE.
 
         On CUDA the decode runs on a side stream after the request's last step,
-        and the images land in pinned host memory.
+        and the images land in pinned host memory. A cancel point before every
+        call of the VAE's decoder (L72).
+
+        Raises:
+            StopRun: from a cancel point; the VAE's per-call cache is cleared first.
         """
         self._count("decodes", 1)
+        try:
+            return self._decode(state)
+        except StopRun:
+            # Wan's and Qwen-Image's VAEs keep the frames' features until the decode ends.
+            clear = getattr(getattr(self._pipeline, "vae", None), "clear_cache", None)
+            if callable(clear):
+                clear()
+            raise
+
+    def _decode(self, state: RequestState) -> torch.Tensor:
         with torch.no_grad():
             stream = self._decode_stream
             if stream is None:
@@ -230,4 +258,10 @@ class DiffusersRunner:
             state.parked_from = None
 
     def close(self) -> None:
-        """Nothing to free: the pipeline belongs to the caller and stays usable."""
+        """Remove the cancel points' hooks; the pipeline belongs to the caller and stays usable."""
+        self._cancel_points.close()
+
+    @property
+    def cancel_point_count(self) -> int:
+        """How many modules of the pipeline are cancel points (L71, L72); 0 once closed."""
+        return self._cancel_points.count

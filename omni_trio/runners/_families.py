@@ -484,18 +484,21 @@ class StableDiffusionXL(StableDiffusion):
         vae = pipe.vae
         if upcast:
             vae.to(dtype=torch.float32)
-        mean = getattr(vae.config, "latents_mean", None)
-        std = getattr(vae.config, "latents_std", None)
-        if mean is not None and std is not None:
-            view = (1, len(mean), 1, 1)
-            mean_t = torch.tensor(mean).view(view).to(latents.device, latents.dtype)
-            std_t = torch.tensor(std).view(view).to(latents.device, latents.dtype)
-            latents = latents * std_t / vae.config.scaling_factor + mean_t
-        else:
-            latents = latents / vae.config.scaling_factor
-        image = vae.decode(latents, return_dict=False)[0]
-        if upcast:
-            vae.to(dtype=torch.float16)
+        try:
+            mean = getattr(vae.config, "latents_mean", None)
+            std = getattr(vae.config, "latents_std", None)
+            if mean is not None and std is not None:
+                view = (1, len(mean), 1, 1)
+                mean_t = torch.tensor(mean).view(view).to(latents.device, latents.dtype)
+                std_t = torch.tensor(std).view(view).to(latents.device, latents.dtype)
+                latents = latents * std_t / vae.config.scaling_factor + mean_t
+            else:
+                latents = latents / vae.config.scaling_factor
+            image = vae.decode(latents, return_dict=False)[0]
+        finally:
+            # Also when the decode is left at a cancel point (L72).
+            if upcast:
+                vae.to(dtype=torch.float16)
         if pipe.watermark is not None:
             image = pipe.watermark.apply_watermark(image)
         images: torch.Tensor = pipe.image_processor.postprocess(image, output_type="pt")

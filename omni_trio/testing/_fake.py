@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import anyio
 import torch
 
+from .._cancelpoint import cancel_point
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities
 
@@ -58,12 +59,18 @@ class FakeRunner:
         frames: ``None`` for images; ``(a, b)`` makes it a video runner
             (``RunnerCapabilities.frames``, L70) whose decode returns
             ``[N, F, C, H, W]``: the image, dimmed frame by frame.
+        blocks: with more than 0, it declares ``cancel_points`` (L71, L72): a step
+            runs this many virtual blocks and a decode this many chunks, with a
+            ``cancel_point()`` before each; ``step_seconds`` is spread over
+            the blocks. A step's states change only after its last block, so a
+            step left mid-way changes nothing.
 
     Counters (read them from any thread): ``live_states`` (states held now),
-    ``prepares``, ``steps_run`` (member-steps), ``batch_steps`` (``step`` calls),
-    ``decodes``, ``previews``, ``suspends``, ``resumes``, ``parked_states``
-    (suspended now), ``closed``, and ``threads`` (names of the threads that
-    called it).
+    ``prepares``, ``steps_run`` (member-steps), ``batch_steps`` (``step`` calls
+    that finished), ``decodes`` (decodes that finished), ``previews``,
+    ``suspends``, ``resumes``, ``parked_states`` (suspended now), ``blocks_run``
+    and ``chunks_decoded`` (with ``blocks``), ``closed``, and ``threads`` (names
+    of the threads that called it).
     """
 
     def __init__(
@@ -75,10 +82,14 @@ class FakeRunner:
         max_batch_size: int = 64,
         suspendable: bool = True,
         frames: tuple[int, int] | None = None,
+        blocks: int = 0,
     ) -> None:
+        if blocks < 0:
+            raise ValueError(f"blocks: must be >= 0, got {blocks}")
         self.step_seconds = step_seconds
         self.fail_at_step = fail_at_step
         self.decode_seconds = decode_seconds
+        self.blocks = blocks
         self._capabilities = RunnerCapabilities(
             max_batch_size=max_batch_size,
             can_join=True,
@@ -87,6 +98,7 @@ class FakeRunner:
             size_multiple=LATENT_SCALE,
             suspendable=suspendable,
             frames=frames,
+            cancel_points=blocks > 0,
         )
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -99,6 +111,8 @@ class FakeRunner:
         self.suspends = 0
         self.resumes = 0
         self.parked_states = 0
+        self.blocks_run = 0
+        self.chunks_decoded = 0
         self.closed = False
         self.threads: set[str] = set()
 
@@ -129,13 +143,22 @@ class FakeRunner:
         return FakeState(request_id, latents, code, 0, request.num_steps, frames=request.num_frames)
 
     def step(self, states: Sequence[FakeState]) -> None:
-        """Advance each state by one step; sleep ``step_seconds`` once."""
+        """Advance each state by one step; sleep ``step_seconds`` once.
+
+        With ``blocks``, a cancel point before each virtual block (L71); its
+        ``StopRun`` leaves the step with every state as it was.
+        """
         if self.fail_at_step is not None and any(
             state.steps_done + 1 == self.fail_at_step for state in states
         ):
             self._count()
             raise RuntimeError(f"FakeRunner: failing at step {self.fail_at_step}")
-        if self.step_seconds > 0:
+        if self.blocks:
+            for _ in range(self.blocks):
+                cancel_point()
+                self._block()
+                self._count(blocks_run=1)
+        elif self.step_seconds > 0:
             time.sleep(self.step_seconds)
         for state in states:
             self._check_usable(state, "step")
@@ -143,6 +166,14 @@ class FakeRunner:
             state.latents.mul_(0.9).add_(0.1 * math.cos(phase))
             state.steps_done += 1
         self._count(steps_run=len(states), batch_steps=1)
+
+    def _block(self) -> None:
+        """One virtual block of a step: its share of ``step_seconds``."""
+        if self.step_seconds > 0:
+            time.sleep(self.step_seconds / self.blocks)
+
+    def _chunk(self) -> None:
+        """One chunk of a decode (``GatedRunner`` waits here)."""
 
     @staticmethod
     def _check_usable(state: FakeState, call: str) -> None:
@@ -158,10 +189,17 @@ class FakeRunner:
         return torch.sigmoid(state.latents[:, :3]).clone()
 
     def decode(self, state: FakeState) -> torch.Tensor:
-        """Upsample three latent channels to image size."""
+        """Upsample three latent channels to image size.
+
+        With ``blocks``, a cancel point before each of as many chunks (L72).
+        """
         self._check_usable(state, "decode")
         if self.decode_seconds > 0:
             time.sleep(self.decode_seconds)
+        for _ in range(self.blocks):
+            cancel_point()
+            self._chunk()
+            self._count(chunks_decoded=1)
         images = torch.sigmoid(state.latents[:, :3])
         images = images.repeat_interleave(LATENT_SCALE, dim=2).repeat_interleave(
             LATENT_SCALE, dim=3
@@ -224,6 +262,9 @@ class GatedRunner(FakeRunner):
     ``release(n)`` lets ``n`` more steps run; ``open_gate()`` lets all run.
     ``arrived`` counts the steps that reached the gate. With ``gate_decodes``,
     decodes wait too, for ``release_decode(n)``; ``decodes_arrived`` counts them.
+    With ``blocks`` (cancel points, L71, L72) and ``gate_blocks``, every block of
+    a step waits instead of the step (``arrived`` counts blocks, each after the
+    checkpoint before it), and with ``gate_decodes`` every chunk of a decode.
     A call that waits more than ``gate_timeout`` seconds raises ``RuntimeError``,
     so a test that forgets to release fails instead of hanging.
     """
@@ -238,6 +279,8 @@ class GatedRunner(FakeRunner):
         max_batch_size: int = 64,
         suspendable: bool = True,
         frames: tuple[int, int] | None = None,
+        blocks: int = 0,
+        gate_blocks: bool = False,
     ) -> None:
         super().__init__(
             step_seconds=step_seconds,
@@ -245,9 +288,13 @@ class GatedRunner(FakeRunner):
             max_batch_size=max_batch_size,
             suspendable=suspendable,
             frames=frames,
+            blocks=blocks,
         )
+        if gate_blocks and not blocks:
+            raise ValueError("gate_blocks: needs blocks > 0")
         self.gate_timeout = gate_timeout
         self.gate_decodes = gate_decodes
+        self.gate_blocks = gate_blocks
         self.arrived = 0
         self.decodes_arrived = 0
         self._permits = 0
@@ -273,28 +320,44 @@ class GatedRunner(FakeRunner):
             self._changed.notify_all()
 
     def step(self, states: Sequence[FakeState]) -> None:
-        """Wait for a release, then step as ``FakeRunner`` does."""
+        """Wait for a release (each block's, with ``gate_blocks``), then step as ``FakeRunner``."""
+        if not self.gate_blocks:
+            self._wait_step_gate("a step")
+        super().step(states)
+
+    def _block(self) -> None:
+        if self.gate_blocks:
+            self._wait_step_gate("a block")
+        super()._block()
+
+    def _wait_step_gate(self, what: str) -> None:
         with self._changed:
             self.arrived += 1
             self._changed.notify_all()
             if not self._changed.wait_for(
                 lambda: self._open or self._permits > 0, self.gate_timeout
             ):
-                raise RuntimeError("GatedRunner: no release() came for a step")
+                raise RuntimeError(f"GatedRunner: no release() came for {what}")
             if not self._open:
                 self._permits -= 1
-        super().step(states)
 
     def decode(self, state: FakeState) -> torch.Tensor:
-        """With ``gate_decodes``, wait for ``release_decode``; then decode."""
-        if self.gate_decodes:
-            with self._changed:
-                self.decodes_arrived += 1
-                self._changed.notify_all()
-                if not self._changed.wait_for(lambda: self._decode_permits > 0, self.gate_timeout):
-                    raise RuntimeError("GatedRunner: no release_decode() came for a decode")
-                self._decode_permits -= 1
+        """Wait for ``release_decode`` with ``gate_decodes`` (each chunk's, with ``blocks``)."""
+        if self.gate_decodes and not self.blocks:
+            self._wait_decode_gate("a decode")
         return super().decode(state)
+
+    def _chunk(self) -> None:
+        if self.gate_decodes:
+            self._wait_decode_gate("a chunk")
+
+    def _wait_decode_gate(self, what: str) -> None:
+        with self._changed:
+            self.decodes_arrived += 1
+            self._changed.notify_all()
+            if not self._changed.wait_for(lambda: self._decode_permits > 0, self.gate_timeout):
+                raise RuntimeError(f"GatedRunner: no release_decode() came for {what}")
+            self._decode_permits -= 1
 
     async def wait_arrived(self, n: int) -> None:
         """Wait until ``n`` steps in all have reached the gate.

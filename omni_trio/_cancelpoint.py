@@ -1,0 +1,59 @@
+"""Cancel points (L71, L72): where a runner's step or decode may be left mid-way.
+
+A runner that declares ``cancel_points`` calls ``cancel_point()`` at every point
+inside its ``step`` (between transformer blocks) and ``decode`` (between chunks)
+where the call may be left. The engine arms the calling thread, for the duration
+of that one call only, with a check of its own (``armed``): the check raises
+``StopRun`` when the work is no longer wanted, and the runner lets it through.
+Anywhere else (another thread, a direct call outside an engine, a runner that does
+not declare the flag) ``cancel_point()`` only reads a thread-local and returns.
+
+A thread-local rather than an argument: a runner's subclass that overrides
+``step(states)`` and calls ``super().step(states)`` keeps its cancel points.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+__all__ = ["active_checks", "armed", "cancel_point"]
+
+_local = threading.local()
+_lock = threading.Lock()
+_active = 0
+
+
+def cancel_point() -> None:
+    """Let the engine leave the current runner call here, if it wants to (L71, L72).
+
+    Raises:
+        StopRun: the engine wants the call left; let it through, with the model
+            as clean as a fresh one.
+    """
+    check: Callable[[], None] | None = getattr(_local, "check", None)
+    if check is not None:
+        check()
+
+
+@contextmanager
+def armed(check: Callable[[], None]) -> Iterator[None]:
+    """Make ``check`` what ``cancel_point()`` calls in this thread, inside the block only."""
+    global _active
+    previous = getattr(_local, "check", None)
+    _local.check = check
+    with _lock:
+        _active += 1
+    try:
+        yield
+    finally:
+        _local.check = previous
+        with _lock:
+            _active -= 1
+
+
+def active_checks() -> int:
+    """How many ``armed`` blocks are open now, in every thread (0 when none runs)."""
+    with _lock:
+        return _active

@@ -1,0 +1,393 @@
+"""Cancel points (L71, L72): a step or a decode left mid-way when its work is not wanted.
+
+Real models: tiny Wan, where a test hook holds one block (or one VAE decoder call)
+of the model in the worker's (the materializer's) thread while the test aborts the
+request, so the abort lands at a known place without any timing; then the next
+request must equal a fresh engine's, bitwise (one torch thread).
+
+Engine side, with fake runners whose steps run virtual blocks and whose decodes run
+chunks (``FakeRunner(blocks=...)``), gated per block or chunk, so where the worker
+leaves is exact: the test holds it inside block k, stops the request, and lets one
+block more run. If the worker did not leave there, the next block would wait at the
+gate for a release that never comes (the gate's timeout fails the test).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import pytest
+import torch
+import trio
+import trio.testing
+
+import omni_trio as ot
+from omni_trio._cancelpoint import active_checks
+from omni_trio.runners import DiffusersRunner, RunnerCapabilities, tiny_pipeline
+from omni_trio.runners._cancel import hooked
+from omni_trio.testing import GatedRunner, probe, wait_until
+
+from .test_video import pipe as video_pipe
+from .test_video import request as video_request
+from .util import BUDGET, expected_images, req
+
+BLOCKS = 4
+
+
+async def _stop_inside_block(
+    runner: GatedRunner, handle: ot.RequestHandle, stop: Callable[[], Awaitable[object]]
+) -> None:
+    """Run ``stop()`` while the worker is inside block 2 of step 1; let that block end.
+
+    One release after the stop: block 2 ends, and the checkpoint before block 3 must leave.
+    """
+    runner.release(1)  # block 1
+    await runner.wait_arrived(2)
+
+    async def release_once_cut() -> None:
+        await wait_until(lambda: probe(handle).cancel_reason is not None)
+        runner.release(1)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(release_once_cut)
+        await stop()
+
+
+def _left_in_block_2(runner: GatedRunner, engine: ot.Engine, handle: ot.RequestHandle) -> None:
+    """The step was left after block 2: nothing counted, nothing decoded, nothing held."""
+    assert runner.blocks_run == 2
+    assert (runner.batch_steps, runner.steps_run, runner.decodes) == (0, 0, 0)
+    assert runner.live_states == 0
+    stats = engine.statistics()
+    assert (stats.steps_run, stats.batch_steps) == (0, 0)
+    assert handle.metrics is not None and handle.metrics.steps_done == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["abort", "consumer_gone", "cancelled"])
+async def test_a_step_whose_every_member_stopped_is_left_at_the_next_block(how: str) -> None:
+    """L71: aborted (abort() returns), its consumer gone, or its awaiting task cancelled,
+    inside block 2 of a step: the worker leaves the step before block 3, counts no step
+    (so posts no step event), decodes nothing and holds no state; the request ends with
+    its own reason, and the next request runs as on a fresh engine.
+    """
+    runner = GatedRunner(blocks=BLOCKS, gate_blocks=True)
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner) as engine:
+            handle = engine.submit(req(num_steps=5), request_id="r")
+
+            async def stop() -> None:
+                if how == "abort":
+                    assert await engine.abort("r") is True
+                    assert runner.live_states == 0  # abort() returned after the release
+                elif how == "consumer_gone":
+                    async with handle:
+                        pass
+                else:
+                    with anyio.CancelScope() as scope:
+                        async with anyio.create_task_group() as tg:
+                            tg.start_soon(handle.result)
+                            await anyio.lowlevel.checkpoint()
+                            scope.cancel()
+
+            await _stop_inside_block(runner, handle, stop)
+            await handle.aclose()
+            _left_in_block_2(runner, engine, handle)
+            reason = {"abort": "user", "consumer_gone": "consumer_gone", "cancelled": "cancelled"}
+            assert handle.abort_reason == reason[how]
+            # The engine serves on: the next request runs every block of every step.
+            runner.open_gate()
+            output = await engine.generate(req(num_steps=2, seed=5))
+    assert runner.blocks_run == 2 + 2 * BLOCKS
+    assert output.images.equal(expected_images(req(num_steps=2, seed=5)))
+
+
+@pytest.mark.trio
+async def test_a_step_past_its_deadline_is_left_at_the_next_block(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """L62, L71: a request whose deadline passes while the worker is inside block 2 of
+    its step leaves the step before block 3, undecoded, with reason "deadline".
+    """
+    runner = GatedRunner(blocks=BLOCKS, gate_blocks=True)
+    async with ot.open_engine(runner) as engine:
+        handle = engine.submit(req(num_steps=5, deadline_s=100), request_id="r")
+
+        async def stop() -> None:
+            await trio.sleep(200)
+            async with handle:
+                with pytest.raises(ot.RequestAbortedError) as info:
+                    await handle.result()
+            assert info.value.reason == "deadline"
+
+        await _stop_inside_block(runner, handle, stop)
+        _left_in_block_2(runner, engine, handle)
+
+
+@pytest.mark.anyio
+async def test_shutdown_past_its_grace_leaves_the_step_at_the_next_block() -> None:
+    """L32, L71: shutdown with no grace left cuts the running request inside block 2: the
+    step is left before block 3, EngineClosedError, and aclose() returns with the runner
+    closed.
+    """
+    runner = GatedRunner(blocks=BLOCKS, gate_blocks=True)
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner, ot.EngineConfig(shutdown_grace=0)) as engine:
+            handle = engine.submit(req(num_steps=5), request_id="r")
+            await _stop_inside_block(runner, handle, engine.aclose)
+            assert runner.closed
+            _left_in_block_2(runner, engine, handle)
+            async with handle:
+                with pytest.raises(ot.EngineClosedError):
+                    await handle.result()
+
+
+@pytest.mark.anyio
+async def test_when_only_some_members_stop_the_step_finishes_for_the_others() -> None:
+    """L9, L71: one of two batch members aborted inside a step: the step runs every block
+    for both, the aborted one drops at its end (one more step, undecoded), the other's
+    image is its solo image.
+    """
+    runner = GatedRunner(blocks=BLOCKS, gate_blocks=True)
+    kept = req(num_steps=3, seed=2, prompt="kept")
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner) as engine:
+            gone = engine.submit(req(num_steps=5, seed=1), request_id="gone")
+            await runner.wait_arrived(1)
+            other = engine.submit(kept, request_id="kept")  # joins at the next boundary
+            runner.release(BLOCKS + 1)
+            await runner.wait_arrived(BLOCKS + 2)  # inside block 2 of the shared step 2
+            engine.abort_nowait("gone")
+            runner.open_gate()
+            async with gone:
+                with pytest.raises(ot.RequestAbortedError):
+                    await gone.result()
+            async with other:
+                output = await other.result()
+    assert gone.metrics is not None and gone.metrics.steps_done == 2
+    assert runner.blocks_run == BLOCKS * 4  # steps 1 and 2, then kept's last two alone
+    assert runner.decodes == 1 and runner.live_states == 0
+    assert output.images.equal(expected_images(kept))
+
+
+@pytest.mark.anyio
+async def test_a_decode_is_left_at_the_next_chunk() -> None:
+    """L10, L72: a request aborted while chunk 2 of its decode runs leaves the decode
+    before chunk 3: released undecoded, RequestAbortedError, no output.
+    """
+    runner = GatedRunner(blocks=3, gate_decodes=True)
+    runner.open_gate()
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner) as engine:
+            async with engine.submit(req(num_steps=2), request_id="r") as handle:
+                runner.release_decode(1)
+                await wait_until(lambda: runner.decodes_arrived == 2)
+                engine.abort_nowait("r")
+                runner.release_decode(1)
+                with pytest.raises(ot.RequestAbortedError):
+                    await handle.result()
+            assert runner.chunks_decoded == 2 and runner.decodes == 0
+            assert runner.live_states == 0
+            assert engine.statistics().completed == 0
+
+
+@pytest.mark.anyio
+async def test_a_runner_that_raises_stoprun_itself_fails_its_batch() -> None:
+    """L22, L71: a StopRun the engine's checkpoint did not raise is a runner failure."""
+    from omni_trio.runners import StopRun
+
+    class Rogue(GatedRunner):
+        def _block(self) -> None:
+            raise StopRun
+
+    runner = Rogue(blocks=2)
+    runner.open_gate()
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner) as engine:
+            with pytest.raises(ot.RequestFailedError):
+                await engine.generate(req())
+    assert runner.live_states == 0
+
+
+def test_cancel_points_are_declared_apart_from_whole_calls() -> None:
+    """L71: a whole-call runner stops at its on_step callback, not at cancel points."""
+    assert GatedRunner(blocks=1).capabilities.cancel_points
+    assert not GatedRunner().capabilities.cancel_points
+    with pytest.raises(ValueError, match="cancel_points"):
+        RunnerCapabilities(whole_call=True, cancel_points=True)
+    with pytest.raises(ValueError, match="gate_blocks"):
+        GatedRunner(gate_blocks=True)
+
+
+# -- real models: tiny Wan (L71, L72) and the image families' hooks -----------------
+
+
+class ModuleGate:
+    """A forward pre-hook on ``module`` that holds its ``at``-th call until ``release()``.
+
+    It runs after the runner's own cancel-point hook (hooks run in the order they were
+    registered), so the held call is inside the block: the cancel point before it
+    passed. ``calls`` counts the calls that began, ``finished`` those that ran to the end.
+    """
+
+    def __init__(self, module: torch.nn.Module, at: int) -> None:
+        self.at = at
+        self.calls = 0
+        self.finished = 0
+        self.arrived = threading.Event()
+        self._go = threading.Event()
+        self._handles = [
+            module.register_forward_pre_hook(self._hook),
+            module.register_forward_hook(self._done),
+        ]
+
+    def _done(self, module: torch.nn.Module, args: object, output: object) -> None:
+        self.finished += 1
+
+    def _hook(self, module: torch.nn.Module, args: object) -> None:
+        self.calls += 1
+        if self.calls == self.at:
+            self.arrived.set()
+            if not self._go.wait(20):
+                raise RuntimeError("ModuleGate: never released")
+
+    def release(self) -> None:
+        self._go.set()
+
+    def remove(self) -> None:
+        self._go.set()
+        for handle in self._handles:
+            handle.remove()
+
+    async def wait_arrived(self) -> None:
+        await wait_until(self.arrived.is_set)
+
+
+def _vae_cache_clear(pipe: Any) -> bool:
+    # None before its first decode; every entry None once a decode ended or was left.
+    return all(feature is None for feature in getattr(pipe.vae, "_feat_map", None) or ())
+
+
+async def _fresh_video(r: ot.GenerationRequest) -> torch.Tensor:
+    async with ot.open_engine(DiffusersRunner(video_pipe("wan"))) as engine:
+        output = await engine.generate(r)
+    assert output.video is not None
+    return output.video
+
+
+async def _abort_inside(
+    where: Callable[[Any], torch.nn.Module], at: int
+) -> tuple[ModuleGate, DiffusersRunner, ot.RequestHandle, torch.Tensor, torch.Tensor]:
+    """Abort a tiny Wan video while ``where(pipe)``'s ``at``-th call runs; then serve another.
+
+    Returns the gate, the runner, the aborted handle, the next request's video and a
+    fresh engine's video for that request.
+    """
+    wan = video_pipe("wan")
+    runner = DiffusersRunner(wan)
+    gate = ModuleGate(where(wan), at)
+    after = video_request(seed=3, prompt="after", num_steps=2)
+    try:
+        async with ot.open_engine(runner) as engine:
+            handle = engine.submit(video_request(num_steps=3), request_id="r")
+            await gate.wait_arrived()
+
+            async def release_once_cut() -> None:
+                await wait_until(lambda: probe(handle).cancel_reason is not None)
+                gate.release()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(release_once_cut)
+                assert await engine.abort("r") is True
+            assert runner.live_states == 0 and active_checks() == 0
+            assert _vae_cache_clear(wan)
+            calls = gate.calls
+            await handle.aclose()
+            output = await engine.generate(after)
+            gate.calls = calls  # the counts of the aborted request only
+    finally:
+        gate.remove()
+    assert output.video is not None
+    return gate, runner, handle, output.video, await _fresh_video(after)
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("one_torch_thread")
+async def test_a_wan_step_is_left_at_the_next_block_and_the_model_serves_on_as_fresh() -> None:
+    """L71: a tiny Wan video aborted inside block 0 of its second step: the step is left
+    before block 1 (block 1 ran once: in step 1), one step counted, nothing decoded, no
+    check armed, the VAE's cache empty; the next request's video is bitwise a fresh
+    engine's.
+    """
+    with anyio.fail_after(BUDGET):
+        block_1 = ModuleGate(video_pipe("wan").transformer.blocks[1], at=0)
+        try:
+            gate, runner, handle, video, fresh = await _abort_inside(
+                lambda wan: wan.transformer.blocks[0], at=2
+            )
+            block_1_calls = block_1.finished
+        finally:
+            block_1.remove()
+    assert gate.calls == 2  # block 0: steps 1 and 2
+    # Step 1 of the aborted one (not its step 2), then 2 steps each of the next and the fresh.
+    assert block_1_calls == 1 + 2 + 2
+    assert handle.metrics is not None and handle.metrics.steps_done == 1
+    assert runner.decodes == 1  # the next request's only
+    assert torch.equal(video, fresh)
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("one_torch_thread")
+async def test_a_wan_decode_is_left_at_the_next_latent_frame() -> None:
+    """L72: a tiny Wan video (3 latent frames) aborted while its VAE decodes latent frame
+    2: the decode is left before frame 3, the VAE's feature cache is cleared, the request
+    is released undecoded, and the next video is bitwise a fresh engine's.
+    """
+    with anyio.fail_after(BUDGET):
+        gate, runner, handle, video, fresh = await _abort_inside(lambda wan: wan.vae.decoder, at=2)
+    assert gate.calls == 2
+    assert runner.decodes == 2  # begun: the aborted one's (left) and the next one's
+    assert handle.status is ot.RequestStatus.ABORTED
+    assert handle.metrics is not None and handle.metrics.steps_done == 3
+    assert torch.equal(video, fresh)
+
+
+EXPECTED_BLOCKS = {
+    "sd": ("unet", ("down_blocks", "mid_block", "up_blocks")),
+    "sdxl": ("unet", ("down_blocks", "mid_block", "up_blocks")),
+    "unet": ("unet", ("down_blocks", "mid_block", "up_blocks")),
+    "sd3": ("transformer", ("transformer_blocks",)),
+    "flux": ("transformer", ("transformer_blocks", "single_transformer_blocks")),
+    "qwen-image": ("transformer", ("transformer_blocks",)),
+    "wan": ("transformer", ("blocks",)),
+    "ltx": ("transformer", ("transformer_blocks",)),
+}
+
+
+@pytest.mark.parametrize("kind", list(EXPECTED_BLOCKS))
+def test_every_family_hooks_its_blocks_and_decoder_once(kind: str) -> None:
+    """L71, L72: a DiffusersRunner declares cancel_points and hooks every block of its
+    denoiser and its VAE's decoder (if it has a VAE), once however many runners share
+    the pipeline; the last runner's close removes the hooks.
+    """
+    pipeline = tiny_pipeline(kind)
+    denoiser_name, attributes = EXPECTED_BLOCKS[kind]
+    denoiser = getattr(pipeline, denoiser_name)
+    blocks: list[torch.nn.Module] = []
+    for attribute in attributes:
+        value = getattr(denoiser, attribute)
+        blocks += list(value) if isinstance(value, torch.nn.ModuleList) else [value]
+    vae = getattr(pipeline, "vae", None)
+    expected = blocks + ([vae.decoder] if vae is not None else [])
+    first, second = DiffusersRunner(pipeline), DiffusersRunner(pipeline)
+    assert first.capabilities.cancel_points
+    assert first.cancel_point_count == len(expected)
+    for module in expected:
+        assert hooked(module) and len(module._forward_pre_hooks) == 1
+    first.close()
+    assert all(hooked(module) for module in expected)
+    second.close()
+    assert not any(hooked(module) or module._forward_pre_hooks for module in expected)
