@@ -9,14 +9,20 @@ thread, under Uvicorn: see ``benchmarks/naive.py``).
 
 Both are warmed up first (two requests each, then a burst of four, so that
 omni_trio has run every batch size before anything is timed). Then the solo
-latency of each (one request at a time, interleaved, median of several). The
-naive server's sets the scale, measured once for the whole run: its capacity is
-1 / its solo latency requests per second (it serves one request at a time), the
-SLO 3 x that latency. The load levels are fractions of that capacity, the load
-against which the naive server queues, so "1x" is the same load on the naive
-server in every run. (An earlier version scaled by omni_trio's own solo latency:
-whenever that came out faster than naive's, "1x" overloaded the naive server and
-its goodput collapsed, which made the 1x ratio swing from 1.2x to 21x between runs.)
+latency of each (one request at a time, interleaved, median of several), for the
+record. The naive server sets the scale, and it is measured again before each
+seed: CALIBRATION requests one at a time give its solo latency (the SLO is 3 x
+its median) and its mean call time (``/stats``: time inside the pipeline's call);
+its capacity is 1 / that call time requests per second (it serves one request at
+a time, and under load the encoding of one answer overlaps the next call). The
+load levels are fractions of that capacity, so "1x" is the load at which the
+naive server starts to queue without bound. Two earlier choices made the 1x
+ratio swing from 1.2x to 21x between runs: the scale came from omni_trio's solo
+latency (faster than naive's, so "1x" overloaded the naive server by ~1.2x), and
+it was measured once, while on a shared machine the speed drifts by 2x within
+minutes. Each naive run also reports the load it really faced (its
+``effective_load``: the requests sent times its mean call time in that run, per
+second of the window).
 
 Then ``omni-trio load``'s generator (``omni_trio.serve._load``) runs Poisson
 arrivals at 0.5x, 1x and 2x that capacity, for each of ``SEEDS`` (the same seeded
@@ -63,13 +69,19 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from omni_trio.serve._load import DEFAULT_CLASS, LoadConfig, percentile, run_load
+from omni_trio.serve._load import (
+    DEFAULT_CLASS,
+    LoadConfig,
+    percentile,
+    priority_class,
+    run_load,
+)
 
 from .common import Options, fmt, md_table
 from .plot import PEER_COLORS, figure
@@ -101,6 +113,8 @@ PRIORITY = 1
 PRIORITY_SHARE = 0.2
 #: Concurrent requests of the warm-up burst: omni_trio's max_batch_size.
 WARM_UP_BURST = 4
+#: Requests, one at a time, that calibrate the naive server before each seed.
+CALIBRATION = 5
 SIZE = "64x64"
 #: The repository root, where ``python -m benchmarks.naive`` and ``-m omni_trio`` run.
 ROOT = Path(__file__).resolve().parent.parent
@@ -294,6 +308,40 @@ def _solo(
     return solo
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Scale:
+    """The naive server's speed now: what a seed's rates and SLO are made of."""
+
+    solo_s: list[float]
+    call_s: float
+
+    @property
+    def capacity_rps(self) -> float:
+        return 1 / self.call_s
+
+    @property
+    def slo_s(self) -> float:
+        return SLO_SOLO * statistics.median(self.solo_s)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "solo_s": self.solo_s,
+            "solo_median_s": statistics.median(self.solo_s),
+            "call_s": self.call_s,
+            "capacity_rps": self.capacity_rps,
+            "slo_s": self.slo_s,
+        }
+
+
+def _calibrate(naive: _Server, steps: int, repeats: int) -> _Scale:
+    """``repeats`` solo requests to the naive server: its solo latency and mean call time."""
+    before = naive.get("/stats").json()
+    solo = _solo({"naive": naive}, steps, repeats, warm_up=False)["naive"]
+    after = naive.get("/stats").json()
+    calls = after["calls"] - before["calls"]
+    return _Scale(solo_s=solo, call_s=(after["busy_s"] - before["busy_s"]) / calls)
+
+
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -355,8 +403,6 @@ def _server_of(peer: str) -> str:
 
 def _peer_config(peer: str, config: LoadConfig) -> LoadConfig:
     """What ``peer``'s bodies carry on top of ``config``'s plain ones."""
-    from dataclasses import replace
-
     if peer == "omni_trio_deadline":
         return replace(config, deadline_ms=max(1, round(config.slo_s * 1000)))
     if peer in ("naive", "omni_trio_priority"):
@@ -387,7 +433,7 @@ def _measure(options: Options, server: _Server, config: LoadConfig) -> dict[str,
     latencies: dict[str, list[float]] = {}
     for record in result.records:
         if record.outcome == "completed":
-            key = DEFAULT_CLASS if record.priority is None else str(record.priority)
+            key = priority_class(record.priority)
             latencies.setdefault(key, []).append(round(record.latency_s, 4))
     return {
         **summary,
@@ -407,9 +453,9 @@ def _measure(options: Options, server: _Server, config: LoadConfig) -> dict[str,
 def run_serve(options: Options) -> dict[str, Any]:
     """Warm-up and solo latencies, then every seed, load and peer, rotated."""
     if options.quick:
-        steps, duration_s, solo_repeats, seeds = 2, 0.5, 2, SEEDS[:1]
+        steps, duration_s, solo_repeats, seeds, calibration = 2, 0.5, 2, SEEDS[:1], 2
     else:
-        steps, duration_s, solo_repeats, seeds = 20, DURATION_S, 7, SEEDS
+        steps, duration_s, solo_repeats, seeds, calibration = 20, DURATION_S, 7, SEEDS, CALIBRATION
     started = time.perf_counter()
     with ExitStack() as stack:
         if options.quick:
@@ -421,11 +467,13 @@ def run_serve(options: Options) -> dict[str, Any]:
         _log(f"both servers answer /health after {time.perf_counter() - started:.1f} s")
         solo = _solo(servers, steps, solo_repeats)
         solo_s = {name: statistics.median(values) for name, values in solo.items()}
-        capacity = 1 / solo_s["naive"]
-        slo_s = SLO_SOLO * solo_s["naive"]
         _log(f"warm-up and solo latencies done at {time.perf_counter() - started:.1f} s")
         runs: dict[str, list[dict[str, Any]]] = {}
+        scales: dict[int, _Scale] = {}
         for seed in seeds:
+            scale = scales[seed] = _calibrate(servers["naive"], steps, calibration)
+            capacity, slo_s = scale.capacity_rps, scale.slo_s
+            _log(f"seed {seed}: capacity {capacity:.2f}/s, SLO {slo_s * 1e3:.0f} ms")
             for load in LOADS:
                 peers = [peer for peer in PEERS if load in PEER_LOADS[peer]]
                 turn = seed % len(peers)
@@ -442,6 +490,7 @@ def run_serve(options: Options) -> dict[str, Any]:
                         steps=steps,
                     )
                     run = _measure(options, servers[_server_of(peer)], _peer_config(peer, config))
+                    run |= {"capacity_rps": capacity, "slo_s": slo_s, "rate": config.rate}
                     runs.setdefault(f"{peer}_{_label(load)}", []).append(run)
                     elapsed = time.perf_counter() - started
                     _log(f"seed {seed}, {peer} at {_label(load)}: {elapsed:.1f} s")
@@ -458,9 +507,10 @@ def run_serve(options: Options) -> dict[str, Any]:
             "loads": list(LOADS),
             "peer_loads": {peer: list(loads) for peer, loads in PEER_LOADS.items()},
             "give_up_fraction": GIVE_UP_FRACTION,
-            "give_up_span_s": [0.0, GIVE_UP_SLO * slo_s],
+            "give_up_span_slo": [0.0, GIVE_UP_SLO],
             "slo_over_solo": SLO_SOLO,
-            "capacity_from": "naive",
+            "capacity_from": "1 / the naive server's mean call time, before each seed",
+            "calibration_requests": calibration,
             "priority": PRIORITY,
             "priority_share": PRIORITY_SHARE,
             "omni_trio_server": (
@@ -478,10 +528,12 @@ def run_serve(options: Options) -> dict[str, Any]:
             name: {"median": statistics.median(solo_end[name]), "values": solo_end[name]}
             for name in SERVERS
         },
-        "capacity_rps": capacity,
-        "slo_s": slo_s,
+        "scale": {str(seed): scale.as_json() for seed, scale in scales.items()},
+        # Medians over the seeds, for the heading and the plot.
+        "capacity_rps": statistics.median(scale.capacity_rps for scale in scales.values()),
+        "slo_s": statistics.median(scale.slo_s for scale in scales.values()),
         "runs": runs,
-        "summary": _summary(runs, solo_s, capacity, slo_s, duration_s),
+        "summary": _summary(runs, solo_s, scales, duration_s),
     }
 
 
@@ -554,8 +606,7 @@ def _pooled(seeded: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def _summary(
     runs: dict[str, list[dict[str, Any]]],
     solo_s: dict[str, float],
-    capacity: float,
-    slo_s: float,
+    scales: dict[int, _Scale],
     duration_s: float,
 ) -> dict[str, Any]:
     def by_load(peer: str, pick: Callable[[list[float]], float], cls: str = "") -> dict[str, float]:
@@ -597,8 +648,8 @@ def _summary(
         "p99_latency_s": each("p99_latency_s"),
         "steps_after_give_up": each("steps_after_give_up"),
         "solo_latency_s": dict(solo_s),
-        "capacity_rps": capacity,
-        "slo_s": slo_s,
+        "capacity_rps_by_seed": {str(seed): scale.capacity_rps for seed, scale in scales.items()},
+        "slo_s_by_seed": {str(seed): scale.slo_s for seed, scale in scales.items()},
     }
 
 
@@ -645,7 +696,7 @@ def table_serve(result: dict[str, Any]) -> str:
             steps += " (est.)"
         rows.append(
             [
-                f"{_label(load)} ({load * result['capacity_rps']:.2f}/s)",
+                _label(load),
                 _LABELS[peer],
                 str(pooled["requests"]),
                 str(counts["completed"]),
@@ -659,23 +710,27 @@ def table_serve(result: dict[str, Any]) -> str:
             ]
         )
     solo = result["solo_s"]
+    scale = result["scale"]
+    capacities = ", ".join(f"{scale[str(seed)]['capacity_rps']:.2f}" for seed in seeds)
+    slos = ", ".join(f"{scale[str(seed)]['slo_s'] * 1e3:.0f}" for seed in seeds)
     head = (
-        f"Tiny SD, {config['size']}, {config['steps']} steps; solo latency naive"
-        f" {solo['naive']['median'] * 1e3:.0f} ms, omni_trio"
-        f" {solo['omni_trio']['median'] * 1e3:.0f} ms (medians of {config['solo_repeats']},"
-        " after a warm-up); capacity 1 / naive's solo"
-        f" latency = {result['capacity_rps']:.2f} requests/s; SLO {result['slo_s'] * 1e3:.0f} ms"
-        f" ({config['slo_over_solo']:g}x naive's solo); after the runs the solo latencies were"
-        f" naive {result['solo_end_s']['naive']['median'] * 1e3:.0f} ms, omni_trio"
-        f" {result['solo_end_s']['omni_trio']['median'] * 1e3:.0f} ms. Poisson arrivals for"
-        f" {duration_s:g} s per run, seeds {', '.join(map(str, seeds))} (the same schedule"
-        " for every peer);"
+        f"Tiny SD, {config['size']}, {config['steps']} steps; solo latency after a warm-up"
+        f" (medians of {config['solo_repeats']}): naive {solo['naive']['median'] * 1e3:.0f} ms,"
+        f" omni_trio {solo['omni_trio']['median'] * 1e3:.0f} ms at the start,"
+        f" {result['solo_end_s']['naive']['median'] * 1e3:.0f} and"
+        f" {result['solo_end_s']['omni_trio']['median'] * 1e3:.0f} ms at the end. Before each"
+        f" seed, {config['calibration_requests']} solo requests to the naive server set the"
+        " scale: capacity = 1 / its mean call time (seeds"
+        f" {', '.join(map(str, seeds))}: {capacities} requests/s), SLO ="
+        f" {config['slo_over_solo']:g}x its solo latency ({slos} ms). Poisson arrivals for"
+        f" {duration_s:g} s per run, the same schedule for every peer of a seed;"
         f" {config['give_up_fraction']:.0%} of the clients give up within"
-        f" 0-{config['give_up_span_s'][1] * 1e3:.0f} ms of sending. Goodput and throughput in"
+        f" 0-{config['give_up_span_slo'][1]:g}x the SLO of sending. Goodput and throughput in"
         " images/s of the arrival window, median over the seeds (min-max); counts summed over"
         " the seeds; latencies (ms) of completed requests, pooled; steps: denoise steps run for"
         " requests after their client had gone, summed. The naive server ignores `priority`"
-        " and `deadline_ms`: its one run per load and seed is the peer of every omni_trio row.\n\n"
+        " and `deadline_ms`: its one run per load and seed is the peer of every omni_trio"
+        " row.\n\n"
     )
     table = md_table(
         [
@@ -769,7 +824,7 @@ def table_serve(result: dict[str, Any]) -> str:
         }
         for seed in seeds:
             naive = by_seed["naive"][seed]
-            cells = [label, str(seed), str(naive["requests"])]
+            cells = [label, str(seed), fmt(naive["rate"], 2), str(naive["requests"])]
             cells.append(fmt(naive.get("effective_load"), 2) + "x")
             cells.append(_ms(naive.get("service_s")))
             cells.append(fmt(naive["goodput_per_s"], 2))
@@ -781,12 +836,13 @@ def table_serve(result: dict[str, Any]) -> str:
     per_seed = (
         "\nPer seed: the naive server's effective load is the work sent in its own mean call"
         " time under this load (`/stats` busy time over calls) per second of the window: the"
-        " load it really faced, where the nominal one assumes its solo latency. Load average:"
-        " one minute, after the naive run.\n\n"
+        " load it really faced, where the nominal one assumes its call time at the seed's"
+        " calibration. Load average: one minute, after the naive run.\n\n"
         + md_table(
             [
                 "load",
                 "seed",
+                "rate /s",
                 "sent",
                 "naive's effective load",
                 "naive call ms",
@@ -819,7 +875,9 @@ def plot_serve(result: dict[str, Any], path: Path) -> None:
             p99 = [(r["p99_latency_s"] or 0.0) * 1e3 for r in pooled]
             b.bar(at, p99, width, color=color, label=_LABELS[peer])
         slo_ms = result["slo_s"] * 1e3
-        b.axhline(slo_ms, color="#333333", linestyle="--", linewidth=1, label="SLO")
+        b.axhline(
+            slo_ms, color="#333333", linestyle="--", linewidth=1, label="SLO (median of the seeds)"
+        )
         for ax, ylabel in ((a, "SLO goodput, images/s (median)"), (b, "p99 latency, ms")):
             ax.set_xticks(list(x), [_label(load) + " capacity" for load in loads])
             ax.set_ylabel(ylabel)
