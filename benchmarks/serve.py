@@ -24,10 +24,12 @@ minutes. Each naive run also reports the load it really faced (its
 ``effective_load``: the requests sent times its mean call time in that run, per
 second of the window).
 
-Then ``omni-trio load``'s generator (``omni_trio.serve._load``) runs Poisson
-arrivals at 0.5x, 1x and 2x that capacity, for each of ``SEEDS`` (the same seeded
-schedule for every peer: same arrival times, same impatient clients, same
-priority classes); 30 % of the clients give up at a moment uniform in
+Then ``omni-trio load``'s generator (``omni_trio.serve._load``) runs arrivals at
+0.5x, 1x and 2x that capacity, for each of ``SEEDS``: exactly rate x window
+requests at the moments of a Poisson process conditioned on that count (in a
+window of a dozen requests a Poisson count alone moves the load by 30 %). Every
+peer of a seed gets the same schedule: same arrival times, same impatient
+clients, same priority classes. 30 % of the clients give up at a moment uniform in
 [0, 2 x SLO] after sending, by closing their connection. The peers:
 
 - ``naive``, once per load and seed: it ignores ``priority`` and ``deadline_ms``,
@@ -481,6 +483,9 @@ def run_serve(options: Options) -> dict[str, Any]:
                     config = LoadConfig(
                         url=servers[_server_of(peer)].url + "/v1/images/generations",
                         rate=load * capacity,
+                        # Exactly the nominal count: a Poisson count would move the load
+                        # of a run this short by tens of percent.
+                        count=max(1, round(load * capacity * duration_s)),
                         duration_s=duration_s,
                         slo_s=slo_s,
                         seed=seed,

@@ -115,6 +115,30 @@ def test_priorities_leave_the_arrivals_and_give_ups_as_they_were() -> None:
     assert all(a.priority is None for a in poisson_schedule(**common, priority=3, priority_share=0))
 
 
+def test_a_count_gives_exactly_that_many_arrivals_in_the_window() -> None:
+    """``count``: exactly that many arrivals, in time order inside [0, duration), the same
+    for a seed and other for another; give-ups and priority classes drawn as without it
+    (the share of each close to its fraction over many)."""
+    common: dict[str, Any] = {"rate": 1.0, "duration_s": 10.0, "give_up_s": (0.0, 1.0)}
+    arrivals = poisson_schedule(
+        **common, seed=2, count=2000, give_up_fraction=0.3, priority=1, priority_share=0.2
+    )
+    times = [a.at_s for a in arrivals]
+    assert len(arrivals) == 2000 and [a.index for a in arrivals] == list(range(2000))
+    assert times == sorted(times) and times[0] >= 0 and times[-1] < 10.0
+    assert abs(sum(a.give_up_s is not None for a in arrivals) / 2000 - 0.3) < 0.05
+    assert abs(sum(a.priority == 1 for a in arrivals) / 2000 - 0.2) < 0.05
+    again = poisson_schedule(
+        **common, seed=2, count=2000, give_up_fraction=0.3, priority=1, priority_share=0.2
+    )
+    assert again == arrivals
+    other = [a.at_s for a in poisson_schedule(**common, seed=3, count=2000)]
+    assert other != times
+    assert poisson_schedule(**common, seed=2, count=0) == ()
+    config = LoadConfig(url="http://h", rate=9.0, duration_s=2.0, slo_s=1.0, count=7)
+    assert len(config.schedule()) == 7
+
+
 # -- the summary -----------------------------------------------------------------------
 
 
@@ -267,6 +291,7 @@ def test_the_body_is_small_and_reproducible() -> None:
         ({"give_up_s": (2.0, 1.0)}, "give_up_s: must be 0 <= low <= high, got (2.0, 1.0)"),
         ({"deadline_ms": 0}, "deadline_ms: must be >= 1, got 0"),
         ({"priority_share": -0.1}, "priority_share: must be from 0 to 1, got -0.1"),
+        ({"count": -1}, "count: must be >= 0, got -1"),
     ],
 )
 def test_a_config_out_of_range_names_the_field(fields: dict[str, Any], message: str) -> None:
@@ -308,6 +333,14 @@ def test_a_config_out_of_range_names_the_field(fields: dict[str, Any], message: 
         (
             ["load", "http://h", "--priority-share", "0.5"],
             "--priority-share: give --priority too (the priority that share sends)",
+        ),
+        (
+            ["load", "http://h", "--requests", "0"],
+            "argument --requests: expected an integer >= 1, got '0' (see 'omni-trio load --help')",
+        ),
+        (
+            ["load", "http://h", "--requests", "5", "--rate", "2"],
+            "--requests: give --rate or --requests, not both",
         ),
     ],
 )
@@ -521,21 +554,26 @@ def test_the_command_sends_deadlines_and_priorities(
 ) -> None:
     """``--deadline-ms`` and ``--priority``/``--priority-share``: the header line says
     what was sent, the table has a line per class, and each record carries the
-    priority its arrival drew (the schedule's, for that seed and share)."""
+    priority its arrival drew (the schedule's, for that seed and share); ``--requests``
+    sends exactly that many."""
     service = ImageService(
         FakeRunner(), config=ServeConfig(model_name="fake", default_width=16, default_height=16)
     )
     saved = tmp_path / "load.json"
-    args = ["--rate", "40", "--duration", "0.5", "--seed", "3", "--give-up-fraction", "0"]
+    args = ["--requests", "12", "--duration", "0.5", "--seed", "3", "--give-up-fraction", "0"]
     args += ["--size", "16x16", "--steps", "2", "--slo-s", "60", "--json", str(saved)]
     args += ["--deadline-ms", "60000", "--priority", "0", "--priority-share", "0.5"]
-    planned = poisson_schedule(rate=40, duration_s=0.5, seed=3, priority=0, priority_share=0.5)
+    planned = poisson_schedule(
+        rate=24, duration_s=0.5, seed=3, priority=0, priority_share=0.5, count=12
+    )
+    assert len(planned) == 12
     prioritized = sum(a.priority == 0 for a in planned)
     assert 0 < prioritized < len(planned)  # the seed gives both classes
     with serving_in_a_thread(service) as url:
         status = main(["load", url, *args])
     out, err = capsys.readouterr()
     assert (status, err) == (0, "")
+    assert out.startswith(f"12 requests at 24/s for 0.5 s (seed 3) to {url}{PATH}; ")
     assert f"; deadline_ms 60000; {prioritized} send priority 0\n" in out
     assert f"({prioritized} of {prioritized} requests)" in out
     others = len(planned) - prioritized

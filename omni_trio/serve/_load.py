@@ -4,6 +4,10 @@ Open loop: requests arrive as a Poisson process at ``rate`` per second for
 ``duration_s`` seconds, whatever the server answers, so a slow server faces a
 growing queue instead of a politely waiting client. The arrival times come from a
 seeded generator: the same seed and rate give the same schedule, on any server.
+With ``count`` the window holds exactly that many arrivals, at the moments of a
+Poisson process conditioned on that count (sorted uniform moments): the bursts of
+a Poisson process without the run-to-run noise of its count, which in a short run
+moves the offered load by tens of percent.
 
 Each arrival is a client of its own: it opens a connection (no keep-alive, so no
 client waits for another's connection), POSTs a small generation body and waits
@@ -116,6 +120,7 @@ def poisson_schedule(
     give_up_s: tuple[float, float] = (0.0, 0.0),
     priority: int | None = None,
     priority_share: float = 1.0,
+    count: int | None = None,
 ) -> tuple[Arrival, ...]:
     """The arrivals of a Poisson process at ``rate`` per second within ``duration_s``.
 
@@ -125,7 +130,9 @@ def poisson_schedule(
     ``priority`` is drawn from a second generator, also seeded by ``seed``, one
     number per arrival: the arrivals and give-ups are the same with or without
     priorities, and the n-th arrival's class depends on ``seed`` and
-    ``priority_share`` alone.
+    ``priority_share`` alone. With ``count``, the ``count`` moments are drawn
+    first (uniform in the window, then sorted), then each arrival's two give-up
+    numbers.
 
     Args:
         rate: mean arrivals per second, > 0.
@@ -135,6 +142,8 @@ def poisson_schedule(
         give_up_s: the (low, high) span its give-up moment is drawn from, uniformly.
         priority: the ``priority`` the chosen share sends; ``None``: none does.
         priority_share: the probability that an arrival sends ``priority``.
+        count: exactly this many arrivals (``rate`` is then not read), or
+            ``None`` for a Poisson count.
 
     Returns:
         The arrivals, in time order.
@@ -142,23 +151,29 @@ def poisson_schedule(
     rng = random.Random(seed)
     classes = random.Random(f"priority-{seed}")
     low, high = give_up_s
+
+    def arrival(index: int, at: float) -> Arrival:
+        gives_up = rng.random() < give_up_fraction
+        after = rng.uniform(low, high)
+        prioritized = priority is not None and classes.random() < priority_share
+        return Arrival(
+            index=index,
+            at_s=at,
+            give_up_s=after if gives_up else None,
+            priority=priority if prioritized else None,
+        )
+
+    if count is not None:
+        # random() is in [0, 1): every moment falls inside the window.
+        moments = sorted(duration_s * rng.random() for _ in range(count))
+        return tuple(arrival(index, at) for index, at in enumerate(moments))
     arrivals: list[Arrival] = []
     at = 0.0
     while True:
         at += rng.expovariate(rate)
-        gives_up = rng.random() < give_up_fraction
-        after = rng.uniform(low, high)
         if at >= duration_s:
             return tuple(arrivals)
-        prioritized = priority is not None and classes.random() < priority_share
-        arrivals.append(
-            Arrival(
-                index=len(arrivals),
-                at_s=at,
-                give_up_s=after if gives_up else None,
-                priority=priority if prioritized else None,
-            )
-        )
+        arrivals.append(arrival(len(arrivals), at))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -334,6 +349,8 @@ class LoadConfig:
         priority: the ``priority`` a ``priority_share`` of the bodies carry
             (drawn per arrival, see ``poisson_schedule``), or ``None``: none does.
         priority_share: that share, 0 to 1.
+        count: exactly this many requests in the window (see
+            ``poisson_schedule``), or ``None`` for a Poisson count at ``rate``.
 
     Raises:
         ValueError: a value out of range; the message names it.
@@ -355,6 +372,7 @@ class LoadConfig:
     deadline_ms: int | None = None
     priority: int | None = None
     priority_share: float = 1.0
+    count: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("rate", "duration_s", "slo_s", "timeout_s"):
@@ -374,6 +392,8 @@ class LoadConfig:
             raise ValueError(f"deadline_ms: must be >= 1, got {self.deadline_ms!r}")
         if not 0 <= self.priority_share <= 1:
             raise ValueError(f"priority_share: must be from 0 to 1, got {self.priority_share!r}")
+        if self.count is not None and self.count < 0:
+            raise ValueError(f"count: must be >= 0, got {self.count!r}")
 
     @property
     def give_up_span(self) -> tuple[float, float]:
@@ -390,6 +410,7 @@ class LoadConfig:
             give_up_s=self.give_up_span,
             priority=self.priority,
             priority_share=self.priority_share,
+            count=self.count,
         )
 
     def body(self, index: int, priority: int | None = None) -> dict[str, Any]:
@@ -658,7 +679,14 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the server, e.g. http://127.0.0.1:8000 ({PATH} is appended unless given)",
     )
     parser.add_argument(
-        "--rate", type=_positive, default=1.0, help="requests per second, mean (default 1)"
+        "--rate", type=_positive, default=None, help="requests per second, mean (default 1)"
+    )
+    parser.add_argument(
+        "--requests",
+        type=_steps,
+        default=None,
+        metavar="N",
+        help="exactly N requests over --duration, at Poisson moments (instead of --rate)",
     )
     parser.add_argument(
         "--duration", type=_positive, default=30.0, metavar="S", help="seconds (default 30)"
@@ -735,12 +763,17 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace) -> LoadConfig:
+    if args.requests is not None and args.rate is not None:
+        raise UsageError("--requests: give --rate or --requests, not both")
+    rate = 1.0 if args.rate is None else args.rate
+    if args.requests is not None:
+        rate = args.requests / args.duration
     if args.priority_share is not None and args.priority is None:
         raise UsageError("--priority-share: give --priority too (the priority that share sends)")
     try:
         return LoadConfig(
             url=endpoint_url(args.url),
-            rate=args.rate,
+            rate=rate,
             duration_s=args.duration,
             slo_s=args.slo_s,
             seed=args.seed,
@@ -755,6 +788,7 @@ def _config(args: argparse.Namespace) -> LoadConfig:
             deadline_ms=args.deadline_ms,
             priority=args.priority,
             priority_share=1.0 if args.priority_share is None else args.priority_share,
+            count=args.requests,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
