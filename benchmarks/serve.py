@@ -12,8 +12,8 @@ omni_trio has run every batch size before anything is timed). Then the solo
 latency of each (one request at a time, interleaved, median of several), for the
 record. The naive server sets the scale, and it is measured again before each
 seed: CALIBRATION requests one at a time give its solo latency (the SLO is 3 x
-its median) and its mean call time (``/stats``: time inside the pipeline's call);
-its capacity is 1 / that call time requests per second (it serves one request at
+its median) and its median call time (``/stats``: time inside the pipeline's
+call); its capacity is 1 / that call time requests per second (it serves one request at
 a time, and under load the encoding of one answer overlaps the next call). The
 load levels are fractions of that capacity, so "1x" is the load at which the
 naive server starts to queue without bound. Two earlier choices made the 1x
@@ -116,7 +116,7 @@ PRIORITY_SHARE = 0.2
 #: Concurrent requests of the warm-up burst: omni_trio's max_batch_size.
 WARM_UP_BURST = 4
 #: Requests, one at a time, that calibrate the naive server before each seed.
-CALIBRATION = 5
+CALIBRATION = 7
 SIZE = "64x64"
 #: The repository root, where ``python -m benchmarks.naive`` and ``-m omni_trio`` run.
 ROOT = Path(__file__).resolve().parent.parent
@@ -336,12 +336,19 @@ class _Scale:
 
 
 def _calibrate(naive: _Server, steps: int, repeats: int) -> _Scale:
-    """``repeats`` solo requests to the naive server: its solo latency and mean call time."""
-    before = naive.get("/stats").json()
-    solo = _solo({"naive": naive}, steps, repeats, warm_up=False)["naive"]
-    after = naive.get("/stats").json()
-    calls = after["calls"] - before["calls"]
-    return _Scale(solo_s=solo, call_s=(after["busy_s"] - before["busy_s"]) / calls)
+    """``repeats`` solo requests to the naive server: its solo latencies, median call time.
+
+    Each call's time is read from ``/stats`` around it; the median resists the one
+    request that another process on the machine slowed down or left alone.
+    """
+    limits = httpx.Limits(max_keepalive_connections=0)
+    solo, calls = [], []
+    with httpx.Client(timeout=120, limits=limits) as client:
+        for _ in range(repeats):
+            before = naive.get("/stats").json()["busy_s"]
+            solo.append(_solo_s(client, naive, steps))
+            calls.append(naive.get("/stats").json()["busy_s"] - before)
+    return _Scale(solo_s=solo, call_s=statistics.median(calls))
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -514,7 +521,7 @@ def run_serve(options: Options) -> dict[str, Any]:
             "give_up_fraction": GIVE_UP_FRACTION,
             "give_up_span_slo": [0.0, GIVE_UP_SLO],
             "slo_over_solo": SLO_SOLO,
-            "capacity_from": "1 / the naive server's mean call time, before each seed",
+            "capacity_from": "1 / the naive server's median call time, before each seed",
             "calibration_requests": calibration,
             "priority": PRIORITY,
             "priority_share": PRIORITY_SHARE,
@@ -725,9 +732,10 @@ def table_serve(result: dict[str, Any]) -> str:
         f" {result['solo_end_s']['naive']['median'] * 1e3:.0f} and"
         f" {result['solo_end_s']['omni_trio']['median'] * 1e3:.0f} ms at the end. Before each"
         f" seed, {config['calibration_requests']} solo requests to the naive server set the"
-        " scale: capacity = 1 / its mean call time (seeds"
+        " scale: capacity = 1 / its median call time (seeds"
         f" {', '.join(map(str, seeds))}: {capacities} requests/s), SLO ="
-        f" {config['slo_over_solo']:g}x its solo latency ({slos} ms). Poisson arrivals for"
+        f" {config['slo_over_solo']:g}x its solo latency ({slos} ms). Arrivals (exactly"
+        " rate x window, at Poisson moments) for"
         f" {duration_s:g} s per run, the same schedule for every peer of a seed;"
         f" {config['give_up_fraction']:.0%} of the clients give up within"
         f" 0-{config['give_up_span_slo'][1]:g}x the SLO of sending. Goodput and throughput in"
