@@ -461,6 +461,7 @@ def _measure(options: Options, server: _Server, config: LoadConfig) -> dict[str,
 
 def run_serve(options: Options) -> dict[str, Any]:
     """Warm-up and solo latencies, then every seed, load and peer, rotated."""
+    seeds: tuple[int, ...]
     if options.quick:
         steps, duration_s, solo_repeats, seeds, calibration = 2, 0.5, 2, SEEDS[:1], 2
     else:
