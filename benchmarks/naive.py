@@ -12,8 +12,10 @@ thread, one at a time (a lock), and nothing stops a call whose client went away.
 What it costs is counted: a side task polls ``request.is_disconnected()`` while
 the request waits for the lock and runs; the call's ``callback_on_step_end`` counts
 its denoise steps; the steps a call ran after its client was seen gone are
-``steps_after_disconnect`` in ``GET /stats`` (JSON). ``GET /health`` is 200 once
-the model is built.
+``steps_after_disconnect`` in ``GET /stats`` (JSON). ``/stats`` also sums the time
+spent inside the pipeline's calls (``busy_s``, over ``calls``): the service time the
+server really had under load, which on a shared machine can be far from its solo
+latency. ``GET /health`` is 200 once the model is built.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class NaiveStats:
         steps_run: denoise steps run, all requests.
         steps_after_disconnect: steps run for a request after its client was seen gone.
         in_flight: requests waiting for the lock or running now.
+        calls: pipeline calls finished.
+        busy_s: seconds spent inside those calls (holding the lock).
     """
 
     requests: int = 0
@@ -65,6 +69,8 @@ class NaiveStats:
     steps_run: int = 0
     steps_after_disconnect: int = 0
     in_flight: int = 0
+    calls: int = 0
+    busy_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -137,7 +143,10 @@ class NaiveServer:
 
         kwargs = call_kwargs(request)
         with self._lock:
+            started = time.perf_counter()
             images = self._pipeline(**kwargs, callback_on_step_end=on_step_end).images
+            stats.busy_s += time.perf_counter() - started
+            stats.calls += 1
         return encode_images_sync(images, "png", None)
 
     async def _watch(self, request: Request, progress: _Progress) -> None:

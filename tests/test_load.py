@@ -1,11 +1,15 @@
 """``omni-trio load``: the Poisson schedule, the summary's arithmetic, the command's errors,
-and one run against the real app over a real socket.
+and runs against the real app over a real socket (impatient clients, priorities,
+deadlines).
 
 The schedule and the summary are pure: exact values. The run serves the app with
 Hypercorn in the test's own event loop (trio or asyncio) on a loopback socket
 bound to port 0; its model is a ``GatedRunner`` whose steps wait until every
 impatient client has given up, so which clients complete and which give up is
-decided by the schedule alone, never by timing. Counts are asserted, not times.
+decided by the schedule alone, never by timing. The priority and deadline runs use
+``FakeRunner`` and answers that do not depend on timing (a priority over the
+server's bound is a 400; a deadline is refused once the test has set the measured
+step time). Counts are asserted, not times.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from omni_trio import EngineConfig
 from omni_trio.__main__ import main
 from omni_trio.serve import ImageService, ServeConfig
 from omni_trio.serve._load import (
+    DEFAULT_CLASS,
     OUTCOMES,
     PATH,
     LoadConfig,
@@ -41,7 +46,7 @@ from omni_trio.serve._load import (
     run_load,
     summarize,
 )
-from omni_trio.testing import FakeRunner, GatedRunner
+from omni_trio.testing import FakeRunner, GatedRunner, wait_until
 
 from .test_serve_app import metric
 from .util import BUDGET
@@ -85,6 +90,53 @@ def test_the_schedule_is_a_poisson_process_in_the_window() -> None:
     assert abs(len(arrivals) - expected) < 5 * expected**0.5
     impatient = sum(x.give_up_s is not None for x in arrivals) / len(arrivals)
     assert abs(impatient - 0.3) < 0.02
+
+
+def test_priorities_leave_the_arrivals_and_give_ups_as_they_were() -> None:
+    """The priority classes come from a stream of their own: the same seed sends at the
+    same moments with the same give-ups with or without them; the classes repeat for
+    a seed, and the share holds over many arrivals (0 and 1 are none and all)."""
+    common: dict[str, Any] = {
+        "rate": 50.0,
+        "duration_s": 100.0,
+        "seed": 5,
+        "give_up_fraction": 0.3,
+        "give_up_s": (0.0, 1.0),
+    }
+    plain = poisson_schedule(**common)
+    classed = poisson_schedule(**common, priority=2, priority_share=0.2)
+    assert [(a.at_s, a.give_up_s) for a in plain] == [(a.at_s, a.give_up_s) for a in classed]
+    assert classed == poisson_schedule(**common, priority=2, priority_share=0.2)
+    assert all(a.priority is None for a in plain)
+    assert {a.priority for a in classed} == {None, 2}
+    share = sum(a.priority == 2 for a in classed) / len(classed)
+    assert abs(share - 0.2) < 0.02
+    assert all(a.priority == -1 for a in poisson_schedule(**common, priority=-1))
+    assert all(a.priority is None for a in poisson_schedule(**common, priority=3, priority_share=0))
+
+
+def test_a_count_gives_exactly_that_many_arrivals_in_the_window() -> None:
+    """``count``: exactly that many arrivals, in time order inside [0, duration), the same
+    for a seed and other for another; give-ups and priority classes drawn as without it
+    (the share of each close to its fraction over many)."""
+    common: dict[str, Any] = {"rate": 1.0, "duration_s": 10.0, "give_up_s": (0.0, 1.0)}
+    arrivals = poisson_schedule(
+        **common, seed=2, count=2000, give_up_fraction=0.3, priority=1, priority_share=0.2
+    )
+    times = [a.at_s for a in arrivals]
+    assert len(arrivals) == 2000 and [a.index for a in arrivals] == list(range(2000))
+    assert times == sorted(times) and times[0] >= 0 and times[-1] < 10.0
+    assert abs(sum(a.give_up_s is not None for a in arrivals) / 2000 - 0.3) < 0.05
+    assert abs(sum(a.priority == 1 for a in arrivals) / 2000 - 0.2) < 0.05
+    again = poisson_schedule(
+        **common, seed=2, count=2000, give_up_fraction=0.3, priority=1, priority_share=0.2
+    )
+    assert again == arrivals
+    other = [a.at_s for a in poisson_schedule(**common, seed=3, count=2000)]
+    assert other != times
+    assert poisson_schedule(**common, seed=2, count=0) == ()
+    config = LoadConfig(url="http://h", rate=9.0, duration_s=2.0, slo_s=1.0, count=7)
+    assert len(config.schedule()) == 7
 
 
 # -- the summary -----------------------------------------------------------------------
@@ -139,6 +191,40 @@ def test_the_summary_counts_goodput_within_the_slo_only() -> None:
     json.dumps(s)  # JSON values only
 
 
+def test_the_summary_splits_by_priority_and_refusals_by_code() -> None:
+    """``by_priority``: each class's own counts, goodput and latencies (``default`` for
+    requests that sent none); ``refused_by_reason``: the status with the answer's code."""
+    records = [
+        rec(0, "completed", 0.5, priority=1),
+        rec(1, "completed", 3.0, priority=1),  # late
+        rec(2, "completed", 0.2),
+        rec(3, "refused", 0.01, status=429, code="deadline_unmeetable"),
+        rec(4, "refused", 0.01, status=429, code="deadline_unmeetable", priority=1),
+        rec(5, "refused", 0.01, status=503, code="request_aborted"),
+        rec(6, "refused", 0.01, status=502),
+    ]
+    s = summarize(records, duration_s=2.0, slo_s=1.0)
+    assert s["refused_by_status"] == {"429": 2, "502": 1, "503": 1}
+    assert s["refused_by_reason"] == {
+        "429 deadline_unmeetable": 2,
+        "502": 1,
+        "503 request_aborted": 1,
+    }
+    assert set(s["by_priority"]) == {"1", DEFAULT_CLASS}
+    high, default = s["by_priority"]["1"], s["by_priority"][DEFAULT_CLASS]
+    assert (high["requests"], high["completed"], high["good_images"]) == (3, 2, 1)
+    assert (high["goodput_per_s"], high["throughput_per_s"]) == (0.5, 1.0)
+    assert (high["p50_latency_s"], high["p99_latency_s"]) == (1.75, pytest.approx(2.975))
+    assert (default["requests"], default["completed"], default["good_images"]) == (4, 1, 1)
+    assert default["p99_latency_s"] == 0.2
+    table = format_summary(s)
+    assert "  refused (429 deadline_unmeetable)      2\n" in table
+    assert "  priority 1     0.500 images/s goodput (1 of 3 requests), p99 2.975 s\n" in table
+    assert "  no priority    0.500 images/s goodput (1 of 4 requests), p99 0.200 s\n" in table
+    # Without priorities, no class lines.
+    assert "no priority" not in format_summary(summarize(records[2:3], duration_s=1, slo_s=1))
+
+
 def test_the_summary_of_nothing_completed() -> None:
     """No completion: zero rates, no latencies, every outcome still listed."""
     s = summarize([rec(0, "gave_up", 1.0)], duration_s=2.0, slo_s=1.0)
@@ -185,6 +271,15 @@ def test_the_body_is_small_and_reproducible() -> None:
         url="http://h", rate=1, duration_s=1, slo_s=1
     ).body(0)
     assert LoadConfig(url="http://h", rate=1, duration_s=1, slo_s=2).give_up_span == (0.0, 4.0)
+    scheduled = LoadConfig(url="http://h", rate=1, duration_s=1, slo_s=1, deadline_ms=1500)
+    assert scheduled.body(2, priority=-3) == {
+        "prompt": scheduled.prompt,
+        "n": 1,
+        "seed": 2,
+        "size": "64x64",
+        "deadline_ms": 1500,
+        "priority": -3,
+    }
 
 
 @pytest.mark.parametrize(
@@ -194,6 +289,9 @@ def test_the_body_is_small_and_reproducible() -> None:
         ({"slo_s": float("inf")}, "slo_s: must be a finite number > 0, got inf"),
         ({"give_up_fraction": 1.5}, "give_up_fraction: must be from 0 to 1, got 1.5"),
         ({"give_up_s": (2.0, 1.0)}, "give_up_s: must be 0 <= low <= high, got (2.0, 1.0)"),
+        ({"deadline_ms": 0}, "deadline_ms: must be >= 1, got 0"),
+        ({"priority_share": -0.1}, "priority_share: must be from 0 to 1, got -0.1"),
+        ({"count": -1}, "count: must be >= 0, got -1"),
     ],
 )
 def test_a_config_out_of_range_names_the_field(fields: dict[str, Any], message: str) -> None:
@@ -222,6 +320,27 @@ def test_a_config_out_of_range_names_the_field(fields: dict[str, Any], message: 
             ["load", "http://h", "--give-up-after", "3:1"],
             "argument --give-up-after: expected MAX or MIN:MAX seconds, got '3:1'"
             " (see 'omni-trio load --help')",
+        ),
+        (
+            ["load", "http://h", "--deadline-ms", "0"],
+            "argument --deadline-ms: expected an integer >= 1, got '0'"
+            " (see 'omni-trio load --help')",
+        ),
+        (
+            ["load", "http://h", "--priority", "high"],
+            "argument --priority: expected an integer, got 'high' (see 'omni-trio load --help')",
+        ),
+        (
+            ["load", "http://h", "--priority-share", "0.5"],
+            "--priority-share: give --priority too (the priority that share sends)",
+        ),
+        (
+            ["load", "http://h", "--requests", "0"],
+            "argument --requests: expected an integer >= 1, got '0' (see 'omni-trio load --help')",
+        ),
+        (
+            ["load", "http://h", "--requests", "5", "--rate", "2"],
+            "--requests: give --rate or --requests, not both",
         ),
     ],
 )
@@ -428,3 +547,111 @@ async def test_a_run_against_the_app_counts_every_outcome(tmp_path: Path) -> Non
     saved.write_text(json.dumps(result.as_json()))
     assert json.loads(saved.read_text())["summary"] == json.loads(json.dumps(summary))
     assert f"  {'completed':<16}{patient:>7}\n" in format_summary(summary)
+
+
+def test_the_command_sends_deadlines_and_priorities(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--deadline-ms`` and ``--priority``/``--priority-share``: the header line says
+    what was sent, the table has a line per class, and each record carries the
+    priority its arrival drew (the schedule's, for that seed and share); ``--requests``
+    sends exactly that many."""
+    service = ImageService(
+        FakeRunner(), config=ServeConfig(model_name="fake", default_width=16, default_height=16)
+    )
+    saved = tmp_path / "load.json"
+    args = ["--requests", "12", "--duration", "0.5", "--seed", "3", "--give-up-fraction", "0"]
+    args += ["--size", "16x16", "--steps", "2", "--slo-s", "60", "--json", str(saved)]
+    args += ["--deadline-ms", "60000", "--priority", "0", "--priority-share", "0.5"]
+    planned = poisson_schedule(
+        rate=24, duration_s=0.5, seed=3, priority=0, priority_share=0.5, count=12
+    )
+    assert len(planned) == 12
+    prioritized = sum(a.priority == 0 for a in planned)
+    assert 0 < prioritized < len(planned)  # the seed gives both classes
+    with serving_in_a_thread(service) as url:
+        status = main(["load", url, *args])
+    out, err = capsys.readouterr()
+    assert (status, err) == (0, "")
+    assert out.startswith(f"12 requests at 24/s for 0.5 s (seed 3) to {url}{PATH}; ")
+    assert f"; deadline_ms 60000; {prioritized} send priority 0\n" in out
+    assert f"({prioritized} of {prioritized} requests)" in out
+    others = len(planned) - prioritized
+    assert "  no priority    " in out and f"({others} of {others} requests)" in out
+    data = json.loads(saved.read_text())
+    assert [r["priority"] for r in data["records"]] == [a.priority for a in planned]
+    assert data["summary"]["counts"]["completed"] == len(planned)
+    assert (data["config"]["deadline_ms"], data["config"]["priority_share"]) == (60000, 0.5)
+
+
+@pytest.mark.anyio
+async def test_a_priority_over_the_servers_bound_is_refused_for_that_class_only() -> None:
+    """L63: the body's priority reaches the server: with ``max_priority`` 0, the clients
+    that send priority 1 get a 400 ``invalid_value``, counted by reason and in their
+    class; the others complete."""
+    service = ImageService(
+        FakeRunner(), config=ServeConfig(model_name="fake", default_width=16, default_height=16)
+    )
+    config = LoadConfig(
+        url="",
+        rate=40.0,
+        duration_s=0.5,
+        slo_s=60.0,
+        seed=6,
+        give_up_fraction=0.0,
+        size="16x16",
+        steps=2,
+        timeout_s=BUDGET,
+        priority=1,
+        priority_share=0.5,
+    )
+    high = sum(a.priority == 1 for a in config.schedule())
+    low = len(config.schedule()) - high
+    assert high > 0 and low > 0
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as url:
+            result = await run_load(dataclasses.replace(config, url=endpoint_url(url)))
+    summary = result.summary()
+    assert summary["refused_by_reason"] == {"400 invalid_value": high}
+    assert summary["by_priority"]["1"]["requests"] == high
+    assert summary["by_priority"]["1"]["completed"] == 0
+    assert summary["by_priority"][DEFAULT_CLASS]["completed"] == low
+    assert all((r.outcome == "refused") == (r.priority == 1) for r in result.records)
+
+
+@pytest.mark.anyio
+async def test_every_request_carries_the_deadline() -> None:
+    """L63: ``deadline_ms`` reaches the engine's admission: once the measured step time
+    says no request can finish within it, every request is a 429
+    ``deadline_unmeetable``, and ``/metrics`` counts each as ``deadline_refused``."""
+    service = ImageService(
+        FakeRunner(), config=ServeConfig(model_name="fake", default_width=16, default_height=16)
+    )
+    config = LoadConfig(
+        url="",
+        rate=40.0,
+        duration_s=0.3,
+        slo_s=60.0,
+        seed=1,
+        give_up_fraction=0.0,
+        size="16x16",
+        steps=2,
+        timeout_s=BUDGET,
+        deadline_ms=1000,
+    )
+    planned = len(config.schedule())
+    assert planned > 0
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as url:
+            engine = service.engine
+            assert engine is not None
+            async with httpx.AsyncClient() as client:
+                warm = await client.post(f"{url}{PATH}", json={"prompt": "warm", "size": "16x16"})
+                assert warm.status_code == 200
+                await wait_until(lambda: engine._workers[0].steps_left == 0)
+                engine._workers[0].step_s = 10.0  # idle, and every request refused: it stays
+                result = await run_load(dataclasses.replace(config, url=endpoint_url(url)))
+                text = (await client.get(f"{url}/metrics")).text
+    summary = result.summary()
+    assert summary["refused_by_reason"] == {"429 deadline_unmeetable": planned}
+    assert metric(text, "omni_trio_requests_total", outcome="deadline_refused") == planned

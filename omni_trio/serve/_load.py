@@ -4,6 +4,10 @@ Open loop: requests arrive as a Poisson process at ``rate`` per second for
 ``duration_s`` seconds, whatever the server answers, so a slow server faces a
 growing queue instead of a politely waiting client. The arrival times come from a
 seeded generator: the same seed and rate give the same schedule, on any server.
+With ``count`` the window holds exactly that many arrivals, at the moments of a
+Poisson process conditioned on that count (sorted uniform moments): the bursts of
+a Poisson process without the run-to-run noise of its count, which in a short run
+moves the offered load by tens of percent.
 
 Each arrival is a client of its own: it opens a connection (no keep-alive, so no
 client waits for another's connection), POSTs a small generation body and waits
@@ -13,9 +17,18 @@ closing its connection, as a browser tab or a timed-out gateway does. A server
 that notices stops working for it; one that does not computes an image nobody
 reads.
 
+Scheduling fields, for servers that take them (``omni-trio serve`` does, L63):
+``deadline_ms`` puts the same deadline on every request (the SLO, say: a server
+that knows it can refuse or drop what it cannot finish in time), and
+``priority`` with ``priority_share`` sends a ``priority`` from that share of the
+clients, drawn per arrival from a stream of its own, so the arrival times and
+give-ups stay those of the seed. The summary splits its figures by the priority
+sent (``by_priority``).
+
 Every request ends one way (``OUTCOMES``): ``completed`` (a 200 with its
-images), ``gave_up``, ``refused`` (any other status, kept per code) or ``error``
-(no answer: a reset connection, a timeout, a body that is not an images answer).
+images), ``gave_up``, ``refused`` (any other status, kept per status and error
+``code``) or ``error`` (no answer: a reset connection, a timeout, a body that
+is not an images answer).
 ``summarize`` turns the records into the figures, with no I/O: the SLO goodput
 (images received within ``slo_s`` of their request, per second of the arrival
 window), the throughput (every image received, per second of the window), and
@@ -50,6 +63,7 @@ if TYPE_CHECKING:
     import httpx
 
 __all__ = [
+    "DEFAULT_CLASS",
     "OUTCOMES",
     "PATH",
     "Arrival",
@@ -61,6 +75,7 @@ __all__ = [
     "format_summary",
     "percentile",
     "poisson_schedule",
+    "priority_class",
     "run_load",
     "run_load_command",
     "summarize",
@@ -87,11 +102,13 @@ class Arrival:
         at_s: when it is sent, in seconds after the run's start.
         give_up_s: seconds after sending at which its client gives up, or
             ``None`` for a client that waits for the answer.
+        priority: the ``priority`` its body carries, or ``None`` for none.
     """
 
     index: int
     at_s: float
     give_up_s: float | None
+    priority: int | None = None
 
 
 def poisson_schedule(
@@ -101,12 +118,21 @@ def poisson_schedule(
     seed: int,
     give_up_fraction: float = 0.0,
     give_up_s: tuple[float, float] = (0.0, 0.0),
+    priority: int | None = None,
+    priority_share: float = 1.0,
+    count: int | None = None,
 ) -> tuple[Arrival, ...]:
     """The arrivals of a Poisson process at ``rate`` per second within ``duration_s``.
 
     Each arrival draws three numbers in a fixed order (its gap, whether it gives
     up, when), so the arrival times depend on ``seed`` and ``rate`` alone: two
-    runs with other give-up settings send at the same moments.
+    runs with other give-up settings send at the same moments. Whether it sends
+    ``priority`` is drawn from a second generator, also seeded by ``seed``, one
+    number per arrival: the arrivals and give-ups are the same with or without
+    priorities, and the n-th arrival's class depends on ``seed`` and
+    ``priority_share`` alone. With ``count``, the ``count`` moments are drawn
+    first (uniform in the window, then sorted), then each arrival's two give-up
+    numbers.
 
     Args:
         rate: mean arrivals per second, > 0.
@@ -114,23 +140,40 @@ def poisson_schedule(
         seed: the generator's seed.
         give_up_fraction: the probability that an arrival's client gives up.
         give_up_s: the (low, high) span its give-up moment is drawn from, uniformly.
+        priority: the ``priority`` the chosen share sends; ``None``: none does.
+        priority_share: the probability that an arrival sends ``priority``.
+        count: exactly this many arrivals (``rate`` is then not read), or
+            ``None`` for a Poisson count.
 
     Returns:
         The arrivals, in time order.
     """
     rng = random.Random(seed)
+    classes = random.Random(f"priority-{seed}")
     low, high = give_up_s
+
+    def arrival(index: int, at: float) -> Arrival:
+        gives_up = rng.random() < give_up_fraction
+        after = rng.uniform(low, high)
+        prioritized = priority is not None and classes.random() < priority_share
+        return Arrival(
+            index=index,
+            at_s=at,
+            give_up_s=after if gives_up else None,
+            priority=priority if prioritized else None,
+        )
+
+    if count is not None:
+        # random() is in [0, 1): every moment falls inside the window.
+        moments = sorted(duration_s * rng.random() for _ in range(count))
+        return tuple(arrival(index, at) for index, at in enumerate(moments))
     arrivals: list[Arrival] = []
     at = 0.0
     while True:
         at += rng.expovariate(rate)
-        gives_up = rng.random() < give_up_fraction
-        after = rng.uniform(low, high)
         if at >= duration_s:
             return tuple(arrivals)
-        arrivals.append(
-            Arrival(index=len(arrivals), at_s=at, give_up_s=after if gives_up else None)
-        )
+        arrivals.append(arrival(len(arrivals), at))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -149,6 +192,8 @@ class RequestRecord:
         status: the HTTP status, when an answer came.
         images: the images of a completed answer.
         error: what went wrong, for ``error``.
+        priority: the ``priority`` its body carried (``Arrival.priority``).
+        code: a refusal's error ``code`` (``{"error": {"code": ...}}``), if it had one.
     """
 
     index: int
@@ -159,6 +204,8 @@ class RequestRecord:
     status: int | None = None
     images: int = 0
     error: str | None = None
+    priority: int | None = None
+    code: str | None = None
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -177,6 +224,33 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[below] + (ordered[above] - ordered[below]) * (rank - below)
 
 
+#: ``by_priority``'s key for the requests that sent no ``priority``.
+DEFAULT_CLASS = "default"
+
+
+def priority_class(priority: int | None) -> str:
+    """The ``by_priority`` key of a request that sent ``priority``."""
+    return DEFAULT_CLASS if priority is None else str(priority)
+
+
+def _rates(records: Sequence[RequestRecord], *, duration_s: float, slo_s: float) -> dict[str, Any]:
+    """Goodput, throughput and latencies of ``records`` (one class, or all)."""
+    completed = [r for r in records if r.outcome == "completed"]
+    good = [r for r in completed if r.latency_s <= slo_s]
+    latencies = [r.latency_s for r in completed]
+    return {
+        "requests": len(records),
+        "completed": len(completed),
+        "images": sum(r.images for r in completed),
+        "good_images": sum(r.images for r in good),
+        "good_requests": len(good),
+        "goodput_per_s": sum(r.images for r in good) / duration_s,
+        "throughput_per_s": sum(r.images for r in completed) / duration_s,
+        "p50_latency_s": percentile(latencies, 50),
+        "p99_latency_s": percentile(latencies, 99),
+    }
+
+
 def summarize(
     records: Sequence[RequestRecord], *, duration_s: float, slo_s: float
 ) -> dict[str, Any]:
@@ -192,30 +266,33 @@ def summarize(
         ``requests``; ``impatient`` (those whose client meant to give up);
         ``counts`` per outcome (every one of ``OUTCOMES``);
         ``refused_by_status`` (the status codes, as strings, and their counts);
+        ``refused_by_reason`` (``"STATUS"`` or ``"STATUS CODE"`` with the
+        answer's error code, e.g. ``"429 deadline_unmeetable"``, and counts);
         ``images`` and ``good_images`` (within the SLO); ``good_requests``;
         ``goodput_per_s`` and ``throughput_per_s`` (images per second of the
         window); ``p50_latency_s`` and ``p99_latency_s`` of the completed
-        requests (``None`` if none completed); ``duration_s`` and ``slo_s``.
+        requests (``None`` if none completed); ``by_priority``: per priority
+        sent (``priority_class``: its number as a string, ``"default"`` for
+        none), that class's ``requests``, ``completed``, images, goodput,
+        throughput and latencies as above; ``duration_s`` and ``slo_s``.
     """
     counts = Counter(record.outcome for record in records)
-    refused = Counter(str(r.status) for r in records if r.outcome == "refused")
-    completed = [r for r in records if r.outcome == "completed"]
-    good = [r for r in completed if r.latency_s <= slo_s]
-    images = sum(r.images for r in completed)
-    good_images = sum(r.images for r in good)
-    latencies = [r.latency_s for r in completed]
+    refused_records = [r for r in records if r.outcome == "refused"]
+    refused = Counter(str(r.status) for r in refused_records)
+    reasons = Counter(f"{r.status} {r.code}" if r.code else str(r.status) for r in refused_records)
+    classes: dict[str, list[RequestRecord]] = {}
+    for record in records:
+        classes.setdefault(priority_class(record.priority), []).append(record)
     return {
-        "requests": len(records),
+        **_rates(records, duration_s=duration_s, slo_s=slo_s),
         "impatient": sum(r.give_up_s is not None for r in records),
         "counts": {outcome: counts[outcome] for outcome in OUTCOMES},
         "refused_by_status": dict(sorted(refused.items())),
-        "images": images,
-        "good_images": good_images,
-        "good_requests": len(good),
-        "goodput_per_s": good_images / duration_s,
-        "throughput_per_s": images / duration_s,
-        "p50_latency_s": percentile(latencies, 50),
-        "p99_latency_s": percentile(latencies, 99),
+        "refused_by_reason": dict(sorted(reasons.items())),
+        "by_priority": {
+            name: _rates(members, duration_s=duration_s, slo_s=slo_s)
+            for name, members in sorted(classes.items())
+        },
         "duration_s": duration_s,
         "slo_s": slo_s,
     }
@@ -268,6 +345,12 @@ class LoadConfig:
         timeout_s: seconds a patient client waits for its answer before it
             counts an ``error``.
         headers: extra request headers (an ``Authorization``, say).
+        deadline_ms: every body's ``deadline_ms``, or ``None`` to send none.
+        priority: the ``priority`` a ``priority_share`` of the bodies carry
+            (drawn per arrival, see ``poisson_schedule``), or ``None``: none does.
+        priority_share: that share, 0 to 1.
+        count: exactly this many requests in the window (see
+            ``poisson_schedule``), or ``None`` for a Poisson count at ``rate``.
 
     Raises:
         ValueError: a value out of range; the message names it.
@@ -286,6 +369,10 @@ class LoadConfig:
     model: str | None = None
     timeout_s: float = 300.0
     headers: tuple[tuple[str, str], ...] = field(default=())
+    deadline_ms: int | None = None
+    priority: int | None = None
+    priority_share: float = 1.0
+    count: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("rate", "duration_s", "slo_s", "timeout_s"):
@@ -301,6 +388,12 @@ class LoadConfig:
             raise ValueError(f"give_up_s: must be 0 <= low <= high, got {(low, high)!r}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps: must be >= 1, got {self.steps!r}")
+        if self.deadline_ms is not None and self.deadline_ms < 1:
+            raise ValueError(f"deadline_ms: must be >= 1, got {self.deadline_ms!r}")
+        if not 0 <= self.priority_share <= 1:
+            raise ValueError(f"priority_share: must be from 0 to 1, got {self.priority_share!r}")
+        if self.count is not None and self.count < 0:
+            raise ValueError(f"count: must be >= 0, got {self.count!r}")
 
     @property
     def give_up_span(self) -> tuple[float, float]:
@@ -315,10 +408,18 @@ class LoadConfig:
             seed=self.seed,
             give_up_fraction=self.give_up_fraction,
             give_up_s=self.give_up_span,
+            priority=self.priority,
+            priority_share=self.priority_share,
+            count=self.count,
         )
 
-    def body(self, index: int) -> dict[str, Any]:
-        """The JSON body of request ``index`` (its seed is the index: reproducible)."""
+    def body(self, index: int, priority: int | None = None) -> dict[str, Any]:
+        """The JSON body of request ``index`` (its seed is the index: reproducible).
+
+        Args:
+            index: the arrival's index.
+            priority: its ``Arrival.priority``, sent when not ``None``.
+        """
         body: dict[str, Any] = {"prompt": self.prompt, "n": 1, "seed": index}
         if self.size is not None:
             body["size"] = self.size
@@ -326,6 +427,10 @@ class LoadConfig:
             body["num_inference_steps"] = self.steps
         if self.model is not None:
             body["model"] = self.model
+        if self.deadline_ms is not None:
+            body["deadline_ms"] = self.deadline_ms
+        if priority is not None:
+            body["priority"] = priority
         return body
 
     def as_json(self) -> dict[str, Any]:
@@ -380,6 +485,7 @@ async def _send(
             outcome=outcome,
             latency_s=latency,
             give_up_s=arrival.give_up_s,
+            priority=arrival.priority,
             **extra,
         )
 
@@ -388,7 +494,9 @@ async def _send(
     # Cancelling httpx mid-request closes its connection: the server sees the client go.
     with anyio.move_on_after(give_up):
         try:
-            response = await client.post(config.url, json=config.body(arrival.index))
+            response = await client.post(
+                config.url, json=config.body(arrival.index, arrival.priority)
+            )
         except httpx.TimeoutException:
             return record("error", error=f"no answer within {config.timeout_s:g} s")
         except httpx.HTTPError as exc:
@@ -396,7 +504,7 @@ async def _send(
     if response is None:
         return record("gave_up")
     if response.status_code != 200:
-        return record("refused", status=response.status_code)
+        return record("refused", status=response.status_code, code=_error_code(response))
     try:
         data = response.json()["data"]
         images = len(data) if isinstance(data, list) else 0
@@ -405,6 +513,15 @@ async def _send(
     if images == 0:
         return record("error", status=200, error="a 200 without images (not an images endpoint?)")
     return record("completed", status=200, images=images)
+
+
+def _error_code(response: httpx.Response) -> str | None:
+    """The ``{"error": {"code": ...}}`` of an error answer, if it has a string one."""
+    try:
+        code = response.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) and code else None
 
 
 def _reason(exc: OSError) -> str:
@@ -547,6 +664,13 @@ def _steps(text: str) -> int:
     return value
 
 
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
 def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``load`` command's arguments to ``parser``."""
     parser.add_argument(
@@ -555,7 +679,14 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the server, e.g. http://127.0.0.1:8000 ({PATH} is appended unless given)",
     )
     parser.add_argument(
-        "--rate", type=_positive, default=1.0, help="requests per second, mean (default 1)"
+        "--rate", type=_positive, default=None, help="requests per second, mean (default 1)"
+    )
+    parser.add_argument(
+        "--requests",
+        type=_steps,
+        default=None,
+        metavar="N",
+        help="exactly N requests over --duration, at Poisson moments (instead of --rate)",
     )
     parser.add_argument(
         "--duration", type=_positive, default=30.0, metavar="S", help="seconds (default 30)"
@@ -606,15 +737,43 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
         help="an extra request header (repeatable), e.g. 'Authorization: Bearer ...'",
     )
     parser.add_argument(
+        "--deadline-ms",
+        type=_steps,
+        default=None,
+        metavar="MS",
+        help="every body's deadline_ms, e.g. the SLO (default: none sent)",
+    )
+    parser.add_argument(
+        "--priority",
+        type=_integer,
+        default=None,
+        metavar="P",
+        help="the body's priority, sent by --priority-share of the clients (default: none sent)",
+    )
+    parser.add_argument(
+        "--priority-share",
+        type=_fraction,
+        default=None,
+        metavar="F",
+        help="share of clients that send --priority, drawn per arrival (default 1: all)",
+    )
+    parser.add_argument(
         "--json", type=Path, default=None, metavar="PATH", help="write every record and the summary"
     )
 
 
 def _config(args: argparse.Namespace) -> LoadConfig:
+    if args.requests is not None and args.rate is not None:
+        raise UsageError("--requests: give --rate or --requests, not both")
+    rate = 1.0 if args.rate is None else args.rate
+    if args.requests is not None:
+        rate = args.requests / args.duration
+    if args.priority_share is not None and args.priority is None:
+        raise UsageError("--priority-share: give --priority too (the priority that share sends)")
     try:
         return LoadConfig(
             url=endpoint_url(args.url),
-            rate=args.rate,
+            rate=rate,
             duration_s=args.duration,
             slo_s=args.slo_s,
             seed=args.seed,
@@ -626,6 +785,10 @@ def _config(args: argparse.Namespace) -> LoadConfig:
             model=args.model,
             timeout_s=args.timeout,
             headers=tuple(args.header),
+            deadline_ms=args.deadline_ms,
+            priority=args.priority,
+            priority_share=1.0 if args.priority_share is None else args.priority_share,
+            count=args.requests,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -636,13 +799,17 @@ def _seconds(value: float | None) -> str:
 
 
 def format_summary(summary: Mapping[str, Any]) -> str:
-    """The short table ``omni-trio load`` prints: outcomes, then the figures."""
+    """The short table ``omni-trio load`` prints: outcomes, then the figures.
+
+    With more than one priority class (or any priority sent), a line per class
+    follows: its goodput and p99 latency.
+    """
     counts = summary["counts"]
     lines = ["outcome          requests"]
     for outcome in OUTCOMES:
-        if outcome == "refused" and summary["refused_by_status"]:
-            for status, count in summary["refused_by_status"].items():
-                lines.append(f"  {f'refused ({status})':<16}{count:>7}")
+        if outcome == "refused" and summary["refused_by_reason"]:
+            for reason, count in summary["refused_by_reason"].items():
+                lines.append(f"  {f'refused ({reason})':<16}{count:>7}")
         else:
             lines.append(f"  {outcome:<16}{counts[outcome]:>7}")
     lines += [
@@ -652,6 +819,15 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         f"latency p50      {_seconds(summary['p50_latency_s'])}",
         f"latency p99      {_seconds(summary['p99_latency_s'])}",
     ]
+    classes = summary["by_priority"]
+    if set(classes) - {DEFAULT_CLASS}:
+        for name, figures in classes.items():
+            label = "no priority" if name == DEFAULT_CLASS else f"priority {name}"
+            lines.append(
+                f"  {label:<15}{figures['goodput_per_s']:.3f} images/s goodput"
+                f" ({figures['good_images']} of {figures['requests']} requests),"
+                f" p99 {_seconds(figures['p99_latency_s'])}"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -668,6 +844,17 @@ def _open_json(path: Path) -> TextIO:
         return open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666), "w")
     except OSError as exc:
         raise UsageError(f"--json: cannot write {str(path)!r}: {exc.strerror}") from None
+
+
+def _scheduling(config: LoadConfig, summary: Mapping[str, Any]) -> str:
+    """The header line's words on ``deadline_ms`` and ``priority``, if any was sent."""
+    words = ""
+    if config.deadline_ms is not None:
+        words += f"; deadline_ms {config.deadline_ms}"
+    if config.priority is not None:
+        sent = summary["by_priority"].get(priority_class(config.priority), {}).get("requests", 0)
+        words += f"; {sent} send priority {config.priority}"
+    return words
 
 
 def run_load_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -699,7 +886,7 @@ def run_load_command(args: argparse.Namespace, out: TextIO | None = None) -> int
     out.write(
         f"{summary_['requests']} requests at {config.rate:g}/s for {config.duration_s:g} s"
         f" (seed {config.seed}) to {config.url}; {summary_['impatient']} mean to give up"
-        f" {low:g} to {high:g} s after sending\n"
+        f" {low:g} to {high:g} s after sending" + _scheduling(config, summary_) + "\n"
     )
     out.write(format_summary(summary_))
     statuses = set(summary_["refused_by_status"])
