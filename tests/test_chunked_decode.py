@@ -157,6 +157,7 @@ async def test_an_abort_during_a_chunked_ltx_decode_lands_before_the_next_chunk(
             lambda ltx: ltx.vae.decoder, 2, pipe=pipe, first=first, after=after, framewise_above=16
         )
     assert gate.calls == 2
+    assert runner.decodes == 2  # begun: the aborted one's (left) and the next one's
     assert not pipe.vae.use_framewise_decoding
     assert handle.status is ot.RequestStatus.ABORTED
     assert handle.metrics is not None and handle.metrics.steps_done == 2
