@@ -169,7 +169,8 @@ async def test_an_abort_during_a_chunked_ltx_decode_lands_before_the_next_chunk(
 @pytest.mark.parametrize("value", [0, -1, True])
 def test_a_threshold_below_one_is_refused_by_name(field: str, value: int) -> None:
     """L72: the chunk thresholds are None or positive ints."""
+    options: dict[str, Any] = {field: value}
     with pytest.raises(ValueError, match=field):
-        DecodeChunks(**{field: value})
+        DecodeChunks(**options)
     with pytest.raises(ValueError, match=field):
-        DiffusersRunner(sd_pipe(), **{field: value})
+        DiffusersRunner(sd_pipe(), **options)
