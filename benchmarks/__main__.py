@@ -2,7 +2,7 @@
 
 overhead    sequential requests, engine vs the runner's bare loop (tiny SD; FakeRunner)
 abort       abort call to release, running and waiting, vs naive and interrupt (tiny SD)
-post-abort  request B's latency after request A was aborted (tiny SD, 64 and 128 px)
+post-abort  request B's latency after request A was aborted (tiny SD, 64 and 128 px; tiny Wan video)
 substep     an abort inside a ~1 s step, cancel points vs the step's end; hook cost (tiny Wan, SD)
 leak        live tensors and RSS after requests ending every way (tiny SD)
 batching    a burst of compatible requests at max_batch_size 1, 4, 8 (tiny SD)

@@ -230,7 +230,8 @@ async def _measure(requests: int, warmup: int, warm_rounds: int) -> dict[str, An
 
 def run_leak(options: Options) -> dict[str, Any]:
     """Run the mix; compare live tensors, objects and RSS before and after."""
-    requests, warmup, rounds = (100, 40, 2) if options.quick else (1000, 250, 8)
+    # Quick: a smoke run (the test of the suite runs every benchmark under a time limit).
+    requests, warmup, rounds = (40, 20, 1) if options.quick else (1000, 250, 8)
     data = options.run(_measure, requests, warmup, rounds)
     before, after = data["before"], data["after"]
     growth = {key: after[key] - before[key] for key in before}

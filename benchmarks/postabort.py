@@ -15,10 +15,18 @@ that size), and B is submitted as soon as the abort call returns. Columns:
 The peers abort as they can: naive cancels the caller (its thread runs A to the
 end, holding the lock B needs); interrupt also sets ``pipe._interrupt`` (A's loop
 spins without model calls, then decodes); omni_trio calls ``handle.abort()``.
+
+Video: the same for a tiny Wan video (the ``substep`` benchmark's deep tiny Wan, 128 px,
+17 frames), A aborted half-way through its second step, omni_trio with its cancel points
+(L71) vs with them declared off (the step runs to its end): how long, and how many
+transformer blocks, the device keeps working on A after the abort call (from hooks on
+the blocks, counted when the abort call returns, once A is released), and B's latency.
 """
 
 from __future__ import annotations
 
+import itertools
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +39,7 @@ from omni_trio.runners import DiffusersRunner
 from .common import Options, fmt, md_table, shared_pipeline, spread
 from .peers import Call, LockedPipeline, run_raw, sd_request, start_call
 from .plot import PEER_COLORS, figure
+from .substep import BlockClock, NoCancelPoints, deep_wan, wan_request
 
 __all__ = ["plot_post_abort", "run_post_abort", "table_post_abort"]
 
@@ -38,6 +47,8 @@ PEERS = ("naive", "interrupt", "omni_trio")
 #: When A is aborted, as a fraction of one request's raw duration. Picked without
 #: measurement: early enough that most of A is left for the naive peer to waste.
 ABORT_AT = 0.25
+#: The video arms: omni_trio with its cancel points, and with them declared off.
+VIDEO_ARMS = ("cancel_points", "step_end")
 
 Sample = dict[str, float]
 
@@ -133,6 +144,85 @@ async def _measure_size(size: int, steps: int, repeats: int) -> dict[str, Any]:
     return {"size": size, "abort_after_s": abort_after, "peers": rows}
 
 
+async def _video_abort(
+    engine: Engine, a: GenerationRequest, clock: BlockClock, step_s: float
+) -> Sample:
+    """Abort ``a`` half-way through its second step; A's device work after the abort call."""
+    async with engine.submit(a) as handle:
+        async for event in handle:
+            if event.step >= 1:
+                break
+        await anyio.sleep(step_s / 2)
+        clock.spans.clear()
+        aborted = time.perf_counter()
+        await handle.abort()
+        returned = time.perf_counter()
+    # Released: every block that ended after the abort call was A's.
+    ends = [end for _, end in clock.spans if end > aborted]
+    return {
+        "abort_call_s": returned - aborted,
+        "work_after_abort_s": (max(ends) - aborted) if ends else 0.0,
+        "blocks_after_abort": float(len(ends)),
+    }
+
+
+async def _step_s(engine: Engine, b: GenerationRequest) -> float:
+    """The median time between ``b``'s step events, run alone (a warm-up too)."""
+    times: list[float] = []
+    async with engine.submit(b) as handle:
+        async for _ in handle:
+            times.append(time.perf_counter())
+    return statistics.median(later - earlier for earlier, later in itertools.pairwise(times))
+
+
+async def _measure_video(
+    layers: int, steps: int, repeats: int, size: int, frames: int
+) -> dict[str, Any]:
+    pipe = deep_wan(layers)
+    a = wan_request(1, steps, size=size, frames=frames)
+    b = wan_request(2, steps, size=size, frames=frames)
+    clock = BlockClock(pipe)
+    samples: dict[str, list[Sample]] = {arm: [] for arm in VIDEO_ARMS}
+    try:
+        async with (
+            open_engine(DiffusersRunner(pipe)) as on,
+            open_engine(NoCancelPoints(pipe)) as off,
+        ):
+            engines = {"cancel_points": on, "step_end": off}
+            await _step_s(off, b)  # warm-up
+            step_s = await _step_s(on, b)
+            for _ in range(repeats):  # interleaved: each repeat runs both arms
+                for arm, engine in engines.items():
+                    baseline = await _engine_baseline(engine, b)
+                    sample = await _video_abort(engine, a, clock, step_s)
+                    sample["baseline_s"] = baseline
+                    sample["b_s"] = await _engine_baseline(engine, b)
+                    samples[arm].append(sample)
+    finally:
+        clock.remove()
+    arms = {}
+    for arm in VIDEO_ARMS:
+        rows = samples[arm]
+        arms[arm] = {
+            "baseline_s": spread([r["baseline_s"] for r in rows]),
+            "post_abort_s": spread([r["b_s"] for r in rows]),
+            "abort_call_s": spread([r["abort_call_s"] for r in rows]),
+            "work_after_abort_s": spread([r["work_after_abort_s"] for r in rows]),
+            "blocks_after_abort": spread([r["blocks_after_abort"] for r in rows]),
+            "overhead_pct": spread([(r["b_s"] / r["baseline_s"] - 1) * 100 for r in rows])[
+                "median"
+            ],
+        }
+    return {
+        "layers": layers,
+        "steps": steps,
+        "size": size,
+        "frames": frames,
+        "step_s": step_s,
+        "arms": arms,
+    }
+
+
 def run_post_abort(options: Options) -> dict[str, Any]:
     """The post-abort table at 64 and 128 px, every peer at each size."""
     steps, repeats = (10, 1) if options.quick else (20, 11)
@@ -149,6 +239,14 @@ def run_post_abort(options: Options) -> dict[str, Any]:
     summary["omni_trio_from_abort_overhead_pct"] = max(
         r["peers"]["omni_trio"]["from_abort_overhead_pct"] for r in results
     )
+    # Quick: a shallow model on a small clip, one repeat (seconds matter, not the figure).
+    layers, video_repeats, size, frames = (2, 1, 64, 5) if options.quick else (16, 5, 128, 17)
+    video = options.run(_measure_video, layers, 3, video_repeats, size, frames)
+    for arm in VIDEO_ARMS:
+        row = video["arms"][arm]
+        summary[f"video_work_after_abort_ms_{arm}"] = row["work_after_abort_s"]["median"] * 1e3
+        summary[f"video_blocks_after_abort_{arm}"] = row["blocks_after_abort"]["median"]
+        summary[f"video_overhead_pct_{arm}"] = row["overhead_pct"]
     return {
         "config": {
             "model": "tiny sd",
@@ -157,8 +255,14 @@ def run_post_abort(options: Options) -> dict[str, Any]:
             "repeats": repeats,
             "abort_at_fraction": ABORT_AT,
             "backend": options.backend,
+            "video": {
+                "model": f"tiny wan, {layers} blocks (dim 128, ffn 512)",
+                "repeats": video_repeats,
+                "steps": video["steps"],
+            },
         },
         "sizes": results,
+        "video": video,
         "summary": summary,
     }
 
@@ -188,7 +292,7 @@ def table_post_abort(result: dict[str, Any]) -> str:
         f" a request's raw duration; medians of {config['repeats']} interleaved repeats (ms);"
         " the overheads are medians of each repeat's ratio to its own baseline.\n\n"
     )
-    return head + md_table(
+    table = md_table(
         [
             "configuration",
             "baseline (B alone)",
@@ -196,6 +300,51 @@ def table_post_abort(result: dict[str, Any]) -> str:
             "total (A start to B done)",
             "overhead",
             "from abort call",
+        ],
+        rows,
+    )
+    return head + table + _video_table(result)
+
+
+_VIDEO_LABELS = {
+    "cancel_points": "omni_trio, cancel points (L71)",
+    "step_end": "omni_trio, cancel points off",
+}
+
+
+def _video_table(result: dict[str, Any]) -> str:
+    video = result.get("video")
+    if video is None:  # a result from before the video arm
+        return ""
+    config = result["config"]["video"]
+    rows = []
+    for arm in VIDEO_ARMS:
+        r = video["arms"][arm]
+        rows.append(
+            [
+                _VIDEO_LABELS[arm],
+                fmt(r["work_after_abort_s"]["median"] * 1e3, 1),
+                fmt(r["work_after_abort_s"]["max"] * 1e3, 1),
+                fmt(r["blocks_after_abort"]["median"], 1),
+                fmt(r["abort_call_s"]["median"] * 1e3, 1),
+                f"{r['overhead_pct']:+.1f} %",
+            ]
+        )
+    head = (
+        f"\nVideo: {config['model']}, {video['size']} px, {video['frames']} frames,"
+        f" {config['steps']} steps (steps of"
+        f" {video['step_s'] * 1e3:.0f} ms); A aborted half-way through its second step; medians"
+        f" of {config['repeats']} interleaved repeats. Device work after the abort: from the"
+        " abort call to the end of A's last block.\n\n"
+    )
+    return head + md_table(
+        [
+            "video",
+            "device work after abort, ms",
+            "max ms",
+            "blocks after abort",
+            "abort call, ms",
+            "B overhead",
         ],
         rows,
     )

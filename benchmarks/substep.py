@@ -36,7 +36,15 @@ from .common import Options, fmt, md_table, shared_pipeline, spread, spread_p99
 from .peers import sd_request, step_in_progress
 from .plot import PEER_COLORS, figure
 
-__all__ = ["plot_substep", "run_substep", "table_substep"]
+__all__ = [
+    "BlockClock",
+    "NoCancelPoints",
+    "deep_wan",
+    "plot_substep",
+    "run_substep",
+    "table_substep",
+    "wan_request",
+]
 
 SIZE = 128
 FRAMES = 17
@@ -45,7 +53,7 @@ STEPS = 50
 TARGET_SLACK_MS = 2.0
 
 
-class _NoCancelPoints(DiffusersRunner):
+class NoCancelPoints(DiffusersRunner):
     """The same runner with its cancel points declared off: aborts land at step ends."""
 
     @property
@@ -53,7 +61,7 @@ class _NoCancelPoints(DiffusersRunner):
         return dataclasses.replace(super().capabilities, cancel_points=False)
 
 
-def _deep_wan(layers: int) -> Any:
+def deep_wan(layers: int) -> Any:
     """A tiny Wan pipeline whose transformer has ``layers`` wider blocks."""
     import torch
 
@@ -78,20 +86,23 @@ def _deep_wan(layers: int) -> Any:
     return diffusers.WanPipeline(**{**base.components, "transformer": transformer})
 
 
-def _request(seed: int, steps: int = STEPS) -> GenerationRequest:
+def wan_request(
+    seed: int, steps: int = STEPS, *, size: int = SIZE, frames: int = FRAMES
+) -> GenerationRequest:
+    """The benchmark's video request (``size`` px square, ``frames`` frames)."""
     return GenerationRequest(
         prompt="a boat crossing a bay",
         negative_prompt="dull",
         num_steps=steps,
-        height=SIZE,
-        width=SIZE,
-        num_frames=FRAMES,
+        height=size,
+        width=size,
+        num_frames=frames,
         guidance_scale=5.0,
         seed=seed,
     )
 
 
-class _BlockClock:
+class BlockClock:
     """Hooks that note when each of ``pipe``'s transformer blocks ran: (start, end) spans.
 
     Registered after the runners' own hooks, so a block left at its cancel point is
@@ -123,8 +134,8 @@ class _BlockClock:
 def _block_times(pipe: Any, steps: int) -> tuple[float, list[float]]:
     """One direct step's duration, and every block's forward duration over ``steps`` steps."""
     runner = DiffusersRunner(pipe)
-    clock = _BlockClock(pipe)
-    state = runner.prepare(_request(0, steps + 1), "blocks")
+    clock = BlockClock(pipe)
+    state = runner.prepare(wan_request(0, steps + 1), "blocks")
     runner.step([state])  # warm-up
     clock.spans.clear()
     begun = time.perf_counter()
@@ -139,7 +150,7 @@ def _block_times(pipe: Any, steps: int) -> tuple[float, list[float]]:
 
 def _layers_for(step_target_s: float) -> int:
     probe_layers = 4
-    step_s, _ = _block_times(_deep_wan(probe_layers), 1)
+    step_s, _ = _block_times(deep_wan(probe_layers), 1)
     return max(probe_layers, round(step_target_s / (step_s / probe_layers)))
 
 
@@ -154,18 +165,18 @@ async def _trials(pipe: Any, trials: int, step_s: float) -> dict[str, list[float
     config = EngineConfig(max_batch_size=1)
     async with (
         open_engine(DiffusersRunner(pipe), config) as on,
-        open_engine(_NoCancelPoints(pipe), config) as off,
+        open_engine(NoCancelPoints(pipe), config) as off,
     ):
-        clock = _BlockClock(pipe)
+        clock = BlockClock(pipe)
         try:
             for engine in (on, off):  # warm-up, aborted as the trials are: no decode
-                async with engine.submit(_request(0), request_id="r") as handle:
+                async with engine.submit(wan_request(0), request_id="r") as handle:
                     async for _ in handle:
                         break
                     await engine.abort("r")
             for i in range(trials):
                 for name, engine in (("cancel_points", on), ("step_end", off)):
-                    async with engine.submit(_request(i), request_id="r") as handle:
+                    async with engine.submit(wan_request(i), request_id="r") as handle:
                         async for event in handle:
                             if event.step >= 1:
                                 break
@@ -262,7 +273,7 @@ def run_substep(options: Options) -> dict[str, Any]:
     trials = 1 if quick else 24
     # Quick: a fixed depth, no calibration (seconds matter more than the step's length).
     layers = 4 if quick else _layers_for(1.0)
-    pipe = _deep_wan(layers)
+    pipe = deep_wan(layers)
     step_s, blocks = _block_times(pipe, 1 if quick else 3)
     data = options.run(_trials, pipe, trials, step_s)
     block_ms = statistics.median(blocks) * 1e3

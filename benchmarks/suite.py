@@ -79,7 +79,10 @@ BENCHMARKS: dict[str, Benchmark] = {
         ),
         Benchmark(
             name="post-abort",
-            what="the latency of request B after request A was aborted, per peer and size",
+            what=(
+                "the latency of request B after request A was aborted, per peer and size;"
+                " a video's device work after its abort, cancel points vs none"
+            ),
             run=run_post_abort,
             table=table_post_abort,
             plot=plot_post_abort,

@@ -271,28 +271,34 @@ def _vae_cache_clear(pipe: Any) -> bool:
     return all(feature is None for feature in getattr(pipe.vae, "_feat_map", None) or ())
 
 
-async def _fresh_video(r: ot.GenerationRequest) -> torch.Tensor:
-    async with ot.open_engine(DiffusersRunner(video_pipe("wan"))) as engine:
-        output = await engine.generate(r)
-    assert output.video is not None
-    return output.video
+async def _fresh_output(pipe: Any, r: ot.GenerationRequest, **options: Any) -> ot.GenerationOutput:
+    async with ot.open_engine(DiffusersRunner(pipe, **options)) as engine:
+        return await engine.generate(r)
 
 
-async def _abort_inside(
-    where: Callable[[Any], torch.nn.Module], at: int
-) -> tuple[ModuleGate, DiffusersRunner, ot.RequestHandle, torch.Tensor, torch.Tensor]:
-    """Abort a tiny Wan video while ``where(pipe)``'s ``at``-th call runs; then serve another.
+async def abort_inside(
+    where: Callable[[Any], torch.nn.Module],
+    at: int,
+    *,
+    pipe: Any = None,
+    first: ot.GenerationRequest | None = None,
+    after: ot.GenerationRequest | None = None,
+    **options: Any,
+) -> tuple[ModuleGate, DiffusersRunner, ot.RequestHandle, ot.GenerationOutput, ot.GenerationOutput]:
+    """Abort ``first`` while ``where(pipe)``'s ``at``-th call runs; then serve ``after``.
 
-    Returns the gate, the runner, the aborted handle, the next request's video and a
-    fresh engine's video for that request.
+    Defaults: tiny Wan, a 3-step video, then another. ``options`` go to the
+    ``DiffusersRunner``. Returns the gate, the runner, the aborted handle, ``after``'s
+    output and a fresh engine's output for ``after`` (same options).
     """
-    wan = video_pipe("wan")
-    runner = DiffusersRunner(wan)
-    gate = ModuleGate(where(wan), at)
-    after = video_request(seed=3, prompt="after", num_steps=2)
+    pipe = video_pipe("wan") if pipe is None else pipe
+    first = video_request(num_steps=3) if first is None else first
+    after = video_request(seed=3, prompt="after", num_steps=2) if after is None else after
+    runner = DiffusersRunner(pipe, **options)
+    gate = ModuleGate(where(pipe), at)
     try:
         async with ot.open_engine(runner) as engine:
-            handle = engine.submit(video_request(num_steps=3), request_id="r")
+            handle = engine.submit(first, request_id="r")
             await gate.wait_arrived()
 
             async def release_once_cut() -> None:
@@ -303,15 +309,15 @@ async def _abort_inside(
                 tg.start_soon(release_once_cut)
                 assert await engine.abort("r") is True
             assert runner.live_states == 0 and active_checks() == 0
-            assert _vae_cache_clear(wan)
+            assert _vae_cache_clear(pipe)
             calls = gate.calls
             await handle.aclose()
             output = await engine.generate(after)
             gate.calls = calls  # the counts of the aborted request only
     finally:
         gate.remove()
-    assert output.video is not None
-    return gate, runner, handle, output.video, await _fresh_video(after)
+        runner.close()
+    return gate, runner, handle, output, await _fresh_output(pipe, after, **options)
 
 
 @pytest.mark.anyio
@@ -325,7 +331,7 @@ async def test_a_wan_step_is_left_at_the_next_block_and_the_model_serves_on_as_f
     with anyio.fail_after(BUDGET):
         block_1 = ModuleGate(video_pipe("wan").transformer.blocks[1], at=0)
         try:
-            gate, runner, handle, video, fresh = await _abort_inside(
+            gate, runner, handle, output, fresh = await abort_inside(
                 lambda wan: wan.transformer.blocks[0], at=2
             )
             block_1_calls = block_1.finished
@@ -336,7 +342,8 @@ async def test_a_wan_step_is_left_at_the_next_block_and_the_model_serves_on_as_f
     assert block_1_calls == 1 + 2 + 2
     assert handle.metrics is not None and handle.metrics.steps_done == 1
     assert runner.decodes == 1  # the next request's only
-    assert torch.equal(video, fresh)
+    assert output.video is not None and fresh.video is not None
+    assert torch.equal(output.video, fresh.video)
 
 
 @pytest.mark.anyio
@@ -347,12 +354,13 @@ async def test_a_wan_decode_is_left_at_the_next_latent_frame() -> None:
     is released undecoded, and the next video is bitwise a fresh engine's.
     """
     with anyio.fail_after(BUDGET):
-        gate, runner, handle, video, fresh = await _abort_inside(lambda wan: wan.vae.decoder, at=2)
+        gate, runner, handle, output, fresh = await abort_inside(lambda wan: wan.vae.decoder, at=2)
     assert gate.calls == 2
     assert runner.decodes == 2  # begun: the aborted one's (left) and the next one's
     assert handle.status is ot.RequestStatus.ABORTED
     assert handle.metrics is not None and handle.metrics.steps_done == 3
-    assert torch.equal(video, fresh)
+    assert output.video is not None and fresh.video is not None
+    assert torch.equal(output.video, fresh.video)
 
 
 EXPECTED_BLOCKS = {

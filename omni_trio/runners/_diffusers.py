@@ -8,7 +8,8 @@ scheduler then steps its own rows.
 
 Cancel points (L71, L72; see ``_cancel``): the runner declares ``cancel_points``, and
 a step can be left before any block of the denoiser, a decode before any call of
-the VAE's decoder (once per latent frame for Wan).
+the VAE's decoder: once per image of a batch, per tile of a large image, per latent
+frame for Wan, per temporal chunk of a long LTX-Video (see ``_chunks``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities, StopRun
 from ._cancel import CancelPoints, cancel_modules
+from ._chunks import DecodeChunks
 from ._edit import keep_unmasked
 from ._families import RequestState, family_for, joined
 from ._park import park_on_host, state_tensors, unpark
@@ -73,15 +75,35 @@ class DiffusersRunner:
     Args:
         pipeline: a pipeline of a supported family, on its device, in eval mode.
         max_batch_size: most requests one denoise step serves.
+        decode_slices: decode a request's N images (videos) one at a time, so that an
+            abort lands within one (L72); the VAE's own sliced decode, exactly.
+        tile_above: decode an image (a video frame) of more pixels than this
+            (height x width) in the VAE's overlapping tiles (its ``enable_tiling()``,
+            which blends them: a small documented difference); ``None``: never.
+        framewise_above: decode a video of more frames than this in the VAE's
+            overlapping temporal chunks (LTX-Video's framewise decoding, which blends
+            them: a documented difference); ``None`` (the default): never.
 
     Raises:
         TypeError: the pipeline's family is not supported.
+        ValueError: a threshold below 1.
 
     Counters (any thread): ``live_states``, ``decodes``.
     """
 
-    def __init__(self, pipeline: Any, *, max_batch_size: int = 8) -> None:
-        self._family = family_for(pipeline)
+    def __init__(
+        self,
+        pipeline: Any,
+        *,
+        max_batch_size: int = 8,
+        decode_slices: bool = True,
+        tile_above: int | None = 1024 * 1024,
+        framewise_above: int | None = None,
+    ) -> None:
+        chunks = DecodeChunks(
+            slices=decode_slices, tile_above=tile_above, framewise_above=framewise_above
+        )
+        self._family = family_for(pipeline, chunks)
         self._pipeline = pipeline
         self._capabilities = RunnerCapabilities(
             max_batch_size=max_batch_size,
@@ -196,7 +218,7 @@ class DiffusersRunner:
 
         On CUDA the decode runs on a side stream after the request's last step,
         and the images land in pinned host memory. A cancel point before every
-        call of the VAE's decoder (L72).
+        call of the VAE's decoder: every chunk (L72).
 
         Raises:
             StopRun: from a cancel point; the VAE's per-call cache is cleared first.

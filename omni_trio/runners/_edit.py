@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from .._request import GenerationRequest
+from ._chunks import vae_lock
 
 if TYPE_CHECKING:
     from ._families import RequestState
@@ -62,7 +63,8 @@ def _sample(vae: Any, image: torch.Tensor, generator: torch.Generator) -> tuple[
         retrieve_latents,
     )
 
-    encoded = vae.encode(image)
+    with vae_lock(vae):  # no decode's tiling flag seen (L72)
+        encoded = vae.encode(image)
     dist = getattr(encoded, "latent_dist", None)
     draw = None
     if dist is not None:

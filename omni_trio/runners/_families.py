@@ -12,7 +12,7 @@ import inspect
 import math
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .._request import GenerationRequest
+from ._chunks import DecodeChunks
 from ._edit import EditLatents, edit_latents
 
 __all__ = [
@@ -141,10 +142,25 @@ class Family(ABC):
     extra_keys: frozenset[str] = frozenset()
     #: Whether ``image``, ``mask`` and ``strength`` are honoured (L75).
     edits = False
+    #: How a decode splits into chunks (L72); the runner sets its own.
+    chunks = DecodeChunks()
 
     def __init__(self, pipe: Any) -> None:
         self.pipe = pipe
         self.device = pipe.device
+
+    def _vae_decode(
+        self, state: RequestState, rows: int, decode: Callable[[slice], torch.Tensor]
+    ) -> torch.Tensor:
+        """``decode`` over the request's ``rows`` in chunks (L72): see ``_chunks``."""
+        request = state.request
+        return self.chunks.decode(
+            self.pipe.vae,
+            decode,
+            rows=rows,
+            pixels=request.height * request.width,
+            frames=request.num_frames,
+        )
 
     @property
     @abstractmethod
@@ -360,9 +376,12 @@ class StableDiffusion(Family):
     def decode(self, state: RequestState) -> torch.Tensor:
         assert state.latents is not None
         vae = self.pipe.vae
-        image = vae.decode(
-            state.latents / vae.config.scaling_factor, return_dict=False, generator=state.generator
-        )[0]
+        latents = state.latents / vae.config.scaling_factor
+        image = self._vae_decode(
+            state,
+            latents.shape[0],
+            lambda rows: vae.decode(latents[rows], return_dict=False, generator=state.generator)[0],
+        )
         images: torch.Tensor = self.pipe.image_processor.postprocess(image, output_type="pt")
         return images
 
@@ -476,10 +495,10 @@ class StableDiffusionXL(StableDiffusion):
         if vae.dtype == torch.float16 and vae.config.force_upcast:
             # An edit's prepare changes the VAE's dtype too, from the worker thread.
             with self._vae_lock:
-                return self._decode(state.latents.to(torch.float32), upcast=True)
-        return self._decode(state.latents, upcast=False)
+                return self._decode(state, state.latents.to(torch.float32), upcast=True)
+        return self._decode(state, state.latents, upcast=False)
 
-    def _decode(self, latents: torch.Tensor, *, upcast: bool) -> torch.Tensor:
+    def _decode(self, state: RequestState, latents: torch.Tensor, *, upcast: bool) -> torch.Tensor:
         pipe = self.pipe
         vae = pipe.vae
         if upcast:
@@ -494,7 +513,12 @@ class StableDiffusionXL(StableDiffusion):
                 latents = latents * std_t / vae.config.scaling_factor + mean_t
             else:
                 latents = latents / vae.config.scaling_factor
-            image = vae.decode(latents, return_dict=False)[0]
+            scaled = latents
+            image = self._vae_decode(
+                state,
+                scaled.shape[0],
+                lambda rows: vae.decode(scaled[rows], return_dict=False)[0],
+            )
         finally:
             # Also when the decode is left at a cancel point (L72).
             if upcast:
@@ -518,10 +542,13 @@ def _calculate_shift(config: Any, image_seq_len: int, max_shift: float) -> float
     return mu
 
 
-def _vae_decode_shifted(pipe: Any, latents: torch.Tensor) -> torch.Tensor:
+def _vae_decode_shifted(family: Family, state: RequestState, latents: torch.Tensor) -> torch.Tensor:
+    pipe = family.pipe
     vae = pipe.vae
     latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
-    image = vae.decode(latents, return_dict=False)[0]
+    image = family._vae_decode(
+        state, latents.shape[0], lambda rows: vae.decode(latents[rows], return_dict=False)[0]
+    )
     images: torch.Tensor = pipe.image_processor.postprocess(image, output_type="pt")
     return images
 
@@ -589,7 +616,7 @@ class StableDiffusion3(Family):
 
     def decode(self, state: RequestState) -> torch.Tensor:
         assert state.latents is not None
-        return _vae_decode_shifted(self.pipe, state.latents)
+        return _vae_decode_shifted(self, state, state.latents)
 
 
 def _flow_timesteps(
@@ -680,7 +707,7 @@ class Flux(Family):
         return unpacked_latents(self.pipe, state)
 
     def decode(self, state: RequestState) -> torch.Tensor:
-        return _vae_decode_shifted(self.pipe, self._unpacked(state))
+        return _vae_decode_shifted(self, state, self._unpacked(state))
 
     def preview_latents(self, state: RequestState) -> torch.Tensor:
         return self._unpacked(state)
@@ -816,7 +843,10 @@ class QwenImage(Family):
         std = 1.0 / torch.tensor(vae.config.latents_std).view(view).to(
             latents.device, latents.dtype
         )
-        image = vae.decode(latents / std + mean, return_dict=False)[0][:, :, 0]
+        latents = latents / std + mean
+        image = self._vae_decode(
+            state, latents.shape[0], lambda rows: vae.decode(latents[rows], return_dict=False)[0]
+        )[:, :, 0]
         images: torch.Tensor = self.pipe.image_processor.postprocess(image, output_type="pt")
         return images
 
@@ -906,15 +936,18 @@ def is_supported(pipe: object) -> bool:
     return _family_class(pipe) is not None
 
 
-def family_for(pipe: object) -> Family:
-    """Return the family that drives ``pipe``.
+def family_for(pipe: object, chunks: DecodeChunks | None = None) -> Family:
+    """Return the family that drives ``pipe``, its decodes split as ``chunks`` says (L72).
 
     Raises:
         TypeError: ``pipe`` is not a pipeline of a supported family.
     """
     family = _family_class(pipe)
     if family is not None:
-        return family(pipe)
+        instance = family(pipe)
+        if chunks is not None:
+            instance.chunks = chunks
+        return instance
     raise TypeError(
         f"DiffusersRunner drives {', '.join(supported_pipelines())}; got"
         f" {type(pipe).__name__} (use omni_trio.runners.PipelineCallRunner for other pipelines)"

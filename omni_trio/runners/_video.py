@@ -179,7 +179,10 @@ class Wan(_Video):
         std = 1.0 / torch.tensor(vae.config.latents_std).view(view).to(
             latents.device, latents.dtype
         )
-        video = vae.decode(latents / std + mean, return_dict=False)[0]
+        latents = latents / std + mean
+        video = self._vae_decode(
+            state, latents.shape[0], lambda rows: vae.decode(latents[rows], return_dict=False)[0]
+        )
         return self._postprocess(video)
 
     def preview_latents(self, state: RequestState) -> torch.Tensor:
@@ -332,8 +335,14 @@ class LTXVideo(_Video):
             noise_scale = torch.tensor([scale] * count, device=self.device, dtype=latents.dtype)
             noise_scale = noise_scale[:, None, None, None, None]
             latents = (1 - noise_scale) * latents + noise_scale * noise
-        video = vae.decode(latents.to(vae.dtype), timestep, return_dict=False)[0]
-        return self._postprocess(video)
+        latents = latents.to(vae.dtype)
+
+        def decode(rows: slice) -> torch.Tensor:
+            temb = None if timestep is None else timestep[rows]
+            out: torch.Tensor = vae.decode(latents[rows], temb, return_dict=False)[0]
+            return out
+
+        return self._postprocess(self._vae_decode(state, latents.shape[0], decode))
 
     def preview_latents(self, state: RequestState) -> torch.Tensor:
         return self._unpacked(state)[:, :, 0]
