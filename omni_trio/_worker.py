@@ -154,9 +154,7 @@ class Worker:
     def _hand_over(self, item: WorkItem) -> None:
         # Never once closed: the exiting thread took every parked item out first.
         assert not self._closed
-        self._unpark(item)
-        # The engine's threads hold it until the materializer released it.
-        item.taken = True
+        self._withdraw(item)
         self._materializer.release(item)
 
     def orphan_parked(self) -> None:
@@ -165,8 +163,18 @@ class Worker:
         Under the lock. Once the thread has exited nothing is parked any more.
         """
         for item in self.parked.drain():
-            self._unpark(item)
+            self._withdraw(item)
             self._orphans.append(item)
+
+    def _withdraw(self, item: WorkItem) -> None:
+        """Take a suspended ``item`` out of the parked queue for good; under the lock.
+
+        From now on this worker's threads hold it until they release it: it reads
+        RUNNING, as ``statistics()`` counts it (in no queue, so not waiting), never
+        WAITING in no queue.
+        """
+        self._unpark(item)
+        item.taken = True
 
     def _unpark(self, item: WorkItem) -> None:
         """Forget ``item``'s parked bytes (it left the parked queue); under the lock."""
@@ -213,7 +221,7 @@ class Worker:
                 self._closed = True
                 parked = self.parked.drain()
                 for item in parked:
-                    self._unpark(item)
+                    self._withdraw(item)
                 parked += self._orphans
                 self._orphans.clear()
             self._materializer.discard_leftovers()
@@ -306,9 +314,11 @@ class Worker:
                 if pool.stopping:
                     dropped += running
                     for item in self.parked.drain():
-                        self._unpark(item)
+                        self._withdraw(item)
                         dropped.append(item)
-                    dropped += pool.fresh.drain()
+                    for item in pool.fresh.drain():
+                        item.taken = True  # held here until released: counted running
+                        dropped.append(item)
                     running.clear()
                     for item in dropped:
                         item.token.cancel(SHUTDOWN)
