@@ -3,21 +3,25 @@
 Layout: ``tests/lifecycle/ops.py`` holds the operations and the Hypothesis
 strategies that make plans of them; ``tests/lifecycle/model.py`` the model
 (``Machine``) that applies each operation to a live engine and checks what it must
-do; this module runs plans and holds the tests.
+do; ``tests/lifecycle/sched.py`` the worker model that predicts, with one worker,
+every batch and every suspension (L60, L61); this module runs plans and holds the
+tests.
 
 Determinism rules:
 
 - Hypothesis generates a plan (an engine configuration and a list of operations);
   each example runs its plan on a fresh engine in the test's event loop, on trio
   and on asyncio. The ``ci`` profile (the default) is derandomized with 200
-  examples per backend; ``OMNI_TRIO_HYPOTHESIS_PROFILE=soak`` runs 2,000 random
-  ones per backend.
+  examples per backend (60 for two workers); ``OMNI_TRIO_HYPOTHESIS_PROFILE=soak``
+  runs 2,000 random ones per backend (1,000 for two workers).
 - The runner is a ``GatedRunner``: a step runs only when the plan releases it, or
   while an operation that has to wait (``abort``, ``result()``, leaving a handle,
   shutdown) pumps the gate, one release per step that waits at it. After every
   operation the test waits until the engine is settled: no request is between two
   states, and the worker waits at the gate or idles (unused releases are taken
-  back then). So each operation meets a state that depends on the plan alone.
+  back then). So each operation meets a state that depends on the plan alone, and
+  every token an operation sets is seen at the worker's next boundary (see
+  ``sched`` for the two races that are not, and how they are resolved).
 - Time only bounds: every operation runs under ``anyio.fail_after``, and nothing
   sleeps to let time pass; the polls (``wait_until``) only wait for the threads.
 - Deadlines (L62) are on a virtual clock (``tests/lifecycle/clock.py``): it runs with
@@ -146,7 +150,7 @@ async def run_plan(plan: Plan) -> None:
 @settings(settings.get_profile(PROFILE))
 @given(plan=plans)
 async def test_lifecycle_state_machine(plan: Plan) -> None:
-    """L1-L19, L22, L23, L30-L36, L60, L62: any sequence of operations keeps every invariant.
+    """L1-L19, L22, L23, L30-L36, L60-L62: any sequence of operations keeps every invariant.
 
     After each operation: every request ends exactly once and nothing follows its
     end (L15); the statistics add up and match each handle's status (L19); ids are
@@ -154,7 +158,13 @@ async def test_lifecycle_state_machine(plan: Plan) -> None:
     holds exactly the running requests' states (L8); undisturbed requests complete
     with the right images (L3, L9); aborts land within one step (L6, L7); after
     shutdown no thread is left and nothing is held (L31-L35); the worker takes
-    requests by priority, then deadline, then admission (L60, L62); a deadline the
+    requests by priority, then deadline, then admission (L60, L62); each batch is
+    the one the worker model predicts, suspensions included: a strictly higher
+    priority that cannot start suspends the lowest-ranked member or the whole
+    batch, at most max_preemptions times each, and the suspended request resumes
+    from the step it reached, its events neither repeated nor missing; ended while
+    suspended it is released at once, undecoded, and the counts of suspended
+    requests and suspensions agree (L61); a deadline the
     clock passes aborts its request with "deadline", at once if waiting, at the
     next step boundary if running, never decoded, and no other; an unmeetable one
     is refused (L62).
@@ -175,8 +185,9 @@ async def test_lifecycle_state_machine_two_workers(plan: Plan) -> None:
     each request: every runner steps only states it prepared (a request lives its
     life on one worker, L42); each worker's ``running`` and the runner's live and
     parked states equal its running and suspended requests; the suspensions and
-    ``statistics().suspended``, ``preemptions`` and ``workers_alive`` add up; a
-    dead first worker fails only its requests (L43). Everything the one-worker
+    ``statistics().suspended``, ``preemptions`` and ``workers_alive`` add up; once
+    the first worker dies the engine lives on (L43), and a request it failed
+    carries its error. Everything the one-worker
     machine checks without its worker model holds too: ends, ids, aborts within a
     step and undecoded, shutdown leaving nothing on either runner.
     """

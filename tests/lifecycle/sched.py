@@ -72,7 +72,9 @@ class Job:
         return self.request.priority
 
     def __repr__(self) -> str:
-        return f"<{self.name} p{self.priority} {self.where} {self.steps}/{self.request.num_steps}>"
+        cut = "" if self.token is None else f" cut({self.token}{', loose' if self.loose else ''})"
+        steps = f"{self.steps}/{self.request.num_steps}"
+        return f"<{self.name} p{self.priority} {self.where} {steps}{cut}>"
 
 
 def _names(jobs: Sequence[Job]) -> list[str]:
@@ -182,9 +184,7 @@ class WorkerModel:
     def _boundary(self, observed: Sequence[Job] | None) -> None:
         for job in list(self.running):
             # A loose token: seen at the boundary where the job leaves the batch.
-            if job.token is not None and (
-                not job.loose or observed is None or job not in observed
-            ):
+            if job.token is not None and (not job.loose or observed is None or job not in observed):
                 self._end(job, _S.ABORTED)
         if self.stopping:
             for job in [*self.running, *self.parked, *self.fresh]:
