@@ -814,11 +814,12 @@ class Machine:
         running = [t for t in self.tracked if t.status is ot.RequestStatus.RUNNING]
         if op.urgent and running:
             priority = max([priority, *(t.priority + 1 for t in running)])
+            # Not joinable while the batch has room (another batch key), so it
+            # starts only by suspending the whole batch (L61); a full batch it
+            # joins (the batch's key) gives up its lowest-ranked member.
+            size = running[0].request.height
             if len(running) < self.plan.max_batch_size:
-                # Not joinable (another batch key), so it cannot start but by
-                # suspending the batch (L61); a full batch it could join gives up
-                # a member.
-                size = 8 if running[0].request.height == 16 else 16
+                size = 8 if size == 16 else 16
         ranked: dict[str, Any] = {"deadline_s": deadline_s, "priority": priority}
         request: object
         match op.invalid:
