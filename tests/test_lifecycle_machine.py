@@ -251,36 +251,3 @@ async def test_invariants_hold_while_the_worker_takes_a_request() -> None:
                     await handle.result()
     assert b.metrics is not None and b.metrics.steps_done == 1
     assert failure is None, failure
-
-
-@pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: after a failed batch an idle worker's statistics count its members",
-)
-async def test_worker_statistics_after_a_failed_batch() -> None:
-    """L19, L22, L42: a worker idle after its batch failed counts no running member.
-
-    The one step of "a" raises (L22): "a" fails and the worker waits for work
-    (``Pool.idle``). ``statistics().workers[0].running`` must then be 0, as
-    ``statistics().running`` is. (The step loop clears its batch after the failure
-    but writes the count only at a boundary that admits or drops something, so the
-    idle worker keeps reporting 1, and its ``steps_left``, read by admission's
-    deadline estimate, stays that of the failed batch.)
-    """
-    from omni_trio.testing import GatedRunner, wait_until
-
-    from .util import BUDGET, req
-
-    runner = GatedRunner(fail_at_step=1)
-    with anyio.fail_after(BUDGET):
-        async with ot.open_engine(runner) as engine:
-            async with engine.submit(req(num_steps=2), request_id="a") as handle:
-                runner.release(1)
-                with pytest.raises(ot.RequestFailedError):
-                    await handle.result()
-            # Idle: the worker waits on the pool's condition, nothing changes now.
-            await wait_until(lambda: engine._pool.idle == 1)
-            stats = engine.statistics()
-            assert stats.running == 0
-            assert stats.workers[0].running == 0, stats.workers[0]

@@ -100,8 +100,6 @@ class MachineRunner(GatedRunner):
         # lives its whole life on one worker).
         self.batches: list[list[ot.GenerationRequest]] = []
         self.foreign: list[FakeState] = []
-        # Its last step raised the armed failure (see check_workers).
-        self.last_failed = False
         # The request of every state, and the requests decoded (by identity: the
         # engine hands the runner the very request object that was submitted).
         self.request_of: dict[FakeState, ot.GenerationRequest] = {}
@@ -146,12 +144,7 @@ class MachineRunner(GatedRunner):
             # Before the gate: a step that waits there is always recorded.
             self.batches.append([self.request_of[s] for s in states if s in self.request_of])
             self.foreign += [s for s in states if s not in self.request_of]
-        self.last_failed = False
-        try:
-            super().step(states)
-        except RuntimeError:
-            self.last_failed = True
-            raise
+        super().step(states)
         if self.kill:
             self.died = True
             raise WorkerKilled("the device fell off the bus")
@@ -413,10 +406,7 @@ class Machine:
             mine = [r for r in records if r.worker == index]
             running = sum(r.status is ot.RequestStatus.RUNNING for r in mine)
             # The worker thread writes its count after it posted the releases.
-            # Engine bug (test_worker_statistics_after_a_failed_batch): after a
-            # failed batch an idle worker keeps counting its members.
-            stale = runner.last_failed and running == 0
-            if index in engine._alive and workers[index].running != running and not stale:
+            if index in engine._alive and workers[index].running != running:
                 return False
             if self.gate_open:
                 continue
@@ -591,8 +581,7 @@ class Machine:
             running = sum(r.status is ot.RequestStatus.RUNNING for r in mine)
             parked = len(mine) - running
             suspended += parked
-            if not (runner.last_failed and running == 0):  # see settled()
-                assert worker.running == running, (index, worker, running)
+            assert worker.running == running, (index, worker, running)
             assert (runner.live_states, runner.parked_states) == (running + parked, parked), (
                 index,
                 runner.live_states,
