@@ -170,24 +170,6 @@ class Counters:
         return all(runner.closed for runner in self.runners)
 
 
-class Ledger(RequestLedger):
-    """A ``RequestLedger`` that lets a suspended request read WAITING again (L61).
-
-    The public ledger holds that a request never goes back from RUNNING; a
-    suspended one does, keeping its state, and is checked as waiting from then on.
-    """
-
-    def _check_entry(self, entry: Any, engine: ot.Engine | None, dead: bool) -> bool:
-        record = entry.record
-        if (
-            entry.status is ot.RequestStatus.RUNNING
-            and record.status is ot.RequestStatus.WAITING
-            and record.t_suspended is not None
-        ):
-            entry.status = ot.RequestStatus.WAITING
-        return bool(super()._check_entry(entry, engine, dead))
-
-
 def note(text: str) -> None:
     """Count ``text`` in Hypothesis' statistics; ``run_plan`` also runs outside a test."""
     if currently_in_test_context():
@@ -271,7 +253,7 @@ class Machine:
     engine: ot.Engine
     tg: anyio.abc.TaskGroup
     plan: Plan
-    ledger: RequestLedger = field(default_factory=Ledger)
+    ledger: RequestLedger = field(default_factory=RequestLedger)
     tracked: list[Tracked] = field(default_factory=list)
     gate_open: bool = False
     chaos: bool = False  # a runner failure or a kill is armed
