@@ -19,9 +19,10 @@ Determinism rules:
   shutdown) pumps the gate, one release per step that waits at it. After every
   operation the test waits until the engine is settled: no request is between two
   states, and the worker waits at the gate or idles (unused releases are taken
-  back then). So each operation meets a state that depends on the plan alone, and
-  every token an operation sets is seen at the worker's next boundary (see
-  ``sched`` for the two races that are not, and how they are resolved).
+  back then; the gates are read before the engine, see ``Machine.settled``). So
+  each operation meets a state that depends on the plan alone, and every token an
+  operation sets is seen at the worker's next boundary (see ``sched`` for the two
+  races that are not, and how they are resolved).
 - Time only bounds: every operation runs under ``anyio.fail_after``, and nothing
   sleeps to let time pass; the polls (``wait_until``) only wait for the threads.
 - Deadlines (L62) are on a virtual clock (``tests/lifecycle/clock.py``): it runs with
@@ -251,3 +252,54 @@ async def test_invariants_hold_while_the_worker_takes_a_request() -> None:
                     await handle.result()
     assert b.metrics is not None and b.metrics.steps_done == 1
     assert failure is None, failure
+
+
+@pytest.mark.anyio
+async def test_settling_is_not_fooled_by_a_step_between_its_reads() -> None:
+    """L20: the machine's settling reads each gate before the engine.
+
+    "a" (one step) waits at the gate, "b" waits in the queue: settled. Then "a"'s
+    step is released, and the gate, when read, first lets the worker run that step
+    and reach the gate again with "b" (the worker needs nothing of the loop, L20):
+    as a switch of the GIL between two reads may. "a" has run its last step and is
+    not terminal yet (its output reaches the loop only once the loop runs again), so
+    the engine is not settled. (Read after the records, the gate shows "b"'s step
+    waiting and the records "a" before its step: settled, wrongly.)
+    """
+    import time
+
+    from omni_trio.testing import wait_until
+
+    from .util import BUDGET, req
+
+    runner = MachineRunner(max_batch_size=1)
+    plan = Plan(
+        max_batch_size=1, max_waiting=8, event_buffer=4, shutdown_grace=0.0, ops=[], final=None
+    )
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=1)) as engine:
+            async with anyio.create_task_group() as tg:
+                machine = Machine([runner], engine, tg, plan)
+                a = engine.submit(req(num_steps=1), request_id="a")
+                b = engine.submit(req(num_steps=1), request_id="b")
+                await wait_until(machine.settled)
+                at_gate = runner.at_gate
+
+                def racing_at_gate() -> bool:
+                    given_up = time.monotonic() + BUDGET
+                    while runner.arrived < 2 and time.monotonic() < given_up:
+                        time.sleep(0.001)  # the worker thread needs nothing of the loop
+                    return at_gate()
+
+                runner.release(1)
+                runner.at_gate = racing_at_gate  # type: ignore[method-assign]
+                try:
+                    settled = machine.settled()
+                finally:
+                    runner.at_gate = at_gate  # type: ignore[method-assign]
+                    runner.open_gate()
+                assert runner.arrived == 2
+                for handle in (a, b):
+                    async with handle:
+                        await handle.result()
+    assert not settled

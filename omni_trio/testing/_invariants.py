@@ -145,8 +145,11 @@ def engine_settled(engine: Engine, runner: RunnerCounters | None = None) -> bool
     one state per running request. It does not say that the worker waits (it may
     be inside a step it was allowed to run): with a gated runner whose gate is
     closed, also check that a step waits at the gate; then nothing changes until
-    the test releases a step. After the worker died, settled means that the
-    engine's threads have exited.
+    the test releases a step. Check the gate *before* calling this: checked after,
+    it may show the next step, and this the records as they were before the step
+    released last ran (the worker can run a step, hand a finished request to the
+    materializer and reach the gate again between the two reads). After the
+    worker died, settled means that the engine's threads have exited.
 
     Poll it with ``wait_until`` under ``anyio.fail_after``.
     """

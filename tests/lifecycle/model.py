@@ -277,8 +277,6 @@ class Machine:
     sim: WorkerModel | None = None
     simulated: dict[int, Tracked] = field(default_factory=dict)
     batches_seen: int = 0
-    # The runners' arrivals and releases at the last settle.
-    gates: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         self.counters = Counters(self.runners)
@@ -373,7 +371,20 @@ class Machine:
             tracked.disturbed = True
 
     def settled(self) -> bool:
+        """Whether the engine is settled: see ``engine_settled``, and each worker waits.
+
+        Each worker with running requests waits at its gate, and an idle one has
+        nothing to take. The gates are read first: a step that waits at its gate
+        then waits until this test releases it, so its worker cannot move while the
+        rest is read. Read last, a gate could show the *next* step of a batch whose
+        records were read before the released step ran: between the reads (a
+        switch of the GIL) the worker can end that step, hand a finished member to
+        the materializer and arrive at the gate again; the engine looked settled
+        with that member's last step not yet run, and the check that followed saw
+        it running with its state released and its output not yet delivered.
+        """
         engine = self.engine
+        waits = [runner.at_gate() for runner in self.runners]
         # What holds at every moment is checked while waiting too: a broken
         # invariant fails at once rather than as a timeout.
         check_engine_invariants(engine, self.counters)
@@ -384,7 +395,7 @@ class Machine:
         records = list(engine._live.values())
         new = any(r.worker is None for r in records)
         workers = engine.statistics().workers
-        for index, runner in enumerate(self.runners):
+        for index, waiting_at_gate in enumerate(waits):
             mine = [r for r in records if r.worker == index]
             running = sum(r.status is ot.RequestStatus.RUNNING for r in mine)
             # The worker thread writes its count after it posted the releases.
@@ -393,7 +404,7 @@ class Machine:
             if self.gate_open:
                 continue
             if running:
-                if not runner.at_gate():
+                if not waiting_at_gate:
                     return False
             elif index in engine._alive and (mine or new):
                 # An idle worker takes at once: nothing waits for it, neither its
@@ -401,31 +412,8 @@ class Machine:
                 return False
         return not (self.gate_open and records)
 
-    def fingerprint(self) -> tuple[object, ...]:
-        """What moves when the engine's threads do: the runners' and the records' counts."""
-        runners = tuple(
-            (r.arrived, r.granted, r._permits, r.steps_run, r.live_states, r.decodes)
-            for r in self.runners
-        )
-        records = tuple(
-            (id(r), r.status, r.steps_done, r.state is None) for r in self.engine._live.values()
-        )
-        return runners, records, self.engine.statistics()
-
     async def settle(self) -> None:
-        # After steps ran: settled twice, a poll apart, with nothing moved in
-        # between (a thread caught between two of the states ``settled`` reads
-        # would have moved; the soak saw it twice in 6,000 plans, not understood).
-        before: tuple[object, ...] | None = None
-        while True:
-            await wait_until(self.settled, interval=POLL)
-            now = self.fingerprint()
-            gates = tuple((r.arrived, r.granted) for r in self.runners)
-            if now == before or gates == self.gates:
-                break
-            before = now
-            await anyio.sleep(POLL)
-        self.gates = tuple((r.arrived, r.granted) for r in self.runners)
+        await wait_until(self.settled, interval=POLL)
         for index, runner in enumerate(self.runners):
             if not any(
                 r.status is ot.RequestStatus.RUNNING and r.worker == index
