@@ -131,7 +131,6 @@ async def test_runner_exception_fails_only_that_batch() -> None:
             assert_engine_idle(engine)
 
 
-
 async def test_idle_worker_statistics_after_a_failed_batch() -> None:
     """L19, L22, L42: a worker idle after its batch failed counts no running member.
 
@@ -152,6 +151,7 @@ async def test_idle_worker_statistics_after_a_failed_batch() -> None:
             assert stats.running == 0
             assert stats.workers[0].running == 0, stats.workers[0]
             assert engine._workers[0].steps_left == 0
+
 
 class FlakyRunner(FakeRunner):
     """Raises in prepare, preview or decode for requests whose prompt names the call."""

@@ -11,7 +11,7 @@ import torch
 import omni_trio as ot
 from omni_trio.testing import FakeRunner, GatedRunner, RequestLedger, engine_threads, wait_until
 
-from .util import BUDGET, req, solo_images
+from .util import BUDGET, req, solo_images, status
 
 
 def test_fake_runner_depends_only_on_the_request() -> None:
@@ -83,7 +83,7 @@ async def test_ledger_follows_a_suspended_request_back_to_waiting() -> None:
             runner.release(1)
             await runner.wait_arrived(2)  # "high"'s step: "low" was suspended before it
             assert engine.statistics().suspended == 1
-            assert low.status is ot.RequestStatus.WAITING
+            assert status(low) is ot.RequestStatus.WAITING
             ledger.check(engine)
             ledger.check()
             runner.open_gate()
