@@ -303,3 +303,59 @@ async def test_settling_is_not_fooled_by_a_step_between_its_reads() -> None:
                     async with handle:
                         await handle.result()
     assert not settled
+
+
+@pytest.mark.anyio
+@pytest.mark.xfail(
+    strict=True,
+    reason="engine bug: a dying worker's thread empties its queue of suspended requests"
+    " before the loop learns of the death; meanwhile they read WAITING in no queue",
+)
+async def test_invariants_hold_while_a_dying_worker_drops_its_suspended_requests() -> None:
+    """L19, L23, L61: the counts match the statuses while a worker dies holding a suspended one.
+
+    "low" is suspended for "high" (L61); "high"'s step kills the worker (L23). The
+    loop is kept from running (the worker thread needs nothing of it, L20) until
+    the dying thread has closed the runner, its last act after it emptied its
+    queue of suspended requests and discarded their states. The loop has not yet
+    learnt of the death, so "low" still reads WAITING, and ``statistics().waiting``
+    must count it. (It counts the queues, and "low" is in none any more: waiting
+    0, running 1, "low" WAITING. Found by the machine's soak: its settling polls
+    ``check_engine_invariants``, which failed in that window.)
+    """
+    import time
+
+    from omni_trio.testing import check_engine_invariants, wait_until
+
+    from .util import BUDGET, req
+
+    runner = MachineRunner(max_batch_size=1)
+    failure: str | None = None
+    with anyio.fail_after(BUDGET):
+        with pytest.raises(ot.EngineDeadError):
+            async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=1)) as engine:
+                low = engine.submit(req(num_steps=3), request_id="low")
+                await runner.wait_arrived(1)
+                high = engine.submit(req(num_steps=3, priority=1), request_id="high")
+                runner.release(1)
+                await runner.wait_arrived(2)  # "low" suspended, "high"'s step at the gate
+                await wait_until(lambda: engine.statistics().suspended == 1)
+
+                def check_once_closed() -> str | None:
+                    # Blocking: the loop cannot run, so it cannot learn of the death.
+                    given_up = time.monotonic() + BUDGET
+                    while not runner.closed and time.monotonic() < given_up:
+                        time.sleep(0.001)
+                    try:
+                        check_engine_invariants(engine, runner)
+                    except AssertionError as exc:
+                        return repr(exc)
+                    return None
+
+                runner.kill = True
+                runner.release(1)
+                failure = check_once_closed()
+                for handle in (low, high):
+                    await handle.aclose()
+    assert runner.closed and runner.died
+    assert failure is None, failure
