@@ -3,21 +3,26 @@
 Layout: ``tests/lifecycle/ops.py`` holds the operations and the Hypothesis
 strategies that make plans of them; ``tests/lifecycle/model.py`` the model
 (``Machine``) that applies each operation to a live engine and checks what it must
-do; this module runs plans and holds the tests.
+do; ``tests/lifecycle/sched.py`` the worker model that predicts, with one worker,
+every batch and every suspension (L60, L61); this module runs plans and holds the
+tests.
 
 Determinism rules:
 
 - Hypothesis generates a plan (an engine configuration and a list of operations);
   each example runs its plan on a fresh engine in the test's event loop, on trio
   and on asyncio. The ``ci`` profile (the default) is derandomized with 200
-  examples per backend; ``OMNI_TRIO_HYPOTHESIS_PROFILE=soak`` runs 2,000 random
-  ones per backend.
+  examples per backend (60 for two workers); ``OMNI_TRIO_HYPOTHESIS_PROFILE=soak``
+  runs 2,000 random ones per backend (1,000 for two workers).
 - The runner is a ``GatedRunner``: a step runs only when the plan releases it, or
   while an operation that has to wait (``abort``, ``result()``, leaving a handle,
   shutdown) pumps the gate, one release per step that waits at it. After every
   operation the test waits until the engine is settled: no request is between two
   states, and the worker waits at the gate or idles (unused releases are taken
-  back then). So each operation meets a state that depends on the plan alone.
+  back then; the gates are read before the engine, see ``Machine.settled``). So
+  each operation meets a state that depends on the plan alone, and every token an
+  operation sets is seen at the worker's next boundary (see ``sched`` for the two
+  races that are not, and how they are resolved).
 - Time only bounds: every operation runs under ``anyio.fail_after``, and nothing
   sleeps to let time pass; the polls (``wait_until``) only wait for the threads.
 - Deadlines (L62) are on a virtual clock (``tests/lifecycle/clock.py``): it runs with
@@ -43,7 +48,7 @@ from omni_trio.testing import assert_nothing_left
 
 from .lifecycle.clock import virtual_clock_options
 from .lifecycle.model import Machine, MachineRunner, hook_submit, note
-from .lifecycle.ops import MAX_SIZE, MAX_STEPS, Advance, Plan, plans
+from .lifecycle.ops import MAX_SIZE, MAX_STEPS, Advance, Plan, plans, two_worker_plans
 from .util import WorkerKilled
 
 _HEALTH = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
@@ -57,6 +62,8 @@ settings.register_profile(
 )
 settings.register_profile("soak", max_examples=2000, deadline=None, suppress_health_check=_HEALTH)
 PROFILE = os.environ.get("OMNI_TRIO_HYPOTHESIS_PROFILE", "ci")
+#: Examples per backend of the two-worker variant: fewer, it checks less.
+TWO_WORKER_EXAMPLES = 60 if PROFILE == "ci" else 1000
 
 #: Hang budget of one operation, and of one example's teardown (seconds).
 OP_BUDGET = 10.0
@@ -75,7 +82,7 @@ async def run_plan(plan: Plan) -> None:
     Also callable outside pytest, to replay a plan: ``anyio.run(run_plan, plan,
     backend="trio", backend_options=virtual_clock_options("trio"))``.
     """
-    runner = MachineRunner(max_batch_size=3)
+    runners = [MachineRunner(max_batch_size=3) for _ in range(plan.workers)]
     config = ot.EngineConfig(
         max_batch_size=plan.max_batch_size,
         max_waiting=plan.max_waiting,
@@ -84,14 +91,15 @@ async def run_plan(plan: Plan) -> None:
         max_steps=MAX_STEPS,
         max_height=MAX_SIZE,
         max_width=MAX_SIZE,
+        max_preemptions=plan.max_preemptions,
     )
     machine: Machine | None = None
     death: ot.EngineDeadError | None = None
     try:
-        async with ot.open_engine(runner, config) as engine:
+        async with ot.open_engine(runners if plan.workers > 1 else runners[0], config) as engine:
             try:
                 async with anyio.create_task_group() as tg:
-                    machine = Machine(runner, engine, tg, plan)
+                    machine = Machine(runners, engine, tg, plan)
                     hook_submit(machine)
                     tg.start_soon(machine.pump_forever)
                     final = [] if plan.final is None else [plan.final]
@@ -105,9 +113,12 @@ async def run_plan(plan: Plan) -> None:
                         machine.check()
                     with anyio.fail_after(OP_BUDGET):
                         await machine.teardown()
+                    # The gate was open: every step ran; replay them on the model.
+                    machine.sync()
                     tg.cancel_scope.cancel()
             finally:
-                runner.open_gate()  # never leave the worker at a closed gate
+                for runner in runners:
+                    runner.open_gate()  # never leave a worker at a closed gate
     except ot.EngineDeadError as exc:
         death = exc
     died = death is not None
@@ -115,9 +126,11 @@ async def run_plan(plan: Plan) -> None:
         assert isinstance(death.__cause__, WorkerKilled), death.__cause__
     assert machine is not None
     stats = engine.statistics()
-    # L23: leaving open_engine raised EngineDeadError exactly when the worker died.
+    # L23: leaving open_engine raised EngineDeadError exactly when the worker died
+    # (with several workers only the first can die, L43).
     assert died is stats.is_dead
-    assert_nothing_left(engine, runner, runner_states=not died)
+    for runner in runners:
+        assert_nothing_left(engine, runner, runner_states=not (died or runner.died))
     machine.ledger.check(engine)
     assert machine.ledger.tracked == 0, "a request was never finished"
     for status, count in machine.ledger.counts().items():
@@ -138,7 +151,7 @@ async def run_plan(plan: Plan) -> None:
 @settings(settings.get_profile(PROFILE))
 @given(plan=plans)
 async def test_lifecycle_state_machine(plan: Plan) -> None:
-    """L1-L19, L22, L23, L30-L36, L60, L62: any sequence of operations keeps every invariant.
+    """L1-L19, L22, L23, L30-L36, L60-L62: any sequence of operations keeps every invariant.
 
     After each operation: every request ends exactly once and nothing follows its
     end (L15); the statistics add up and match each handle's status (L19); ids are
@@ -146,10 +159,38 @@ async def test_lifecycle_state_machine(plan: Plan) -> None:
     holds exactly the running requests' states (L8); undisturbed requests complete
     with the right images (L3, L9); aborts land within one step (L6, L7); after
     shutdown no thread is left and nothing is held (L31-L35); the worker takes
-    requests by priority, then deadline, then admission (L60, L62); a deadline the
+    requests by priority, then deadline, then admission (L60, L62); each batch is
+    the one the worker model predicts, suspensions included: a strictly higher
+    priority that cannot start suspends the lowest-ranked member or the whole
+    batch, at most max_preemptions times each, and the suspended request resumes
+    from the step it reached, its events neither repeated nor missing; ended while
+    suspended it is released at once, undecoded, and the counts of suspended
+    requests and suspensions agree (L61); a deadline the
     clock passes aborts its request with "deadline", at once if waiting, at the
     next step boundary if running, never decoded, and no other; an unmeetable one
     is refused (L62).
+    """
+    await run_plan(plan)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(3600 if PROFILE == "soak" else 120)
+@settings(settings.get_profile(PROFILE), max_examples=TWO_WORKER_EXAMPLES)
+@given(plan=two_worker_plans)
+async def test_lifecycle_state_machine_two_workers(plan: Plan) -> None:
+    """L42, L43, L61: with two workers, what does not depend on placement still holds.
+
+    The same plans on two workers, one GatedRunner each (``Release`` names the
+    worker; ``Kill`` kills the first only). Which worker takes a request is the
+    engine's choice, so no batch is predicted; read from the runner that prepared
+    each request: every runner steps only states it prepared (a request lives its
+    life on one worker, L42); each worker's ``running`` and the runner's live and
+    parked states equal its running and suspended requests; the suspensions and
+    ``statistics().suspended``, ``preemptions`` and ``workers_alive`` add up; once
+    the first worker dies the engine lives on (L43), and a request it failed
+    carries its error. Everything the one-worker
+    machine checks without its worker model holds too: ends, ids, aborts within a
+    step and undecoded, shutdown leaving nothing on either runner.
     """
     await run_plan(plan)
 
@@ -159,6 +200,7 @@ def test_profile_sizes() -> None:
     assert settings.get_profile("ci").max_examples >= 200
     assert settings.get_profile("soak").max_examples >= 2000
     assert settings.get_profile(PROFILE).deadline is None
+    assert TWO_WORKER_EXAMPLES >= 60
 
 
 @pytest.mark.anyio
@@ -209,4 +251,111 @@ async def test_invariants_hold_while_the_worker_takes_a_request() -> None:
                 async with handle:
                     await handle.result()
     assert b.metrics is not None and b.metrics.steps_done == 1
+    assert failure is None, failure
+
+
+@pytest.mark.anyio
+async def test_settling_is_not_fooled_by_a_step_between_its_reads() -> None:
+    """L20: the machine's settling reads each gate before the engine.
+
+    "a" (one step) waits at the gate, "b" waits in the queue: settled. Then "a"'s
+    step is released, and the gate, when read, first lets the worker run that step
+    and reach the gate again with "b" (the worker needs nothing of the loop, L20):
+    as a switch of the GIL between two reads may. "a" has run its last step and is
+    not terminal yet (its output reaches the loop only once the loop runs again), so
+    the engine is not settled. (Read after the records, the gate shows "b"'s step
+    waiting and the records "a" before its step: settled, wrongly.)
+    """
+    import time
+
+    from omni_trio.testing import wait_until
+
+    from .util import BUDGET, req
+
+    runner = MachineRunner(max_batch_size=1)
+    plan = Plan(
+        max_batch_size=1, max_waiting=8, event_buffer=4, shutdown_grace=0.0, ops=[], final=None
+    )
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=1)) as engine:
+            async with anyio.create_task_group() as tg:
+                machine = Machine([runner], engine, tg, plan)
+                a = engine.submit(req(num_steps=1), request_id="a")
+                b = engine.submit(req(num_steps=1), request_id="b")
+                await wait_until(machine.settled)
+                at_gate = runner.at_gate
+
+                def racing_at_gate() -> bool:
+                    given_up = time.monotonic() + BUDGET
+                    while runner.arrived < 2 and time.monotonic() < given_up:
+                        time.sleep(0.001)  # the worker thread needs nothing of the loop
+                    return at_gate()
+
+                runner.release(1)
+                runner.at_gate = racing_at_gate  # type: ignore[method-assign]
+                try:
+                    settled = machine.settled()
+                finally:
+                    runner.at_gate = at_gate  # type: ignore[method-assign]
+                    runner.open_gate()
+                assert runner.arrived == 2
+                for handle in (a, b):
+                    async with handle:
+                        await handle.result()
+    assert not settled
+
+
+@pytest.mark.anyio
+@pytest.mark.xfail(
+    strict=True,
+    reason="engine bug: a dying worker's thread empties its queue of suspended requests"
+    " before the loop learns of the death; meanwhile they read WAITING in no queue",
+)
+async def test_invariants_hold_while_a_dying_worker_drops_its_suspended_requests() -> None:
+    """L19, L23, L61: the counts match the statuses while a worker dies holding a suspended one.
+
+    "low" is suspended for "high" (L61); "high"'s step kills the worker (L23). The
+    loop is kept from running (the worker thread needs nothing of it, L20) until
+    the dying thread has closed the runner, its last act after it emptied its
+    queue of suspended requests and discarded their states. The loop has not yet
+    learnt of the death, so "low" still reads WAITING, and ``statistics().waiting``
+    must count it. (It counts the queues, and "low" is in none any more: waiting
+    0, running 1, "low" WAITING. Found by the machine's soak: its settling polls
+    ``check_engine_invariants``, which failed in that window.)
+    """
+    import time
+
+    from omni_trio.testing import check_engine_invariants, wait_until
+
+    from .util import BUDGET, req
+
+    runner = MachineRunner(max_batch_size=1)
+    failure: str | None = None
+    with anyio.fail_after(BUDGET):
+        with pytest.raises(ot.EngineDeadError):
+            async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=1)) as engine:
+                low = engine.submit(req(num_steps=3), request_id="low")
+                await runner.wait_arrived(1)
+                high = engine.submit(req(num_steps=3, priority=1), request_id="high")
+                runner.release(1)
+                await runner.wait_arrived(2)  # "low" suspended, "high"'s step at the gate
+                await wait_until(lambda: engine.statistics().suspended == 1)
+
+                def check_once_closed() -> str | None:
+                    # Blocking: the loop cannot run, so it cannot learn of the death.
+                    given_up = time.monotonic() + BUDGET
+                    while not runner.closed and time.monotonic() < given_up:
+                        time.sleep(0.001)
+                    try:
+                        check_engine_invariants(engine, runner)
+                    except AssertionError as exc:
+                        return repr(exc)
+                    return None
+
+                runner.kill = True
+                runner.release(1)
+                failure = check_once_closed()
+                for handle in (low, high):
+                    await handle.aclose()
+    assert runner.closed and runner.died
     assert failure is None, failure

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import omni_trio as ot
-from omni_trio.testing import FakeRunner, GatedRunner, engine_threads
+from omni_trio.testing import FakeRunner, GatedRunner, RequestLedger, engine_threads, wait_until
 
-from .util import BUDGET, req, solo_images
+from .util import BUDGET, req, solo_images, status
 
 
 def test_fake_runner_depends_only_on_the_request() -> None:
@@ -58,3 +58,72 @@ async def test_engine_threads_are_listed_while_open() -> None:
             assert set(engine_threads()) == set(engine.threads)
             assert all(isinstance(t, threading.Thread) for t in engine.threads)
         assert engine_threads() == []
+
+
+@pytest.mark.anyio
+async def test_ledger_follows_a_suspended_request_back_to_waiting() -> None:
+    """L15, L61: a suspended request goes from RUNNING back to WAITING; the ledger accepts it.
+
+    "low" runs its first step, gated; "high", of a higher priority, arrives, and at
+    the boundary "low" is suspended: it reads WAITING, after the ledger saw it
+    RUNNING. The ledger's checks pass, with the engine (under its lock) and
+    without, and again once "low" resumed and both completed.
+    """
+    runner = GatedRunner()
+    ledger = RequestLedger()
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=1)) as engine:
+            low = engine.submit(req(num_steps=2), request_id="low")
+            ledger.track(low)
+            await runner.wait_arrived(1)
+            assert low.status is ot.RequestStatus.RUNNING
+            ledger.check(engine)
+            high = engine.submit(req(num_steps=1, priority=1), request_id="high")
+            ledger.track(high)
+            runner.release(1)
+            await runner.wait_arrived(2)  # "high"'s step: "low" was suspended before it
+            assert engine.statistics().suspended == 1
+            assert status(low) is ot.RequestStatus.WAITING
+            ledger.check(engine)
+            ledger.check()
+            runner.open_gate()
+            for handle in (high, low):
+                async with handle:
+                    ledger.outcome(handle, await handle.result())
+            ledger.check(engine)
+    assert ledger.tracked == 0
+    assert low.metrics is not None and low.metrics.preemptions == 1
+
+
+@pytest.mark.anyio
+async def test_ledger_flags_running_back_to_waiting_without_a_suspension() -> None:
+    """L15, L61: RUNNING -> WAITING is legal only for a suspended request.
+
+    While the worker waits at the gate inside "a"'s step, the test makes "a"'s
+    record read WAITING again by hand, counting no suspension: the ledger, which
+    saw it RUNNING, flags it. Counting one suspension makes the same status legal.
+    """
+    runner = GatedRunner()
+    ledger = RequestLedger()
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner) as engine:
+            async with engine.submit(req(num_steps=1), request_id="a") as handle:
+                ledger.track(handle)
+                await runner.wait_arrived(1)
+                ledger.check(engine)
+                record = handle._record
+                # The worker waits at the gate: nothing else writes these now.
+                record.taken = False
+                try:
+                    with pytest.raises(AssertionError, match="never suspended"):
+                        ledger.check()
+                    record.preemptions += 1
+                    ledger.check()
+                finally:
+                    record.taken = True
+                    record.preemptions -= 1
+                runner.release(1)
+                ledger.outcome(handle, await handle.result())
+            await wait_until(lambda: runner.live_states == 0)
+            ledger.check(engine)
+    assert ledger.tracked == 0

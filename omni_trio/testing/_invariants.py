@@ -145,8 +145,11 @@ def engine_settled(engine: Engine, runner: RunnerCounters | None = None) -> bool
     one state per running request. It does not say that the worker waits (it may
     be inside a step it was allowed to run): with a gated runner whose gate is
     closed, also check that a step waits at the gate; then nothing changes until
-    the test releases a step. After the worker died, settled means that the
-    engine's threads have exited.
+    the test releases a step. Check the gate *before* calling this: checked after,
+    it may show the next step, and this the records as they were before the step
+    released last ran (the worker can run a step, hand a finished request to the
+    materializer and reach the gate again between the two reads). After the
+    worker died, settled means that the engine's threads have exited.
 
     Poll it with ``wait_until`` under ``anyio.fail_after``.
     """
@@ -246,10 +249,28 @@ class _Entry:
     metrics: RequestMetrics | None = None
     last_step: int = 0
     outputs: int = 0
+    # L61: the suspensions its record had counted at the last check.
+    preemptions: int = 0
     reason: str | None = None  # why it is ending early, once it is
     # After the end: events buffered then, minus the ones read since.
     buffered_at_end: int | None = None
     read_since_end: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Moment:
+    """What one check read of a record: its suspensions, status, and whether suspended."""
+
+    preemptions: int
+    status: RequestStatus
+    suspended: bool
+
+
+def _moment(record: Record) -> _Moment:
+    """Read ``record`` now; the suspensions first (see ``_check_waiting``)."""
+    preemptions = record.preemptions
+    status = record.status
+    return _Moment(preemptions=preemptions, status=status, suspended=record.t_suspended is not None)
 
 
 @dataclass(eq=False, slots=True)
@@ -264,7 +285,8 @@ class RequestLedger:
     Checked per request:
 
     - L8, L11: the reason a request ends early, once given, never changes.
-    - L15: the status changes only forward and, once terminal, never again; the
+    - L15: the status changes only forward and, once terminal, never again (but a
+      suspended request, L61, goes from RUNNING back to WAITING, and on again); the
       metrics appear with the terminal status (L17) and are never replaced; no step
       event is buffered after the end, and the events read are the request's own,
       in increasing step order, never past the steps done; at most one output is
@@ -374,8 +396,16 @@ class RequestLedger:
             AssertionError: naming the request and the broken rule.
         """
         dead = engine is not None and engine.statistics().is_dead
-        for key, entry in list(self._entries.items()):
-            if self._check_entry(entry, engine, dead):
+        entries = list(self._entries.items())
+        if engine is None:
+            moments = [_moment(entry.record) for _, entry in entries]
+        else:
+            # Under the workers' lock, which a worker holds to take or suspend a
+            # request: each status is read with the suspension that explains it.
+            with engine._pool.cond:
+                moments = [_moment(entry.record) for _, entry in entries]
+        for (key, entry), moment in zip(entries, moments, strict=True):
+            if self._check_entry(entry, moment, engine, dead):
                 del self._entries[key]
                 self._final[entry.status] += 1
         if engine is not None:
@@ -384,10 +414,12 @@ class RequestLedger:
                 f"L19: the ledger's statuses {self.counts()} differ from {stats}"
             )
 
-    def _check_entry(self, entry: _Entry, engine: Engine | None, dead: bool) -> bool:
-        """Check one request; return whether it is finished (terminal and closed)."""
+    def _check_entry(
+        self, entry: _Entry, moment: _Moment, engine: Engine | None, dead: bool
+    ) -> bool:
+        """Check one request as ``moment`` read it; return whether it is finished."""
         record = entry.record
-        status = record.status
+        status = moment.status
         # L8, L11: the first reason to end a request early wins; nothing changes it.
         reason = record.token.reason
         if entry.reason is not None:
@@ -397,12 +429,13 @@ class RequestLedger:
         entry.reason = reason
         match status:
             case RequestStatus.WAITING:
-                _check_waiting(entry, engine)
+                _check_waiting(entry, moment, engine)
             case RequestStatus.RUNNING:
                 _check_running(entry, engine)
             case _:
                 assert status.is_terminal, status
                 return _check_terminal(entry, status, engine, dead)
+        entry.preemptions = moment.preemptions
         return False
 
     def alive(self) -> list[object]:
@@ -445,9 +478,23 @@ def _outcome_failed(handle: RequestHandle, error: BaseException) -> None:
     assert error.__cause__ is not None, f"{whose} error is not chained"
 
 
-def _check_waiting(entry: _Entry, engine: Engine | None) -> None:
-    """A waiting request was waiting when last checked: nothing goes back (L15)."""
-    assert entry.status is RequestStatus.WAITING, f"{entry.record.request_id!r} went back"
+def _check_waiting(entry: _Entry, moment: _Moment, engine: Engine | None) -> None:
+    """A waiting request was waiting when last checked, or was suspended since (L15, L61).
+
+    Nothing goes back but a suspended request: RUNNING, then WAITING with its state
+    parked, until its worker takes it again. The worker counts the suspension and
+    makes the request WAITING in one hold of its lock, and resumes one that reads
+    RUNNING already; so read under that lock (``check(engine)``), a request that went
+    back reads suspended. Read without it, a resume may come between the status and
+    the suspension: then it counts more suspensions than at the last check.
+    """
+    request_id = entry.record.request_id
+    if entry.status is RequestStatus.RUNNING:
+        assert moment.suspended or moment.preemptions > entry.preemptions, (
+            f"L15, L61: {request_id!r} went back from running to waiting, never suspended"
+        )
+    else:
+        assert entry.status is RequestStatus.WAITING, f"L15: {request_id!r} went back"
     _check_live(entry, RequestStatus.WAITING, engine)
 
 

@@ -1,8 +1,11 @@
 """The model of the lifecycle state machine: what each operation must do to an engine.
 
-``Machine`` applies the operations of a plan (``ops``) to a live engine with a
-``MachineRunner``, and checks after each what the contract says of it; ``Tracked``
-is one admitted request as the model sees it.
+``Machine`` applies the operations of a plan (``ops``) to a live engine with one
+``MachineRunner`` per worker, and checks after each what the contract says of it;
+``Tracked`` is one admitted request as the model sees it. With one worker, the
+worker model (``sched.WorkerModel``) predicts every batch the runner runs and how
+each request ends, suspensions included (L60, L61); with two, placement is left
+to the engine and only what does not depend on it is checked (see ``check_workers``).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from .ops import (
     Shutdown,
     Submit,
 )
+from .sched import Job, WorkerModel
 
 #: A step nobody releases fails after this long instead of hanging (seconds).
 GATE_TIMEOUT = 15.0
@@ -90,6 +94,12 @@ class MachineRunner(GatedRunner):
         super().__init__(gate_timeout=GATE_TIMEOUT, max_batch_size=max_batch_size)
         self.granted = 0
         self.kill = False
+        self.died = False  # it raised the kill
+        # The requests of every step, as it reached the gate (for the worker model),
+        # and the states stepped that this runner never prepared (L42: a request
+        # lives its whole life on one worker).
+        self.batches: list[list[ot.GenerationRequest]] = []
+        self.foreign: list[FakeState] = []
         # The request of every state, and the requests decoded (by identity: the
         # engine hands the runner the very request object that was submitted).
         self.request_of: dict[FakeState, ot.GenerationRequest] = {}
@@ -130,9 +140,34 @@ class MachineRunner(GatedRunner):
             return not self._open and self._permits == 0 and self.arrived > self.granted
 
     def step(self, states: Sequence[FakeState]) -> None:
+        with self._changed:
+            # Before the gate: a step that waits there is always recorded.
+            self.batches.append([self.request_of[s] for s in states if s in self.request_of])
+            self.foreign += [s for s in states if s not in self.request_of]
         super().step(states)
         if self.kill:
+            self.died = True
             raise WorkerKilled("the device fell off the bus")
+
+    def holds(self) -> set[int]:
+        """The requests (by identity) whose state this runner holds now."""
+        with self._changed:
+            return {id(r) for s, r in self.request_of.items() if not s.discarded}
+
+
+@dataclass(frozen=True)
+class Counters:
+    """The runners' counters summed, for the checks that take one runner."""
+
+    runners: Sequence[MachineRunner]
+
+    @property
+    def live_states(self) -> int:
+        return sum(runner.live_states for runner in self.runners)
+
+    @property
+    def closed(self) -> bool:
+        return all(runner.closed for runner in self.runners)
 
 
 def note(text: str) -> None:
@@ -166,6 +201,9 @@ class Tracked:
     priority: int = 0
     deadline_epoch: int | None = None
     admission: int = 0
+    # What the worker model knows of it (one worker only).
+    job: Job | None = None
+    was_read: bool = False  # a consumer read its events before the teardown
 
     @property
     def rank(self) -> tuple[int, float, int]:
@@ -190,6 +228,11 @@ class Tracked:
         return self.probe.steps_done
 
     @property
+    def suspended(self) -> bool:
+        """L61: waiting again, with the state it reached parked."""
+        return self.status is ot.RequestStatus.WAITING and self.probe.holds_state
+
+    @property
     def abort_requested(self) -> bool:
         """Whether something asked the engine to end the request early, or it ended."""
         return self.probe.cancel_reason is not None or self.status.is_terminal
@@ -206,7 +249,7 @@ _OUTCOME_ERRORS = (ot.OmniTrioError, RuntimeError, anyio.ClosedResourceError)
 
 @dataclass(eq=False)
 class Machine:
-    runner: MachineRunner
+    runners: list[MachineRunner]
     engine: ot.Engine
     tg: anyio.abc.TaskGroup
     plan: Plan
@@ -226,11 +269,35 @@ class Machine:
     admissions: int = 0
     # What the last check saw waiting, and how many prepares it had seen (L60).
     waiting_before: list[Tracked] = field(default_factory=list)
-    prepared_seen: int = 0
-    # The live requests before the last jump of the clock: status, cancel reason.
-    before_jump: dict[Tracked, tuple[ot.RequestStatus, str | None]] | None = None
+    prepared_seen: dict[int, int] = field(default_factory=dict)
+    # The live requests before the last jump of the clock: status, suspended, cancel reason.
+    before_jump: dict[Tracked, tuple[ot.RequestStatus, bool, str | None]] | None = None
+    # One worker: the model of its boundaries, the requests it follows (by
+    # identity) and how many of the runner's batches it replayed.
+    sim: WorkerModel | None = None
+    simulated: dict[int, Tracked] = field(default_factory=dict)
+    batches_seen: int = 0
+
+    def __post_init__(self) -> None:
+        self.counters = Counters(self.runners)
+        if len(self.runners) == 1:
+            self.sim = WorkerModel(
+                max_batch=self.plan.max_batch_size, max_preemptions=self.plan.max_preemptions
+            )
 
     # -- helpers --
+
+    @property
+    def runner(self) -> MachineRunner:
+        """The first runner (the only one, with one worker)."""
+        return self.runners[0]
+
+    def prepared(self) -> list[ot.GenerationRequest]:
+        """Every request any worker prepared."""
+        return [request for runner in self.runners for request in runner.prepared]
+
+    def decoded(self, tracked: Tracked) -> bool:
+        return any(id(tracked.request) in runner.decoded for runner in self.runners)
 
     @contextmanager
     def pumping(self, after: Callable[[], bool] | None = None) -> Iterator[None]:
@@ -248,8 +315,10 @@ class Machine:
 
     async def pump_forever(self) -> None:
         while True:
-            if any(condition() for condition in self.pumps) and self.runner.at_gate():
-                self.runner.release(1)
+            if any(condition() for condition in self.pumps):
+                for runner in self.runners:
+                    if runner.at_gate():
+                        runner.release(1)
             await anyio.sleep(POLL)
 
     def live(self) -> list[Tracked]:
@@ -260,16 +329,28 @@ class Machine:
         assert len(holders) <= 1, f"L2: two requests hold {request_id!r}"
         return holders[0] if holders else None
 
-    def open_handle(self, pick: int) -> tuple[Tracked, ot.RequestHandle] | None:
-        """The ``pick``-th request whose handle this test holds open, if any."""
+    def open_handle(
+        self, pick: int, *, suspended: bool = False
+    ) -> tuple[Tracked, ot.RequestHandle] | None:
+        """The ``pick``-th request whose handle this test holds open, if any.
+
+        ``suspended``: among the suspended ones, if there are any.
+        """
         found = [
             (t, t.handle) for t in self.tracked if t.handle is not None and not t.handle.is_closed
         ]
+        if suspended and any(t.suspended for t, _ in found):
+            found = [(t, handle) for t, handle in found if t.suspended]
         return found[pick % len(found)] if found else None
 
-    def target(self, pick: int) -> str:
-        """The id an abort names: a request's that holds its id, a finished one, or unknown."""
+    def target(self, pick: int, *, suspended: bool = False) -> str:
+        """The id an abort names: a request's that holds its id, a finished one, or unknown.
+
+        ``suspended``: a suspended request's, if there is one.
+        """
         held = [t.request_id for t in self.tracked if t.holds_id]
+        if suspended and any(t.suspended for t in self.tracked):
+            return next(t.request_id for t in self.tracked if t.suspended)
         if pick < PICKS - 2 and held:
             return held[pick % len(held)]
         if pick == PICKS - 2 and self.finished_ids:
@@ -281,49 +362,88 @@ class Machine:
 
         A dead worker never hands its states back (see test_faults).
         """
-        return not tracked.probe.holds_state or self.engine.statistics().is_dead
+        if not tracked.probe.holds_state or self.engine.statistics().is_dead:
+            return True
+        return tracked.probe._record.worker not in self.engine._alive
 
     def disturb_live(self) -> None:
         for tracked in self.live():
             tracked.disturbed = True
 
     def settled(self) -> bool:
-        engine, runner = self.engine, self.runner
+        """Whether the engine is settled: see ``engine_settled``, and each worker waits.
+
+        Each worker with running requests waits at its gate, and an idle one has
+        nothing to take. The gates are read first: a step that waits at its gate
+        then waits until this test releases it, so its worker cannot move while the
+        rest is read. Read last, a gate could show the *next* step of a batch whose
+        records were read before the released step ran: between the reads (a
+        switch of the GIL) the worker can end that step, hand a finished member to
+        the materializer and arrive at the gate again; the engine looked settled
+        with that member's last step not yet run, and the check that followed saw
+        it running with its state released and its output not yet delivered.
+        """
+        engine = self.engine
+        waits = [runner.at_gate() for runner in self.runners]
+        if any(runner.died and i in engine._alive for i, runner in enumerate(self.runners)):
+            # A worker died and the loop has not learnt it yet: not settled, and not
+            # checked. Engine bug (test_invariants_hold_while_a_dying_worker_drops_
+            # its_suspended_requests): meanwhile its suspended requests read WAITING
+            # in no queue, and the statistics count them running.
+            return False
         # What holds at every moment is checked while waiting too: a broken
         # invariant fails at once rather than as a timeout.
-        check_engine_invariants(engine, runner)
-        if not engine_settled(engine, runner):
+        check_engine_invariants(engine, self.counters)
+        if not engine_settled(engine, self.counters):
             return False
         if engine.statistics().is_dead:
             return True
         records = list(engine._live.values())
-        if self.gate_open:
-            return not records
-        if any(r.status is ot.RequestStatus.RUNNING for r in records):
-            return runner.at_gate()
-        # Nothing runs: nothing may wait either (an idle worker takes at once).
-        return not records
+        new = any(r.worker is None for r in records)
+        workers = engine.statistics().workers
+        for index, waiting_at_gate in enumerate(waits):
+            mine = [r for r in records if r.worker == index]
+            running = sum(r.status is ot.RequestStatus.RUNNING for r in mine)
+            # The worker thread writes its count after it posted the releases.
+            if index in engine._alive and workers[index].running != running:
+                return False
+            if self.gate_open:
+                continue
+            if running:
+                if not waiting_at_gate:
+                    return False
+            elif index in engine._alive and (mine or new):
+                # An idle worker takes at once: nothing waits for it, neither its
+                # own suspended requests nor new ones.
+                return False
+        return not (self.gate_open and records)
 
     async def settle(self) -> None:
         await wait_until(self.settled, interval=POLL)
-        if not any(r.status is ot.RequestStatus.RUNNING for r in self.engine._live.values()):
-            self.runner.revoke()
+        for index, runner in enumerate(self.runners):
+            if not any(
+                r.status is ot.RequestStatus.RUNNING and r.worker == index
+                for r in self.engine._live.values()
+            ):
+                runner.revoke()
 
     def check(self) -> None:
         """The invariants after every operation."""
         engine = self.engine
-        stats = check_engine_invariants(engine, self.runner)
+        stats = check_engine_invariants(engine, self.counters)
         self.ledger.check(engine)
         # The ledger checked that each live request is the one its id finds (L3).
         for tracked in self.tracked:
             self.check_end(tracked)
+        self.sync()
         if not stats.is_dead:
-            # Settled: the runner holds exactly the running requests' states.
-            running = sum(t.status is ot.RequestStatus.RUNNING for t in self.tracked)
-            assert self.runner.live_states == running, (self.runner.live_states, running)
+            # Settled: the runners hold exactly the running and suspended requests' states.
+            held = sum(t.status is ot.RequestStatus.RUNNING or t.suspended for t in self.tracked)
+            assert self.counters.live_states == held, (self.counters.live_states, held)
+            self.check_workers(stats)
         if not engine._live and not engine._terminal_open and not stats.is_dead:
             assert_engine_idle(engine)  # L14
-            assert self.runner.live_states == 0
+            assert self.counters.live_states == 0
         self.check_order()
         # L62: the timer holds exactly the live requests whose deadline is to come.
         pending = self.deadlines_to_come()
@@ -342,17 +462,136 @@ class Machine:
             and t.deadline_epoch > self.epoch
         ]
 
-    def check_order(self) -> None:
-        """L60, L62: each request the worker took ranked before every one left waiting.
+    def sync(self) -> None:
+        """One worker: replay what the runner ran on the worker model; compare the ends.
 
-        A request that waited at the last check and waits still waited all along
-        (nothing returns to the queue: see ``priority_for``), so every request taken
-        since was taken while it waited, and must rank before it.
+        Every token the engine sees was set by an operation before it released
+        any step (an operation that pumps waits for its abort to reach the engine
+        first; nothing ends a request on its own), so a token newly set is seen
+        at the first boundary this replay meets (unless it is loose).
         """
-        taken = self.runner.prepared[self.prepared_seen :]
-        self.prepared_seen += len(taken)
+        sim, runner = self.sim, self.runner
+        if sim is None or sim.dead:
+            return
+        taken = {id(request) for request in runner.prepared}
+        # The worker's death cuts everything (its tokens are no operation's); the
+        # step that killed it waited at the gate before any token mattered.
+        dead = self.engine.statistics().is_dead
+        for tracked in [] if dead else self.simulated.values():
+            job = tracked.job
+            assert job is not None
+            reason = tracked.token_reason
+            if job.where != "ended" and job.token is None and reason is not None:
+                sim.cancel(job, reason, taken=id(tracked.request) in taken)
+        new = runner.batches[self.batches_seen :]
+        self.batches_seen += len(new)
+        batches = [[self.job_of(request) for request in batch] for batch in new]
+        sim.sync(batches, at_gate=runner.at_gate(), fail_at=runner.fail_at_step, kill=runner.kill)
+        stats = self.engine.statistics()
+        assert stats.is_dead is sim.dead, f"L23: dead {stats.is_dead}, the model says {sim.dead}"
+        if sim.dead:
+            return
+        for tracked in list(self.simulated.values()):
+            self.compare(tracked)
+        parked = len(sim.parked)
+        # L61: suspended requests read WAITING and keep their state; every
+        # suspension and resume is counted.
+        seen = (stats.suspended, runner.parked_states, stats.preemptions, runner.suspends)
+        assert seen == (parked, parked, sim.preemptions, sim.preemptions), (seen, sim.parked)
+        assert runner.resumes == sim.resumes, (runner.resumes, sim.resumes)
+        if sim.preemptions:
+            note("a request was suspended")
+        if sim.resumes:
+            note("a suspended request resumed")
+
+    def job_of(self, request: ot.GenerationRequest) -> Job:
+        job = self.simulated[id(request)].job
+        assert job is not None
+        return job
+
+    def compare(self, tracked: Tracked) -> None:
+        """Where the model has a request must be where the engine has it."""
+        job, status, steps = tracked.job, tracked.status, tracked.steps_done
+        assert job is not None
+        engine_says = f"the engine has {tracked.request_id!r} {status.value} at step {steps}"
+        match job.where:
+            case "running":
+                assert status is ot.RequestStatus.RUNNING, f"{job}: {engine_says}"
+            case "fresh":
+                assert status is ot.RequestStatus.WAITING, f"{job}: {engine_says}"
+                assert not tracked.probe.holds_state, f"{job}: {engine_says}, holding state"
+            case "parked":
+                assert tracked.suspended, f"L61: suspended {job}: {engine_says}"
+            case "ended":
+                assert status.is_terminal, f"{job}: {engine_says}"
+                if job.end is not None:
+                    assert status is job.end, f"{job} ends {job.end.value}: {engine_says}"
+                if job.ended_suspended:
+                    # L61: ended while suspended: released at once, never decoded.
+                    assert not self.decoded(tracked), f"L61: suspended {job} decoded"
+                    assert not tracked.probe.holds_state, f"L61: suspended {job} not released"
+                    note("a suspended request ended early")
+                del self.simulated[id(tracked.request)]
+        if job.end is not None or job.where != "ended":
+            # L61: a suspended request resumes from the step it reached.
+            assert steps == job.steps, f"{job}: {engine_says}"
+
+    def check_workers(self, stats: ot.EngineStatistics) -> None:
+        """L42, L43, L61: each worker's counts add up to what its runner holds.
+
+        Read from each request's worker (the runner that prepared it) rather than
+        predicted: with several workers, which one takes a request is the engine's
+        choice, but every request stays on it, and the counts must agree.
+        """
+        records = list(self.engine._live.values())
+        assert stats.workers_alive == sum(not r.died for r in self.runners), stats
+        assert len(stats.workers) == len(self.runners)
+        suspended = 0
+        for index, (runner, worker) in enumerate(zip(self.runners, stats.workers, strict=True)):
+            assert not runner.foreign, f"L42: runner {index} stepped states it never prepared"
+            assert worker.alive is not runner.died, (index, worker)
+            assert worker.preemptions == runner.suspends, (index, worker, runner.suspends)
+            if runner.died:
+                continue
+            mine = [r for r in records if r.worker == index]
+            running = sum(r.status is ot.RequestStatus.RUNNING for r in mine)
+            parked = len(mine) - running
+            suspended += parked
+            assert worker.running == running, (index, worker, running)
+            assert (runner.live_states, runner.parked_states) == (running + parked, parked), (
+                index,
+                runner.live_states,
+                runner.parked_states,
+                running,
+                parked,
+            )
+            # Every state it holds is a request of its worker's.
+            assert runner.holds() == {id(r.request) for r in mine}, f"L42: runner {index}"
+        assert stats.suspended == suspended, (stats, suspended)
+        assert stats.preemptions == sum(runner.suspends for runner in self.runners), stats
+        if len(self.runners) > 1 and stats.preemptions:
+            note("a request was suspended")
+
+    def check_order(self) -> None:
+        """L60, L62: each request a worker took ranked before every one left waiting.
+
+        A new request (never taken) that waited at the last check and waits still
+        was in the queue all along, so every request taken since was taken while
+        it waited, and must rank before it. (Suspended ones are left to the worker
+        model: one may run again in between, and a worse one join it; with
+        several workers, it waits for its own worker only.)
+        """
+        taken: list[ot.GenerationRequest] = []
+        for index, runner in enumerate(self.runners):
+            seen = self.prepared_seen.get(index, 0)
+            taken += runner.prepared[seen:]
+            self.prepared_seen[index] = len(runner.prepared)
         by_request = {id(t.request): t for t in self.tracked}
-        still = [t for t in self.waiting_before if t.status is ot.RequestStatus.WAITING]
+        still = [
+            t
+            for t in self.waiting_before
+            if t.status is ot.RequestStatus.WAITING and not t.probe.holds_state
+        ]
         for request in taken:
             first = by_request[id(request)]
             for waiting in still:
@@ -375,7 +614,7 @@ class Machine:
             assert tracked.token_reason == tracked.reason  # the first reason wins
         if tracked.must_abort:
             assert status is not ot.RequestStatus.COMPLETED, f"L10: aborted {tracked} completed"
-            assert id(tracked.request) not in self.runner.decoded, f"L10: {tracked} decoded"
+            assert not self.decoded(tracked), f"L10: {tracked} decoded"
         if tracked.steps_at_abort is not None and status is ot.RequestStatus.ABORTED:
             # L7: at most one more step after the abort.
             assert tracked.steps_done <= tracked.steps_at_abort + 1, tracked
@@ -388,6 +627,10 @@ class Machine:
         self.ledger.outcome(handle, outcome)
         if isinstance(outcome, ot.RequestError | ot.EngineClosedError | ot.EngineDeadError):
             tracked.error_raised = True
+        metrics = handle.metrics
+        if metrics is not None and tracked.job is not None and tracked.job.end is not None:
+            # L61: its metrics count its suspensions.
+            assert metrics.preemptions == tracked.job.preemptions, (metrics, tracked.job)
         if isinstance(outcome, ot.GenerationOutput):
             assert not tracked.output_taken, "L15: output returned twice"
             tracked.output_taken = True
@@ -395,7 +638,9 @@ class Machine:
                 f"L3, L9: wrong images for {tracked.request_id!r}"
             )
         elif isinstance(outcome, ot.RequestFailedError):
-            assert isinstance(outcome.__cause__, RuntimeError), outcome.__cause__
+            # A runner failure; with several workers, a worker's death too (L43).
+            causes = (RuntimeError, WorkerKilled) if len(self.runners) > 1 else RuntimeError
+            assert isinstance(outcome.__cause__, causes), outcome.__cause__
         elif isinstance(outcome, ot.EngineDeadError):
             assert isinstance(outcome.__cause__, WorkerKilled), outcome.__cause__
         if not tracked.disturbed:
@@ -404,6 +649,7 @@ class Machine:
             ), f"undisturbed {tracked.request_id!r} got {outcome!r}"
 
     async def read_events(self, tracked: Tracked, handle: ot.RequestHandle) -> None:
+        tracked.was_read = True
         try:
             async for event in handle:
                 self.ledger.event(handle, event)
@@ -413,9 +659,19 @@ class Machine:
             tracked.reader = False
 
     def track(
-        self, handle: ot.RequestHandle, request: ot.GenerationRequest, *, keep: bool
+        self,
+        handle: ot.RequestHandle,
+        request: ot.GenerationRequest,
+        *,
+        keep: bool,
+        deadline_epoch: int | None = None,
+        loose: bool = False,
     ) -> Tracked:
-        """Follow an admitted request; ``keep``: this test holds its handle."""
+        """Follow an admitted request; ``keep``: this test holds its handle.
+
+        ``loose``: the engine may see its abort at a moment of the threads' choosing
+        (see ``sched``).
+        """
         self.ledger.track(handle)
         self.admissions += 1
         tracked = Tracked(
@@ -424,28 +680,15 @@ class Machine:
             handle.request_id,
             request,
             priority=request.priority,
+            deadline_epoch=deadline_epoch,
             admission=self.admissions,
         )
         self.tracked.append(tracked)
+        if self.sim is not None:
+            tracked.job = Job(tracked.request_id, request, tracked.rank, loose=loose)
+            self.sim.admit(tracked.job)
+            self.simulated[id(request)] = tracked
         return tracked
-
-    def priority_for(self, wanted: int) -> int:
-        """``wanted``, capped by the priority of every running request.
-
-        So no waiting request ever has a higher priority than a running one: an
-        engine that suspends a running request for a waiting one of strictly higher
-        priority (preemption at a step boundary) never has cause to, and every
-        request taken stays taken. Why it holds: the worker takes the best-ranked
-        waiting requests, so what it takes has a priority at least every waiting
-        one's, and what this caps has at most every running one's. Read between
-        operations, when the engine is settled: what runs is what the worker holds.
-        """
-        running = [
-            record.request.priority
-            for record in self.engine._live.values()
-            if record.status is ot.RequestStatus.RUNNING
-        ]
-        return min([wanted, *running])
 
     # -- operations --
 
@@ -454,11 +697,10 @@ class Machine:
         match op:
             case Submit():
                 self.submit(op)
-            case Release(n):
-                self.runner.release(n)
+            case Release(n, worker):
+                self.runners[worker % len(self.runners)].release(n)
             case OpenGate():
-                self.runner.open_gate()
-                self.gate_open = True
+                self.open_gate()
             case Abort():
                 await self.abort(op)
             case Leave():
@@ -474,11 +716,13 @@ class Machine:
             case Drop(pick):
                 self.drop(pick)
             case FailAt(step):
-                self.runner.fail_at_step = step
+                for runner in self.runners:
+                    runner.fail_at_step = step
                 if step is not None:
                     self.chaos = True
                     self.disturb_live()
             case Kill():
+                # With several workers only the first dies: the others serve on (L43).
                 self.runner.kill = True
                 self.chaos = True
                 self.disturb_live()
@@ -522,14 +766,25 @@ class Machine:
         if op.invalid == "empty_id":
             request_id = ""
         deadline = op.deadline
-        if deadline == "tight" and self.engine._workers[0].step_s is None:
-            # Admitted before any step is measured, it would expire at a moment of
-            # the threads' choosing: sent only when admission must refuse it.
+        workers = self.engine._workers
+        if deadline == "tight" and any(workers[i].step_s is None for i in self.engine._alive):
+            # Admitted before every live worker measured a step, it would expire at
+            # a moment of the threads' choosing: sent only when admission must
+            # refuse it.
             deadline = None
         deadline_s = None
         if deadline is not None:
             deadline_s = TIGHT_DEADLINE if deadline == "tight" else deadline * DEADLINE_UNIT
-        priority = self.priority_for(op.priority)
+        priority, size = op.priority, op.size
+        running = [t for t in self.tracked if t.status is ot.RequestStatus.RUNNING]
+        if op.urgent and running:
+            priority = max([priority, *(t.priority + 1 for t in running)])
+            # Not joinable while the batch has room (another batch key), so it
+            # starts only by suspending the whole batch (L61); a full batch it
+            # joins (the batch's key) gives up its lowest-ranked member.
+            size = running[0].request.height
+            if len(running) < self.plan.max_batch_size:
+                size = 8 if size == 16 else 16
         ranked: dict[str, Any] = {"deadline_s": deadline_s, "priority": priority}
         request: object
         match op.invalid:
@@ -552,8 +807,8 @@ class Machine:
             case _:
                 request = req(
                     num_steps=op.steps,
-                    height=op.size,
-                    width=op.size,
+                    height=size,
+                    width=size,
                     seed=op.seed,
                     preview_every=op.preview_every,
                     **ranked,
@@ -586,17 +841,17 @@ class Machine:
         after = self.engine.statistics()
         admitted, live = admitted_and_live(before)
         assert admitted_and_live(after) == (admitted + 1, live + 1)
-        tracked = self.track(handle, request, keep=True)
+        epoch = self.epoch + deadline if isinstance(deadline, int) else None
+        tracked = self.track(handle, request, keep=True, deadline_epoch=epoch)
         tracked.disturbed = self.chaos
-        if isinstance(deadline, int):
-            tracked.deadline_epoch = self.epoch + deadline
+        if epoch is not None:
             note(f"submit with a deadline, priority {priority}")
         if op.read:
             tracked.reader = True
             self.tg.start_soon(self.read_events, tracked, handle)
 
     async def abort(self, op: Abort) -> None:
-        request_id = self.target(op.pick)
+        request_id = self.target(op.pick, suspended=op.suspended)
         tracked = self.holder(request_id)
         live = tracked is not None and not tracked.status.is_terminal
         assert live == (request_id in self.engine._live), "model and engine disagree"
@@ -605,9 +860,11 @@ class Machine:
         ):
             return
         first = tracked is not None and live and tracked.token_reason is None
+        suspended = tracked is not None and tracked.suspended
         waiting = tracked is not None and tracked.status is ot.RequestStatus.WAITING
+        waiting = waiting and not suspended
         state = "unknown" if tracked is None else tracked.status.value
-        note(f"abort of a {state} request ({op.how})")
+        note(f"abort of a {'suspended' if suspended else state} request ({op.how})")
         steps_before = tracked.steps_done if tracked is not None else 0
         if first:
             assert tracked is not None
@@ -633,6 +890,8 @@ class Machine:
             # L6: a request in the queue ends at once and never reaches the worker.
             assert tracked.status is ot.RequestStatus.ABORTED, tracked
             assert tracked.steps_done == 0
+        # A suspended one is released at once, with no step (the worker model
+        # checks it after settling: L61).
         if op.how != "nowait":
             # L8: returns once the request is terminal and released.
             assert tracked.status.is_terminal
@@ -651,7 +910,7 @@ class Machine:
         if self.closing:
             self.before_jump = None
             return
-        self.before_jump = {t: (t.status, t.token_reason) for t in self.live()}
+        self.before_jump = {t: (t.status, t.suspended, t.token_reason) for t in self.live()}
         self.epoch += op.units
         jump(op.units * DEADLINE_UNIT)
 
@@ -673,29 +932,33 @@ class Machine:
             ),
             interval=POLL,
         )
-        for tracked, (status, reason) in before.items():
+        for tracked, (status, suspended, reason) in before.items():
             if tracked not in expired:
                 assert tracked.token_reason == reason, f"L62: {tracked} ended before its deadline"
                 continue
-            note(f"deadline passed for a {status.value} request")
+            note(f"deadline passed for a {'suspended' if suspended else status.value} request")
             if reason is None:
                 assert tracked.token_reason == "deadline", tracked
                 tracked.disturbed = True
                 tracked.reason = "deadline"
                 tracked.steps_at_abort = tracked.steps_done
                 tracked.must_abort = not self.gate_open
-            if status is ot.RequestStatus.WAITING:
+            if suspended:
+                # L61, L62: released at once, with no step (the worker model checks it
+                # after settling); it reads RUNNING while the materializer releases it.
+                pass
+            elif status is ot.RequestStatus.WAITING:
                 # L6, L62: a waiting request ends at once and never reaches the worker.
                 assert tracked.status is ot.RequestStatus.ABORTED, tracked
                 assert tracked.steps_done == 0 and not tracked.probe.holds_state, tracked
-                assert all(r is not tracked.request for r in self.runner.prepared), tracked
+                assert all(r is not tracked.request for r in self.prepared()), tracked
             elif not self.gate_open and not self.engine.statistics().is_dead:
                 # L7, L62: a running one stops at its next step boundary, and its
                 # step waits at the gate.
                 assert tracked.status is ot.RequestStatus.RUNNING, tracked
 
     async def leave(self, op: Leave) -> None:
-        found = self.open_handle(op.pick)
+        found = self.open_handle(op.pick, suspended=op.suspended)
         if found is None:
             return
         tracked, handle = found
@@ -776,15 +1039,20 @@ class Machine:
             height=8,
             width=8,
             seed=self.generated % 4,
-            priority=self.priority_for(0),
+            priority=0,
         )
         expected = self.expected_admission_error(request_id, None)
         results: list[ot.GenerationOutput | Exception] = []
         admitted: list[tuple[Tracked, ot.RequestHandle]] = []
 
+        # Cancelled, its abort races the worker's take when the worker idles, and
+        # any boundary with the gate open.
+        idle = not any(t.status is ot.RequestStatus.RUNNING for t in self.tracked)
+        loose = cancel and (self.gate_open or idle)
+
         def on_submit(handle: ot.RequestHandle) -> None:
             # Inside generate(), right after its submit: track it before it can end.
-            tracked = self.track(handle, request, keep=False)
+            tracked = self.track(handle, request, keep=False, loose=loose)
             tracked.disturbed = self.chaos or cancel
             admitted.append((tracked, handle))
 
@@ -862,11 +1130,20 @@ class Machine:
         assert ref() is None, "something still holds the dropped handle"
 
     async def shutdown(self, *, background: bool) -> None:
-        waiting = [t for t in self.tracked if t.status is ot.RequestStatus.WAITING]
+        suspended = [t for t in self.tracked if t.suspended]
+        waiting = [
+            t for t in self.tracked if t.status is ot.RequestStatus.WAITING and t not in suspended
+        ]
         running = [t for t in self.tracked if t.status is ot.RequestStatus.RUNNING]
         note(f"shutdown with waiting: {bool(waiting)}, running: {bool(running)}")
+        if suspended:
+            note("shutdown with a suspended request")
+        waiting += suspended
         if not self.closing:
             self.closing = True
+            if self.sim is not None:
+                # Without a grace period the worker stops at its next boundary.
+                self.sim.stopping = self.plan.shutdown_grace == 0
             for tracked in running:
                 # L32: within a grace period a running request may still finish.
                 tracked.disturbed = tracked.disturbed or self.plan.shutdown_grace == 0
@@ -884,10 +1161,14 @@ class Machine:
         error = ot.EngineDeadError if self.engine.statistics().is_dead else ot.EngineClosedError
         with pytest.raises(error):
             self.engine.submit(req(num_steps=1, height=8, width=8, seed=0))
+        # L61: a suspended request is released at once, with no step released.
+        await wait_until(lambda: all(t.status.is_terminal for t in suspended), interval=POLL)
         # L31: waiting requests ended at once, cut off by shutdown.
         for tracked in waiting:
             assert tracked.status is ot.RequestStatus.ABORTED, tracked
             assert tracked.token_reason == "shutdown"
+        for tracked in suspended:
+            assert not self.decoded(tracked) and self.released(tracked), tracked
         for tracked in running:
             # L32: without a grace period, running requests are cut at once;
             # with one, they may go on (grace periods here outlast any plan).
@@ -902,7 +1183,8 @@ class Machine:
         self.closed = True
         # L31-L35: everything ended, the threads are gone, the runner closed.
         dead = self.engine.statistics().is_dead
-        assert_nothing_left(self.engine, self.runner, runner_states=not dead)
+        for runner in self.runners:
+            assert_nothing_left(self.engine, runner, runner_states=not (dead or runner.died))
         for tracked in self.tracked:
             assert tracked.status.is_terminal
         # L34: waits after shutdown return at once.
@@ -910,15 +1192,20 @@ class Machine:
             for slot in range(SLOTS + 1):
                 assert await self.engine.abort(f"r{slot}") is False
 
+    def open_gate(self) -> None:
+        for runner in self.runners:
+            runner.open_gate()
+        self.gate_open = True
+
     async def teardown(self) -> None:
         """Let everything run, take every outcome, close every handle, shut down."""
-        self.runner.open_gate()
-        self.gate_open = True
+        self.open_gate()
         for tracked in list(self.tracked):
             handle = tracked.handle
             if handle is None or handle.is_closed:
                 continue
             if not tracked.reader:
+                ended = tracked.status.is_terminal  # nothing is added while reading
                 steps = []
                 async for event in handle:
                     self.ledger.event(handle, event)
@@ -926,6 +1213,12 @@ class Machine:
                 if tracked.status is ot.RequestStatus.COMPLETED and steps:
                     # L13: the newest events are kept: the last step is never dropped.
                     assert steps[-1] == tracked.request.num_steps, steps
+                if ended and tracked.status is ot.RequestStatus.COMPLETED and not tracked.was_read:
+                    # L13, L61: nobody read them, so the newest ``event_buffer`` are
+                    # kept, one per step, none repeated or missing across suspensions.
+                    last = tracked.request.num_steps
+                    first = max(1, last - self.plan.event_buffer + 1)
+                    assert steps == list(range(first, last + 1)), (tracked.request_id, steps)
             if not tracked.output_taken:
                 try:
                     outcome: ot.GenerationOutput | Exception = await handle.result()
@@ -934,6 +1227,15 @@ class Machine:
                 self.take_outcome(tracked, handle, outcome)
                 del outcome
             await handle.aclose()
+        sim = self.sim
+        if sim is not None and any(
+            job.token is None for job in [*sim.running, *sim.fresh, *sim.parked]
+        ):
+            # What still runs (a dropped handle's request) is cut by this shutdown,
+            # with the gate open, at a boundary of the threads' choosing: the worker
+            # model does not replay the teardown.
+            note("teardown with a dropped request still live")
+            self.sim = None
         await self.engine.aclose()
         self.closed = True
 

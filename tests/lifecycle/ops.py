@@ -52,8 +52,10 @@ class Submit:
     invalid: Invalid | None
     # In DEADLINE_UNITs; "tight": TIGHT_DEADLINE (sent only once a step was measured).
     deadline: int | Literal["tight"] | None = None
-    # Capped by the priority of the running requests: see Machine.priority_for.
+    # A higher one than a running request's may suspend it (L61).
     priority: int = 0
+    # Raise the priority above every running request's: preemption's premise.
+    urgent: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class Advance:
 @dataclass(frozen=True)
 class Release:
     n: int
+    worker: int = 0  # whose runner, modulo the number of workers
 
 
 @dataclass(frozen=True)
@@ -76,12 +79,14 @@ class Abort:
     pick: int  # which live request (see Machine.target); PICKS - 1: an unknown id
     how: Literal["nowait", "await", "handle"]
     reason: Literal["user", "client"]
+    suspended: bool = False  # a suspended request's id, if there is one (L61)
 
 
 @dataclass(frozen=True)
 class Leave:
     pick: int  # which open handle
     how: Literal["aclose", "exit", "exception", "cancel"]
+    suspended: bool = False  # a suspended request's, if there is one (L61)
 
 
 @dataclass(frozen=True)
@@ -146,6 +151,9 @@ class Plan:
     ops: list[Op]
     # How the plan ends: shut down with requests in flight, or drain them first.
     final: Shutdown | None
+    # EngineConfig.max_preemptions (0: none, L61) and the number of workers (L42).
+    max_preemptions: int = 2
+    workers: int = 1
 
 
 slots = st.integers(0, SLOTS - 1)
@@ -161,11 +169,27 @@ submits = st.builds(
     invalid=st.sampled_from([None] * 14 + list(INVALID_FIELD)),
     deadline=st.sampled_from([None, None, 1, 1, 2, 3, "tight"]),
     priority=st.sampled_from([0, 0, 0, -1, 1, 2]),
+    urgent=st.sampled_from([False, False, True]),
+)
+#: Valid urgent submits under fresh ids: what makes a running request give way (L61).
+urgent_submits = st.builds(
+    Submit,
+    slot=st.none(),
+    steps=st.integers(1, MAX_STEPS),
+    size=st.sampled_from([8, 16]),
+    seed=st.integers(0, 3),
+    preview_every=st.sampled_from([0, 1]),
+    read=st.booleans(),
+    invalid=st.none(),
+    deadline=st.sampled_from([None, None, 1, 2]),
+    priority=st.sampled_from([0, 1]),
+    urgent=st.just(True),
 )
 #: How often each operation comes, per hundred (picked by hand, not measured).
 WEIGHTED: list[tuple[int, st.SearchStrategy[Op]]] = [
-    (33, submits),
-    (14, st.builds(Release, n=st.integers(1, 2))),
+    (27, submits),
+    (6, urgent_submits),
+    (14, st.builds(Release, n=st.integers(1, 2), worker=st.integers(0, 1))),
     (
         10,
         st.builds(
@@ -173,12 +197,16 @@ WEIGHTED: list[tuple[int, st.SearchStrategy[Op]]] = [
             pick=picks,
             how=st.sampled_from(["nowait", "await", "handle"]),
             reason=st.sampled_from(["user", "client"]),
+            suspended=st.booleans(),
         ),
     ),
     (
         8,
         st.builds(
-            Leave, pick=picks, how=st.sampled_from(["aclose", "exit", "exception", "cancel"])
+            Leave,
+            pick=picks,
+            how=st.sampled_from(["aclose", "exit", "exception", "cancel"]),
+            suspended=st.booleans(),
         ),
     ),
     (8, st.builds(Result, pick=picks)),
@@ -193,12 +221,22 @@ WEIGHTED: list[tuple[int, st.SearchStrategy[Op]]] = [
 ]
 _KINDS = [index for index, (weight, _) in enumerate(WEIGHTED) for _ in range(weight)]
 operations: st.SearchStrategy[Op] = st.sampled_from(_KINDS).flatmap(lambda i: WEIGHTED[i][1])
-plans = st.builds(
-    Plan,
-    max_batch_size=st.integers(1, 2),
-    max_waiting=st.sampled_from([1, 2, 4, 8]),
-    event_buffer=st.integers(1, 4),
-    shutdown_grace=st.sampled_from([0.0, 30.0]),
-    ops=st.lists(operations, min_size=10, max_size=40),
-    final=st.one_of(st.none(), st.builds(Shutdown, background=st.booleans())),
-)
+
+
+def plans_for(workers: int) -> st.SearchStrategy[Plan]:
+    """Plans for an engine of ``workers`` workers, one ``GatedRunner`` each."""
+    return st.builds(
+        Plan,
+        max_batch_size=st.integers(1, 2),
+        max_waiting=st.sampled_from([1, 2, 4, 8]),
+        event_buffer=st.integers(1, 4),
+        shutdown_grace=st.sampled_from([0.0, 30.0]),
+        ops=st.lists(operations, min_size=10, max_size=40),
+        final=st.one_of(st.none(), st.builds(Shutdown, background=st.booleans())),
+        max_preemptions=st.sampled_from([0, 1, 2, 2]),
+        workers=st.just(workers),
+    )
+
+
+plans = plans_for(1)
+two_worker_plans = plans_for(2)

@@ -1,0 +1,258 @@
+"""The model of one worker's step boundaries: what it drops, suspends and takes (L60, L61).
+
+``WorkerModel`` replays, boundary by boundary, what the worker of a one-worker
+engine must do, from what the model knows: the requests waiting (new ones, and
+suspended ones with the steps they reached), the batch at the gate, the tokens
+set, the failure armed. The machine feeds it the batches its ``GatedRunner``
+saw, in order: each must be the batch the model predicts, and each request ends
+as the model says. It is a pure simulation, written from the contract and the
+design rules (``docs/design.md``, "Preemption"), not from the engine's code:
+
+- at a boundary the worker drops every member whose token is set (L7), or all
+  of them and everything waiting once shutdown stops it (L32);
+- if the best-ranked waiting request (new or suspended) cannot start (the batch
+  is full, or has another batch key) and has a strictly higher priority than
+  running members suspended fewer than ``max_preemptions`` times, the worker
+  suspends the lowest-ranked of them when the newcomer could join, or the whole
+  batch when every member qualifies and only an empty batch lets it start; then
+  it starts that newcomer alone at this boundary (L61);
+- otherwise it takes the best-ranked waiting requests while they have the
+  batch's key and places are free (L60); a suspended one resumes from the step it
+  reached, keeping its rank;
+- a released step fails the whole batch when a member is about to run the armed
+  step (L22), kills the worker when a kill is armed (L23), and otherwise counts a
+  step for each member; a member whose last step ran completes, unless its token
+  was set by anything but shutdown (the materializer checks it before the decode,
+  L10, L21).
+
+A token the engine sees at a moment of the threads' choosing (``Job.loose``: set
+while the gate is open, or racing the worker's take) is resolved from what the
+runner saw: the member is dropped at the boundary where it leaves the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import omni_trio as ot
+
+__all__ = ["Job", "WorkerModel"]
+
+Where = Literal["fresh", "running", "parked", "ended"]
+_S = ot.RequestStatus
+
+
+@dataclass(eq=False)
+class Job:
+    """One admitted request as the worker model sees it."""
+
+    name: str
+    request: ot.GenerationRequest
+    # (-priority, deadline epoch or inf, admission): smaller is taken first.
+    rank: tuple[int, float, int]
+    where: Where = "fresh"
+    steps: int = 0
+    preemptions: int = 0
+    token: str | None = None  # why something asked the engine to end it
+    loose: bool = False  # when the engine sees its token depends on the threads
+    # Its end, once the model knows it; ``None`` while live, or when any end
+    # will do (a loose token, a dead worker).
+    end: _S | None = None
+    ended_suspended: bool = False  # withdrawn while suspended: released at once, undecoded
+
+    @property
+    def key(self) -> Hashable:
+        """The batch key of the FakeRunner (height, width, number of images)."""
+        return (self.request.height, self.request.width, self.request.num_images)
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    def __repr__(self) -> str:
+        cut = "" if self.token is None else f" cut({self.token}{', loose' if self.loose else ''})"
+        steps = f"{self.steps}/{self.request.num_steps}"
+        return f"<{self.name} p{self.priority} {self.where} {steps}{cut}>"
+
+
+def _names(jobs: Sequence[Job]) -> list[str]:
+    return sorted(job.name for job in jobs)
+
+
+@dataclass(eq=False)
+class WorkerModel:
+    """The one worker's batch and queues, advanced one boundary at a time."""
+
+    max_batch: int
+    max_preemptions: int
+    fresh: list[Job] = field(default_factory=list)
+    parked: list[Job] = field(default_factory=list)
+    running: list[Job] = field(default_factory=list)
+    # The batch whose step waits at the gate (not yet released), if any.
+    pending: list[Job] | None = None
+    preemptions: int = 0
+    resumes: int = 0
+    # Shutdown without a grace period: the next boundary drops everything.
+    stopping: bool = False
+    dead: bool = False
+    exited: bool = False
+
+    def admit(self, job: Job) -> None:
+        assert not self.exited and not self.dead
+        self.fresh.append(job)
+
+    def cancel(self, job: Job, reason: str, *, taken: bool) -> None:
+        """Its token was set (before the next released step; ``taken``: the runner had it).
+
+        A new request waiting is withdrawn at once (L6), unless a loose token
+        lost the race with the worker's take; a suspended one is released at
+        once, never decoded (L61); a running one is dropped at the next boundary.
+        """
+        job.token = reason
+        if job.where == "fresh" and not (job.loose and taken):
+            self._end(job, _S.ABORTED)
+        elif job.where == "parked":
+            job.ended_suspended = True
+            self._end(job, _S.ABORTED)
+
+    def sync(
+        self,
+        batches: Sequence[list[Job]],
+        *,
+        at_gate: bool,
+        fail_at: int | None,
+        kill: bool,
+    ) -> None:
+        """Replay the steps the runner saw since the last call; check each batch.
+
+        ``at_gate``: the last batch waits at the gate now; otherwise the worker
+        idles (or exited) and every batch seen was released. ``fail_at`` and
+        ``kill`` are what was armed when those steps were released (nothing
+        changes them while steps are released).
+
+        Raises:
+            AssertionError: the worker ran a batch the model does not predict.
+        """
+        for index, batch in enumerate(batches):
+            assert not self.dead and not self.exited, f"a step ran after the worker ended: {batch}"
+            if self.pending is not None:
+                self._run(fail_at=fail_at, kill=kill)
+                assert not self.dead and not self.exited, f"a step ran after the end: {batch}"
+            else:
+                assert index == 0, "the worker went idle between two steps"
+            self._boundary(batch)
+            assert set(self.running) == set(batch), (
+                f"L60, L61: the worker ran {_names(batch)}, the model predicts"
+                f" {_names(self.running)} (waiting: {self.fresh}, suspended: {self.parked})"
+            )
+            self.pending = list(self.running)
+        if at_gate:
+            assert self.pending is not None, "a step waits at the gate, the model has none"
+            return
+        if self.pending is not None:
+            self._run(fail_at=fail_at, kill=kill)
+        if not self.dead and not self.exited:
+            self._boundary(None)
+            assert not self.running, (
+                f"L60: the worker idles, the model predicts it runs {_names(self.running)}"
+            )
+
+    # -- one boundary, one step --
+
+    def _best(self) -> Job | None:
+        waiting = [*self.fresh, *self.parked]
+        return min(waiting, key=lambda job: job.rank) if waiting else None
+
+    def _end(self, job: Job, status: _S | None) -> None:
+        for jobs in (self.fresh, self.parked, self.running):
+            if job in jobs:
+                jobs.remove(job)
+        job.where = "ended"
+        job.end = None if (job.loose and job.token is not None) or self.dead else status
+
+    def _start(self, job: Job) -> None:
+        if job in self.parked:
+            self.parked.remove(job)
+            self.resumes += 1
+        else:
+            self.fresh.remove(job)
+        job.where = "running"
+        self.running.append(job)
+
+    def _boundary(self, observed: Sequence[Job] | None) -> None:
+        for job in list(self.running):
+            # A loose token: seen at the boundary where the job leaves the batch.
+            if job.token is not None and (not job.loose or observed is None or job not in observed):
+                self._end(job, _S.ABORTED)
+        if self.stopping:
+            for job in [*self.running, *self.parked, *self.fresh]:
+                job.ended_suspended = job.where == "parked"
+                self._end(job, _S.ABORTED)
+            self.exited = True
+            return
+        best = self._best()
+        if best is None:
+            return
+        if self.running and self._preempt(best):
+            return
+        free = self.max_batch - len(self.running)
+        key = self.running[0].key if self.running else None
+        while free > 0:
+            best = self._best()
+            if best is None:
+                break
+            if key is None:
+                key = best.key
+            elif best.key != key:
+                break
+            self._start(best)
+            free -= 1
+
+    def _preempt(self, newcomer: Job) -> bool:
+        """Suspend members for ``newcomer`` if L61 says so, and start it; return whether."""
+        joinable = newcomer.key == self.running[0].key
+        if joinable and len(self.running) < self.max_batch:
+            return False
+        eligible = [
+            job
+            for job in self.running
+            if job.priority < newcomer.priority and job.preemptions < self.max_preemptions
+        ]
+        if joinable:
+            victims = [max(eligible, key=lambda job: job.rank)] if eligible else []
+        else:
+            victims = eligible if len(eligible) == len(self.running) else []
+        if not victims:
+            return False
+        for job in victims:
+            self.running.remove(job)
+            job.where = "parked"
+            job.preemptions += 1
+            self.preemptions += 1
+            self.parked.append(job)
+        self._start(newcomer)
+        return True
+
+    def _run(self, *, fail_at: int | None, kill: bool) -> None:
+        """The pending batch's step was released."""
+        batch, self.pending = self.pending, None
+        assert batch is not None
+        if fail_at is not None and any(job.steps + 1 == fail_at for job in batch):
+            for job in batch:
+                self._end(job, _S.FAILED)  # L22: the whole batch, a token or not
+            return
+        for job in batch:
+            job.steps += 1
+        if kill:
+            self.dead = True
+            for job in [*self.running, *self.parked, *self.fresh]:
+                self._end(job, None)
+            return
+        for job in batch:
+            if job.steps == job.request.num_steps:
+                # The materializer checks the token before the decode (L10, L21);
+                # shutdown's lets finished denoising be delivered.
+                cut = job.token is not None and job.token != "shutdown"
+                self._end(job, _S.ABORTED if cut else _S.COMPLETED)
