@@ -306,11 +306,6 @@ async def test_settling_is_not_fooled_by_a_step_between_its_reads() -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: a dying worker's thread empties its queue of suspended requests"
-    " before the loop learns of the death; meanwhile they read WAITING in no queue",
-)
 async def test_invariants_hold_while_a_dying_worker_drops_its_suspended_requests() -> None:
     """L19, L23, L61: the counts match the statuses while a worker dies holding a suspended one.
 
@@ -320,7 +315,8 @@ async def test_invariants_hold_while_a_dying_worker_drops_its_suspended_requests
     queue of suspended requests and discarded their states. The loop has not yet
     learnt of the death, so "low" still reads WAITING, and ``statistics().waiting``
     must count it. (It counts the queues, and "low" is in none any more: waiting
-    0, running 1, "low" WAITING. Found by the machine's soak: its settling polls
+    0, running 1, "low" WAITING, until the dying worker marked what it withdraws
+    as its own. Found by the machine's soak: its settling polls
     ``check_engine_invariants``, which failed in that window.)
     """
     import time
