@@ -137,3 +137,28 @@ async def test_a_folder_is_served_at_its_models_own_defaults(
     explicit = parser.parse_args(["--model", str(sd_folder_128), "--default-size", "64x64"])
     config = _service(explicit, model).config
     assert (config.default_width, config.default_height) == (64, 64)
+
+
+def test_the_decode_options_reach_every_runner(
+    capsys: pytest.CaptureFixture[str], one_torch_thread: None
+) -> None:
+    """L72: --decode-tile-above and --decode-framewise-above set each runner's decode
+    chunks ("never" turns one off); a bad value stops with one line naming it."""
+    from omni_trio.__main__ import main
+    from omni_trio.serve._cli import decode_options
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--model", "tiny-sd"])
+    assert decode_options(args) == {"tile_above": 1024 * 1024, "framewise_above": None}
+    args = parser.parse_args(
+        ["--model", "tiny-ltx", "--decode-tile-above", "never", "--decode-framewise-above", "16"]
+    )
+    options = decode_options(args)
+    assert options == {"tile_above": None, "framewise_above": 16}
+    model = load_model("tiny-ltx", step_seconds=0.0, runner_options=options)
+    chunks = [runner._family.chunks for runner in model.runners]
+    assert [(c.tile_above, c.framewise_above) for c in chunks] == [(None, 16)]
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "fake", "--decode-tile-above", "0"])
+    assert "--decode-tile-above: expected an integer >= 1, got '0'" in capsys.readouterr().err

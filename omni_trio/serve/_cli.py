@@ -94,6 +94,21 @@ def _positive(text: str) -> float:
     return value
 
 
+def _threshold(text: str) -> int | None:
+    """An argument type: an int >= 1, or ``never`` (``None``)."""
+    if text.strip().lower() == "never":
+        return None
+    return _count(1)(text)
+
+
+def decode_options(args: argparse.Namespace) -> dict[str, int | None]:
+    """The ``DiffusersRunner`` options of the ``--decode-*`` arguments (L72)."""
+    return {
+        "tile_above": args.decode_tile_above,
+        "framewise_above": args.decode_framewise_above,
+    }
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``serve`` command's options to ``parser``.
 
@@ -222,6 +237,25 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FPS",
         help="frames per second of the MP4s, which turns seconds into frames"
         " (default: the model's; Wan 16, LTX-Video 25)",
+    )
+    decoding = parser.add_argument_group(
+        "decodes in chunks (L72: an abort during a decode lands within one chunk)"
+    )
+    decoding.add_argument(
+        "--decode-tile-above",
+        type=_threshold,
+        default=1024 * 1024,
+        metavar="PIXELS|never",
+        help="decode a frame of more pixels than this in the VAE's blended tiles"
+        " (default 1048576: past 1024x1024)",
+    )
+    decoding.add_argument(
+        "--decode-framewise-above",
+        type=_threshold,
+        default=None,
+        metavar="FRAMES|never",
+        help="decode a LTX-Video clip of more frames than this in the VAE's blended"
+        " temporal chunks (default never: the output then equals the pipeline's call)",
     )
     defaults = parser.add_argument_group("request defaults (by default: what suits the model)")
     defaults.add_argument(
@@ -573,6 +607,7 @@ def run_serve(args: argparse.Namespace) -> int:
         step_seconds=args.step_seconds,
         max_steps=args.max_steps,
         devices=devices,
+        runner_options=decode_options(args),
     )
     service = _service(args, model)
     backend = "trio" if args.server == "hypercorn" else "asyncio"

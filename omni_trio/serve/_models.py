@@ -21,7 +21,7 @@ videos (``/v1/videos``, L73), at 16 and 25 frames per second.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,6 +130,7 @@ def load_model(
     step_seconds: float,
     max_steps: int = 200,
     devices: Sequence[str] | None = None,
+    runner_options: Mapping[str, Any] | None = None,
 ) -> LoadedModel:
     """Build the runners for ``spec`` (a name in ``MODELS`` or a diffusers folder).
 
@@ -139,6 +140,8 @@ def load_model(
         max_steps: the most steps a default may be.
         devices: one runner per device named (L42; ``parse_devices`` checked
             them); ``None``: one runner, the pipeline where it loads (the CPU).
+        runner_options: keyword options of each ``DiffusersRunner`` (the decode
+            chunks' thresholds, L72); a pipeline served by its own call takes none.
 
     Raises:
         UsageError: ``spec`` is neither a known name nor a diffusers folder.
@@ -166,7 +169,7 @@ def load_model(
         def load() -> Any:
             return tiny_pipeline(spec.removeprefix("tiny-"), seed=0)
 
-        wrap: Callable[[Any], Any] = DiffusersRunner
+        wrap: Callable[..., Any] = DiffusersRunner
         steps = TINY_STEPS
         name = spec
     else:
@@ -184,7 +187,7 @@ def load_model(
     for device in devices if devices is not None else [None]:
         try:
             pipeline: Any = load() if device is None else load().to(device)
-            runners.append(wrap(pipeline))
+            runners.append(wrap(pipeline, **(runner_options or {})))
         except Exception as exc:
             where = "" if device is None else f" on {device}"
             raise CommandError(f"--model: cannot load {spec!r}{where}: {summary(exc)}") from exc

@@ -95,11 +95,15 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _replica_service(args: argparse.Namespace, devices: Sequence[str] | None) -> ImageService:
     """On a replica: load the model and build the service as ``omni-trio serve`` does."""
-    from ._cli import _service
+    from ._cli import _service, decode_options
     from ._models import load_model
 
     model = load_model(
-        args.model, step_seconds=args.step_seconds, max_steps=args.max_steps, devices=devices
+        args.model,
+        step_seconds=args.step_seconds,
+        max_steps=args.max_steps,
+        devices=devices,
+        runner_options=decode_options(args),
     )
     return _service(args, model)
 
