@@ -399,3 +399,38 @@ def test_every_family_hooks_its_blocks_and_decoder_once(kind: str) -> None:
     assert all(hooked(module) for module in expected)
     second.close()
     assert not any(hooked(module) or module._forward_pre_hooks for module in expected)
+
+
+# UNet2DModel's own forward reads ``self.dtype`` (diffusers' code, not the family's).
+@pytest.mark.parametrize("kind", [kind for kind in EXPECTED_BLOCKS if kind != "unet"])
+def test_a_step_reads_no_models_dtype(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """L71: nothing in a step walks the model's parameters before the first cancel point.
+
+    diffusers' ``ModelMixin.dtype`` walks every parameter (about 9 ms a call on a
+    105-block Wan transformer on this CPU): read in a step, it ran before the first
+    block, where no cancel point is. The families read it at prepare only. (The
+    unconditional UNet2DModel's own forward reads it: not ours to change.)
+    """
+    from diffusers import ModelMixin
+
+    pipeline = tiny_pipeline(kind)
+    runner = DiffusersRunner(pipeline)
+    fields: dict[str, Any] = {"num_frames": 5} if kind in ("wan", "ltx") else {}
+    state = runner.prepare(req(height=64, width=64, num_steps=2, **fields), "r")
+    reads = 0
+    original = ModelMixin.dtype
+
+    def counted(self: Any) -> torch.dtype:
+        nonlocal reads
+        reads += 1
+        value: torch.dtype = original.fget(self)  # type: ignore[attr-defined]
+        return value
+
+    monkeypatch.setattr(ModelMixin, "dtype", property(counted))
+    try:
+        runner.step([state])
+    finally:
+        monkeypatch.undo()
+        runner.discard(state)
+        runner.close()
+    assert reads == 0
