@@ -112,14 +112,17 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target(
         bench="substep",
-        label="abort inside a step with cancel points, p99",
-        target="≤ 1 block + 2 ms",
+        # L71 bounds each abort by the block that was running when it came, plus 2 ms:
+        # judged per abort (past that block's end), since blocks vary in length.
+        label="abort inside a step with cancel points, p99 past the block in progress",
+        target="≤ 2 ms (1 block + 2 ms)",
         figure=lambda r: (
-            f"{_s(r)['substep_abort_p99_ms']:.1f} ms, blocks of {_s(r)['block_ms']:.1f} ms"
-            f" (at the step's end: {_s(r)['step_end_abort_p99_ms']:.0f} ms, steps of"
-            f" {_s(r)['step_ms']:.0f} ms)"
+            f"{_s(r)['after_block_p99_ms']:.1f} ms; the whole abort"
+            f" {_s(r)['substep_abort_p99_ms']:.1f} ms, blocks of {_s(r)['block_ms']:.1f} ms"
+            f" (p99 {r['blocks_ms']['p99']:.1f}); at the step's end:"
+            f" {_s(r)['step_end_abort_p99_ms']:.0f} ms, steps of {_s(r)['step_ms']:.0f} ms"
         ),
-        met=lambda r: _s(r)["substep_abort_p99_ms"] <= _s(r)["substep_target_ms"],
+        met=lambda r: _s(r)["after_block_p99_ms"] <= 2.0,
     ),
     Target(
         bench="substep",
