@@ -423,7 +423,7 @@ def test_a_step_reads_no_models_dtype(kind: str, monkeypatch: pytest.MonkeyPatch
     def counted(self: Any) -> torch.dtype:
         nonlocal reads
         reads += 1
-        value: torch.dtype = original.fget(self)  # type: ignore[attr-defined]
+        value: torch.dtype = original.fget(self)
         return value
 
     monkeypatch.setattr(ModelMixin, "dtype", property(counted))
