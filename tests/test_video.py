@@ -281,3 +281,79 @@ async def test_previews_are_the_first_latent_frame(kind: str) -> None:
         assert preview is not None
         assert preview.shape == (1, 3, SIZE // 8, SIZE // 8)
         assert float(preview.min()) >= 0.0 and float(preview.max()) <= 1.0
+
+
+@cache
+def two_experts() -> Any:
+    """Tiny Wan 2.2: ``transformer`` above the boundary timestep, ``transformer_2`` below."""
+    import importlib
+
+    # Untyped: diffusers' constructors carry no annotations.
+    diffusers: Any = importlib.import_module("diffusers")
+    base = pipe("wan")
+    torch.manual_seed(1)
+    second = diffusers.WanTransformer3DModel(**base.transformer.config).eval()
+    return diffusers.WanPipeline(**{**base.components, "transformer_2": second}, boundary_ratio=0.5)
+
+
+def two_experts_reference(r: ot.GenerationRequest) -> torch.Tensor:
+    """Tiny Wan 2.2's own __call__ frames for ``r``."""
+    frames: torch.Tensor = two_experts()(
+        r.prompt,
+        negative_prompt=r.negative_prompt,
+        num_inference_steps=r.num_steps,
+        height=r.height,
+        width=r.width,
+        num_frames=r.num_frames,
+        guidance_scale=r.guidance_scale,
+        num_videos_per_prompt=r.num_images,
+        generator=torch.Generator().manual_seed(r.seed or 0),
+        output_type="pt",
+    ).frames
+    return frames
+
+
+async def test_wan_two_experts_alone_and_with_rows_of_both_in_one_step() -> None:
+    """L70: Wan 2.2's two experts: each row goes to the expert of its own timestep, so a
+    request alone, and two requests whose rows need both experts in one step (one joined
+    mid-way), each equal their own __call__ (1e-4); the boundary was crossed.
+    """
+    pipeline = two_experts()
+    calls: list[tuple[str, int]] = []  # (expert, rows) of each model call
+
+    def noted(name: str) -> Any:
+        def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+            calls.append((name, kwargs["hidden_states"].shape[0]))
+
+        return hook
+
+    hooks = [
+        getattr(pipeline, name).register_forward_pre_hook(noted(name), with_kwargs=True)
+        for name in ("transformer", "transformer_2")
+    ]
+    first = request(num_steps=4, seed=1)
+    second = request(num_steps=4, seed=2, prompt="second", guidance_scale=1.0)
+    try:
+        runner = GatedDiffusers(pipeline)
+        with anyio.fail_after(BUDGET):
+            async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=2)) as engine:
+                handles = [engine.submit(first)]
+                await runner.wait_arrived(1)
+                runner.release(2)
+                await runner.wait_arrived(3)
+                handles.append(engine.submit(second))  # joins past the boundary of "first"
+                runner.open_gate()
+                outputs = []
+                for handle in handles:
+                    async with handle:
+                        outputs.append(await handle.result())
+    finally:
+        for hook in hooks:
+            hook.remove()
+    # The step they share at the end of "first": "second"'s one row (no guidance) at
+    # t = 1000 to the first expert, "first"'s two (guided) at t = 24 to the second.
+    pair = [("transformer", 1), ("transformer_2", 2)]
+    assert any(calls[i : i + 2] == pair for i in range(len(calls) - 1)), calls
+    for r, output in zip([first, second], outputs, strict=True):
+        assert output.video is not None
+        torch.testing.assert_close(output.video, two_experts_reference(r), atol=1e-4, rtol=0)
