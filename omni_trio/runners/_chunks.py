@@ -15,8 +15,8 @@ within one chunk. Three kinds of chunk:
 
 Tiling and framewise decoding are the VAE's flags. They are set for one decode
 only, under the VAE's lock (which every encode and decode of the runners takes,
-so no other call sees them), and put back in a ``finally``: a decode left at a
-cancel point leaves the VAE as it found it.
+and every change of its dtype, so no other call sees them), and put back in a
+``finally``: a decode left at a cancel point leaves the VAE as it found it.
 """
 
 from __future__ import annotations
@@ -33,15 +33,20 @@ import torch
 __all__ = ["DecodeChunks", "vae_lock"]
 
 _locks_lock = threading.Lock()
-_locks: weakref.WeakKeyDictionary[torch.nn.Module, threading.Lock] = weakref.WeakKeyDictionary()
+_locks: weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
 
 
-def vae_lock(vae: torch.nn.Module) -> threading.Lock:
-    """The lock every runner holds while it encodes or decodes with ``vae``."""
+def vae_lock(vae: torch.nn.Module) -> threading.RLock:
+    """The lock every runner holds while it encodes or decodes with ``vae``.
+
+    Also while it changes the VAE's dtype around such a call (SDXL's upcast), so
+    the lock is reentrant: the call inside takes it again. One per VAE, whatever
+    runners share it.
+    """
     with _locks_lock:
         lock = _locks.get(vae)
         if lock is None:
-            lock = _locks[vae] = threading.Lock()
+            lock = _locks[vae] = threading.RLock()
         return lock
 
 

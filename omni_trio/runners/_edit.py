@@ -21,7 +21,6 @@ latents, the noise, the latent-sized mask), which suspension moves with the rest
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -80,15 +79,15 @@ def _encode(
     *,
     xl: bool,
     shift: bool,
-    vae_lock: threading.Lock,
 ) -> tuple[torch.Tensor, _Draw | None]:
     """The image's scaled latents, as the pipelines' ``prepare_latents`` encode them.
 
     ``xl``: SDXL's pipelines, which encode in float32 where the VAE's config says
     it overflows in float16 (``force_upcast``) and cast the latents back; ``shift``: SDXL
     img2img's use of the VAE's ``latents_mean``/``latents_std`` where it has them.
-    The VAE's dtype is changed and put back under ``vae_lock``, which the family's
-    decode holds for the same change (the two run in different engine threads).
+    The VAE's dtype is changed and put back under its ``vae_lock``, which the
+    family's decode holds for the same change (the two run in different engine
+    threads).
     """
     vae = pipe.vae
     image = image.to(device=pipe.device, dtype=dtype)
@@ -97,7 +96,7 @@ def _encode(
         if original == torch.float32:  # nothing to change (and nothing to log about it)
             latents, draw = _sample(vae, image.float(), generator)
         else:
-            with vae_lock:
+            with vae_lock(vae):
                 vae.to(dtype=torch.float32)
                 try:
                     latents, draw = _sample(vae, image.float(), generator)
@@ -141,7 +140,6 @@ def edit_latents(
     *,
     xl: bool,
     mask_processor: Any,
-    vae_lock: threading.Lock,
 ) -> EditLatents:
     """Start an image-to-image or inpainting request, after ``retrieve_timesteps``.
 
@@ -153,7 +151,6 @@ def edit_latents(
         dtype: the prompt embeddings' dtype, which the pipelines use for latents.
         xl: SDXL's pipelines (see ``_encode``).
         mask_processor: the inpainting pipelines' ``mask_processor``.
-        vae_lock: held while the VAE's dtype is changed.
     """
     assert isinstance(request.image, torch.Tensor)
     count = request.num_images
@@ -164,16 +161,14 @@ def edit_latents(
     pixels = pipe.image_processor.preprocess(request.image[None], height=height, width=width)
     if request.mask is None:
         # StableDiffusion(XL)Img2ImgPipeline.prepare_latents.
-        latents, _ = _encode(pipe, pixels, generator, dtype, xl=xl, shift=xl, vae_lock=vae_lock)
+        latents, _ = _encode(pipe, pixels, generator, dtype, xl=xl, shift=xl)
         latents = torch.cat([latents] * count)
         noise = _randn(tuple(latents.shape), generator, device, dtype)
         return EditLatents(timesteps, scheduler.add_noise(latents, noise, first), {})
     # StableDiffusion(XL)InpaintPipeline: prepare_latents, then prepare_mask_latents.
     assert isinstance(request.mask, torch.Tensor)
     pixels = pixels.to(dtype=torch.float32)
-    image_latents, draw = _encode(
-        pipe, pixels, generator, dtype, xl=xl, shift=False, vae_lock=vae_lock
-    )
+    image_latents, draw = _encode(pipe, pixels, generator, dtype, xl=xl, shift=False)
     image_latents = image_latents.repeat(count, 1, 1, 1)
     factor = int(pipe.vae_scale_factor)
     shape = (count, int(pipe.vae.config.latent_channels), height // factor, width // factor)

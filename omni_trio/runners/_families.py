@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ import numpy as np
 import torch
 
 from .._request import GenerationRequest
-from ._chunks import DecodeChunks
+from ._chunks import DecodeChunks, vae_lock
 from ._edit import EditLatents, edit_latents
 
 __all__ = [
@@ -253,8 +252,6 @@ class StableDiffusion(Family):
     def __init__(self, pipe: Any) -> None:
         super().__init__(pipe)
         self._mask_processor: Any = None
-        # Held while a VAE's dtype is changed for an upcast encode or decode (SDXL).
-        self._vae_lock = threading.Lock()
 
     def _edit_latents(
         self,
@@ -281,7 +278,6 @@ class StableDiffusion(Family):
             dtype,
             xl=self._xl,
             mask_processor=self._mask_processor,
-            vae_lock=self._vae_lock,
         )
 
     @property
@@ -494,7 +490,7 @@ class StableDiffusionXL(StableDiffusion):
         # put back afterwards (the UNet, which the steps use, is not touched).
         if vae.dtype == torch.float16 and vae.config.force_upcast:
             # An edit's prepare changes the VAE's dtype too, from the worker thread.
-            with self._vae_lock:
+            with vae_lock(vae):
                 return self._decode(state, state.latents.to(torch.float32), upcast=True)
         return self._decode(state, state.latents, upcast=False)
 
