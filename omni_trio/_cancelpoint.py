@@ -18,7 +18,9 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["active_checks", "armed", "cancel_point"]
+from ._runner import StopRun
+
+__all__ = ["Leave", "active_checks", "armed", "cancel_point"]
 
 _local = threading.local()
 _lock = threading.Lock()
@@ -35,6 +37,25 @@ def cancel_point() -> None:
     check: Callable[[], None] | None = getattr(_local, "check", None)
     if check is not None:
         check()
+
+
+class Leave:
+    """An engine's check for ``armed``: ``StopRun`` once ``stop()`` is true, noted.
+
+    ``left`` tells the engine's ``StopRun`` (the call is no longer wanted) from one
+    the runner raised on its own (a failure, as any other exception).
+    """
+
+    __slots__ = ("_stop", "left")
+
+    def __init__(self, stop: Callable[[], bool]) -> None:
+        self._stop = stop
+        self.left = False
+
+    def __call__(self) -> None:
+        if self._stop():
+            self.left = True
+            raise StopRun
 
 
 @contextmanager

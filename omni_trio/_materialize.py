@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._cancelpoint import armed
+from ._cancelpoint import Leave, armed
 from ._imagecheck import checked_images, checked_video
 from ._messages import Completed, Post, discard_quietly, discard_state, ended, release
 from ._runner import Runner, StopRun
@@ -197,18 +197,11 @@ class Materializer:
             return self._runner.decode(item.state)
         # L72: left only for an abort or a dying engine; shutdown lets a finished request
         # be decoded.
-        left = False
-
-        def check() -> None:
-            nonlocal left
-            if self._abandon or _cut(item):
-                left = True
-                raise StopRun
-
+        leave = Leave(lambda: self._abandon or _cut(item))
         try:
-            with armed(check):
+            with armed(leave):
                 return self._runner.decode(item.state)
         except StopRun:
-            if left:
+            if leave.left:
                 raise _LeftDecode from None
             raise

@@ -45,7 +45,7 @@ import time
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, cast
 
-from ._cancelpoint import armed
+from ._cancelpoint import Leave, armed
 from ._imagecheck import checked_images
 from ._log import WORKER
 from ._materialize import Materializer
@@ -489,21 +489,14 @@ class Worker:
             self.steps_left = 0
             return
         started = time.perf_counter()
-        left = False
-
-        def check() -> None:
-            # L71: leave the step only when nobody is left to want it.
-            nonlocal left
-            if all(item.token.reason is not None for item in running):
-                left = True
-                raise StopRun
-
+        # L71: leave the step only when nobody is left to want it.
+        leave = Leave(lambda: all(item.token.reason is not None for item in running))
         try:
             # No local holds the states: a failure's traceback keeps this frame (L22).
-            with armed(check) if self._cancel_points else nullcontext():
+            with armed(leave) if self._cancel_points else nullcontext():
                 self._runner.step([item.state for item in running])
         except StopRun as stop:
-            if not left:
+            if not leave.left:
                 self._fail_batch(running, stop)
                 return
             # Left mid-step: no step counted, none measured; each keeps its own reason.
