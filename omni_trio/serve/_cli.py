@@ -26,7 +26,7 @@ from .._command import EXIT_ERROR, CommandError, UsageError, seconds
 from .._request import MAX_PRIORITY
 from ._env import read_environment, resolve_environment
 from ._logging import LOG_FORMATS, configure_logging
-from ._models import MODELS, LoadedModel, load_model, model_folder
+from ._models import FALLBACK_FPS, MODELS, LoadedModel, load_model, model_folder
 from ._ray_cli import add_ray_arguments, run_ray
 
 if TYPE_CHECKING:
@@ -338,7 +338,7 @@ def _service(args: argparse.Namespace, model: LoadedModel) -> ImageService:
     frames = model.runners[0].capabilities.frames
     try:
         videos = VideoConfig(
-            fps=args.video_fps or model.fps or 24.0,
+            fps=args.video_fps or model.fps or FALLBACK_FPS,
             max_jobs=args.video_jobs,
             ttl_s=args.video_ttl,
         )

@@ -277,10 +277,7 @@ class ImagesEndpoint:
                 else:
                     await self._answer_json(handle, job, client)
         finally:
-            self._account(handle, client)
-
-    def _account(self, handle: RequestHandle, client: Client) -> None:
-        account(self._metrics, handle, gone=client.is_gone)
+            account(self._metrics, handle, gone=client.is_gone)
 
     async def _answer_json(self, handle: RequestHandle, job: ImageJob, client: Client) -> None:
         status = 200
