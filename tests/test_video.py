@@ -53,9 +53,12 @@ def request(**fields: Any) -> ot.GenerationRequest:
     return ot.GenerationRequest(**values)
 
 
-def reference(kind: str, r: ot.GenerationRequest) -> torch.Tensor:
-    """The pipeline's own __call__ frames for ``r``: ``[N, F, C, H, W]``."""
-    out = pipe(kind)(
+def reference(kind: str, r: ot.GenerationRequest, pipeline: Any = None) -> torch.Tensor:
+    """The pipeline's own __call__ frames for ``r``: ``[N, F, C, H, W]``.
+
+    ``pipeline``: another pipeline than the tiny one of ``kind`` (its own call).
+    """
+    out = (pipe(kind) if pipeline is None else pipeline)(
         r.prompt,
         negative_prompt=r.negative_prompt,
         num_inference_steps=r.num_steps,
@@ -296,23 +299,6 @@ def two_experts() -> Any:
     return diffusers.WanPipeline(**{**base.components, "transformer_2": second}, boundary_ratio=0.5)
 
 
-def two_experts_reference(r: ot.GenerationRequest) -> torch.Tensor:
-    """Tiny Wan 2.2's own __call__ frames for ``r``."""
-    frames: torch.Tensor = two_experts()(
-        r.prompt,
-        negative_prompt=r.negative_prompt,
-        num_inference_steps=r.num_steps,
-        height=r.height,
-        width=r.width,
-        num_frames=r.num_frames,
-        guidance_scale=r.guidance_scale,
-        num_videos_per_prompt=r.num_images,
-        generator=torch.Generator().manual_seed(r.seed or 0),
-        output_type="pt",
-    ).frames
-    return frames
-
-
 async def test_wan_two_experts_alone_and_with_rows_of_both_in_one_step() -> None:
     """L70: Wan 2.2's two experts: each row goes to the expert of its own timestep, so a
     request alone, and two requests whose rows need both experts in one step (one joined
@@ -356,4 +342,6 @@ async def test_wan_two_experts_alone_and_with_rows_of_both_in_one_step() -> None
     assert any(calls[i : i + 2] == pair for i in range(len(calls) - 1)), calls
     for r, output in zip([first, second], outputs, strict=True):
         assert output.video is not None
-        torch.testing.assert_close(output.video, two_experts_reference(r), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            output.video, reference("wan", r, two_experts()), atol=1e-4, rtol=0
+        )
