@@ -63,11 +63,21 @@ def live_objects(cls: type[T], *, request_id: str | None = None) -> list[T]:
     ]
 
 
-async def wait_until(predicate: Callable[[], bool], *, interval: float = 0.001) -> None:
+async def wait_until(
+    predicate: Callable[[], bool], *, interval: float = 0.001, max_interval: float = 0.01
+) -> None:
     """Poll ``predicate`` until it holds.
+
+    The first poll waits ``interval``; each next one waits twice as long, up to
+    ``max_interval``. A short wait stays short, and a long one does not spin the
+    event loop: a poller that keeps the GIL busy starves the engine's threads it
+    waits for (under a tracer such as coverage, the lifecycle machine ran 5x
+    slower on trio with a fixed 0.2 ms poll).
 
     Cancellation:
         Safe; compose with ``anyio.fail_after`` for a bound.
     """
+    pause = interval
     while not predicate():
-        await anyio.sleep(interval)
+        await anyio.sleep(pause)
+        pause = min(pause * 2, max(interval, max_interval))
