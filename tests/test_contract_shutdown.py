@@ -3,10 +3,13 @@
 Determinism: GatedRunner steps wait for ``release``; the grace-period tests are
 trio-only and run on pytest-trio's ``autojump_clock``, so the grace period passes
 in virtual time exactly when every task waits. The worker thread does not count
-as a task: while it computes, a test that must not let virtual time leap polls.
+as a task: while it computes, a test that must not let virtual time leap stops the
+autojump (``autojump_threshold = inf``) and waits on the request itself.
 """
 
 from __future__ import annotations
+
+import math
 
 import anyio
 import pytest
@@ -100,13 +103,14 @@ async def test_grace_period_lets_running_requests_finish(
             nursery.start_soon(engine.aclose)
             await trio.sleep(50)  # virtual: well inside the grace period
             assert handle.status is ot.RequestStatus.RUNNING
+            # Virtual time stands still while the worker computes: an autojump
+            # clock would leap to the grace deadline while every task waits for
+            # the thread (the pytest-timeout limit is the hang budget here).
+            autojump_clock.autojump_threshold = math.inf
             runner.open_gate()
-            # Poll rather than block: a task that only waits lets the autojump
-            # clock leap to the grace deadline while the worker thread computes.
-            await wait_until(lambda: handle.status.is_terminal)
-            assert handle.status.value == "completed"  # (mypy narrowed it to RUNNING)
-        async with handle:
-            output = await handle.result()
+            async with handle:
+                output = await handle.result()
+            autojump_clock.autojump_threshold = 0
         assert output.metrics.steps_done == 3
         assert trio.current_time() < 100
 

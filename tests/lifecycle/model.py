@@ -75,6 +75,9 @@ GATE_TIMEOUT = 15.0
 #: Poll interval while waiting for the engine's threads (seconds; not measured,
 #: just well below the time a thread hop takes on a loaded 2-core machine).
 POLL = 0.0002
+#: The longest pause between polls: waits back off from ``POLL`` to this, so a long
+#: wait does not keep the GIL from the engine's threads (not measured either).
+POLL_MAX = 0.005
 
 
 def admitted_and_live(stats: ot.EngineStatistics) -> tuple[int, int]:
@@ -314,12 +317,15 @@ class Machine:
             self.pumps.remove(condition)
 
     async def pump_forever(self) -> None:
+        pause = POLL
         while True:
+            pause = min(pause * 2, POLL_MAX)
             if any(condition() for condition in self.pumps):
                 for runner in self.runners:
                     if runner.at_gate():
                         runner.release(1)
-            await anyio.sleep(POLL)
+                        pause = POLL
+            await anyio.sleep(pause)
 
     def live(self) -> list[Tracked]:
         return [t for t in self.tracked if not t.status.is_terminal]
@@ -413,7 +419,7 @@ class Machine:
         return not (self.gate_open and records)
 
     async def settle(self) -> None:
-        await wait_until(self.settled, interval=POLL)
+        await wait_until(self.settled, interval=POLL, max_interval=POLL_MAX)
         for index, runner in enumerate(self.runners):
             if not any(
                 r.status is ot.RequestStatus.RUNNING and r.worker == index
@@ -925,6 +931,7 @@ class Machine:
                 all(t.abort_requested for t in expired) and len(self.engine._deadlines) == to_come
             ),
             interval=POLL,
+            max_interval=POLL_MAX,
         )
         for tracked, (status, suspended, reason) in before.items():
             if tracked not in expired:
@@ -1065,7 +1072,9 @@ class Machine:
             with self.pumping(after=may_pump), anyio.CancelScope() as scope:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(call)
-                    await wait_until(lambda: bool(results or admitted), interval=POLL)
+                    await wait_until(
+                        lambda: bool(results or admitted), interval=POLL, max_interval=POLL_MAX
+                    )
                     if cancel:
                         scope.cancel()
         finally:
@@ -1150,13 +1159,19 @@ class Machine:
             closed.set()
 
         self.tg.start_soon(close)
-        await wait_until(lambda: self.engine.statistics().is_closing, interval=POLL)
+        await wait_until(
+            lambda: self.engine.statistics().is_closing, interval=POLL, max_interval=POLL_MAX
+        )
         # L30: admission stopped.
         error = ot.EngineDeadError if self.engine.statistics().is_dead else ot.EngineClosedError
         with pytest.raises(error):
             self.engine.submit(req(num_steps=1, height=8, width=8, seed=0))
         # L61: a suspended request is released at once, with no step released.
-        await wait_until(lambda: all(t.status.is_terminal for t in suspended), interval=POLL)
+        await wait_until(
+            lambda: all(t.status.is_terminal for t in suspended),
+            interval=POLL,
+            max_interval=POLL_MAX,
+        )
         # L31: waiting requests ended at once, cut off by shutdown.
         for tracked in waiting:
             assert tracked.status is ot.RequestStatus.ABORTED, tracked
