@@ -16,9 +16,9 @@ from __future__ import annotations
 from .. import _exports
 from ._app import ImageService as ImageService
 from ._app import create_app as create_app
+from ._asgi import CLIENT_GONE as CLIENT_GONE
 from ._config import ServeConfig as ServeConfig
 from ._errors import ApiError as ApiError
-from ._images import CLIENT_GONE as CLIENT_GONE
 from ._metrics import OUTCOMES as OUTCOMES
 from ._upload import UploadLimits as UploadLimits
 from ._video_jobs import VideoConfig as VideoConfig

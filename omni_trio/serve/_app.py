@@ -24,15 +24,16 @@ from .._config import EngineConfig
 from .._engine import Engine, open_engine
 from .._outputs import EngineStatistics
 from .._runner import Runner
+from ._asgi import Asgi, Scope, error_response
 from ._config import ServeConfig
 from ._edits import parse_edit_form
 from ._errors import ApiError, unexpected_error
-from ._images import ImagesEndpoint, Scope
+from ._images import ImagesEndpoint
 from ._metrics import ServeMetrics
 from ._schema import ImageJob
 from ._upload import UploadLimits
 from ._video_jobs import VideoConfig, VideoJobs
-from ._videos import Asgi, VideosApi
+from ._videos import VideosApi
 
 __all__ = ["NOT_STARTED", "ImageService", "create_app"]
 
@@ -331,7 +332,7 @@ class ImageService:
             error = ApiError(
                 404, f"the model {model_id!r} does not exist", param="model", code="model_not_found"
             )
-            return JSONResponse(error.body(), status_code=404)
+            return error_response(error)
         return JSONResponse(self._model_card())
 
     async def _health(self, request: Request) -> Response:
@@ -361,16 +362,18 @@ class ImageService:
         return Response(body, headers={"Content-Type": content_type})
 
     async def _unexpected(self, request: Request, exc: Exception) -> Response:
-        error = unexpected_error()
-        return JSONResponse(error.body(), status_code=error.status)
+        return error_response(unexpected_error())
 
     async def _http_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         error = ApiError(
-            exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code
+            exc.status_code,
+            f"{request.method} {request.url.path}: {exc.detail}",
+            code=code,
+            headers=exc.headers,
         )
-        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+        return error_response(error)
 
 
 def create_app(

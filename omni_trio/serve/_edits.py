@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 
+from ._asgi import Scope, header, headers
 from ._errors import ApiError, invalid
-from ._images import Scope, header
 from ._schema import (
     DEADLINE_HEADER,
     HUGE_DIGITS,
@@ -207,11 +207,7 @@ async def parse_edit_form(
     Cancellation:
         Safe: a decode already running in its thread finishes and is dropped.
     """
-    headers = {
-        bytes(key).decode("latin-1"): bytes(value).decode("latin-1")
-        for key, value in scope.get("headers", ())
-    }
-    values, files = _fields(await read_form(headers, body, limits))
+    values, files = _fields(await read_form(headers(scope), body, limits))
     parsed = validate_body({k: v for k, v in values.items() if k not in EDIT_FIELDS})
     if "strength" in values:
         strength = values["strength"]
