@@ -29,15 +29,15 @@ from ._asgi import (
     Send,
     error_response,
     header,
-    headers,
     read_body,
     send_error,
     send_json,
     sse_event,
 )
 from ._errors import ApiError, api_error_from, invalid
+from ._forms import read_form
 from ._schema import DEADLINE_HEADER, shown
-from ._upload import UploadLimits, read_form
+from ._upload import UploadLimits
 from ._video_body import parse_video_body
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ class VideosApi:
         content_type = header(scope, "content-type") or ""
         form = None
         if content_type.lower().startswith("multipart/form-data"):
-            form = await read_form(headers(scope), body, UploadLimits(max_bytes=limit))
+            form = await read_form(scope, body, UploadLimits(max_bytes=limit))
         video = self._jobs.config
         spec = parse_video_body(
             body,
