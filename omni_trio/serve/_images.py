@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING
 import anyio
 
 from .._errors import OmniTrioError
-from .._outputs import RequestStatus
 from ._asgi import Client, Receive, Scope, Send, header, read_body, send_error, send_json, sse_event
 from ._encode import b64, encode_images
 from ._errors import ApiError, api_error_from
@@ -43,7 +42,7 @@ if TYPE_CHECKING:
     from ._config import ServeConfig
     from ._metrics import ServeMetrics
 
-__all__ = ["ImagesEndpoint", "JobParser", "account"]
+__all__ = ["ImagesEndpoint", "JobParser"]
 
 #: OpenAI's completed-event ``usage``: tokens do not apply to a diffusion model.
 _NO_USAGE = {
@@ -52,23 +51,6 @@ _NO_USAGE = {
     "output_tokens": 0,
     "total_tokens": 0,
 }
-
-
-def account(metrics: ServeMetrics, handle: RequestHandle, *, gone: bool = False) -> None:
-    """Count a terminal request's outcome (``disconnected`` if its client is ``gone``), timings."""
-    status = handle.status
-    if gone:
-        outcome = "disconnected"
-    elif status is RequestStatus.COMPLETED:
-        outcome = "completed"
-    elif status is RequestStatus.ABORTED:
-        reason = handle.abort_reason
-        outcome = reason if reason in ("shutdown", "deadline") else "aborted"
-    else:
-        outcome = "failed"
-    metrics.count(outcome)
-    if handle.metrics is not None:
-        metrics.observe(handle.metrics)
 
 
 #: Turns a request's scope and whole body into a job, or raises ``ApiError``.
@@ -143,7 +125,7 @@ class ImagesEndpoint:
                 else:
                     await self._answer_json(handle, job, client)
         finally:
-            account(self._metrics, handle, gone=client.is_gone)
+            self._metrics.account(handle, gone=client.is_gone)
 
     async def _answer_json(self, handle: RequestHandle, job: ImageJob, client: Client) -> None:
         status = 200
