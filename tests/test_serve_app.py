@@ -27,7 +27,7 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 import omni_trio as ot
-from omni_trio.serve import ImageService, ServeConfig, create_app
+from omni_trio.serve import ServeConfig, Service, create_app
 from omni_trio.testing import FakeRunner, GatedRunner, assert_engine_idle, wait_until
 
 from .util import BUDGET
@@ -39,7 +39,7 @@ PATH = "/v1/images/generations"
 
 def make_service(
     runner: FakeRunner | None = None, *, max_body_bytes: int = 4096, **engine: Any
-) -> tuple[ImageService, FakeRunner]:
+) -> tuple[Service, FakeRunner]:
     """A service on ``runner`` (an instant FakeRunner by default), 64x64 and 4 steps by default."""
     runner = runner if runner is not None else FakeRunner()
     limits: dict[str, Any] = {"max_steps": 1000, "max_height": 256, "max_width": 256}
@@ -51,14 +51,12 @@ def make_service(
         default_steps=4,
         max_body_bytes=max_body_bytes,
     )
-    service = ImageService(
-        runner, engine_config=ot.EngineConfig(**{**limits, **engine}), config=config
-    )
+    service = Service(runner, engine_config=ot.EngineConfig(**{**limits, **engine}), config=config)
     return service, runner
 
 
 @asynccontextmanager
-async def serving(service: ImageService) -> AsyncIterator[httpx.AsyncClient]:
+async def serving(service: Service) -> AsyncIterator[httpx.AsyncClient]:
     """Run the app's lifespan; yield a client that calls it in-process."""
     transport = httpx.ASGITransport(app=service.app)
     async with (
@@ -78,7 +76,7 @@ def png_size(b64_json: str) -> tuple[int, int]:
 
 async def assert_refused_and_serving(
     client: httpx.AsyncClient,
-    service: ImageService,
+    service: Service,
     runner: FakeRunner,
     response: httpx.Response,
     param: str | None,
@@ -152,7 +150,7 @@ class AsgiCall:
     async def send(self, message: MutableMapping[str, Any]) -> None:
         self.sent.append(dict(message))
 
-    async def run(self, service: ImageService) -> None:
+    async def run(self, service: Service) -> None:
         await service.app(self.scope, self.receive, self.send)
 
     @property
@@ -595,3 +593,19 @@ def test_serve_config_is_validated() -> None:
     for make in bad:
         with pytest.raises(ValueError, match=r"^\w+: "):
             make()
+
+
+def test_image_service_is_the_deprecated_old_name_of_service() -> None:
+    """``ImageService`` (the name before 0.2.0) is ``Service``, with a ``DeprecationWarning``."""
+    import omni_trio.serve as serve
+
+    with pytest.warns(
+        DeprecationWarning, match=r"ImageService is deprecated.*use omni_trio\.serve\.Service"
+    ):
+        alias = serve.ImageService
+    assert alias is serve.Service
+    with pytest.warns(DeprecationWarning, match="0.3.0"):
+        from omni_trio.serve import ImageService
+    assert ImageService is serve.Service
+    assert "Service" in serve.__all__ and "ImageService" not in serve.__all__
+    assert not hasattr(serve, "NoSuchName")

@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 import omni_trio as ot
-from omni_trio.serve import ImageService, ServeConfig
+from omni_trio.serve import ServeConfig, Service
 from omni_trio.serve._schema import DEADLINE_HEADER, parse_generation_body
 from omni_trio.testing import FakeRunner, FakeState, GatedRunner, wait_until
 
@@ -38,9 +38,9 @@ class PromptRecorder(GatedRunner):
         return super().prepare(request, request_id)
 
 
-def make(runner: FakeRunner, **config: Any) -> ImageService:
+def make(runner: FakeRunner, **config: Any) -> Service:
     """A service at 64x64, 4 steps, batches of one; ``config`` adds ServeConfig fields."""
-    return ImageService(
+    return Service(
         runner,
         engine_config=ot.EngineConfig(max_batch_size=1),
         config=ServeConfig(

@@ -13,7 +13,7 @@ import pytest
 import omni_trio as ot
 from omni_trio.runners import for_devices, visible_devices
 from omni_trio.runners._devices import parse_devices
-from omni_trio.serve import ImageService, ServeConfig
+from omni_trio.serve import ServeConfig, Service
 from omni_trio.serve._models import load_model
 from omni_trio.testing import wait_until
 
@@ -67,7 +67,7 @@ async def test_health_and_metrics_say_degraded_when_a_worker_dies() -> None:
     runners = [KillableRunner(), KillableRunner()]
     for runner in runners:
         runner.open_gate()
-    service = ImageService(
+    service = Service(
         runners,
         engine_config=ot.EngineConfig(max_batch_size=1),
         config=ServeConfig(model_name="fake", default_width=64, default_height=64, default_steps=2),

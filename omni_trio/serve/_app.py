@@ -1,4 +1,4 @@
-"""ImageService: an engine behind an OpenAI-style HTTP API, as a Starlette app.
+"""Service: an engine behind an OpenAI-style HTTP API (images, edits, videos), on Starlette.
 
 The engine's lifetime is the app's lifespan: ``open_engine`` runs at startup and
 its shutdown sequence at shutdown, so the server (Hypercorn on trio, Uvicorn on
@@ -35,7 +35,7 @@ from ._upload import UploadLimits
 from ._video_jobs import VideoConfig, VideoJobs
 from ._videos import VideosApi
 
-__all__ = ["NOT_STARTED", "ImageService", "create_app"]
+__all__ = ["NOT_STARTED", "Service", "create_app"]
 
 _log = logging.getLogger("omni_trio.serve")
 
@@ -46,7 +46,7 @@ NOT_STARTED = (
 """The 503 message of a mounted service whose lifespan never ran."""
 
 
-class ImageService:
+class Service:
     """Serve one runner, or one per device, over HTTP: routes, lifespan, health, metrics, drain.
 
     ``service.app`` is the ASGI app. Its lifespan opens the engine (so it can run
@@ -248,7 +248,7 @@ class ImageService:
             )
 
     @asynccontextmanager
-    async def lifespan(self) -> AsyncIterator[ImageService]:
+    async def lifespan(self) -> AsyncIterator[Service]:
         """Open the engine for the block; drain it when the block is left.
 
         ``service.app`` runs this as its own lifespan. A host app that mounts
@@ -271,7 +271,7 @@ class ImageService:
             Leaving the block runs the drain shielded, as ``open_engine`` does.
         """
         if self._started:
-            raise RuntimeError("an ImageService runs once: its engine closes the runner")
+            raise RuntimeError("a Service runs once: its engine closes the runner")
         self._started = True
         async with open_engine(self._runner, self.engine_config) as engine:
             self._engine = engine
@@ -382,8 +382,8 @@ def create_app(
     engine_config: EngineConfig | None = None,
     config: ServeConfig | None = None,
 ) -> Starlette:
-    """Build the ASGI app that serves ``runner`` (see ``ImageService``).
+    """Build the ASGI app that serves ``runner``: images, edits and videos (see ``Service``).
 
-    The app's ``state.service`` is its ``ImageService``.
+    The app's ``state.service`` is its ``Service``.
     """
-    return ImageService(runner, engine_config=engine_config, config=config).app
+    return Service(runner, engine_config=engine_config, config=config).app
