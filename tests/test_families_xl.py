@@ -22,9 +22,9 @@ import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, runner_for, tiny_pipeline
 from omni_trio.serve import ServeConfig, Service
 from omni_trio.serve._models import MODELS, TINY_SIZE, TINY_STEPS, load_model
+from tests.support.serve import PATH, png_size, serving
 
 from .test_diffusers_runner import GatedDiffusers, resumed_and_uninterrupted
-from .test_serve_app import PATH, png_size, serving
 from .util import BUDGET, read_gated
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]

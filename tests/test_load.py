@@ -48,8 +48,8 @@ from omni_trio.serve._load import (
     summarize,
 )
 from omni_trio.testing import FakeRunner, GatedRunner, wait_until
+from tests.support.serve import metric
 
-from .test_serve_app import metric
 from .util import BUDGET
 
 # -- the schedule --------------------------------------------------------------------

@@ -6,7 +6,7 @@ Determinism rules:
   saved to a local folder; one torch thread;
 - a fixed request seed must give the same image twice;
 - in-process, inside the app's lifespan, with ``anyio.fail_after(BUDGET)``. (The
-  servers themselves are tested with the fake model, in test_serve_http.)
+  servers themselves are tested with the fake model, in tests/serve/test_http.py.)
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pytest
 
 from omni_trio.serve import ServeConfig, Service
 from omni_trio.serve._cli import _service, add_serve_arguments, load_model
+from tests.support.serve import PATH, parse_sse, png_size, serving
 
-from .test_serve_app import PATH, parse_sse, png_size, serving
 from .util import BUDGET
 
 

@@ -16,8 +16,7 @@ from starlette.routing import Mount
 
 from omni_trio.serve import Service
 from omni_trio.testing import FakeRunner, assert_engine_idle
-
-from .util import BUDGET
+from tests.util import BUDGET
 
 pytestmark = pytest.mark.anyio
 
