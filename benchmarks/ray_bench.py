@@ -111,7 +111,7 @@ def run_ray(options: Options) -> dict[str, Any]:
     import ray
     from ray import serve
 
-    from omni_trio.serve import ImageService, ServeConfig
+    from omni_trio.serve import ServeConfig, Service
     from omni_trio.serve.ray import deployment
     from omni_trio.testing import FakeRunner
 
@@ -121,7 +121,7 @@ def run_ray(options: Options) -> dict[str, Any]:
     aborts: list[tuple[float, float]] = []
     plain_port, ray_port = _free_port(), _free_port()
     plain_url, ray_url = f"http://127.0.0.1:{plain_port}", f"http://127.0.0.1:{ray_port}"
-    service = ImageService(FakeRunner(step_seconds=0), config=serve_config)
+    service = Service(FakeRunner(step_seconds=0), config=serve_config)
     server = uvicorn.Server(
         uvicorn.Config(service.app, host="127.0.0.1", port=plain_port, log_level="warning")
     )

@@ -19,13 +19,12 @@ import torch
 import omni_trio as ot
 from omni_trio.testing import (
     FakeRunner,
-    FakeState,
-    GatedRunner,
     assert_nothing_left,
     check_engine_invariants,
     wait_until,
 )
 
+from .support.devices import KillableRunner, PrepareRecorder
 from .util import BUDGET, WorkerKilled, expected_images, req
 
 pytestmark = pytest.mark.filterwarnings("error")
@@ -44,40 +43,6 @@ class Both:
     @property
     def closed(self) -> bool:
         return all(runner.closed for runner in self._runners)
-
-
-class PrepareRecorder(GatedRunner):
-    """A ``GatedRunner`` that records the ids it prepares."""
-
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        self.prepared: list[str] = []
-
-    def prepare(self, request: ot.GenerationRequest, request_id: str) -> FakeState:
-        """Record, then prepare."""
-        self.prepared.append(request_id)
-        return super().prepare(request, request_id)
-
-
-class KillableRunner(PrepareRecorder):
-    """Dies (a BaseException from ``step``) when told to."""
-
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        self.kill = False
-
-    def step(self, states: Sequence[FakeState]) -> None:
-        """Wait at the gate; then die if told to, else step."""
-        with self._changed:
-            self.arrived += 1
-            self._changed.notify_all()
-            if not self._changed.wait_for(lambda: self._open or self._permits > 0, 20):
-                raise RuntimeError("KillableRunner: no release() came")
-            if not self._open:
-                self._permits -= 1
-        if self.kill:
-            raise WorkerKilled("device lost")
-        FakeRunner.step(self, states)
 
 
 async def started_on_both(

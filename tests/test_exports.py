@@ -143,8 +143,24 @@ def test_handle_reaches_the_engine_only_through_its_seam() -> None:
     assert not any(name.startswith("omni_trio._engine") for name in imported), imported
 
 
-def test_images_endpoint_does_not_import_its_app() -> None:
-    """``serve/_images`` never imports ``serve/_app`` back, not even for typing."""
-    imported = _imports(ROOT / "omni_trio" / "serve" / "_images.py")
-    assert "omni_trio.serve._errors" in imported  # the resolution works
-    assert not any(name.startswith("omni_trio.serve._app") for name in imported), imported
+#: Each endpoint's modules: siblings over the serving plumbing (``_asgi``, ``_forms``, ...).
+ENDPOINTS = {
+    "images": ["_images"],
+    "edits": ["_edits"],
+    "videos": ["_videos", "_video_body", "_video_jobs"],
+}
+
+
+@pytest.mark.parametrize("endpoint", sorted(ENDPOINTS))
+def test_endpoints_import_neither_their_app_nor_each_other(endpoint: str) -> None:
+    """An endpoint never imports ``serve/_app`` or another endpoint, not even for typing."""
+    forbidden = {"omni_trio.serve._app"} | {
+        f"omni_trio.serve.{module}"
+        for other, modules in ENDPOINTS.items()
+        if other != endpoint
+        for module in modules
+    }
+    for module in ENDPOINTS[endpoint]:
+        imported = _imports(ROOT / "omni_trio" / "serve" / f"{module}.py")
+        assert "omni_trio.serve._errors" in imported  # the resolution works
+        assert not imported & forbidden, (module, sorted(imported & forbidden))

@@ -20,11 +20,11 @@ import torch
 
 import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, runner_for, tiny_pipeline
-from omni_trio.serve import ImageService, ServeConfig
+from omni_trio.serve import ServeConfig, Service
 from omni_trio.serve._models import MODELS, TINY_SIZE, TINY_STEPS, load_model
+from tests.support.serve import PATH, png_size, serving
 
 from .test_diffusers_runner import GatedDiffusers, resumed_and_uninterrupted
-from .test_serve_app import PATH, png_size, serving
 from .util import BUDGET, read_gated
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
@@ -250,7 +250,7 @@ async def test_serve_model_names_load_and_serve_the_tiny_pipelines(
         default_guidance_scale=model.guidance_scale,
     )
     with anyio.fail_after(BUDGET):
-        async with serving(ImageService(model.runners[0], config=config)) as client:
+        async with serving(Service(model.runners[0], config=config)) as client:
             response = await client.post(PATH, json={"prompt": "a cat"})
     assert response.status_code == 200, response.text
     assert png_size(response.json()["data"][0]["b64_json"]) == (SIZE, SIZE)

@@ -32,7 +32,8 @@ import sniffio
 
 from omni_trio import EngineConfig
 from omni_trio.__main__ import main
-from omni_trio.serve import ImageService, ServeConfig
+from omni_trio.serve import ServeConfig
+from omni_trio.serve import Service as ImageService
 from omni_trio.serve._load import (
     DEFAULT_CLASS,
     OUTCOMES,
@@ -47,8 +48,8 @@ from omni_trio.serve._load import (
     summarize,
 )
 from omni_trio.testing import FakeRunner, GatedRunner, wait_until
+from tests.support.serve import metric
 
-from .test_serve_app import metric
 from .util import BUDGET
 
 # -- the schedule --------------------------------------------------------------------

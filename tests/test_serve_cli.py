@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .test_serve_http import PATH, ROOT, free_port
+from tests.support.serve import PATH, ROOT, free_port
 
 SERVERS = ["hypercorn", "uvicorn"]
 

@@ -6,7 +6,7 @@ Determinism rules:
   saved to a local folder; one torch thread;
 - a fixed request seed must give the same image twice;
 - in-process, inside the app's lifespan, with ``anyio.fail_after(BUDGET)``. (The
-  servers themselves are tested with the fake model, in test_serve_http.)
+  servers themselves are tested with the fake model, in tests/serve/test_http.py.)
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from omni_trio.serve import ImageService, ServeConfig
+from omni_trio.serve import ServeConfig, Service
 from omni_trio.serve._cli import _service, add_serve_arguments, load_model
+from tests.support.serve import PATH, parse_sse, png_size, serving
 
-from .test_serve_app import PATH, parse_sse, png_size, serving
 from .util import BUDGET
 
 
@@ -46,7 +46,7 @@ async def test_a_local_diffusers_folder_is_served_by_path(
     config = ServeConfig(
         model_name=model.name, default_width=64, default_height=64, default_steps=3
     )
-    service = ImageService(model.runners[0], config=config)
+    service = Service(model.runners[0], config=config)
     with anyio.fail_after(BUDGET):
         async with serving(service) as client:
             models = (await client.get("/v1/models")).json()
@@ -77,7 +77,7 @@ async def test_every_tiny_model_name_serves(name: str, one_torch_thread: None) -
         default_steps=2,
         default_guidance_scale=model.guidance_scale,
     )
-    service = ImageService(model.runners[0], config=config)
+    service = Service(model.runners[0], config=config)
     with anyio.fail_after(BUDGET):
         async with serving(service) as client:
             response = await client.post(PATH, json={"prompt": "a cat"})

@@ -1,7 +1,7 @@
-"""Serve an engine over HTTP: an OpenAI-style images API on Starlette.
+"""Serve an engine over HTTP: OpenAI-style images, image edits and video jobs, on Starlette.
 
-- ``create_app(runner, ...)`` / ``ImageService``: the ASGI app, its engine bound to
-  the app's lifespan;
+- ``Service`` / ``create_app(runner, ...)``: the ASGI app, its engine bound to the
+  app's lifespan (``ImageService`` is the deprecated old name of ``Service``);
 - ``ServeConfig``: the HTTP layer's own settings (model name, defaults, body limit);
 - ``UploadLimits``: how large an edit's upload may be (bytes, pixels);
 - ``VideoConfig``: a video model's jobs (``/v1/videos``): fps, how many, how long;
@@ -9,16 +9,36 @@
   Uvicorn (asyncio), with signal-driven draining.
 
 See docs/serving.md.
+
+Layout. ``_app`` builds the ``Service``: its routes, lifespan, health and model
+cards. The endpoints are siblings that it routes to:
+
+- ``_images``: ``POST /v1/images/generations`` (and edits, given their parser);
+- ``_edits``: the edit form to an image job (``POST /v1/images/edits``);
+- ``_videos``: the ``/v1/videos`` routes, over ``_video_body`` (the body to a
+  request) and ``_video_jobs`` (the jobs' tasks and their bounded store).
+
+Under them, the plumbing they share: ``_asgi`` (the ASGI types, headers, the
+body within its limit, JSON and server-sent events, the watched client),
+``_forms`` (multipart parts and their typed values), ``_schema`` (a body's
+checks), ``_errors`` (OpenAI-style errors, the engine's mapped to them),
+``_metrics`` (the Prometheus registry and each request's outcome), ``_encode``
+(images to files), ``_upload`` (uploaded images within limits) and ``_config``.
+An endpoint imports the plumbing, never another endpoint nor ``_app``
+(tests/test_exports.py checks it).
 """
 
 from __future__ import annotations
 
+import typing
+import warnings
+
 from .. import _exports
-from ._app import ImageService as ImageService
+from ._app import Service as Service
 from ._app import create_app as create_app
+from ._asgi import CLIENT_GONE as CLIENT_GONE
 from ._config import ServeConfig as ServeConfig
 from ._errors import ApiError as ApiError
-from ._images import CLIENT_GONE as CLIENT_GONE
 from ._metrics import OUTCOMES as OUTCOMES
 from ._upload import UploadLimits as UploadLimits
 from ._video_jobs import VideoConfig as VideoConfig
@@ -27,12 +47,30 @@ __all__ = [
     "CLIENT_GONE",
     "OUTCOMES",
     "ApiError",
-    "ImageService",
     "ServeConfig",
+    "Service",
     "UploadLimits",
     "VideoConfig",
     "create_app",
 ]
+
+if typing.TYPE_CHECKING:
+    # Deprecated: the old name of ``Service``, until 0.3.0 (at run time, __getattr__).
+    ImageService = Service
+
+
+def __getattr__(name: str) -> object:
+    """``ImageService``: ``Service`` under its old name, with a ``DeprecationWarning``."""
+    if name == "ImageService":
+        warnings.warn(
+            "omni_trio.serve.ImageService is deprecated and goes in 0.3.0:"
+            " use omni_trio.serve.Service",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return Service
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # Reprs, tracebacks and pickles name this package, not its private modules.
 _exports.set_public_module(__name__, globals())

@@ -1,4 +1,4 @@
-"""ImageService: an engine behind an OpenAI-style HTTP API, as a Starlette app.
+"""Service: an engine behind an OpenAI-style HTTP API (images, edits, videos), on Starlette.
 
 The engine's lifetime is the app's lifespan: ``open_engine`` runs at startup and
 its shutdown sequence at shutdown, so the server (Hypercorn on trio, Uvicorn on
@@ -24,17 +24,18 @@ from .._config import EngineConfig
 from .._engine import Engine, open_engine
 from .._outputs import EngineStatistics
 from .._runner import Runner
+from ._asgi import Asgi, Scope, error_response
 from ._config import ServeConfig
 from ._edits import parse_edit_form
 from ._errors import ApiError, unexpected_error
-from ._images import ImagesEndpoint, Scope
+from ._images import ImagesEndpoint
 from ._metrics import ServeMetrics
 from ._schema import ImageJob
 from ._upload import UploadLimits
 from ._video_jobs import VideoConfig, VideoJobs
-from ._videos import Asgi, VideosApi
+from ._videos import VideosApi
 
-__all__ = ["NOT_STARTED", "ImageService", "create_app"]
+__all__ = ["NOT_STARTED", "Service", "create_app"]
 
 _log = logging.getLogger("omni_trio.serve")
 
@@ -45,7 +46,7 @@ NOT_STARTED = (
 """The 503 message of a mounted service whose lifespan never ran."""
 
 
-class ImageService:
+class Service:
     """Serve one runner, or one per device, over HTTP: routes, lifespan, health, metrics, drain.
 
     ``service.app`` is the ASGI app. Its lifespan opens the engine (so it can run
@@ -247,7 +248,7 @@ class ImageService:
             )
 
     @asynccontextmanager
-    async def lifespan(self) -> AsyncIterator[ImageService]:
+    async def lifespan(self) -> AsyncIterator[Service]:
         """Open the engine for the block; drain it when the block is left.
 
         ``service.app`` runs this as its own lifespan. A host app that mounts
@@ -270,7 +271,7 @@ class ImageService:
             Leaving the block runs the drain shielded, as ``open_engine`` does.
         """
         if self._started:
-            raise RuntimeError("an ImageService runs once: its engine closes the runner")
+            raise RuntimeError("a Service runs once: its engine closes the runner")
         self._started = True
         async with open_engine(self._runner, self.engine_config) as engine:
             self._engine = engine
@@ -331,7 +332,7 @@ class ImageService:
             error = ApiError(
                 404, f"the model {model_id!r} does not exist", param="model", code="model_not_found"
             )
-            return JSONResponse(error.body(), status_code=404)
+            return error_response(error)
         return JSONResponse(self._model_card())
 
     async def _health(self, request: Request) -> Response:
@@ -361,16 +362,18 @@ class ImageService:
         return Response(body, headers={"Content-Type": content_type})
 
     async def _unexpected(self, request: Request, exc: Exception) -> Response:
-        error = unexpected_error()
-        return JSONResponse(error.body(), status_code=error.status)
+        return error_response(unexpected_error())
 
     async def _http_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         error = ApiError(
-            exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code
+            exc.status_code,
+            f"{request.method} {request.url.path}: {exc.detail}",
+            code=code,
+            headers=exc.headers,
         )
-        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+        return error_response(error)
 
 
 def create_app(
@@ -379,8 +382,8 @@ def create_app(
     engine_config: EngineConfig | None = None,
     config: ServeConfig | None = None,
 ) -> Starlette:
-    """Build the ASGI app that serves ``runner`` (see ``ImageService``).
+    """Build the ASGI app that serves ``runner``: images, edits and videos (see ``Service``).
 
-    The app's ``state.service`` is its ``ImageService``.
+    The app's ``state.service`` is its ``Service``.
     """
-    return ImageService(runner, engine_config=engine_config, config=config).app
+    return Service(runner, engine_config=engine_config, config=config).app

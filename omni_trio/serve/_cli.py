@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Collection
     from types import FrameType
 
-    from ._app import ImageService
+    from ._app import Service as ImageService
 
 __all__ = ["MODELS", "add_serve_arguments", "load_model", "run_serve"]
 
@@ -304,7 +304,7 @@ def _service(args: argparse.Namespace, model: LoadedModel) -> ImageService:
     from .._config import EngineConfig
     from .._errors import InvalidRequestError
     from .._request import GenerationRequest
-    from ._app import ImageService
+    from ._app import Service as ImageService
     from ._config import ServeConfig
 
     width, height = args.default_size or model.size

@@ -15,16 +15,21 @@ class ServeConfig:
     """How the HTTP server names its model, fills defaults and bounds bodies.
 
     The limits on steps, sizes, ``n`` and the queue are the engine's
-    (``EngineConfig``); these are the HTTP layer's own.
+    (``EngineConfig``); these are the HTTP layer's own, for its images, image
+    edits and video jobs alike unless a field says otherwise (an edit's upload
+    has ``UploadLimits``, a video job's length ``VideoConfig``).
 
     Args:
         model_name: the model id shown by ``/v1/models``; a request's ``model``
             must be this (or absent).
-        default_width: image width when the request has no ``size`` (or ``"auto"``).
-        default_height: image height when the request has no ``size``.
+        default_width: the width of an image or a video when the request has no
+            ``size`` (or ``"auto"``); an edit without one keeps its image's size.
+        default_height: the height, likewise.
         default_steps: ``num_inference_steps`` when the request has none.
         default_guidance_scale: ``guidance_scale`` when the request has none.
-        max_body_bytes: larger request bodies are refused with 413 before parsing.
+        max_body_bytes: larger request bodies (a generation's, a video job's)
+            are refused with 413 before parsing; an edit's is bounded by
+            ``UploadLimits.max_bytes`` instead.
         retry_after_s: the ``Retry-After`` seconds sent with 429 and 503.
         max_priority: the highest ``priority`` a request body may ask for (0 to
             ``MAX_PRIORITY``); a higher one is a 400. Clients are anonymous, so by

@@ -6,8 +6,9 @@ WebP file; ``image[]`` with one file is the same), an optional ``mask`` file,
 ``/v1/images/generations`` (``num_inference_steps``, ``guidance_scale``, ``seed``,
 ``negative_prompt``, ``priority``, ...), plus ``strength`` (0 < strength <= 1).
 Form values are text: each is read as its field's type (``"3"`` for an integer,
-``"0.6"`` for a number, ``"true"``/``"false"`` for ``stream``), then checked by
-the same model and mapped to the same errors as a generation body (L76).
+``"0.6"`` for a number, ``"true"``/``"false"`` for ``stream``; ``_forms`` reads
+and types the parts, as for ``/v1/videos``), then checked by the same model and
+mapped to the same errors as a generation body (L76).
 
 Images:
 
@@ -26,16 +27,15 @@ event loop; each upload's declared size is checked before it is decoded.
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 
+from ._asgi import Scope, header
 from ._errors import ApiError, invalid
-from ._images import Scope, header
+from ._forms import check_known, form_value, read_form
 from ._schema import (
     DEADLINE_HEADER,
-    HUGE_DIGITS,
     KNOWN_FIELDS,
     GenerationBody,
     ImageJob,
@@ -44,59 +44,21 @@ from ._schema import (
     shown,
     validate_body,
 )
-from ._upload import UploadLimits, open_image, read_form
+from ._upload import UploadLimits, open_image
 
 if TYPE_CHECKING:
     from PIL import Image
 
     from ._config import ServeConfig
 
-__all__ = ["EDIT_FIELDS", "form_value", "parse_edit_form"]
+__all__ = ["EDIT_FIELDS", "parse_edit_form"]
 
 #: Fields of the edit form beyond a generation body's: files, and ``strength``.
 EDIT_FIELDS = frozenset({"image", "image[]", "mask", "strength", "input_fidelity", "markup"})
 _FILES = frozenset({"image", "image[]", "mask", "markup"})
 
-#: How each non-text form field is read.
-_INTEGERS = frozenset(
-    {
-        "n",
-        "output_compression",
-        "partial_images",
-        "num_inference_steps",
-        "seed",
-        "preview_every",
-        "priority",
-        "deadline_ms",
-        "frame_count",
-        "frame_duration_ms",
-        "num_frames",  # /v1/videos
-    }
-)
-_NUMBERS = frozenset({"guidance_scale", "strength"})
-_BOOLEANS = frozenset({"stream"})
-_INTEGER = re.compile(r"-?[0-9]+")
-_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
-
-
-def form_value(name: str, text: str) -> object:
-    """A form value as its field's type (integer, number, boolean, text), or a 400 naming it."""
-    if name in _INTEGERS:
-        if _INTEGER.fullmatch(text) is None:
-            raise invalid(f"{name}: must be an integer, got {shown(text)}", name, "invalid_type")
-        digits = len(text) - text.startswith("-")
-        if digits > HUGE_DIGITS:  # as a JSON body's: out of range, cheap to refuse
-            return -(10**HUGE_DIGITS) if text.startswith("-") else 10**HUGE_DIGITS
-        return int(text)
-    if name in _NUMBERS:
-        if len(text) > 400 or _NUMBER.fullmatch(text) is None:
-            raise invalid(f"{name}: must be a number, got {shown(text)}", name, "invalid_type")
-        return float(text)  # 1e999 is inf: the model refuses it as not finite
-    if name in _BOOLEANS:
-        if text not in ("true", "false"):
-            raise invalid(f"{name}: must be true or false, got {shown(text)}", name, "invalid_type")
-        return text == "true"
-    return text
+#: Every part the form may have.
+_PARTS = KNOWN_FIELDS | EDIT_FIELDS
 
 
 def _fields(parts: list[tuple[str, str | bytes]]) -> tuple[dict[str, object], dict[str, bytes]]:
@@ -104,11 +66,7 @@ def _fields(parts: list[tuple[str, str | bytes]]) -> tuple[dict[str, object], di
     values: dict[str, object] = {}
     files: dict[str, bytes] = {}
     for name, value in parts:
-        param = name if len(name) <= 64 else f"{name[:61]}..."
-        if name not in KNOWN_FIELDS and name not in EDIT_FIELDS:
-            raise invalid(
-                f"Unrecognized request argument supplied: {shown(name)}", param, "unknown_parameter"
-            )
+        check_known(name, _PARTS)
         if name in values or name in files or (name in ("image", "image[]") and "image" in files):
             raise invalid(f"{name}: given more than once; this server edits one image", name)
         if name in _FILES:
@@ -207,11 +165,7 @@ async def parse_edit_form(
     Cancellation:
         Safe: a decode already running in its thread finishes and is dropped.
     """
-    headers = {
-        bytes(key).decode("latin-1"): bytes(value).decode("latin-1")
-        for key, value in scope.get("headers", ())
-    }
-    values, files = _fields(await read_form(headers, body, limits))
+    values, files = _fields(await read_form(scope, body, limits))
     parsed = validate_body({k: v for k, v in values.items() if k not in EDIT_FIELDS})
     if "strength" in values:
         strength = values["strength"]

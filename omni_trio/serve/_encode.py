@@ -1,4 +1,4 @@
-"""Images to PNG/JPEG/WebP bytes, and server-sent event framing.
+"""Images to PNG/JPEG/WebP bytes, and base64 text of them.
 
 Encoding is tensor work: small images (the previews, test sizes) are encoded in
 the event loop's thread, where it costs well under a millisecond; larger ones go
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import anyio.lowlevel
@@ -20,7 +18,7 @@ import anyio.to_thread
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["b64", "encode_images", "encode_images_sync", "sse_event"]
+__all__ = ["b64", "encode_images", "encode_images_sync"]
 
 #: Pixels (summed over the images) encoded in the loop's thread; above this a worker
 #: thread encodes. Measured on the 2-core CI machine, PNG of RGB noise (the worst
@@ -85,9 +83,3 @@ async def encode_images(images: torch.Tensor, fmt: str, quality: int | None) -> 
 def b64(data: bytes) -> str:
     """Base64 text of ``data``."""
     return base64.b64encode(data).decode("ascii")
-
-
-def sse_event(event: str, data: Mapping[str, object]) -> bytes:
-    """One server-sent event: ``event: <event>`` and a one-line JSON ``data``."""
-    payload = json.dumps(data, separators=(",", ":"))
-    return f"event: {event}\ndata: {payload}\n\n".encode()

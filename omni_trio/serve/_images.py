@@ -16,22 +16,23 @@ Why the receive channel and not ``Request.is_disconnected()``: the latter only
 polls, and only when called; a request waiting for its result never calls it.
 Why not rely on ``send`` failing: Uvicorn drops writes to a closed connection
 silently, and a non-streaming request writes nothing until its image is ready.
+
+The plumbing (the body within its limit, JSON and server-sent events, the watched
+``Client``) is ``_asgi``'s; the body's checks are ``_schema``'s.
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
-import anyio.lowlevel
 
 from .._errors import OmniTrioError
-from .._outputs import RequestStatus
-from ._encode import b64, encode_images, sse_event
+from ._asgi import Client, Receive, Scope, Send, header, read_body, send_error, send_json, sse_event
+from ._encode import b64, encode_images
 from ._errors import ApiError, api_error_from
 from ._schema import DEADLINE_HEADER, ImageJob, parse_generation_body
 
@@ -41,31 +42,7 @@ if TYPE_CHECKING:
     from ._config import ServeConfig
     from ._metrics import ServeMetrics
 
-__all__ = [
-    "CLIENT_GONE",
-    "SSE_HEADERS",
-    "Client",
-    "ImagesEndpoint",
-    "JobParser",
-    "account",
-    "header",
-    "read_body",
-    "send_json",
-]
-
-Scope = Mapping[str, Any]
-Message = Mapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
-#: The abort reason of a request whose client disconnected.
-CLIENT_GONE = "client_disconnected"
-
-SSE_HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-]
+__all__ = ["ImagesEndpoint", "JobParser"]
 
 #: OpenAI's completed-event ``usage``: tokens do not apply to a diffusion model.
 _NO_USAGE = {
@@ -74,137 +51,6 @@ _NO_USAGE = {
     "output_tokens": 0,
     "total_tokens": 0,
 }
-
-
-async def send_json(
-    send: Send, status: int, body: object, headers: Mapping[str, str] | None = None
-) -> None:
-    """Send a complete JSON response.
-
-    Cancellation:
-        Safe between the two messages only as far as the server allows; the
-        response may be cut short.
-    """
-    data = json.dumps(body, separators=(",", ":")).encode()
-    raw = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(data)).encode()),
-        *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()),
-    ]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": data, "more_body": False})
-
-
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
-    """Read the whole body, or ``None`` if the client left; 413 past ``limit`` bytes.
-
-    Cancellation:
-        Safe: what was read is dropped.
-    """
-    too_large = ApiError(
-        413,
-        f"the request body is larger than {limit} bytes",
-        code="request_too_large",
-        headers={"Connection": "close"},
-    )
-    for name, value in scope.get("headers", ()):
-        if name == b"content-length":
-            try:
-                declared = int(value)
-            except ValueError:
-                raise ApiError(
-                    400, "invalid Content-Length header", code="invalid_header"
-                ) from None
-            if declared > limit:
-                raise too_large
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        if message["type"] != "http.request":
-            continue
-        chunk: bytes = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def header(scope: Scope, name: str) -> str | None:
-    """The first value of header ``name`` (latin-1, as HTTP/1.1 defines), if sent."""
-    wanted = name.lower().encode("latin-1")
-    for key, value in scope.get("headers", ()):
-        if key == wanted:
-            return bytes(value).decode("latin-1")
-    return None
-
-
-def account(metrics: ServeMetrics, handle: RequestHandle, *, gone: bool = False) -> None:
-    """Count a terminal request's outcome (``disconnected`` if its client is ``gone``), timings."""
-    status = handle.status
-    if gone:
-        outcome = "disconnected"
-    elif status is RequestStatus.COMPLETED:
-        outcome = "completed"
-    elif status is RequestStatus.ABORTED:
-        reason = handle.abort_reason
-        outcome = reason if reason in ("shutdown", "deadline") else "aborted"
-    else:
-        outcome = "failed"
-    metrics.count(outcome)
-    if handle.metrics is not None:
-        metrics.observe(handle.metrics)
-
-
-class Client:
-    """The HTTP side of one answer: its ``send``, and whether the client went away.
-
-    With a ``handle``, a disconnect aborts its request; without one (a video job's
-    event stream: the job outlives its watchers) it only stops the answer.
-    """
-
-    def __init__(self, receive: Receive, send: Send, handle: RequestHandle | None) -> None:
-        self._receive = receive
-        self._send = send
-        self._handle = handle
-        self.scope = anyio.CancelScope()
-        self.is_gone = False
-        self.is_finished = False
-
-    def gone(self) -> None:
-        """The client disconnected: abort the request, stop answering."""
-        # After the last body message a server may report a disconnect that only
-        # means "response complete" (Uvicorn, httpx's ASGITransport do).
-        if not self.is_gone and not self.is_finished:
-            self.is_gone = True
-            # First reason wins: leaving the handle's block afterwards keeps this one.
-            if self._handle is not None:
-                self._handle.abort_nowait(reason=CLIENT_GONE)
-            self.scope.cancel()
-
-    async def watch(self) -> None:
-        """Read the receive channel until ``http.disconnect``; then ``gone()``."""
-        while True:
-            message = await self._receive()
-            if message["type"] == "http.disconnect":
-                self.gone()
-                return
-
-    async def send(self, message: Message) -> None:
-        """Send, treating a failed write (ASGI 2.4 servers raise OSError) as a disconnect."""
-        try:
-            await self._send(message)
-        except OSError:
-            self.gone()
-            await anyio.lowlevel.checkpoint()  # delivers the cancellation
-
-    async def chunk(self, data: bytes) -> None:
-        """Send one piece of a streaming body."""
-        await self.send({"type": "http.response.body", "body": data, "more_body": True})
 
 
 #: Turns a request's scope and whole body into a job, or raises ``ApiError``.
@@ -263,21 +109,23 @@ class ImagesEndpoint:
         except OmniTrioError as exc:
             error = api_error_from(exc, retry_after_s=config.retry_after_s)
             metrics.count(error.outcome)
-            await send_json(send, error.status, error.body(), error.headers)
+            await send_error(send, error)
             return
         except ApiError as error:
             metrics.count(error.outcome)
-            await send_json(send, error.status, error.body(), error.headers)
+            await send_error(send, error)
             return
         client = Client(receive, send, handle)
         try:
             async with handle:
                 if job.stream:
-                    await self._answer_stream(handle, job, client)
+                    await client.stream(
+                        handle.request_id, lambda: self._send_events(handle, job, client)
+                    )
                 else:
                     await self._answer_json(handle, job, client)
         finally:
-            account(self._metrics, handle, gone=client.is_gone)
+            self._metrics.account(handle, gone=client.is_gone)
 
     async def _answer_json(self, handle: RequestHandle, job: ImageJob, client: Client) -> None:
         status = 200
@@ -320,15 +168,6 @@ class ImagesEndpoint:
                 tg.cancel_scope.cancel()
         if not client.is_gone:
             await send_json(client.send, status, body, headers)
-
-    async def _answer_stream(self, handle: RequestHandle, job: ImageJob, client: Client) -> None:
-        headers = [*SSE_HEADERS, (b"x-request-id", handle.request_id.encode())]
-        with client.scope:
-            await client.send({"type": "http.response.start", "status": 200, "headers": headers})
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(client.watch)
-                await self._send_events(handle, job, client)
-                tg.cancel_scope.cancel()
 
     async def _send_events(self, handle: RequestHandle, job: ImageJob, client: Client) -> None:
         common = {
@@ -389,5 +228,4 @@ class ImagesEndpoint:
                     **common,
                 }
                 await client.chunk(sse_event(f"{job.events}.completed", completed))
-        client.is_finished = True
-        await client.send({"type": "http.response.body", "body": b"", "more_body": False})
+        await client.end()

@@ -44,6 +44,7 @@ change every registry of the process.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -58,7 +59,10 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from .._outputs import EngineStatistics, RequestMetrics
+from .._outputs import EngineStatistics, RequestMetrics, RequestStatus
+
+if TYPE_CHECKING:
+    from .._handle import RequestHandle
 
 __all__ = ["OUTCOMES", "ServeMetrics"]
 
@@ -259,6 +263,28 @@ class ServeMetrics:
     def count(self, outcome: str) -> None:
         """Count one request that ended with ``outcome``."""
         self.requests.labels(outcome=outcome).inc()
+
+    def account(self, handle: RequestHandle, *, gone: bool = False) -> None:
+        """Count a terminal request's outcome and its timings.
+
+        The outcome is ``disconnected`` if its client is ``gone``, else the
+        handle's: ``completed``, ``failed``, ``shutdown`` or ``deadline`` for
+        those abort reasons, else ``aborted``. Images, edits and video jobs all
+        count through here.
+        """
+        status = handle.status
+        if gone:
+            outcome = "disconnected"
+        elif status is RequestStatus.COMPLETED:
+            outcome = "completed"
+        elif status is RequestStatus.ABORTED:
+            reason = handle.abort_reason
+            outcome = reason if reason in ("shutdown", "deadline") else "aborted"
+        else:
+            outcome = "failed"
+        self.count(outcome)
+        if handle.metrics is not None:
+            self.observe(handle.metrics)
 
     def observe(self, metrics: RequestMetrics) -> None:
         """Record a terminal request's timings."""

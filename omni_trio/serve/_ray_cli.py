@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from .._command import CommandError, UsageError, summary
 
 if TYPE_CHECKING:
-    from ._app import ImageService
+    from ._app import Service as ImageService
 
 __all__ = ["APP_NAME", "RAY_ENVIRONMENT", "add_ray_arguments", "run_ray"]
 

@@ -66,6 +66,7 @@ __all__ = [
     "job_from_body",
     "load_json",
     "parse_generation_body",
+    "parse_int",
     "parse_size",
     "shown",
     "size_of",
@@ -268,7 +269,8 @@ def _first(errors: list[ErrorDetails], model: type[BaseModel]) -> ErrorDetails:
 # -- stage 1: bytes to JSON ---------------------------------------------------------
 
 
-def _parse_int(text: str) -> int:
+def parse_int(text: str) -> int:
+    """An integer literal's value: ``±10**HUGE_DIGITS`` for one of more digits than that."""
     digits = len(text) - text.startswith("-")
     if digits > HUGE_DIGITS:
         return -_STAND_IN if text.startswith("-") else _STAND_IN
@@ -288,7 +290,7 @@ def load_json(body: bytes, known: frozenset[str] = KNOWN_FIELDS) -> dict[str, ob
             f"the body is not UTF-8: {exc.reason} at byte {exc.start}", None, "invalid_json"
         ) from None
     try:
-        data = json.loads(text, parse_int=_parse_int)
+        data = json.loads(text, parse_int=parse_int)
     except RecursionError:
         raise invalid(
             "the body is not valid JSON: nested too deeply", None, "invalid_json"

@@ -1,9 +1,10 @@
-"""Uploaded images: a multipart form read within limits, files decoded only once sized.
+"""Uploaded images: their limits, and files decoded only once sized.
 
 Two limits, both checked before anything is allocated for them:
 
 - ``UploadLimits.max_bytes``: the whole multipart body, refused (413) from its
-  ``Content-Length`` or as soon as the bytes read pass it, before parsing;
+  ``Content-Length`` or as soon as the bytes read pass it, before parsing (the
+  body is ``_asgi.read_body``'s, its parts ``_forms.read_form``'s);
 - ``UploadLimits.max_pixels``: each image, refused (413 ``image_too_large``) from
   the width and height its header declares, before a pixel is decoded. A
   decompression bomb (a small file that declares a huge image) allocates nothing.
@@ -18,7 +19,6 @@ corrupt fails its ``load()`` and gets a 400 naming its field.
 from __future__ import annotations
 
 import io
-from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +27,7 @@ from ._errors import ApiError, invalid
 if TYPE_CHECKING:
     from PIL import Image
 
-__all__ = ["UploadLimits", "open_image", "read_form"]
+__all__ = ["UploadLimits", "open_image"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,63 +55,6 @@ class UploadLimits:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: must be an int >= 1, got {value!r}")
-
-
-async def read_form(
-    headers: Mapping[str, str], body: bytes, limits: UploadLimits
-) -> list[tuple[str, str | bytes]]:
-    """Parse a ``multipart/form-data`` body: each part's name and text, or a file's bytes.
-
-    Args:
-        headers: the request's headers (``content-type`` with its boundary).
-        body: the whole body, already within ``limits.max_bytes``.
-        limits: the upload limits.
-
-    Raises:
-        ApiError: 400 ``invalid_content_type`` for another content type,
-            ``invalid_form`` for a body that is not a valid form.
-
-    Cancellation:
-        Safe: the parse holds nothing that outlives it.
-    """
-    from starlette.datastructures import Headers, UploadFile
-    from starlette.formparsers import MultiPartException, MultiPartParser
-
-    content_type = headers.get("content-type", "")
-    if not content_type.lower().startswith("multipart/form-data"):
-        raise invalid(
-            "the body must be multipart/form-data (an image file and form fields)",
-            None,
-            "invalid_content_type",
-        )
-
-    async def stream() -> AsyncGenerator[bytes, None]:
-        yield body
-
-    parser = MultiPartParser(
-        Headers(headers=dict(headers)),
-        stream(),
-        max_files=limits.max_fields,
-        max_fields=limits.max_fields,
-        max_part_size=limits.max_bytes,
-    )
-    try:
-        form = await parser.parse()
-    except MultiPartException as exc:
-        raise invalid(f"the form could not be read: {exc.message}", None, "invalid_form") from None
-    except (ValueError, KeyError, UnicodeDecodeError):
-        # A part whose headers or text the parser cannot decode.
-        raise invalid("the form could not be read", None, "invalid_form") from None
-    parts: list[tuple[str, str | bytes]] = []
-    try:
-        for name, value in form.multi_items():
-            if isinstance(value, UploadFile):
-                parts.append((name, await value.read()))
-            else:
-                parts.append((name, value))
-    finally:
-        await form.close()
-    return parts
 
 
 def _plugin(data: bytes) -> tuple[str, Any] | None:

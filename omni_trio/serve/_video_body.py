@@ -2,8 +2,8 @@
 
 The OpenAI SDK's ``client.videos.create`` sends a ``multipart/form-data`` form
 (every value as text, ``seconds`` as ``"4"``); ``curl`` users may send JSON. Both
-are read into the same strict model (form text typed as ``/v1/images/edits``
-types it) and checked in the same three stages as a generation body (L73):
+are read into the same strict model (form text typed by ``_forms``, as for
+``/v1/images/edits``) and checked in the same three stages as a generation body (L73):
 
 - OpenAI's fields: ``prompt`` (required), ``model`` (the served one, or absent),
   ``seconds`` (a positive number, as text or a number), ``size`` (``"WxH"``);
@@ -30,8 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from .._errors import InvalidRequestError
 from .._request import MAX_DEADLINE_S, MAX_NUM_FRAMES, MAX_PRIORITY, GenerationRequest
 from ._config import ServeConfig
-from ._edits import form_value
 from ._errors import api_error_from, invalid
+from ._forms import check_known, form_value
 from ._schema import (
     Count,
     Number,
@@ -213,11 +213,7 @@ def video_body(body: bytes, form: list[tuple[str, str | bytes]] | None) -> Video
         return validate(VideoBody, load_json(body, VIDEO_FIELDS))
     values: dict[str, object] = {}
     for name, value in form:
-        param = name if len(name) <= 64 else f"{name[:61]}..."
-        if name not in VIDEO_FIELDS:
-            raise invalid(
-                f"Unrecognized request argument supplied: {shown(name)}", param, "unknown_parameter"
-            )
+        check_known(name, VIDEO_FIELDS)
         if name in values:
             raise invalid(f"{name}: given more than once", name)
         if isinstance(value, bytes):

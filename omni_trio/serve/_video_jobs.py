@@ -36,7 +36,6 @@ import anyio.to_thread
 from .._errors import OmniTrioError
 from .._outputs import RequestStatus
 from ._errors import ApiError, api_error_from, invalid, unexpected_error
-from ._images import account
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup, TaskStatus
@@ -464,7 +463,7 @@ class VideoJobs:
             mp4, error = None, unexpected_error()
         finally:
             if handle.status.is_terminal:  # cancelled from outside: the fallback closes it
-                account(self._metrics, handle)
+                self._metrics.account(handle)
         if job.removed:
             return  # deleted: its request was aborted, nothing is kept
         if mp4 is None and error is None:

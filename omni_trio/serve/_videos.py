@@ -15,28 +15,29 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from .._errors import OmniTrioError
-from ._encode import sse_event
-from ._errors import ApiError, api_error_from, invalid
-from ._images import (
-    SSE_HEADERS,
+from ._asgi import (
     Client,
     Receive,
     Scope,
     Send,
+    error_response,
     header,
     read_body,
+    send_error,
     send_json,
+    sse_event,
 )
+from ._errors import ApiError, api_error_from, invalid
+from ._forms import read_form
 from ._schema import DEADLINE_HEADER, shown
-from ._upload import UploadLimits, read_form
+from ._upload import UploadLimits
 from ._video_body import parse_video_body
 
 if TYPE_CHECKING:
@@ -45,30 +46,11 @@ if TYPE_CHECKING:
     from ._metrics import ServeMetrics
     from ._video_jobs import VideoJob, VideoJobs
 
-__all__ = ["Asgi", "VideosApi"]
+__all__ = ["VideosApi"]
 
 #: The most jobs one page lists, and how many when ``limit`` is not given.
 MAX_LIMIT = 100
 DEFAULT_LIMIT = 20
-
-
-class Asgi:
-    """A bound ``async (scope, receive, send)`` method as an ASGI app.
-
-    Starlette calls a function or method with a ``Request``; an object with
-    ``__call__`` it runs as an ASGI app, as these routes need (to watch for the
-    client's disconnect, to bound the body as it is read).
-    """
-
-    def __init__(self, call: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
-        self._call = call
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._call(scope, receive, send)
-
-
-def _json_error(error: ApiError) -> Response:
-    return JSONResponse(error.body(), status_code=error.status, headers=dict(error.headers))
 
 
 class VideosApi:
@@ -121,7 +103,7 @@ class VideosApi:
                 self._metrics.count("disconnected")
             return
         self._metrics.count(error.outcome)
-        await send_json(send, error.status, error.body(), error.headers)
+        await send_error(send, error)
 
     async def _create(self, scope: Scope, receive: Receive) -> VideoJob | None:
         engine = self._admitting_engine()
@@ -133,11 +115,7 @@ class VideosApi:
         content_type = header(scope, "content-type") or ""
         form = None
         if content_type.lower().startswith("multipart/form-data"):
-            headers = {
-                bytes(key).decode("latin-1"): bytes(value).decode("latin-1")
-                for key, value in scope.get("headers", ())
-            }
-            form = await read_form(headers, body, UploadLimits(max_bytes=limit))
+            form = await read_form(scope, body, UploadLimits(max_bytes=limit))
         video = self._jobs.config
         spec = parse_video_body(
             body,
@@ -165,7 +143,7 @@ class VideosApi:
                 raise invalid(f"order: must be 'asc' or 'desc', got {shown(order)}", "order")
             jobs, more = self._jobs.page(limit=limit, after=params.get("after"), order=order)
         except ApiError as error:
-            return _json_error(error)
+            return error_response(error)
         data = [job.body() for job in jobs]
         return JSONResponse(
             {
@@ -186,7 +164,7 @@ class VideosApi:
                 return JSONResponse({"id": job_id, "object": "video.deleted", "deleted": True})
             return JSONResponse(self._jobs.get(job_id).body())
         except ApiError as error:
-            return _json_error(error)
+            return error_response(error)
 
     async def content(self, request: Request) -> Response:
         """``GET /v1/videos/{id}/content``: the MP4 of a completed job."""
@@ -207,7 +185,7 @@ class VideosApi:
                     "video_not_ready",
                 )
         except ApiError as error:
-            return _json_error(error)
+            return error_response(error)
         return Response(job.mp4, media_type="video/mp4")
 
     async def events(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -219,16 +197,10 @@ class VideosApi:
         try:
             job = self._jobs.get(scope["path_params"]["video_id"])
         except ApiError as error:
-            await send_json(send, error.status, error.body(), error.headers)
+            await send_error(send, error)
             return
         client = Client(receive, send, None)
-        headers = [*SSE_HEADERS, (b"x-request-id", job.id.encode())]
-        with client.scope:
-            await client.send({"type": "http.response.start", "status": 200, "headers": headers})
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(client.watch)
-                await self._send_events(job, client)
-                tg.cancel_scope.cancel()
+        await client.stream(job.id, lambda: self._send_events(job, client))
 
     async def _send_events(self, job: VideoJob, client: Client) -> None:
         sent: tuple[str, int] | None = None
@@ -250,8 +222,7 @@ class VideosApi:
                 break
             # Nothing awaited since the check above: no change can slip past this wait.
             await job.wait_changed()
-        client.is_finished = True
-        await client.send({"type": "http.response.body", "body": b"", "more_body": False})
+        await client.end()
 
 
 def _limit(text: str | None) -> int:

@@ -33,7 +33,7 @@ from .._errors import EngineClosedError
 from .._outputs import EngineStatistics, GenerationOutput
 from .._request import GenerationRequest
 from .._runner import Runner
-from ._app import ImageService
+from ._app import Service as ImageService
 from ._config import ServeConfig
 from ._ray_ingress import REPLICA_HEADER, App, ReplicaIngress
 

@@ -20,12 +20,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from omni_trio.serve import ImageService
+from omni_trio.serve import Service
 from omni_trio.serve._schema import KNOWN_FIELDS
 from omni_trio.testing import assert_engine_idle
-
-from .test_serve_app import PATH, make_service, parse_sse, serving
-from .util import BUDGET
+from tests.support.serve import PATH, make_service, parse_sse, serving
+from tests.util import BUDGET
 
 pytestmark = pytest.mark.anyio
 
@@ -146,7 +145,7 @@ def raw_bodies(draw: st.DrawFn) -> bytes:
 
 
 @pytest.fixture
-async def app() -> AsyncIterator[tuple[ImageService, httpx.AsyncClient]]:
+async def app() -> AsyncIterator[tuple[Service, httpx.AsyncClient]]:
     """One app for every example of a test, inside its lifespan."""
     service, _ = make_service(max_body_bytes=1 << 16)
     async with serving(service) as client:
@@ -172,7 +171,7 @@ def check_answer(response: httpx.Response, stream: bool) -> None:
         assert response.json()["data"]
 
 
-async def after_each(service: ImageService, client: httpx.AsyncClient) -> None:
+async def after_each(service: Service, client: httpx.AsyncClient) -> None:
     health = await client.get("/health")
     assert (health.status_code, health.json()["status"]) == (200, "ok")
     assert service.engine is not None
@@ -182,7 +181,7 @@ async def after_each(service: ImageService, client: httpx.AsyncClient) -> None:
 @FUZZ
 @given(body=raw_bodies())
 async def test_any_body_gets_a_4xx_json_error_or_a_success(
-    app: tuple[ImageService, httpx.AsyncClient], body: bytes
+    app: tuple[Service, httpx.AsyncClient], body: bytes
 ) -> None:
     """L52: arbitrary bodies (JSON of any shape, wrong types, huge integers, odd strings,
     other encodings, cut JSON, random bytes) never get a 5xx; /health stays 200."""
@@ -197,7 +196,7 @@ async def test_any_body_gets_a_4xx_json_error_or_a_success(
 @FUZZ
 @given(body=api_bodies)
 async def test_any_fields_get_a_4xx_json_error_or_a_success(
-    app: tuple[ImageService, httpx.AsyncClient], body: dict[str, Any]
+    app: tuple[Service, httpx.AsyncClient], body: dict[str, Any]
 ) -> None:
     """L52: bodies built from the API's fields with values of any type and range
     never get a 5xx; a 200 is a complete answer (JSON, or a stream that ends with

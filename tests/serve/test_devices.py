@@ -1,6 +1,6 @@
 """Several devices behind one server (L42, L43): the options, the runners, a degraded health.
 
-The app runs in its own lifespan (as in ``test_serve_app``) on two fake runners;
+The app runs in its own lifespan (as in ``test_app``) on two fake runners;
 one is killed by a BaseException from its step, and the server goes on serving
 on the other, saying so in ``/health`` and ``/metrics``.
 """
@@ -13,14 +13,13 @@ import pytest
 import omni_trio as ot
 from omni_trio.runners import for_devices, visible_devices
 from omni_trio.runners._devices import parse_devices
-from omni_trio.serve import ImageService, ServeConfig
+from omni_trio.serve import ServeConfig, Service
 from omni_trio.serve._models import load_model
 from omni_trio.testing import wait_until
-
-from .test_devices import KillableRunner
-from .test_serve_app import PATH, metric, serving
-from .test_serve_cli import one_line_error, serve
-from .util import BUDGET
+from tests.support.devices import KillableRunner
+from tests.support.serve import PATH, metric, serving
+from tests.test_serve_cli import one_line_error, serve
+from tests.util import BUDGET
 
 
 def test_device_lists_are_parsed_and_checked() -> None:
@@ -67,7 +66,7 @@ async def test_health_and_metrics_say_degraded_when_a_worker_dies() -> None:
     runners = [KillableRunner(), KillableRunner()]
     for runner in runners:
         runner.open_gate()
-    service = ImageService(
+    service = Service(
         runners,
         engine_config=ot.EngineConfig(max_batch_size=1),
         config=ServeConfig(model_name="fake", default_width=64, default_height=64, default_steps=2),

@@ -15,116 +15,43 @@ Determinism rules:
 from __future__ import annotations
 
 import base64
-import contextlib
 import http.client
 import json
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from .test_serve_app import BAD_BODIES, metric, parse_sse, png_size
-from .test_serve_hostile import HOSTILE_BODIES, nested
+from tests.support.serve import (
+    BAD_BODIES,
+    HOSTILE_BODIES,
+    PATH,
+    ROOT,
+    SERVERS,
+    Server,
+    nested,
+    parse_sse,
+    parse_sse_lines,
+    png_size,
+    poll_until,
+    run_server,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
-SERVERS = ["hypercorn", "uvicorn"]
-PATH = "/v1/images/generations"
 STEP_S = 0.01
 
-#: The shared server: one request runs, one waits; limits match test_serve_app's.
+#: The shared server: one request runs, one waits; limits match test_app's.
 SHARED = [
     "--model", "fake", "--model-name", "fake", "--step-seconds", str(STEP_S),
     "--max-batch-size", "1", "--max-waiting", "1", "--max-steps", "1000",
     "--max-size", "256", "--max-n", "4", "--max-body-bytes", "16384",
     "--default-steps", "4", "--default-size", "64x64", "--shutdown-grace", "0",
 ]  # fmt: skip
-
-
-def poll_until(predicate: Callable[[], bool], *, timeout: float, what: str) -> None:
-    """Poll ``predicate`` every 10 ms; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
-
-
-def free_port() -> int:
-    """A port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-@dataclass
-class Server:
-    """A running server subprocess."""
-
-    process: subprocess.Popen[bytes]
-    url: str
-    port: int
-    log: Path
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def metrics(self) -> str:
-        return httpx.get(f"{self.url}/metrics", timeout=5).text
-
-    def sample(self, name: str, **labels: str) -> float:
-        return metric(self.metrics(), name, **labels)
-
-    def outcome(self, outcome: str) -> float:
-        return self.sample("omni_trio_requests_total", outcome=outcome)
-
-    def health(self) -> int:
-        try:
-            return httpx.get(f"{self.url}/health", timeout=2).status_code
-        except httpx.TransportError:
-            return 0
-
-    def post(self, body: dict[str, Any], **kwargs: Any) -> httpx.Response:
-        return httpx.post(f"{self.url}{PATH}", json=body, timeout=30, **kwargs)
-
-    def wait_idle(self) -> None:
-        def idle() -> bool:
-            text = self.metrics()
-            waiting = metric(text, "omni_trio_requests_waiting")
-            return metric(text, "omni_trio_requests_running") == 0 and waiting == 0
-
-        poll_until(idle, timeout=10, what="the server to be idle")
-
-
-@contextlib.contextmanager
-def run_server(*args: str, server: str, log_dir: Path, startup_s: float = 60) -> Iterator[Server]:
-    """Start ``python -m omni_trio serve`` with ``args``; yield once /health is 200; kill it."""
-    port = free_port()
-    command = [sys.executable, "-m", "omni_trio", "serve", "--server", server]
-    command += ["--port", str(port), "--no-access-log", *args]
-    log = log_dir / f"{server}-{port}.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    handle = Server(process, f"http://127.0.0.1:{port}", port, log)
-    try:
-        deadline = time.monotonic() + startup_s
-        while handle.health() != 200:
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the server did not start:\n{handle.log_text()}")
-            time.sleep(0.05)
-        yield handle
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module", params=SERVERS)
@@ -349,16 +276,6 @@ def test_disconnect_aborts_and_the_next_request_runs_at_full_speed(
     assert abort_latency < 20 * STEP_S + 0.5  # a step at most, with room for a busy CI machine
     assert after["exec_s"] < 1.5 * baseline["exec_s"] + 0.1
     assert after["queue_wait_s"] < 0.1
-
-
-def parse_sse_lines(lines: Iterator[str]) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Yield ``(event, data)`` from server-sent event lines as they arrive."""
-    event = ""
-    for line in lines:
-        if line.startswith("event: "):
-            event = line.removeprefix("event: ")
-        elif line.startswith("data: "):
-            yield event, json.loads(line.removeprefix("data: "))
 
 
 # -- the example client --------------------------------------------------------------

@@ -15,8 +15,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .test_serve_app import make_service, serving
-from .util import BUDGET
+from tests.support.serve import make_service, serving
+from tests.util import BUDGET
 
 pytestmark = pytest.mark.anyio
 

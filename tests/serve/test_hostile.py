@@ -12,7 +12,6 @@ Determinism rules:
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -24,16 +23,17 @@ import pytest
 
 import omni_trio as ot
 from omni_trio.testing import FakeRunner, FakeState
-
-from .test_serve_app import (
+from tests.support.serve import (
+    HOSTILE_BODIES,
     PATH,
     assert_refused_and_serving,
     make_service,
     metric,
+    nested,
     parse_sse,
     serving,
 )
-from .util import BUDGET, WorkerKilled
+from tests.util import BUDGET, WorkerKilled
 
 pytestmark = pytest.mark.anyio
 
@@ -156,99 +156,6 @@ async def test_a_dead_worker_leaks_nothing_and_is_logged(
 
 
 # -- bodies that do not fit ------------------------------------------------------------
-
-
-def literal(field: str, number: str) -> bytes:
-    """A body whose ``field`` is the JSON number literal ``number``, exactly."""
-    return b'{"prompt": "x", "' + field.encode() + b'": ' + number.encode() + b"}"
-
-
-def nested(depth: int, where: str, *, objects: bool = False) -> bytes:
-    """``depth`` nested arrays (or objects): the whole body, or the value of field ``where``."""
-    value = '{"a": ' * depth + "1" + "}" * depth if objects else "[" * depth + "]" * depth
-    return (value if where == "body" else f'{{"prompt": "x", "{where}": {value}}}').encode()
-
-
-HUGE = str(10**400)
-#: Longer than CPython's default limit on int-string conversions (4300 digits).
-HUGER = "9" * 5000
-
-#: (name, body, param, code): each must get exactly this 400.
-HOSTILE_BODIES: list[tuple[str, bytes, str | None, str]] = [
-    *(
-        (
-            f"{field} {sign}{len(digits)} digits",
-            literal(field, sign + digits),
-            field,
-            "invalid_value",
-        )
-        for field in (
-            "guidance_scale",
-            "num_inference_steps",
-            "seed",
-            "n",
-            "output_compression",
-            "partial_images",
-            "preview_every",
-        )
-        for digits in (HUGE, HUGER)
-        for sign in ("", "-")
-    ),
-    (
-        "guidance over float range",
-        literal("guidance_scale", "2" + "0" * 308),
-        "guidance_scale",
-        "invalid_value",
-    ),
-    ("guidance 1e400", literal("guidance_scale", "1e400"), "guidance_scale", "invalid_value"),
-    (
-        "guidance -Infinity",
-        literal("guidance_scale", "-Infinity"),
-        "guidance_scale",
-        "invalid_value",
-    ),
-    ("n 2**63", literal("n", str(2**63)), "n", "invalid_value"),
-    ("seed 2**64", literal("seed", str(2**64)), "seed", "invalid_value"),
-    (
-        "steps as a huge float",
-        literal("num_inference_steps", "1e400"),
-        "num_inference_steps",
-        "invalid_type",
-    ),
-    ("UTF-16", json.dumps({"prompt": "x"}).encode("utf-16"), None, "invalid_json"),
-    ("UTF-16-LE", json.dumps({"prompt": "x"}).encode("utf-16-le"), None, "invalid_json"),
-    ("UTF-16-BE", json.dumps({"prompt": "x"}).encode("utf-16-be"), None, "invalid_json"),
-    ("UTF-32", json.dumps({"prompt": "x"}).encode("utf-32"), None, "invalid_json"),
-    ("UTF-32-LE", json.dumps({"prompt": "x"}).encode("utf-32-le"), None, "invalid_json"),
-    ("Latin-1", '{"prompt": "café"}'.encode("latin-1"), None, "invalid_json"),
-    ("UTF-8 byte-order mark", '{"prompt": "x"}'.encode("utf-8-sig"), None, "invalid_json"),
-    ("overlong UTF-8", b'{"prompt": "\xc0\xaf"}', None, "invalid_json"),
-    ("a surrogate as UTF-8 bytes", b'{"prompt": "\xed\xa0\x80"}', None, "invalid_json"),
-    ("nested 100000 deep", nested(100_000, "body"), None, "invalid_json"),
-    ("nested 100000 deep in prompt", nested(100_000, "prompt"), None, "invalid_json"),
-    ("nested 100000 deep in svg", nested(100_000, "svg"), None, "invalid_json"),
-    ("unclosed 100000 deep", b"[" * 100_000, None, "invalid_json"),
-    ("nested 50 deep", nested(50, "body"), None, "invalid_json"),
-    ("nested 50 deep in prompt", nested(50, "prompt"), "prompt", "invalid_type"),
-    ("nested 50 deep, unknown", nested(50, "colour"), "colour", "unknown_parameter"),
-    ("lone high surrogate", b'{"prompt": "\\ud800"}', "prompt", "invalid_value"),
-    ("lone low surrogate inside", b'{"prompt": "a\\udfffb"}', "prompt", "invalid_value"),
-    ("reversed pair", b'{"prompt": "\\ude00\\ud83d"}', "prompt", "invalid_value"),
-    (
-        "negative prompt surrogate",
-        b'{"prompt": "x", "negative_prompt": "\\ud800"}',
-        "negative_prompt",
-        "invalid_value",
-    ),
-    ("user surrogate", b'{"prompt": "x", "user": "\\udbff"}', "user", "invalid_value"),
-    ("key surrogate", b'{"prompt": "x", "\\ud800": 1}', "\\ud800", "unknown_parameter"),
-    (
-        "key 100000 long",
-        b'{"prompt": "x", "' + b"k" * 100_000 + b'": 1}',
-        "k" * 61 + "...",
-        "unknown_parameter",
-    ),
-]
 
 
 @pytest.mark.parametrize(

@@ -14,17 +14,16 @@ import pytest
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
-from omni_trio.serve import ImageService
+from omni_trio.serve import Service
 from omni_trio.testing import FakeRunner, assert_engine_idle
-
-from .util import BUDGET
+from tests.util import BUDGET
 
 pytestmark = pytest.mark.anyio
 
 BODY = {"prompt": "a red flower", "num_inference_steps": 2}
 
 
-def host_app(service: ImageService, *, enter: bool = True) -> Starlette:
+def host_app(service: Service, *, enter: bool = True) -> Starlette:
     """The docs' example: the host's lifespan enters ``service.lifespan()``."""
 
     @asynccontextmanager
@@ -40,7 +39,7 @@ def host_app(service: ImageService, *, enter: bool = True) -> Starlette:
 async def test_a_mounted_service_runs_in_the_host_apps_lifespan() -> None:
     """L50: mounted under /images, the service serves once the host's lifespan entered
     ``service.lifespan()``, and its engine is closed when the host's lifespan ends."""
-    service = ImageService(FakeRunner())
+    service = Service(FakeRunner())
     app = host_app(service)
     transport = httpx.ASGITransport(app=app)
     with anyio.fail_after(BUDGET):
@@ -60,7 +59,7 @@ async def test_a_mounted_service_runs_in_the_host_apps_lifespan() -> None:
 async def test_a_mounted_service_whose_lifespan_never_ran_says_so_at_once() -> None:
     """A host that forgot ``service.lifespan()`` gets 503 ``not_started`` with a message
     that says what to do, at once (not "starting" forever); /health says the same."""
-    service = ImageService(FakeRunner())
+    service = Service(FakeRunner())
     app = host_app(service, enter=False)
     transport = httpx.ASGITransport(app=app)
     with anyio.fail_after(BUDGET):
@@ -78,7 +77,7 @@ async def test_a_mounted_service_whose_lifespan_never_ran_says_so_at_once() -> N
 
 async def test_the_lifespan_runs_once() -> None:
     """The engine closes the runner: a second lifespan is refused."""
-    service = ImageService(FakeRunner())
+    service = Service(FakeRunner())
     with anyio.fail_after(BUDGET):
         async with service.lifespan() as entered:
             assert entered is service and service.is_ready

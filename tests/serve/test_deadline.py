@@ -1,6 +1,6 @@
 """Priority and deadlines over HTTP (L63): body fields, the header, the limit, the answers, metrics.
 
-Determinism as in ``test_serve_app``: the app runs in its own lifespan on both
+Determinism as in ``test_app``: the app runs in its own lifespan on both
 backends, on ``FakeRunner`` (instant) or ``GatedRunner``; a deadline that must pass
 does so while its request waits behind a gated one, so the outcome never depends on
 timing; the measured step time that admission reads is set by the test.
@@ -15,12 +15,11 @@ import anyio
 import pytest
 
 import omni_trio as ot
-from omni_trio.serve import ImageService, ServeConfig
+from omni_trio.serve import ServeConfig, Service
 from omni_trio.serve._schema import DEADLINE_HEADER, parse_generation_body
 from omni_trio.testing import FakeRunner, FakeState, GatedRunner, wait_until
-
-from .test_serve_app import PATH, AsgiCall, metric, serving
-from .util import BUDGET
+from tests.support.serve import PATH, AsgiCall, metric, serving
+from tests.util import BUDGET
 
 pytestmark = pytest.mark.anyio
 
@@ -38,9 +37,9 @@ class PromptRecorder(GatedRunner):
         return super().prepare(request, request_id)
 
 
-def make(runner: FakeRunner, **config: Any) -> ImageService:
+def make(runner: FakeRunner, **config: Any) -> Service:
     """A service at 64x64, 4 steps, batches of one; ``config`` adds ServeConfig fields."""
-    return ImageService(
+    return Service(
         runner,
         engine_config=ot.EngineConfig(max_batch_size=1),
         config=ServeConfig(

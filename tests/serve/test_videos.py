@@ -27,7 +27,7 @@ import pytest
 
 import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
-from omni_trio.serve import ImageService, ServeConfig, VideoConfig
+from omni_trio.serve import ServeConfig, Service, VideoConfig
 from omni_trio.serve._video_body import frames_for
 from omni_trio.testing import (
     FakeRunner,
@@ -36,9 +36,8 @@ from omni_trio.testing import (
     live_objects,
     wait_until,
 )
-
-from .test_serve_app import AsgiCall, metric, parse_sse
-from .util import BUDGET
+from tests.support.serve import AsgiCall, metric, parse_sse
+from tests.util import BUDGET
 
 pytestmark = pytest.mark.anyio
 
@@ -64,14 +63,14 @@ def make_service(
     ttl_s: float = 60.0,
     grace: float = 0.0,
     **video: Any,
-) -> tuple[ImageService, FakeRunner]:
+) -> tuple[Service, FakeRunner]:
     """A video service on ``runner`` (an instant 4k + 1 FakeRunner by default), 16x16, 4 steps."""
     runner = runner if runner is not None else FakeRunner(frames=RULE)
     config = ServeConfig(
         model_name="fake-video", default_width=SIZE, default_height=SIZE, default_steps=4
     )
     videos = VideoConfig(fps=FPS, max_jobs=max_jobs, ttl_s=ttl_s, **video)
-    service = ImageService(
+    service = Service(
         runner, engine_config=ot.EngineConfig(max_height=64, max_width=64, shutdown_grace=grace),
         config=config,
         video_config=videos,
@@ -80,7 +79,7 @@ def make_service(
 
 
 @asynccontextmanager
-async def serving(service: ImageService) -> AsyncIterator[httpx.AsyncClient]:
+async def serving(service: Service) -> AsyncIterator[httpx.AsyncClient]:
     """Run the service's lifespan; yield a client that calls it in-process."""
     transport = httpx.ASGITransport(app=service.app)
     async with (
@@ -429,7 +428,7 @@ async def test_each_route_refuses_the_other_kind_of_model_in_one_line() -> None:
     unsupported_model, naming the route to use.
     """
     video, _ = make_service()
-    image = ImageService(FakeRunner(), config=ServeConfig(model_name="fake", default_width=16))
+    image = Service(FakeRunner(), config=ServeConfig(model_name="fake", default_width=16))
     with anyio.fail_after(BUDGET):
         async with serving(video) as client:
             response = await client.post("/v1/images/generations", json={"prompt": "x"})
@@ -477,7 +476,7 @@ async def test_the_openai_sdk_round_trip_on_tiny_wan() -> None:
     work unchanged against tiny Wan; the MP4 reads back with PyAV: 9 frames of 32x32.
     """
     runner = DiffusersRunner(tiny_pipeline("wan"))
-    service = ImageService(
+    service = Service(
         runner,
         config=ServeConfig(model_name="tiny-wan", default_width=32, default_height=32,
                            default_steps=2),

@@ -14,156 +14,30 @@ Determinism rules:
 from __future__ import annotations
 
 import base64
-import io
 import json
-from collections.abc import AsyncIterator, Callable, MutableMapping
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 import httpx
 import pytest
-from PIL import Image
-from prometheus_client.parser import text_string_to_metric_families
 
-import omni_trio as ot
-from omni_trio.serve import ImageService, ServeConfig, create_app
+from omni_trio.serve import ServeConfig, create_app
 from omni_trio.testing import FakeRunner, GatedRunner, assert_engine_idle, wait_until
-
-from .util import BUDGET
+from tests.support.serve import (
+    BAD_BODIES,
+    PATH,
+    AsgiCall,
+    assert_refused_and_serving,
+    make_service,
+    metric,
+    parse_sse,
+    png_size,
+    serving,
+)
+from tests.util import BUDGET
 
 pytestmark = pytest.mark.anyio
-
-PATH = "/v1/images/generations"
-
-
-def make_service(
-    runner: FakeRunner | None = None, *, max_body_bytes: int = 4096, **engine: Any
-) -> tuple[ImageService, FakeRunner]:
-    """A service on ``runner`` (an instant FakeRunner by default), 64x64 and 4 steps by default."""
-    runner = runner if runner is not None else FakeRunner()
-    limits: dict[str, Any] = {"max_steps": 1000, "max_height": 256, "max_width": 256}
-    limits["max_num_images"] = 4
-    config = ServeConfig(
-        model_name="fake",
-        default_width=64,
-        default_height=64,
-        default_steps=4,
-        max_body_bytes=max_body_bytes,
-    )
-    service = ImageService(
-        runner, engine_config=ot.EngineConfig(**{**limits, **engine}), config=config
-    )
-    return service, runner
-
-
-@asynccontextmanager
-async def serving(service: ImageService) -> AsyncIterator[httpx.AsyncClient]:
-    """Run the app's lifespan; yield a client that calls it in-process."""
-    transport = httpx.ASGITransport(app=service.app)
-    async with (
-        service.app.router.lifespan_context(service.app),
-        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
-    ):
-        yield client
-
-
-def png_size(b64_json: str) -> tuple[int, int]:
-    """The (width, height) of a base64 PNG."""
-    data = base64.b64decode(b64_json)
-    assert data.startswith(b"\x89PNG")
-    with Image.open(io.BytesIO(data)) as image:
-        return image.size
-
-
-async def assert_refused_and_serving(
-    client: httpx.AsyncClient,
-    service: ImageService,
-    runner: FakeRunner,
-    response: httpx.Response,
-    param: str | None,
-    code: str,
-) -> None:
-    """L52: ``response`` is a 400 naming ``param`` with ``code``; nothing was admitted,
-    and the service still serves a valid request."""
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error")
-    assert param is None or param in error["message"]
-    assert runner.prepares == 0
-    assert service.engine is not None and service.engine.statistics().admitted == 0
-    assert (await client.post(PATH, json={"prompt": "x"})).status_code == 200
-
-
-def parse_sse(text: str) -> list[tuple[str, dict[str, Any]]]:
-    """Split a server-sent event stream into ``(event, data)`` pairs."""
-    events = []
-    for block in text.split("\n\n"):
-        if not block.strip():
-            continue
-        fields = dict(line.split(": ", 1) for line in block.splitlines())
-        events.append((fields["event"], json.loads(fields["data"])))
-    return events
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """The value of one sample in Prometheus text (0 when absent)."""
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    return 0.0
-
-
-class AsgiCall:
-    """One hand-driven ``POST /v1/images/generations``: body first, disconnect when told."""
-
-    def __init__(self, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.scope: dict[str, Any] = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": PATH,
-            "raw_path": PATH.encode(),
-            "query_string": b"",
-            "root_path": "",
-            "headers": [(b"content-length", str(len(data)).encode())],
-            "client": ("127.0.0.1", 1),
-            "server": ("test", 80),
-        }
-        self._body: bytes | None = data
-        self.disconnect = anyio.Event()
-        self.disconnect_delivered = False
-        self.sent: list[dict[str, Any]] = []
-
-    async def receive(self) -> dict[str, Any]:
-        if self._body is not None:
-            body, self._body = self._body, None
-            return {"type": "http.request", "body": body, "more_body": False}
-        await self.disconnect.wait()
-        # The app acts on the message before its next checkpoint: once this flag is
-        # seen by another task, the app has requested the abort.
-        self.disconnect_delivered = True
-        return {"type": "http.disconnect"}
-
-    async def send(self, message: MutableMapping[str, Any]) -> None:
-        self.sent.append(dict(message))
-
-    async def run(self, service: ImageService) -> None:
-        await service.app(self.scope, self.receive, self.send)
-
-    @property
-    def status(self) -> int | None:
-        starts = [m for m in self.sent if m["type"] == "http.response.start"]
-        return int(starts[0]["status"]) if starts else None
-
-    @property
-    def body(self) -> bytes:
-        return b"".join(m.get("body", b"") for m in self.sent if m["type"] == "http.response.body")
-
 
 # -- L50: the API ----------------------------------------------------------------
 
@@ -286,102 +160,6 @@ async def test_unknown_routes_and_methods_get_openai_errors() -> None:
 
 
 # -- L52: bad input ----------------------------------------------------------------
-
-BAD_BODIES: list[tuple[str, bytes | dict[str, Any], str | None, str]] = [
-    ("malformed JSON", b'{"prompt": ', None, "invalid_json"),
-    ("not UTF-8", b'{"prompt": "\xff"}', None, "invalid_json"),
-    ("not an object", b"[1, 2]", None, "invalid_json"),
-    ("unknown field", {"prompt": "x", "colour": "red"}, "colour", "unknown_parameter"),
-    ("no prompt", {"n": 1}, "prompt", "missing_required_parameter"),
-    ("prompt not a string", {"prompt": 5}, "prompt", "invalid_type"),
-    ("n a string", {"prompt": "x", "n": "2"}, "n", "invalid_type"),
-    ("n a bool", {"prompt": "x", "n": True}, "n", "invalid_type"),
-    ("n zero", {"prompt": "x", "n": 0}, "n", "invalid_value"),
-    ("n over the limit", {"prompt": "x", "n": 5}, "n", "invalid_value"),
-    ("size a number", {"prompt": "x", "size": 64}, "size", "invalid_type"),
-    ("size malformed", {"prompt": "x", "size": "64 by 64"}, "size", "invalid_value"),
-    ("size over the limit", {"prompt": "x", "size": "512x64"}, "size", "invalid_value"),
-    ("size not a multiple of 8", {"prompt": "x", "size": "60x64"}, "size", "invalid_value"),
-    (
-        "steps a float",
-        {"prompt": "x", "num_inference_steps": 2.5},
-        "num_inference_steps",
-        "invalid_type",
-    ),
-    (
-        "steps zero",
-        {"prompt": "x", "num_inference_steps": 0},
-        "num_inference_steps",
-        "invalid_value",
-    ),
-    (
-        "steps over the limit",
-        {"prompt": "x", "num_inference_steps": 1001},
-        "num_inference_steps",
-        "invalid_value",
-    ),
-    (
-        "guidance a string",
-        {"prompt": "x", "guidance_scale": "high"},
-        "guidance_scale",
-        "invalid_type",
-    ),
-    ("guidance NaN", b'{"prompt": "x", "guidance_scale": NaN}', "guidance_scale", "invalid_value"),
-    ("seed negative", {"prompt": "x", "seed": -1}, "seed", "invalid_value"),
-    ("seed a string", {"prompt": "x", "seed": "1"}, "seed", "invalid_type"),
-    ("stream a string", {"prompt": "x", "stream": "yes"}, "stream", "invalid_type"),
-    (
-        "negative prompt a list",
-        {"prompt": "x", "negative_prompt": ["a"]},
-        "negative_prompt",
-        "invalid_type",
-    ),
-    ("quality a number", {"prompt": "x", "quality": 3}, "quality", "invalid_type"),
-    ("user a number", {"prompt": "x", "user": 3}, "user", "invalid_type"),
-    (
-        "compression over 100",
-        {"prompt": "x", "output_compression": 101},
-        "output_compression",
-        "invalid_value",
-    ),
-    (
-        "partial_images over 3",
-        {"prompt": "x", "partial_images": 4},
-        "partial_images",
-        "invalid_value",
-    ),
-    (
-        "preview_every negative",
-        {"prompt": "x", "preview_every": -1},
-        "preview_every",
-        "invalid_value",
-    ),
-    (
-        "response_format url",
-        {"prompt": "x", "response_format": "url"},
-        "response_format",
-        "unsupported_value",
-    ),
-    (
-        "response_format other",
-        {"prompt": "x", "response_format": "raw"},
-        "response_format",
-        "invalid_value",
-    ),
-    (
-        "output_format gif",
-        {"prompt": "x", "output_format": "gif"},
-        "output_format",
-        "unsupported_value",
-    ),
-    (
-        "background transparent",
-        {"prompt": "x", "background": "transparent"},
-        "background",
-        "unsupported_value",
-    ),
-    ("another model", {"prompt": "x", "model": "dall-e-3"}, "model", "model_not_found"),
-]
 
 
 @pytest.mark.parametrize(
@@ -595,3 +373,19 @@ def test_serve_config_is_validated() -> None:
     for make in bad:
         with pytest.raises(ValueError, match=r"^\w+: "):
             make()
+
+
+def test_image_service_is_the_deprecated_old_name_of_service() -> None:
+    """``ImageService`` (the name before 0.2.0) is ``Service``, with a ``DeprecationWarning``."""
+    import omni_trio.serve as serve
+
+    with pytest.warns(
+        DeprecationWarning, match=r"ImageService is deprecated.*use omni_trio\.serve\.Service"
+    ):
+        alias = serve.ImageService
+    assert alias is serve.Service
+    with pytest.warns(DeprecationWarning, match="0.3.0"):
+        from omni_trio.serve import ImageService
+    assert ImageService is serve.Service
+    assert "Service" in serve.__all__ and "ImageService" not in serve.__all__
+    assert not hasattr(serve, "NoSuchName")

@@ -29,9 +29,8 @@ from PIL import Image
 
 import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
-from omni_trio.serve import ImageService, ServeConfig, UploadLimits
-
-from .util import BUDGET
+from omni_trio.serve import ServeConfig, Service, UploadLimits
+from tests.util import BUDGET
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -80,8 +79,8 @@ def decoded(b64_json: str | None) -> torch.Tensor:
 
 
 @asynccontextmanager
-async def serving(**limits: int) -> AsyncIterator[ImageService]:
-    service = ImageService(
+async def serving(**limits: int) -> AsyncIterator[Service]:
+    service = Service(
         DiffusersRunner(pipe()),
         engine_config=ot.EngineConfig(max_height=256, max_width=256, max_num_images=2),
         config=ServeConfig(
@@ -93,7 +92,7 @@ async def serving(**limits: int) -> AsyncIterator[ImageService]:
         yield service
 
 
-def sdk(service: ImageService) -> openai.AsyncOpenAI:
+def sdk(service: Service) -> openai.AsyncOpenAI:
     http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=service.app), base_url="http://t")
     return openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http, max_retries=0)
 

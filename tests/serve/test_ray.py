@@ -43,9 +43,7 @@ import pytest
 import omni_trio as ot
 from omni_trio.serve._ray_cli import RAY_ENVIRONMENT
 from omni_trio.serve._ray_ingress import REPLICA_HEADER, Message, ReplicaIngress
-
-from .test_serve_app import metric
-from .test_serve_http import PATH, ROOT, free_port, poll_until
+from tests.support.serve import PATH, ROOT, free_port, metric, poll_until
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None
 
