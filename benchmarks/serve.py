@@ -24,7 +24,7 @@ minutes. Each naive run also reports the load it really faced (its
 ``effective_load``: the requests sent times its mean call time in that run, per
 second of the window).
 
-Then ``omni-trio load``'s generator (``omni_trio.serve._load``) runs arrivals at
+Then ``omni-trio load``'s generator (``omni_trio.cli._loadtest``) runs arrivals at
 0.5x, 1x and 2x that capacity, for each of ``SEEDS``: exactly rate x window
 requests at the moments of a Poisson process conditioned on that count (in a
 window of a dozen requests a Poisson count alone moves the load by 30 %). Every
@@ -77,7 +77,7 @@ from typing import Any
 
 import httpx
 
-from omni_trio.serve._load import (
+from omni_trio.cli._loadtest import (
     DEFAULT_CLASS,
     LoadConfig,
     percentile,
@@ -197,7 +197,7 @@ def _threads() -> Iterator[dict[str, _Server]]:
 
     import uvicorn
 
-    from omni_trio.serve._cli import _service, add_serve_arguments
+    from omni_trio.cli._serve import _service, add_serve_arguments
     from omni_trio.serve._models import load_model
 
     from .naive import build

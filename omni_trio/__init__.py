@@ -57,11 +57,9 @@ The seam between them:
 - ``_cancelpoint``: ``cancel_point()``, which a runner calls inside a step or a decode,
   and the check an engine thread arms it with for one call (L71, L72).
 
-The command line (``omni-trio`` / ``python -m omni_trio``):
-
-- ``__main__``: the ``demo`` and ``serve`` commands, ``--version``, ``--debug``.
-- ``_command``: one-line user errors and the exit statuses.
-- ``_demo``: the demo: one image with a tiny model, a progress bar.
+The command line (``omni-trio`` / ``python -m omni_trio``) is the ``cli`` package, on
+top of the library: ``demo``, ``serve`` (and ``serve --ray``) and ``load``, with their
+one-line errors and exit statuses. ``__main__`` only calls ``cli.main``.
 
 The public subpackages: ``runners`` (diffusers pipelines, step by step; needs torch),
 ``testing`` (fake runners, leak checks, invariants) and ``serve`` (the HTTP API).

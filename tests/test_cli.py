@@ -75,7 +75,7 @@ def test_version(tmp_path: Path) -> None:
 
 
 def test_console_script_is_main(capsys: pytest.CaptureFixture[str]) -> None:
-    """pyproject's omni-trio script names omni_trio.__main__:main, which runs the CLI."""
+    """pyproject's omni-trio script names omni_trio.cli:main, which runs the CLI."""
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     module, _, function = scripts["omni-trio"].partition(":")
     entry = getattr(import_module(module), function)

@@ -31,9 +31,8 @@ import pytest
 import sniffio
 
 from omni_trio import EngineConfig
-from omni_trio.__main__ import main
-from omni_trio.serve import ImageService, ServeConfig
-from omni_trio.serve._load import (
+from omni_trio.cli import main
+from omni_trio.cli._loadtest import (
     DEFAULT_CLASS,
     OUTCOMES,
     PATH,
@@ -46,6 +45,7 @@ from omni_trio.serve._load import (
     run_load,
     summarize,
 )
+from omni_trio.serve import ImageService, ServeConfig
 from omni_trio.testing import FakeRunner, GatedRunner, wait_until
 
 from .test_serve_app import metric

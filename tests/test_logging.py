@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 import omni_trio as ot
-from omni_trio.serve._logging import JsonFormatter
+from omni_trio.cli._logs import JsonFormatter
 from omni_trio.testing import FakeRunner, GatedRunner, wait_until
 
 from .util import BUDGET

@@ -172,7 +172,7 @@ async def test_hypercorn_access_log_drops_the_line_of_a_close_that_raced_the_res
     import anyio
     from hypercorn.config import Config
 
-    from omni_trio.serve._access import SENT, AccessLogger, marking_sent
+    from omni_trio.cli._access import SENT, AccessLogger, marking_sent
 
     seen_at_send: list[bool] = []
 

@@ -105,7 +105,7 @@ def test_upload_limits_are_options() -> None:
     """L76: ``--max-upload-bytes`` and ``--max-upload-pixels`` reach the service's limits."""
     import argparse
 
-    from omni_trio.serve._cli import _service, add_serve_arguments
+    from omni_trio.cli._serve import _service, add_serve_arguments
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

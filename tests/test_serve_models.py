@@ -17,8 +17,9 @@ from pathlib import Path
 import anyio
 import pytest
 
+from omni_trio.cli._serve import _service, add_serve_arguments
 from omni_trio.serve import ImageService, ServeConfig
-from omni_trio.serve._cli import _service, add_serve_arguments, load_model
+from omni_trio.serve._models import load_model
 
 from .test_serve_app import PATH, parse_sse, png_size, serving
 from .util import BUDGET
@@ -88,7 +89,7 @@ async def test_every_tiny_model_name_serves(name: str, one_torch_thread: None) -
 def test_the_command_line_refuses_an_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:
     """--model must be a built-in name or a diffusers folder; anything else stops before
     serving, with one line and the usage status."""
-    from omni_trio.__main__ import main
+    from omni_trio.cli import main
 
     assert main(["serve", "--model", "/no/such/folder"]) == 2
     assert capsys.readouterr().err == (
@@ -144,8 +145,8 @@ def test_the_decode_options_reach_every_runner(
 ) -> None:
     """L72: --decode-tile-above and --decode-framewise-above set each runner's decode
     chunks ("never" turns one off); a bad value stops with one line naming it."""
-    from omni_trio.__main__ import main
-    from omni_trio.serve._cli import decode_options
+    from omni_trio.cli import main
+    from omni_trio.cli._serve import decode_options
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

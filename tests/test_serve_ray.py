@@ -41,7 +41,7 @@ import openai
 import pytest
 
 import omni_trio as ot
-from omni_trio.serve._ray_cli import RAY_ENVIRONMENT
+from omni_trio.cli._ray import RAY_ENVIRONMENT
 from omni_trio.serve._ray_ingress import REPLICA_HEADER, Message, ReplicaIngress
 
 from .test_serve_app import metric

@@ -528,8 +528,8 @@ async def test_serve_tiny_wan_takes_the_video_options() -> None:
     """
     import argparse
 
-    from omni_trio._command import UsageError
-    from omni_trio.serve._cli import _service, add_serve_arguments
+    from omni_trio.cli._errors import UsageError
+    from omni_trio.cli._serve import _service, add_serve_arguments
     from omni_trio.serve._models import load_model
 
     parser = argparse.ArgumentParser()

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._command import CommandError, UsageError, summary
+from ..cli._errors import CommandError, UsageError, summary
 
 __all__ = ["MODELS", "TINY_SIZE", "TINY_STEPS", "LoadedModel", "load_model", "model_folder"]
 

@@ -1,7 +1,7 @@
 """What the ``omni-trio`` commands share: their errors and exit statuses.
 
 A command raises ``UsageError`` for arguments it cannot use and ``CommandError``
-for anything else that stops it; ``omni_trio.__main__`` prints either as one line,
+for anything else that stops it; ``main`` prints either as one line,
 ``omni-trio: error: <message>``, and exits with its ``exit_status``.
 """
 

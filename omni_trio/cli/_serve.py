@@ -22,21 +22,21 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .._command import EXIT_ERROR, CommandError, UsageError, seconds
 from .._request import MAX_PRIORITY
+from ..serve._models import FALLBACK_FPS, MODELS, LoadedModel, load_model, model_folder
 from ._env import read_environment, resolve_environment
-from ._logging import LOG_FORMATS, configure_logging
-from ._models import FALLBACK_FPS, MODELS, LoadedModel, load_model, model_folder
-from ._ray_cli import add_ray_arguments, run_ray
+from ._errors import EXIT_ERROR, CommandError, UsageError, seconds
+from ._logs import LOG_FORMATS, configure_logging
+from ._ray import add_ray_arguments, run_ray
 
 if TYPE_CHECKING:
     import socket
     from collections.abc import Awaitable, Collection
     from types import FrameType
 
-    from ._app import ImageService
+    from ..serve._app import ImageService
 
-__all__ = ["MODELS", "add_serve_arguments", "load_model", "run_serve"]
+__all__ = ["add_serve_arguments", "decode_options", "run_serve"]
 
 _log = logging.getLogger("omni_trio.serve")
 
@@ -304,8 +304,8 @@ def _service(args: argparse.Namespace, model: LoadedModel) -> ImageService:
     from .._config import EngineConfig
     from .._errors import InvalidRequestError
     from .._request import GenerationRequest
-    from ._app import ImageService
-    from ._config import ServeConfig
+    from ..serve._app import ImageService
+    from ..serve._config import ServeConfig
 
     width, height = args.default_size or model.size
     try:
@@ -332,8 +332,8 @@ def _service(args: argparse.Namespace, model: LoadedModel) -> ImageService:
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    from ._video_body import frames_for
-    from ._video_jobs import VideoConfig
+    from ..serve._video_body import frames_for
+    from ..serve._video_jobs import VideoConfig
 
     frames = model.runners[0].capabilities.frames
     try:
@@ -362,7 +362,7 @@ def _service(args: argparse.Namespace, model: LoadedModel) -> ImageService:
         option = _DEFAULT_OPTIONS.get(exc.field, "--default-size")
         raise UsageError(f"{option}: the model refuses it: {exc}") from None
     runners = model.runners[0] if len(model.runners) == 1 else list(model.runners)
-    from ._upload import UploadLimits
+    from ..serve._upload import UploadLimits
 
     uploads = UploadLimits(max_bytes=args.max_upload_bytes, max_pixels=args.max_upload_pixels)
     return ImageService(

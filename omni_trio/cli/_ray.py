@@ -26,10 +26,10 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from .._command import CommandError, UsageError, summary
+from ._errors import CommandError, UsageError, summary
 
 if TYPE_CHECKING:
-    from ._app import ImageService
+    from ..serve._app import ImageService
 
 __all__ = ["APP_NAME", "RAY_ENVIRONMENT", "add_ray_arguments", "run_ray"]
 
@@ -95,8 +95,8 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _replica_service(args: argparse.Namespace, devices: Sequence[str] | None) -> ImageService:
     """On a replica: load the model and build the service as ``omni-trio serve`` does."""
-    from ._cli import _service, decode_options
-    from ._models import load_model
+    from ..serve._models import load_model
+    from ._serve import _service, decode_options
 
     model = load_model(
         args.model,
@@ -116,9 +116,9 @@ def run_ray(args: argparse.Namespace) -> int:
         CommandError: the ray extra is missing, the port cannot be bound, or the
             deployment fails.
     """
-    from ._cli import _bind, _check_port, _devices, _service
-    from ._logging import configure_logging
-    from ._models import MODELS, load_model, model_folder
+    from ..serve._models import MODELS, load_model, model_folder
+    from ._logs import configure_logging
+    from ._serve import _bind, _check_port, _devices, _service
 
     if importlib.util.find_spec("ray") is None:
         raise CommandError(f"--ray needs the 'ray' extra (ray is missing): {RAY_EXTRA_PIP}")
@@ -140,7 +140,7 @@ def run_ray(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from .ray import application
+    from ..serve.ray import application
 
     if local:
         ray.init(

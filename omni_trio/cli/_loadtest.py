@@ -57,7 +57,7 @@ from urllib.parse import urlsplit
 
 import anyio
 
-from .._command import CommandError, UsageError, seconds, summary
+from ._errors import CommandError, UsageError, seconds, summary
 
 if TYPE_CHECKING:
     import httpx
