@@ -116,16 +116,16 @@ def run_ray(args: argparse.Namespace) -> int:
         CommandError: the ray extra is missing, the port cannot be bound, or the
             deployment fails.
     """
-    from ..serve._models import MODELS, load_model, model_folder
+    from ..serve._models import MODELS
     from ._logs import configure_logging
+    from ._options import check_model, load
     from ._serve import _bind, _check_port, _devices, _service
 
     if importlib.util.find_spec("ray") is None:
         raise CommandError(f"--ray needs the 'ray' extra (ray is missing): {RAY_EXTRA_PIP}")
     if args.port == 0:
         raise UsageError("--port: Ray Serve's proxy needs a fixed port with --ray, not 0")
-    if args.model not in MODELS:
-        model_folder(args.model)
+    check_model(args.model)
     devices = _devices(args)
     local = args.ray_address is None
     if local:
@@ -134,7 +134,7 @@ def run_ray(args: argparse.Namespace) -> int:
     if args.model in MODELS:
         # The built-in models load in a moment: check the defaults against one here,
         # so a bad option is a usage error now, not a failed deployment.
-        _service(args, load_model(args.model, step_seconds=args.step_seconds))
+        _service(args, load(args.model, step_seconds=args.step_seconds))
     for name, value in RAY_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
     import ray

@@ -23,10 +23,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._request import MAX_PRIORITY
-from ..serve._models import FALLBACK_FPS, MODELS, LoadedModel, load_model, model_folder
+from ..serve._models import FALLBACK_FPS, MODELS, LoadedModel
 from ._env import read_environment, resolve_environment
 from ._errors import EXIT_ERROR, CommandError, UsageError, seconds
 from ._logs import LOG_FORMATS, configure_logging
+from ._options import check_model, load
 from ._ray import add_ray_arguments, run_ray
 
 if TYPE_CHECKING:
@@ -596,13 +597,12 @@ def run_serve(args: argparse.Namespace) -> int:
     resolve_environment(args)
     if args.ray:
         return run_ray(args)
-    if args.model not in MODELS:
-        model_folder(args.model)
+    check_model(args.model)
     devices = _devices(args)
     _check_port(args.host, args.port)
     # Only now: a command that stops at a usage error leaves the logging alone.
     configure_logging(args.log_level, args.log_format)
-    model = load_model(
+    model = load(
         args.model,
         step_seconds=args.step_seconds,
         max_steps=args.max_steps,
