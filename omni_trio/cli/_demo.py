@@ -25,7 +25,8 @@ from .._errors import InvalidRequestError, RequestAbortedError, RequestFailedErr
 from .._outputs import RequestMetrics
 from .._request import GenerationRequest
 from .._runner import Runner, RunnerCapabilities
-from ._errors import CommandError, UsageError, seconds, summary
+from ._errors import CommandError, UsageError, summary
+from ._types import seconds
 
 __all__ = ["KINDS", "add_demo_arguments", "run_demo"]
 

@@ -57,7 +57,8 @@ from urllib.parse import urlsplit
 
 import anyio
 
-from ._errors import CommandError, UsageError, seconds, summary
+from ._errors import CommandError, UsageError, summary
+from ._types import count, fraction, header, integer, positive, span
 
 if TYPE_CHECKING:
     import httpx
@@ -619,58 +620,6 @@ async def run_load(
 # -- the command ---------------------------------------------------------------------
 
 
-def _positive(text: str) -> float:
-    value = seconds(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}")
-    return value
-
-
-def _span(text: str) -> tuple[float, float]:
-    low, sep, high = text.partition(":")
-    try:
-        span = (seconds(low), seconds(high)) if sep else (0.0, seconds(text))
-    except argparse.ArgumentTypeError:
-        span = (1.0, 0.0)
-    if span[0] > span[1]:
-        raise argparse.ArgumentTypeError(f"expected MAX or MIN:MAX seconds, got {text!r}")
-    return span
-
-
-def _header(text: str) -> tuple[str, str]:
-    name, sep, value = text.partition(":")
-    if not sep or not name.strip():
-        raise argparse.ArgumentTypeError(f"expected 'Name: value', got {text!r}")
-    return name.strip(), value.strip()
-
-
-def _steps(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
-def _integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-
-
 def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``load`` command's arguments to ``parser``."""
     parser.add_argument(
@@ -679,21 +628,21 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the server, e.g. http://127.0.0.1:8000 ({PATH} is appended unless given)",
     )
     parser.add_argument(
-        "--rate", type=_positive, default=None, help="requests per second, mean (default 1)"
+        "--rate", type=positive, default=None, help="requests per second, mean (default 1)"
     )
     parser.add_argument(
         "--requests",
-        type=_steps,
+        type=count(1),
         default=None,
         metavar="N",
         help="exactly N requests over --duration, at Poisson moments (instead of --rate)",
     )
     parser.add_argument(
-        "--duration", type=_positive, default=30.0, metavar="S", help="seconds (default 30)"
+        "--duration", type=positive, default=30.0, metavar="S", help="seconds (default 30)"
     )
     parser.add_argument(
         "--slo-s",
-        type=_positive,
+        type=positive,
         default=10.0,
         metavar="S",
         help="latency objective: images within it count toward the goodput (default 10)",
@@ -701,14 +650,14 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="schedule seed (default 0)")
     parser.add_argument(
         "--give-up-fraction",
-        type=_fraction,
+        type=fraction,
         default=0.3,
         metavar="F",
         help="share of clients that give up, closing their connection (default 0.3)",
     )
     parser.add_argument(
         "--give-up-after",
-        type=_span,
+        type=span,
         default=None,
         metavar="MAX|MIN:MAX",
         help="seconds after sending when they do, uniform in [MIN, MAX] (default 0:2xSLO)",
@@ -717,20 +666,20 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
         "--size", default="64x64", help="the body's size, WxH (default 64x64; 'auto': the server's)"
     )
     parser.add_argument(
-        "--steps", type=_steps, default=None, help="num_inference_steps (default: the server's)"
+        "--steps", type=count(1), default=None, help="num_inference_steps (default: the server's)"
     )
     parser.add_argument("--prompt", default="a lighthouse at dusk")
     parser.add_argument("--model", default=None, help="the body's model (default: none sent)")
     parser.add_argument(
         "--timeout",
-        type=_positive,
+        type=positive,
         default=300.0,
         metavar="S",
         help="seconds a patient client waits before it counts an error (default 300)",
     )
     parser.add_argument(
         "--header",
-        type=_header,
+        type=header,
         action="append",
         default=[],
         metavar="'NAME: VALUE'",
@@ -738,21 +687,21 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--deadline-ms",
-        type=_steps,
+        type=count(1),
         default=None,
         metavar="MS",
         help="every body's deadline_ms, e.g. the SLO (default: none sent)",
     )
     parser.add_argument(
         "--priority",
-        type=_integer,
+        type=integer,
         default=None,
         metavar="P",
         help="the body's priority, sent by --priority-share of the clients (default: none sent)",
     )
     parser.add_argument(
         "--priority-share",
-        type=_fraction,
+        type=fraction,
         default=None,
         metavar="F",
         help="share of clients that send --priority, drawn per arrival (default 1: all)",

@@ -27,6 +27,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from ._errors import CommandError, UsageError, summary
+from ._types import count, gpus
 
 if TYPE_CHECKING:
     from ..serve._app import ImageService
@@ -45,26 +46,6 @@ RAY_ENVIRONMENT = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_EN
 RAY_EXTRA_PIP = "pip install 'omni_trio[ray]'"
 
 
-def _replicas(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
-def _gpus(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number of GPUs >= 0, got {text!r}")
-    return value
-
-
 def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--ray``, ``--replicas``, ``--replica-gpus`` and ``--ray-address`` to ``parser``."""
     group = parser.add_argument_group(
@@ -76,11 +57,11 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve through Ray Serve: one engine per replica, behind its HTTP proxy",
     )
     group.add_argument(
-        "--replicas", type=_replicas, default=1, metavar="N", help="replicas (default 1)"
+        "--replicas", type=count(1), default=1, metavar="N", help="replicas (default 1)"
     )
     group.add_argument(
         "--replica-gpus",
-        type=_gpus,
+        type=gpus,
         default=0.0,
         metavar="G",
         help="GPUs Ray reserves for each replica (it sees them as cuda:0..); default 0",
@@ -158,11 +139,11 @@ def run_ray(args: argparse.Namespace) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        gpus = ray.cluster_resources().get("GPU", 0.0)
-        if args.replica_gpus * args.replicas > gpus:
+        available = ray.cluster_resources().get("GPU", 0.0)
+        if args.replica_gpus * args.replicas > available:
             raise UsageError(
                 f"--replica-gpus: {args.replicas} replicas of {args.replica_gpus:g} GPUs need"
-                f" {args.replicas * args.replica_gpus:g}; the cluster has {gpus:g}"
+                f" {args.replicas * args.replica_gpus:g}; the cluster has {available:g}"
             )
         serve.start(http_options={"host": args.host, "port": args.port}, proxy_location="HeadOnly")
         app = application(

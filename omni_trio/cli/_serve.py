@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any
 from .._request import MAX_PRIORITY
 from ..serve._models import FALLBACK_FPS, MODELS, LoadedModel
 from ._env import read_environment, resolve_environment
-from ._errors import EXIT_ERROR, CommandError, UsageError, seconds
+from ._errors import EXIT_ERROR, CommandError, UsageError
 from ._logs import LOG_FORMATS, configure_logging
 from ._options import check_model, load
 from ._ray import add_ray_arguments, run_ray
+from ._types import count, finite, positive, seconds, size, threshold
 
 if TYPE_CHECKING:
     import socket
@@ -48,58 +49,6 @@ BACKSTOP_S = 1.0
 
 #: Seconds other threads get to end after the server returned (they were told to).
 THREAD_EXIT_S = 2.0
-
-
-def _size(text: str) -> tuple[int, int]:
-    width, sep, height = text.partition("x")
-    try:
-        size = int(width), int(height)
-    except ValueError:
-        size = (0, 0)
-    if not sep or min(size) < 1:
-        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT, e.g. 64x64, got {text!r}")
-    return size
-
-
-def _count(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
-    """An argument type: an int in ``[minimum, maximum]``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum or (maximum is not None and value > maximum):
-            bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
-            raise argparse.ArgumentTypeError(f"expected an integer {bound}, got {text!r}")
-        return value
-
-    parse.__name__ = "int"
-    return parse
-
-
-def _finite(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
-
-
-def _positive(text: str) -> float:
-    value = _finite(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
-
-
-def _threshold(text: str) -> int | None:
-    """An argument type: an int >= 1, or ``never`` (``None``)."""
-    if text.strip().lower() == "never":
-        return None
-    return _count(1)(text)
 
 
 def decode_options(args: argparse.Namespace) -> dict[str, int | None]:
@@ -126,7 +75,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument(
         "--port",
-        type=_count(0, 65535),
+        type=count(0, 65535),
         default=8000,
         help="port; 0 picks a free one (default 8000)",
     )
@@ -147,17 +96,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     choice.add_argument(
         "--workers",
-        type=_count(1, 64),
+        type=count(1, 64),
         default=None,
         metavar="N",
         help="N workers on the CPU, torch's threads shared out among them",
     )
     limits = parser.add_argument_group("engine and limits")
     limits.add_argument(
-        "--max-batch-size", type=_count(1), default=4, help="requests per denoise step (default 4)"
+        "--max-batch-size", type=count(1), default=4, help="requests per denoise step (default 4)"
     )
     limits.add_argument(
-        "--max-waiting", type=_count(0), default=256, help="queue bound, then 429 (default 256)"
+        "--max-waiting", type=count(0), default=256, help="queue bound, then 429 (default 256)"
     )
     limits.add_argument(
         "--shutdown-grace",
@@ -175,43 +124,43 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         " connections still open then are aborted (default 5)",
     )
     limits.add_argument(
-        "--max-steps", type=_count(1), default=200, help="largest num_inference_steps (default 200)"
+        "--max-steps", type=count(1), default=200, help="largest num_inference_steps (default 200)"
     )
     limits.add_argument(
-        "--max-size", type=_count(1), default=2048, help="largest width and height (default 2048)"
+        "--max-size", type=count(1), default=2048, help="largest width and height (default 2048)"
     )
     limits.add_argument(
-        "--max-n", type=_count(1), default=8, help="most images per request (default 8)"
+        "--max-n", type=count(1), default=8, help="most images per request (default 8)"
     )
     limits.add_argument(
         "--max-body-bytes",
-        type=_count(1),
+        type=count(1),
         default=1 << 20,
         help="larger request bodies get 413 (default 1 MiB)",
     )
     limits.add_argument(
         "--max-upload-bytes",
-        type=_count(1),
+        type=count(1),
         default=16 << 20,
         help="larger /v1/images/edits uploads get 413 (default 16 MiB)",
     )
     limits.add_argument(
         "--max-upload-pixels",
-        type=_count(1),
+        type=count(1),
         default=4096 * 4096,
         help="an uploaded image of more pixels (read from its header, before decoding)"
         " gets 413 (default 4096x4096)",
     )
     limits.add_argument(
         "--retry-after",
-        type=_count(0),
+        type=count(0),
         default=1,
         metavar="S",
         help="Retry-After seconds sent with 429 and 503 (default 1)",
     )
     limits.add_argument(
         "--max-priority",
-        type=_count(0, MAX_PRIORITY),
+        type=count(0, MAX_PRIORITY),
         default=0,
         help="highest priority a request may ask for; more is a 400 (default 0: clients are"
         " anonymous, none may put itself ahead of the others)",
@@ -219,21 +168,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     videos = parser.add_argument_group("video jobs (a video model's /v1/videos)")
     videos.add_argument(
         "--video-jobs",
-        type=_count(1),
+        type=count(1),
         default=64,
         metavar="N",
         help="most video jobs held at once, finished ones included; then 429 (default 64)",
     )
     videos.add_argument(
         "--video-ttl",
-        type=_positive,
+        type=positive,
         default=3600.0,
         metavar="S",
         help="seconds a finished video job (and its MP4) is kept (default 3600)",
     )
     videos.add_argument(
         "--video-fps",
-        type=_positive,
+        type=positive,
         default=None,
         metavar="FPS",
         help="frames per second of the MP4s, which turns seconds into frames"
@@ -244,7 +193,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     decoding.add_argument(
         "--decode-tile-above",
-        type=_threshold,
+        type=threshold,
         default=1024 * 1024,
         metavar="PIXELS|never",
         help="decode a frame of more pixels than this in the VAE's blended tiles"
@@ -252,7 +201,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     decoding.add_argument(
         "--decode-framewise-above",
-        type=_threshold,
+        type=threshold,
         default=None,
         metavar="FRAMES|never",
         help="decode a LTX-Video clip of more frames than this in the VAE's blended"
@@ -260,16 +209,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     defaults = parser.add_argument_group("request defaults (by default: what suits the model)")
     defaults.add_argument(
-        "--default-size", type=_size, default=None, metavar="WxH", help="size when none is asked"
+        "--default-size", type=size, default=None, metavar="WxH", help="size when none is asked"
     )
     defaults.add_argument(
         "--default-steps",
-        type=_count(1),
+        type=count(1),
         default=None,
         help="num_inference_steps when none is asked",
     )
     defaults.add_argument(
-        "--default-guidance", type=_finite, default=None, help="guidance_scale when none is asked"
+        "--default-guidance", type=finite, default=None, help="guidance_scale when none is asked"
     )
     parser.add_argument(
         "--step-seconds",
