@@ -190,24 +190,25 @@ def _threads() -> Iterator[dict[str, _Server]]:
     Seconds instead of the subprocesses' imports (tens of seconds on a busy machine);
     the servers then share the GIL with the load generator, which --quick's
     figures are not worth quoting for anyway. omni_trio's app is built as ``serve``
-    builds it (its options' defaults, ``load_model``).
+    builds it (its options' defaults, ``ServiceOptions``).
     """
     import argparse
     import threading
 
     import uvicorn
 
-    from omni_trio.cli._serve import _service, add_serve_arguments
-    from omni_trio.serve._models import load_model
+    from omni_trio.cli._options import make_service, service_options
+    from omni_trio.cli._serve import add_serve_arguments
 
     from .naive import build
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     args = parser.parse_args(["--model", "tiny-sd", "--max-priority", str(PRIORITY)])
+    options = service_options(args)
     apps = {
         "naive": build("sd").app,
-        "omni_trio": _service(args, load_model("tiny-sd", step_seconds=0)).app,
+        "omni_trio": make_service(options, options.load_model()).app,
     }
     servers: dict[str, _Server] = {}
     running: list[tuple[uvicorn.Server, threading.Thread]] = []

@@ -7,13 +7,18 @@ server, the core for the demo). Its modules:
   (imported only once it is there), one-line errors, ``--version``, ``--debug``.
 - ``_errors``: ``UsageError`` and ``CommandError``, the exit statuses, ``summary``.
 - ``_demo``: ``demo``: one image with a tiny model, a progress bar.
-- ``_serve``: ``serve``: its options, and the service they ask for, run under
-  Hypercorn (trio) or Uvicorn (asyncio) with signal-driven draining.
+- ``_types``: the argparse value types of every command.
+- ``_serve``: ``serve``: its options, checked before it serves, then the service.
+- ``_options``: ``serve``'s options as the serve package's ``ServiceOptions``, and
+  the serve package's errors as the command's, named by their option.
+- ``_servers``: the service under Hypercorn (trio) or Uvicorn (asyncio), drained on
+  SIGTERM or SIGINT.
 - ``_ray``: ``serve --ray``: the same service, N replicas on Ray Serve.
 - ``_env``: every ``serve`` option from its ``OMNI_TRIO_<OPTION>`` variable.
 - ``_logs``: the server's log on stderr, as text or JSON lines.
 - ``_access``: Hypercorn's access log without its phantom lines.
-- ``_sockets``: the connections still open after the drain, aborted.
+- ``_sockets``: the port checked before serving, the connections still open after
+  the drain aborted.
 - ``_loadtest``: ``load``: an open-loop load test of an images endpoint.
 """
 

@@ -16,21 +16,24 @@ so that ``--ray`` without it is a one-line error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.util
 import logging
 import os
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import FrameType
-from typing import TYPE_CHECKING
 
+from ..serve._models import MODELS
+from ..serve._options import ServiceOptions, build_service
 from ._errors import CommandError, UsageError, summary
+from ._logs import configure_logging
+from ._options import check_model, load, make_service, service_options
+from ._sockets import address, check_port
 from ._types import count, gpus
-
-if TYPE_CHECKING:
-    from ..serve._app import ImageService
 
 __all__ = ["APP_NAME", "RAY_ENVIRONMENT", "add_ray_arguments", "run_ray"]
 
@@ -74,19 +77,97 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _replica_service(args: argparse.Namespace, devices: Sequence[str] | None) -> ImageService:
-    """On a replica: load the model and build the service as ``omni-trio serve`` does."""
-    from ..serve._models import load_model
-    from ._serve import _service, decode_options
+def _options(args: argparse.Namespace) -> ServiceOptions:
+    """The service options of ``args``, checked as far as they can be before Ray starts.
 
-    model = load_model(
-        args.model,
-        step_seconds=args.step_seconds,
-        max_steps=args.max_steps,
-        devices=devices,
-        runner_options=decode_options(args),
+    Raises:
+        UsageError: an option is wrong (``--port 0``, ``--model``, ...).
+        CommandError: the ray extra is missing, or the port cannot be bound.
+    """
+    if importlib.util.find_spec("ray") is None:
+        raise CommandError(f"--ray needs the 'ray' extra (ray is missing): {RAY_EXTRA_PIP}")
+    if args.port == 0:
+        raise UsageError("--port: Ray Serve's proxy needs a fixed port with --ray, not 0")
+    check_model(args.model)
+    options = service_options(args)
+    if args.ray_address is None:
+        check_port(args.host, args.port)
+    return options
+
+
+def _start_ray(args: argparse.Namespace) -> None:
+    """Start a local cluster on loopback, or join ``--ray-address``'s."""
+    for name, value in RAY_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    import ray
+
+    if args.ray_address is None:
+        ray.init(
+            _node_ip_address="127.0.0.1",
+            include_dashboard=False,
+            # Every replica schedules on this one node, whatever its core count.
+            num_cpus=max(os.cpu_count() or 1, args.replicas),
+        )
+    else:
+        ray.init(address=args.ray_address)
+
+
+def _deploy(args: argparse.Namespace, options: ServiceOptions) -> None:
+    """Deploy ``--replicas`` replicas, each building its service from ``options``.
+
+    Raises:
+        UsageError: the replicas need more GPUs than the cluster has.
+        CommandError: the deployment fails (a replica did not start).
+    """
+    import ray
+    from ray import serve
+
+    from ..serve.ray import application
+
+    available = ray.cluster_resources().get("GPU", 0.0)
+    if args.replica_gpus * args.replicas > available:
+        raise UsageError(
+            f"--replica-gpus: {args.replicas} replicas of {args.replica_gpus:g} GPUs need"
+            f" {args.replicas * args.replica_gpus:g}; the cluster has {available:g}"
+        )
+    serve.start(http_options={"host": args.host, "port": args.port}, proxy_location="HeadOnly")
+    engine_config = options.engine_config
+    app = application(
+        functools.partial(build_service, options),
+        shutdown_grace=engine_config.shutdown_grace,
+        max_ongoing_requests=engine_config.max_batch_size + engine_config.max_waiting,
+        num_replicas=args.replicas,
+        ray_actor_options={"num_gpus": args.replica_gpus} if args.replica_gpus else None,
+        name=APP_NAME,
     )
-    return _service(args, model)
+    try:
+        serve.run(app, name=APP_NAME, route_prefix="/")
+    except Exception as exc:  # a replica that did not start: Ray says why in its log
+        raise CommandError(f"--ray: the deployment failed: {summary(exc)}") from exc
+
+
+@contextmanager
+def _signals() -> Iterator[Callable[[], None]]:
+    """Catch SIGTERM and SIGINT in the block; yield a function that waits for the first."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def wait() -> None:
+        # Ray's core worker may install its own C-level SIGTERM handler after ours
+        # (it exits at once, leaving the cluster up): ours is put back meanwhile.
+        while not stop.wait(0.5):
+            for sig in previous:
+                signal.signal(sig, on_signal)
+
+    try:
+        yield wait
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run_ray(args: argparse.Namespace) -> int:
@@ -97,87 +178,35 @@ def run_ray(args: argparse.Namespace) -> int:
         CommandError: the ray extra is missing, the port cannot be bound, or the
             deployment fails.
     """
-    from ..serve._models import MODELS
-    from ._logs import configure_logging
-    from ._options import check_model, load
-    from ._serve import _bind, _check_port, _devices, _service
-
-    if importlib.util.find_spec("ray") is None:
-        raise CommandError(f"--ray needs the 'ray' extra (ray is missing): {RAY_EXTRA_PIP}")
-    if args.port == 0:
-        raise UsageError("--port: Ray Serve's proxy needs a fixed port with --ray, not 0")
-    check_model(args.model)
-    devices = _devices(args)
-    local = args.ray_address is None
-    if local:
-        _check_port(args.host, args.port)
+    options = _options(args)
     configure_logging(args.log_level, args.log_format)
     if args.model in MODELS:
         # The built-in models load in a moment: check the defaults against one here,
         # so a bad option is a usage error now, not a failed deployment.
-        _service(args, load(args.model, step_seconds=args.step_seconds))
-    for name, value in RAY_ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
+        here = dataclasses.replace(options, devices=None)
+        make_service(here, load(here))
+    local = args.ray_address is None
+    _start_ray(args)
     import ray
     from ray import serve
 
-    from ..serve.ray import application
-
-    if local:
-        ray.init(
-            _node_ip_address="127.0.0.1",
-            include_dashboard=False,
-            # Every replica schedules on this one node, whatever its core count.
-            num_cpus=max(os.cpu_count() or 1, args.replicas),
-        )
-    else:
-        ray.init(address=args.ray_address)
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        available = ray.cluster_resources().get("GPU", 0.0)
-        if args.replica_gpus * args.replicas > available:
-            raise UsageError(
-                f"--replica-gpus: {args.replicas} replicas of {args.replica_gpus:g} GPUs need"
-                f" {args.replicas * args.replica_gpus:g}; the cluster has {available:g}"
-            )
-        serve.start(http_options={"host": args.host, "port": args.port}, proxy_location="HeadOnly")
-        app = application(
-            functools.partial(_replica_service, args, devices),
-            shutdown_grace=args.shutdown_grace,
-            max_ongoing_requests=args.max_batch_size + args.max_waiting,
-            num_replicas=args.replicas,
-            ray_actor_options={"num_gpus": args.replica_gpus} if args.replica_gpus else None,
-            name=APP_NAME,
-        )
+    with _signals() as wait_for_signal:
         try:
-            serve.run(app, name=APP_NAME, route_prefix="/")
-        except Exception as exc:  # a replica that did not start: Ray says why in its log
-            raise CommandError(f"--ray: the deployment failed: {summary(exc)}") from exc
-        _log.info(
-            "serving %s with %d replica(s) on Ray Serve (%s) at http://%s",
-            args.model,
-            args.replicas,
-            "a local cluster" if local else args.ray_address,
-            _bind(args.host, args.port),
-        )
-        # Ray's core worker may install its own C-level SIGTERM handler after ours
-        # (it exits at once, leaving the cluster up): ours is put back meanwhile.
-        while not stop.wait(0.5):
-            for sig in previous:
-                signal.signal(sig, on_signal)
-        _log.info("stopping: the replicas drain, then the engines shut down")
-        if local:
-            serve.shutdown()
-        else:
-            serve.delete(APP_NAME)
-    finally:
-        ray.shutdown()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            _deploy(args, options)
+            _log.info(
+                "serving %s with %d replica(s) on Ray Serve (%s) at http://%s",
+                args.model,
+                args.replicas,
+                "a local cluster" if local else args.ray_address,
+                address(args.host, args.port),
+            )
+            wait_for_signal()
+            _log.info("stopping: the replicas drain, then the engines shut down")
+            if local:
+                serve.shutdown()
+            else:
+                serve.delete(APP_NAME)
+        finally:
+            ray.shutdown()
     _log.info("stopped%s", "; the local Ray cluster is down" if local else "")
     return 0

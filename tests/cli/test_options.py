@@ -7,13 +7,17 @@ is not JSON (diffusers fails to load it, with no download).
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
+from omni_trio import EngineConfig
 from omni_trio.cli._errors import EXIT_ERROR, EXIT_USAGE, CommandError, UsageError, summary
-from omni_trio.cli._options import check_model, load
+from omni_trio.cli._options import check_model, load, make_service, service_options
+from omni_trio.cli._serve import add_serve_arguments
 from omni_trio.serve._models import MODELS, ModelError, load_model
+from omni_trio.serve._options import ServiceOptions
 
 BUILT_IN = f"the built-in models are {', '.join(MODELS)}"
 
@@ -52,7 +56,7 @@ def test_the_command_names_the_option(tmp_path: Path) -> None:
     check_model("fake")  # a built-in name: nothing to check on disk
     folder = broken_folder(tmp_path)
     with pytest.raises(CommandError) as failed:
-        load(str(folder), step_seconds=0.0)
+        load(ServiceOptions(model=str(folder), step_seconds=0.0))
     model_error = failed.value.__cause__
     assert isinstance(model_error, ModelError) and model_error.__cause__ is not None
     assert str(failed.value) == f"--model: cannot load {str(folder)!r}: " + summary(
@@ -60,3 +64,47 @@ def test_the_command_names_the_option(tmp_path: Path) -> None:
     )
     assert failed.value.exit_status == EXIT_ERROR
     assert "\n" not in str(failed.value)
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    """``serve``'s arguments, parsed as the command parses them."""
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_the_options_become_service_options() -> None:
+    """``serve``'s defaults are the command's own (a queue of 256, 10 s of grace, at most
+    200 steps); what it leaves to the model stays ``None``; devices are a tuple."""
+    assert service_options(parse("--model", "fake")) == ServiceOptions(
+        model="fake",
+        step_seconds=0.05,
+        engine_config=EngineConfig(
+            max_batch_size=4,
+            max_waiting=256,
+            shutdown_grace=10.0,
+            max_steps=200,
+            max_height=2048,
+            max_width=2048,
+            max_num_images=8,
+        ),
+    )
+    options = service_options(parse("--model", "fake", "--workers", "2", "--default-size", "32x48"))
+    assert (options.devices, options.default_size) == (("cpu", "cpu"), (32, 48))
+    with pytest.raises(UsageError, match=r"^--devices: "):
+        service_options(parse("--model", "fake", "--devices", "cpu,,"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["--default-size", "60x64"], "--default-size: the model refuses it: width: must be"),
+        (["--default-steps", "500"], "--default-steps: the model refuses it: num_steps: must"),
+    ],
+)
+def test_a_default_the_model_refuses_names_its_option(argv: list[str], line: str) -> None:
+    """``make_service``: the field ``build_service`` names becomes the option that set it."""
+    options = service_options(parse("--model", "fake", *argv))
+    with pytest.raises(UsageError) as refused:
+        make_service(options, load(options))
+    assert str(refused.value).startswith(line)
