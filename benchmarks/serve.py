@@ -77,13 +77,8 @@ from typing import Any
 
 import httpx
 
-from omni_trio.cli._loadtest import (
-    DEFAULT_CLASS,
-    LoadConfig,
-    percentile,
-    priority_class,
-    run_load,
-)
+from omni_trio.cli._loadtest import LoadConfig, run_load
+from omni_trio.cli._loadtest_math import DEFAULT_CLASS, percentile, priority_class
 
 from .common import Options, fmt, md_table
 from .plot import PEER_COLORS, figure

@@ -32,17 +32,14 @@ import sniffio
 
 from omni_trio import EngineConfig
 from omni_trio.cli import main
-from omni_trio.cli._loadtest import (
+from omni_trio.cli._loadtest import PATH, LoadConfig, endpoint_url, run_load
+from omni_trio.cli._loadtest_math import (
     DEFAULT_CLASS,
     OUTCOMES,
-    PATH,
-    LoadConfig,
     RequestRecord,
-    endpoint_url,
     format_summary,
     percentile,
     poisson_schedule,
-    run_load,
     summarize,
 )
 from omni_trio.serve import ImageService, ServeConfig

@@ -19,7 +19,8 @@ server, the core for the demo). Its modules:
 - ``_access``: Hypercorn's access log without its phantom lines.
 - ``_sockets``: the port checked before serving, the connections still open after
   the drain aborted.
-- ``_loadtest``: ``load``: an open-loop load test of an images endpoint.
+- ``_loadtest_command``: ``load``: an open-loop load test of an images endpoint;
+  ``_loadtest``: its HTTP client; ``_loadtest_math``: its schedule and figures (pure).
 """
 
 from __future__ import annotations

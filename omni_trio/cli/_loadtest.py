@@ -1,85 +1,50 @@
-"""``omni-trio load URL``: an open-loop load test of an OpenAI-style images endpoint.
+"""``omni-trio load URL``'s client: an open-loop load test of an OpenAI-style images endpoint.
 
-Open loop: requests arrive as a Poisson process at ``rate`` per second for
-``duration_s`` seconds, whatever the server answers, so a slow server faces a
-growing queue instead of a politely waiting client. The arrival times come from a
-seeded generator: the same seed and rate give the same schedule, on any server.
-With ``count`` the window holds exactly that many arrivals, at the moments of a
-Poisson process conditioned on that count (sorted uniform moments): the bursts of
-a Poisson process without the run-to-run noise of its count, which in a short run
-moves the offered load by tens of percent.
-
-Each arrival is a client of its own: it opens a connection (no keep-alive, so no
-client waits for another's connection), POSTs a small generation body and waits
-for the answer. A ``give_up_fraction`` of them are impatient: each gives up at a
-moment drawn uniformly from ``give_up_s`` (seconds after it sent its request) by
-closing its connection, as a browser tab or a timed-out gateway does. A server
-that notices stops working for it; one that does not computes an image nobody
-reads.
+The arrivals are ``poisson_schedule``'s (``_loadtest_math``). Each arrival is a
+client of its own: it opens a connection (no keep-alive, so no client waits for
+another's connection), POSTs a small generation body and waits for the answer. A
+``give_up_fraction`` of them are impatient: each gives up at a moment drawn
+uniformly from ``give_up_s`` (seconds after it sent its request) by closing its
+connection, as a browser tab or a timed-out gateway does. A server that notices
+stops working for it; one that does not computes an image nobody reads.
 
 Scheduling fields, for servers that take them (``omni-trio serve`` does, L63):
 ``deadline_ms`` puts the same deadline on every request (the SLO, say: a server
 that knows it can refuse or drop what it cannot finish in time), and
 ``priority`` with ``priority_share`` sends a ``priority`` from that share of the
 clients, drawn per arrival from a stream of its own, so the arrival times and
-give-ups stay those of the seed. The summary splits its figures by the priority
-sent (``by_priority``).
+give-ups stay those of the seed.
 
-Every request ends one way (``OUTCOMES``): ``completed`` (a 200 with its
-images), ``gave_up``, ``refused`` (any other status, kept per status and error
-``code``) or ``error`` (no answer: a reset connection, a timeout, a body that
-is not an images answer).
-``summarize`` turns the records into the figures, with no I/O: the SLO goodput
-(images received within ``slo_s`` of their request, per second of the arrival
-window), the throughput (every image received, per second of the window), and
-the p50 and p99 latencies of the completed requests.
-
-The module logs (``omni_trio.load``) and never prints; ``run_load_command`` writes
-the table to the stream it is given.
+The module logs (``omni_trio.load``) and never prints.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import json
 import logging
 import math
 import os
-import random
-import sys
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import anyio
 
 from ._errors import CommandError, UsageError, summary
-from ._types import count, fraction, header, integer, positive, span
+from ._loadtest_math import Arrival, RequestRecord, poisson_schedule, summarize
 
 if TYPE_CHECKING:
     import httpx
 
 __all__ = [
-    "DEFAULT_CLASS",
-    "OUTCOMES",
+    "CONNECT_CHECK_S",
     "PATH",
-    "Arrival",
     "LoadConfig",
     "LoadResult",
-    "RequestRecord",
-    "add_load_arguments",
+    "check_reachable",
     "endpoint_url",
-    "format_summary",
-    "percentile",
-    "poisson_schedule",
-    "priority_class",
     "run_load",
-    "run_load_command",
-    "summarize",
 ]
 
 _log = logging.getLogger("omni_trio.load")
@@ -87,216 +52,8 @@ _log = logging.getLogger("omni_trio.load")
 #: The endpoint a base URL is completed with.
 PATH = "/v1/images/generations"
 
-#: How a request can end, in the order the table shows them.
-OUTCOMES = ("completed", "gave_up", "refused", "error")
-
 #: Seconds the reachability check waits for a TCP connection.
 CONNECT_CHECK_S = 5.0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Arrival:
-    """One planned request.
-
-    Args:
-        index: its rank in the schedule, from 0.
-        at_s: when it is sent, in seconds after the run's start.
-        give_up_s: seconds after sending at which its client gives up, or
-            ``None`` for a client that waits for the answer.
-        priority: the ``priority`` its body carries, or ``None`` for none.
-    """
-
-    index: int
-    at_s: float
-    give_up_s: float | None
-    priority: int | None = None
-
-
-def poisson_schedule(
-    *,
-    rate: float,
-    duration_s: float,
-    seed: int,
-    give_up_fraction: float = 0.0,
-    give_up_s: tuple[float, float] = (0.0, 0.0),
-    priority: int | None = None,
-    priority_share: float = 1.0,
-    count: int | None = None,
-) -> tuple[Arrival, ...]:
-    """The arrivals of a Poisson process at ``rate`` per second within ``duration_s``.
-
-    Each arrival draws three numbers in a fixed order (its gap, whether it gives
-    up, when), so the arrival times depend on ``seed`` and ``rate`` alone: two
-    runs with other give-up settings send at the same moments. Whether it sends
-    ``priority`` is drawn from a second generator, also seeded by ``seed``, one
-    number per arrival: the arrivals and give-ups are the same with or without
-    priorities, and the n-th arrival's class depends on ``seed`` and
-    ``priority_share`` alone. With ``count``, the ``count`` moments are drawn
-    first (uniform in the window, then sorted), then each arrival's two give-up
-    numbers.
-
-    Args:
-        rate: mean arrivals per second, > 0.
-        duration_s: the arrival window in seconds; no arrival at or after it.
-        seed: the generator's seed.
-        give_up_fraction: the probability that an arrival's client gives up.
-        give_up_s: the (low, high) span its give-up moment is drawn from, uniformly.
-        priority: the ``priority`` the chosen share sends; ``None``: none does.
-        priority_share: the probability that an arrival sends ``priority``.
-        count: exactly this many arrivals (``rate`` is then not read), or
-            ``None`` for a Poisson count.
-
-    Returns:
-        The arrivals, in time order.
-    """
-    rng = random.Random(seed)
-    classes = random.Random(f"priority-{seed}")
-    low, high = give_up_s
-
-    def arrival(index: int, at: float) -> Arrival:
-        gives_up = rng.random() < give_up_fraction
-        after = rng.uniform(low, high)
-        prioritized = priority is not None and classes.random() < priority_share
-        return Arrival(
-            index=index,
-            at_s=at,
-            give_up_s=after if gives_up else None,
-            priority=priority if prioritized else None,
-        )
-
-    if count is not None:
-        # random() is in [0, 1): every moment falls inside the window.
-        moments = sorted(duration_s * rng.random() for _ in range(count))
-        return tuple(arrival(index, at) for index, at in enumerate(moments))
-    arrivals: list[Arrival] = []
-    at = 0.0
-    while True:
-        at += rng.expovariate(rate)
-        if at >= duration_s:
-            return tuple(arrivals)
-        arrivals.append(arrival(len(arrivals), at))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RequestRecord:
-    """How one request went.
-
-    Args:
-        index: its arrival's index.
-        sent_s: when it was sent, in seconds after the run's start.
-        outcome: one of ``OUTCOMES``.
-        latency_s: seconds from sending to the whole answer (``completed``,
-            ``refused``), to giving up (``gave_up``) or to the failure (``error``).
-        status: the HTTP status, when an answer came.
-        give_up_s: when its client meant to give up (``Arrival.give_up_s``); one
-            whose answer came first is ``completed`` all the same.
-        status: the HTTP status, when an answer came.
-        images: the images of a completed answer.
-        error: what went wrong, for ``error``.
-        priority: the ``priority`` its body carried (``Arrival.priority``).
-        code: a refusal's error ``code`` (``{"error": {"code": ...}}``), if it had one.
-    """
-
-    index: int
-    sent_s: float
-    outcome: str
-    latency_s: float
-    give_up_s: float | None = None
-    status: int | None = None
-    images: int = 0
-    error: str | None = None
-    priority: int | None = None
-    code: str | None = None
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (0 to 100) of ``values``, ``None`` for none.
-
-    Linear between the two nearest ranks (numpy's default, and
-    ``statistics.quantiles(..., method="inclusive")``): one value is every
-    percentile of itself.
-    """
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    below = math.floor(rank)
-    above = min(below + 1, len(ordered) - 1)
-    return ordered[below] + (ordered[above] - ordered[below]) * (rank - below)
-
-
-#: ``by_priority``'s key for the requests that sent no ``priority``.
-DEFAULT_CLASS = "default"
-
-
-def priority_class(priority: int | None) -> str:
-    """The ``by_priority`` key of a request that sent ``priority``."""
-    return DEFAULT_CLASS if priority is None else str(priority)
-
-
-def _rates(records: Sequence[RequestRecord], *, duration_s: float, slo_s: float) -> dict[str, Any]:
-    """Goodput, throughput and latencies of ``records`` (one class, or all)."""
-    completed = [r for r in records if r.outcome == "completed"]
-    good = [r for r in completed if r.latency_s <= slo_s]
-    latencies = [r.latency_s for r in completed]
-    return {
-        "requests": len(records),
-        "completed": len(completed),
-        "images": sum(r.images for r in completed),
-        "good_images": sum(r.images for r in good),
-        "good_requests": len(good),
-        "goodput_per_s": sum(r.images for r in good) / duration_s,
-        "throughput_per_s": sum(r.images for r in completed) / duration_s,
-        "p50_latency_s": percentile(latencies, 50),
-        "p99_latency_s": percentile(latencies, 99),
-    }
-
-
-def summarize(
-    records: Sequence[RequestRecord], *, duration_s: float, slo_s: float
-) -> dict[str, Any]:
-    """The run's figures from its records; pure.
-
-    Args:
-        records: one per request sent.
-        duration_s: the arrival window, the "second of the run" of the rates.
-        slo_s: the latency objective: an image counts toward the goodput when
-            its request completed within this many seconds of being sent.
-
-    Returns:
-        ``requests``; ``impatient`` (those whose client meant to give up);
-        ``counts`` per outcome (every one of ``OUTCOMES``);
-        ``refused_by_status`` (the status codes, as strings, and their counts);
-        ``refused_by_reason`` (``"STATUS"`` or ``"STATUS CODE"`` with the
-        answer's error code, e.g. ``"429 deadline_unmeetable"``, and counts);
-        ``images`` and ``good_images`` (within the SLO); ``good_requests``;
-        ``goodput_per_s`` and ``throughput_per_s`` (images per second of the
-        window); ``p50_latency_s`` and ``p99_latency_s`` of the completed
-        requests (``None`` if none completed); ``by_priority``: per priority
-        sent (``priority_class``: its number as a string, ``"default"`` for
-        none), that class's ``requests``, ``completed``, images, goodput,
-        throughput and latencies as above; ``duration_s`` and ``slo_s``.
-    """
-    counts = Counter(record.outcome for record in records)
-    refused_records = [r for r in records if r.outcome == "refused"]
-    refused = Counter(str(r.status) for r in refused_records)
-    reasons = Counter(f"{r.status} {r.code}" if r.code else str(r.status) for r in refused_records)
-    classes: dict[str, list[RequestRecord]] = {}
-    for record in records:
-        classes.setdefault(priority_class(record.priority), []).append(record)
-    return {
-        **_rates(records, duration_s=duration_s, slo_s=slo_s),
-        "impatient": sum(r.give_up_s is not None for r in records),
-        "counts": {outcome: counts[outcome] for outcome in OUTCOMES},
-        "refused_by_status": dict(sorted(refused.items())),
-        "refused_by_reason": dict(sorted(reasons.items())),
-        "by_priority": {
-            name: _rates(members, duration_s=duration_s, slo_s=slo_s)
-            for name, members in sorted(classes.items())
-        },
-        "duration_s": duration_s,
-        "slo_s": slo_s,
-    }
 
 
 def endpoint_url(url: str) -> str:
@@ -615,233 +372,3 @@ async def run_load(
     assert len(finished) == len(arrivals)
     _log.info("load: done in %.1f s: %s", elapsed, dict(Counter(r.outcome for r in finished)))
     return LoadResult(config=config, records=finished, elapsed_s=elapsed)
-
-
-# -- the command ---------------------------------------------------------------------
-
-
-def add_load_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``load`` command's arguments to ``parser``."""
-    parser.add_argument(
-        "url",
-        metavar="URL",
-        help=f"the server, e.g. http://127.0.0.1:8000 ({PATH} is appended unless given)",
-    )
-    parser.add_argument(
-        "--rate", type=positive, default=None, help="requests per second, mean (default 1)"
-    )
-    parser.add_argument(
-        "--requests",
-        type=count(1),
-        default=None,
-        metavar="N",
-        help="exactly N requests over --duration, at Poisson moments (instead of --rate)",
-    )
-    parser.add_argument(
-        "--duration", type=positive, default=30.0, metavar="S", help="seconds (default 30)"
-    )
-    parser.add_argument(
-        "--slo-s",
-        type=positive,
-        default=10.0,
-        metavar="S",
-        help="latency objective: images within it count toward the goodput (default 10)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="schedule seed (default 0)")
-    parser.add_argument(
-        "--give-up-fraction",
-        type=fraction,
-        default=0.3,
-        metavar="F",
-        help="share of clients that give up, closing their connection (default 0.3)",
-    )
-    parser.add_argument(
-        "--give-up-after",
-        type=span,
-        default=None,
-        metavar="MAX|MIN:MAX",
-        help="seconds after sending when they do, uniform in [MIN, MAX] (default 0:2xSLO)",
-    )
-    parser.add_argument(
-        "--size", default="64x64", help="the body's size, WxH (default 64x64; 'auto': the server's)"
-    )
-    parser.add_argument(
-        "--steps", type=count(1), default=None, help="num_inference_steps (default: the server's)"
-    )
-    parser.add_argument("--prompt", default="a lighthouse at dusk")
-    parser.add_argument("--model", default=None, help="the body's model (default: none sent)")
-    parser.add_argument(
-        "--timeout",
-        type=positive,
-        default=300.0,
-        metavar="S",
-        help="seconds a patient client waits before it counts an error (default 300)",
-    )
-    parser.add_argument(
-        "--header",
-        type=header,
-        action="append",
-        default=[],
-        metavar="'NAME: VALUE'",
-        help="an extra request header (repeatable), e.g. 'Authorization: Bearer ...'",
-    )
-    parser.add_argument(
-        "--deadline-ms",
-        type=count(1),
-        default=None,
-        metavar="MS",
-        help="every body's deadline_ms, e.g. the SLO (default: none sent)",
-    )
-    parser.add_argument(
-        "--priority",
-        type=integer,
-        default=None,
-        metavar="P",
-        help="the body's priority, sent by --priority-share of the clients (default: none sent)",
-    )
-    parser.add_argument(
-        "--priority-share",
-        type=fraction,
-        default=None,
-        metavar="F",
-        help="share of clients that send --priority, drawn per arrival (default 1: all)",
-    )
-    parser.add_argument(
-        "--json", type=Path, default=None, metavar="PATH", help="write every record and the summary"
-    )
-
-
-def _config(args: argparse.Namespace) -> LoadConfig:
-    if args.requests is not None and args.rate is not None:
-        raise UsageError("--requests: give --rate or --requests, not both")
-    rate = 1.0 if args.rate is None else args.rate
-    if args.requests is not None:
-        rate = args.requests / args.duration
-    if args.priority_share is not None and args.priority is None:
-        raise UsageError("--priority-share: give --priority too (the priority that share sends)")
-    try:
-        return LoadConfig(
-            url=endpoint_url(args.url),
-            rate=rate,
-            duration_s=args.duration,
-            slo_s=args.slo_s,
-            seed=args.seed,
-            give_up_fraction=args.give_up_fraction,
-            give_up_s=args.give_up_after,
-            prompt=args.prompt,
-            size=None if args.size == "auto" else args.size,
-            steps=args.steps,
-            model=args.model,
-            timeout_s=args.timeout,
-            headers=tuple(args.header),
-            deadline_ms=args.deadline_ms,
-            priority=args.priority,
-            priority_share=1.0 if args.priority_share is None else args.priority_share,
-            count=args.requests,
-        )
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-
-
-def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f} s"
-
-
-def format_summary(summary: Mapping[str, Any]) -> str:
-    """The short table ``omni-trio load`` prints: outcomes, then the figures.
-
-    With more than one priority class (or any priority sent), a line per class
-    follows: its goodput and p99 latency.
-    """
-    counts = summary["counts"]
-    lines = ["outcome          requests"]
-    for outcome in OUTCOMES:
-        if outcome == "refused" and summary["refused_by_reason"]:
-            for reason, count in summary["refused_by_reason"].items():
-                lines.append(f"  {f'refused ({reason})':<16}{count:>7}")
-        else:
-            lines.append(f"  {outcome:<16}{counts[outcome]:>7}")
-    lines += [
-        f"goodput          {summary['goodput_per_s']:.3f} images/s within"
-        f" {summary['slo_s']:g} s ({summary['good_images']} images)",
-        f"throughput       {summary['throughput_per_s']:.3f} images/s ({summary['images']} images)",
-        f"latency p50      {_seconds(summary['p50_latency_s'])}",
-        f"latency p99      {_seconds(summary['p99_latency_s'])}",
-    ]
-    classes = summary["by_priority"]
-    if set(classes) - {DEFAULT_CLASS}:
-        for name, figures in classes.items():
-            label = "no priority" if name == DEFAULT_CLASS else f"priority {name}"
-            lines.append(
-                f"  {label:<15}{figures['goodput_per_s']:.3f} images/s goodput"
-                f" ({figures['good_images']} of {figures['requests']} requests),"
-                f" p99 {_seconds(figures['p99_latency_s'])}"
-            )
-    return "\n".join(lines) + "\n"
-
-
-def _open_json(path: Path) -> TextIO:
-    """``path`` opened for writing now, so that a bad one fails before the run, not after.
-
-    Not truncated: a run that fails leaves an earlier file as it was. Truncate it
-    before writing.
-
-    Raises:
-        UsageError: it cannot be opened.
-    """
-    try:
-        return open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666), "w")
-    except OSError as exc:
-        raise UsageError(f"--json: cannot write {str(path)!r}: {exc.strerror}") from None
-
-
-def _scheduling(config: LoadConfig, summary: Mapping[str, Any]) -> str:
-    """The header line's words on ``deadline_ms`` and ``priority``, if any was sent."""
-    words = ""
-    if config.deadline_ms is not None:
-        words += f"; deadline_ms {config.deadline_ms}"
-    if config.priority is not None:
-        sent = summary["by_priority"].get(priority_class(config.priority), {}).get("requests", 0)
-        words += f"; {sent} send priority {config.priority}"
-    return words
-
-
-def run_load_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """``omni-trio load``: check the server answers, run the load, print and save the result.
-
-    Returns:
-        0 once the run is done (whatever its outcomes).
-
-    Raises:
-        UsageError: a bad URL or option, a ``--json`` path that cannot be written.
-        CommandError: the server cannot be reached, or every request was answered
-            404 or 405 (the URL is not an images endpoint).
-    """
-    out = sys.stdout if out is None else out
-    config = _config(args)
-    with contextlib.ExitStack() as stack:
-        saved = None if args.json is None else stack.enter_context(_open_json(args.json))
-
-        async def main() -> LoadResult:
-            await check_reachable(config.url)
-            return await run_load(config)
-
-        result = anyio.run(main, backend="trio")
-        if saved is not None:
-            saved.truncate(0)
-            saved.write(json.dumps(result.as_json(), indent=2) + "\n")
-    summary_ = result.summary()
-    low, high = config.give_up_span
-    out.write(
-        f"{summary_['requests']} requests at {config.rate:g}/s for {config.duration_s:g} s"
-        f" (seed {config.seed}) to {config.url}; {summary_['impatient']} mean to give up"
-        f" {low:g} to {high:g} s after sending" + _scheduling(config, summary_) + "\n"
-    )
-    out.write(format_summary(summary_))
-    statuses = set(summary_["refused_by_status"])
-    if summary_["counts"]["refused"] == summary_["requests"] > 0 and statuses <= {"404", "405"}:
-        raise CommandError(
-            f"URL: every request was answered {'/'.join(sorted(statuses))}: is {config.url}"
-            " an images endpoint?"
-        )
-    return 0

@@ -94,7 +94,7 @@ def _load_command() -> _Command:
     """``(add_load_arguments, run_load_command)``, or what is missing when the extra is."""
 
     def load() -> _Command:
-        from ._loadtest import add_load_arguments, run_load_command
+        from ._loadtest_command import add_load_arguments, run_load_command
 
         return add_load_arguments, run_load_command
 
