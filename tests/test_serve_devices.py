@@ -16,10 +16,10 @@ from omni_trio.runners._devices import parse_devices
 from omni_trio.serve import ImageService, ServeConfig
 from omni_trio.serve._models import load_model
 from omni_trio.testing import wait_until
+from tests.support.cli import one_line_error, serve
 
 from .test_devices import KillableRunner
 from .test_serve_app import PATH, metric, serving
-from .test_serve_cli import one_line_error, serve
 from .util import BUDGET
 
 

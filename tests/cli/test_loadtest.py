@@ -44,9 +44,9 @@ from omni_trio.cli._loadtest_math import (
 )
 from omni_trio.serve import ImageService, ServeConfig
 from omni_trio.testing import FakeRunner, GatedRunner, wait_until
-
-from .test_serve_app import metric
-from .util import BUDGET
+from tests.support.cli import free_port
+from tests.test_serve_app import metric
+from tests.util import BUDGET
 
 # -- the schedule --------------------------------------------------------------------
 
@@ -350,13 +350,6 @@ def test_usage_errors_are_one_line_and_exit_2(
         raise SystemExit(status)
     out, err = capsys.readouterr()
     assert (exited.value.code, err, out) == (2, f"omni-trio: error: {line}\n", "")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def test_an_unreachable_server_is_one_line_and_exit_1(capsys: pytest.CaptureFixture[str]) -> None:

@@ -30,8 +30,7 @@ import pytest
 
 from omni_trio.cli._serve import add_serve_arguments
 from omni_trio.cli._sockets import abort_connections
-
-from .test_serve_http import PATH, SERVERS, Server, parse_sse_lines, poll_until, run_server
+from tests.test_serve_http import PATH, SERVERS, Server, parse_sse_lines, poll_until, run_server
 
 STEP_S = 0.02
 FAKE = ["--model", "fake", "--step-seconds", str(STEP_S), "--max-steps", "1000"]
