@@ -190,14 +190,14 @@ class NaiveServer:
 def build(kind: str) -> NaiveServer:
     """The naive server for ``tiny_pipeline(kind, seed=0)``, with ``serve``'s defaults for it."""
     from omni_trio.runners import tiny_pipeline
-    from omni_trio.serve._models import FALLBACK_GUIDANCE, TINY_STEPS, _call_default, model_size
+    from omni_trio.serve._models import FALLBACK_GUIDANCE, TINY_STEPS, call_default, model_size
 
     pipeline = tiny_pipeline(kind, seed=0)
     return NaiveServer(
         pipeline,
         size=model_size(pipeline, tiny=True),
         steps=TINY_STEPS,
-        guidance_scale=float(_call_default(pipeline, "guidance_scale", FALLBACK_GUIDANCE)),
+        guidance_scale=float(call_default(pipeline, "guidance_scale", FALLBACK_GUIDANCE)),
     )
 
 

@@ -103,17 +103,16 @@ def run_ray(options: Options) -> dict[str, Any]:
         return {"summary": {"skipped_in_quick": 1}, "skipped": "Ray starts in tens of seconds"}
     import uvicorn
 
-    for name, value in {
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-        "RAY_USAGE_STATS_ENABLED": "0",
-    }.items():
+    from omni_trio.cli._ray import RAY_ENVIRONMENT
+
+    for name, value in RAY_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
     import ray
     from ray import serve
 
-    from omni_trio.serve import ServeConfig, Service
+    from omni_trio.serve import ServeConfig
+    from omni_trio.serve._options import ServiceOptions, build_service
     from omni_trio.serve.ray import deployment
-    from omni_trio.testing import FakeRunner
 
     rounds, abort_runs = 200, 10
     serve_config = ServeConfig(model_name="fake", default_width=64, default_height=64)
@@ -121,7 +120,10 @@ def run_ray(options: Options) -> dict[str, Any]:
     aborts: list[tuple[float, float]] = []
     plain_port, ray_port = _free_port(), _free_port()
     plain_url, ray_url = f"http://127.0.0.1:{plain_port}", f"http://127.0.0.1:{ray_port}"
-    service = Service(FakeRunner(step_seconds=0), config=serve_config)
+    # Built as each replica builds its own: the peers differ in how they serve it only.
+    service = build_service(
+        ServiceOptions(model="fake", step_seconds=0).with_serve_config(serve_config)
+    )
     server = uvicorn.Server(
         uvicorn.Config(service.app, host="127.0.0.1", port=plain_port, log_level="warning")
     )

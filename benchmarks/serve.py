@@ -24,7 +24,7 @@ minutes. Each naive run also reports the load it really faced (its
 ``effective_load``: the requests sent times its mean call time in that run, per
 second of the window).
 
-Then ``omni-trio load``'s generator (``omni_trio.serve._load``) runs arrivals at
+Then ``omni-trio load``'s generator (``omni_trio.cli._loadtest``) runs arrivals at
 0.5x, 1x and 2x that capacity, for each of ``SEEDS``: exactly rate x window
 requests at the moments of a Poisson process conditioned on that count (in a
 window of a dozen requests a Poisson count alone moves the load by 30 %). Every
@@ -77,13 +77,8 @@ from typing import Any
 
 import httpx
 
-from omni_trio.serve._load import (
-    DEFAULT_CLASS,
-    LoadConfig,
-    percentile,
-    priority_class,
-    run_load,
-)
+from omni_trio.cli._loadtest import LoadConfig, run_load
+from omni_trio.cli._loadtest_math import DEFAULT_CLASS, percentile, priority_class
 
 from .common import Options, fmt, md_table
 from .plot import PEER_COLORS, figure
@@ -190,24 +185,25 @@ def _threads() -> Iterator[dict[str, _Server]]:
     Seconds instead of the subprocesses' imports (tens of seconds on a busy machine);
     the servers then share the GIL with the load generator, which --quick's
     figures are not worth quoting for anyway. omni_trio's app is built as ``serve``
-    builds it (its options' defaults, ``load_model``).
+    builds it (its options' defaults, ``ServiceOptions``).
     """
     import argparse
     import threading
 
     import uvicorn
 
-    from omni_trio.serve._cli import _service, add_serve_arguments
-    from omni_trio.serve._models import load_model
+    from omni_trio.cli._options import make_service, service_options
+    from omni_trio.cli._serve import add_serve_arguments
 
     from .naive import build
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     args = parser.parse_args(["--model", "tiny-sd", "--max-priority", str(PRIORITY)])
+    options = service_options(args)
     apps = {
         "naive": build("sd").app,
-        "omni_trio": _service(args, load_model("tiny-sd", step_seconds=0)).app,
+        "omni_trio": make_service(options, options.load_model()).app,
     }
     servers: dict[str, _Server] = {}
     running: list[tuple[uvicorn.Server, threading.Thread]] = []

@@ -57,11 +57,18 @@ The seam between them:
 - ``_cancelpoint``: ``cancel_point()``, which a runner calls inside a step or a decode,
   and the check an engine thread arms it with for one call (L71, L72).
 
-The command line (``omni-trio`` / ``python -m omni_trio``):
+The command line (``omni-trio`` / ``python -m omni_trio``), the ``cli`` package, sits on
+top of the library, which never imports it (``__main__`` only calls ``cli.main``):
 
-- ``__main__``: the ``demo`` and ``serve`` commands, ``--version``, ``--debug``.
-- ``_command``: one-line user errors and the exit statuses.
-- ``_demo``: the demo: one image with a tiny model, a progress bar.
+- ``cli._main``: the parser, one-line errors and exit statuses (``cli._errors``),
+  ``--version``, ``--debug``; ``cli._types``: the argparse value types.
+- ``cli._demo``: ``demo``, one image with a tiny model and a progress bar.
+- ``cli._serve``: ``serve``; its options become ``serve``'s ``ServiceOptions``
+  (``cli._options``), run under Hypercorn or Uvicorn (``cli._servers``) or, with
+  ``--ray``, on Ray Serve (``cli._ray``); its variables, logs, access log and sockets
+  (``cli._env``, ``cli._logs``, ``cli._access``, ``cli._sockets``).
+- ``cli._loadtest_command``: ``load``, an open-loop load test (``cli._loadtest``, its
+  client; ``cli._loadtest_math``, its schedule and figures).
 
 The public subpackages: ``runners`` (diffusers pipelines, step by step; needs torch),
 ``testing`` (fake runners, leak checks, invariants) and ``serve`` (the HTTP API).

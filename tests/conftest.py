@@ -19,6 +19,9 @@ import torch
 
 from omni_trio.testing import assert_no_engine_threads
 
+# The shared helpers assert too: give their failures pytest's detailed messages.
+pytest.register_assert_rewrite("tests.support")
+
 
 @pytest.fixture(params=["trio", "asyncio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:

@@ -63,50 +63,6 @@ def test_stream_previews_does_what_its_docstring_says(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def run_demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    out = tmp_path / "demo.png"
-    command = [sys.executable, "-m", "omni_trio", "demo", "--steps", "6", "--out", str(out)]
-    return subprocess.run(
-        [*command, *args], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
-
-
-@pytest.mark.parametrize(
-    "args",
-    [
-        [],
-        ["--kind", "sd3", "--backend", "asyncio"],
-        ["--kind", "unet"],
-        ["--kind", "fake", "--step-seconds", "0.01"],
-        ["--abort-after", "3"],
-        ["--kind", "fake", "--abort-after", "3", "--step-seconds", "0.01"],
-    ],
-)
-def test_demo_command(tmp_path: Path, args: list[str]) -> None:
-    """python -m omni_trio demo writes a PNG, or shows an abort that skipped the decode."""
-    result = run_demo(tmp_path, *args)
-    assert result.returncode == 0, result.stderr
-    out = tmp_path / "demo.png"
-    if "--abort-after" in args:
-        assert "aborted (user)" in result.stdout
-        assert "decodes run: 0" in result.stdout
-        assert not out.exists()
-    else:
-        assert out.read_bytes().startswith(b"\x89PNG")
-
-
-def test_demo_loads_a_local_model_folder(tmp_path: Path) -> None:
-    """--model PATH loads a saved diffusers folder (no network) and generates."""
-    from omni_trio.runners import tiny_pipeline
-
-    folder = tmp_path / "tiny-sd"
-    tiny_pipeline("sd").save_pretrained(folder)
-    result = run_demo(tmp_path, "--model", str(folder))
-    assert result.returncode == 0, result.stderr
-    assert "StableDiffusionPipeline from" in result.stdout
-    assert (tmp_path / "demo.png").read_bytes().startswith(b"\x89PNG")
-
-
 def _python_blocks(path: Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.DOTALL)
 

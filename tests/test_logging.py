@@ -7,7 +7,6 @@ it is emitted, ``exc_info`` included); a hang budget on every test.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,7 +15,6 @@ import anyio
 import pytest
 
 import omni_trio as ot
-from omni_trio.serve._logging import JsonFormatter
 from omni_trio.testing import FakeRunner, GatedRunner, wait_until
 
 from .util import BUDGET
@@ -157,25 +155,3 @@ async def test_a_consumer_too_slow_for_its_events_is_warned_about() -> None:
         dropped = int(message.split("slow consumer: ")[1].split(" ")[0])
         assert 1 <= dropped <= 5
         assert lines["quiet"][0] == logging.INFO and "slow consumer" not in lines["quiet"][1]
-
-
-def test_the_json_format_is_one_object_per_line() -> None:
-    """--log-format json: time, level, logger, message, request_id when there is one,
-    and the traceback text as ``exc``."""
-    formatter = JsonFormatter()
-    record = logging.LogRecord("omni_trio.engine", logging.INFO, "f", 1, "a %s", ("b",), None)
-    record.request_id = "r-1"
-    entry = json.loads(formatter.format(record))
-    assert set(entry) == {"time", "level", "logger", "message", "request_id"}
-    assert (entry["level"], entry["logger"], entry["message"]) == (
-        "INFO",
-        "omni_trio.engine",
-        "a b",
-    )
-    assert entry["time"].endswith("Z")
-    try:
-        raise ValueError("boom\nsecond line")
-    except ValueError as exc:
-        failed = logging.LogRecord("x", logging.ERROR, "f", 1, "m", (), (ValueError, exc, None))
-    text = formatter.format(failed)
-    assert "\n" not in text and "boom" in json.loads(text)["exc"]

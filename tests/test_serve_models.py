@@ -17,8 +17,10 @@ from pathlib import Path
 import anyio
 import pytest
 
+from omni_trio.cli._options import make_service, service_options
+from omni_trio.cli._serve import add_serve_arguments
 from omni_trio.serve import ServeConfig, Service
-from omni_trio.serve._cli import _service, add_serve_arguments, load_model
+from omni_trio.serve._models import load_model
 from tests.support.serve import PATH, parse_sse, png_size, serving
 
 from .util import BUDGET
@@ -88,7 +90,7 @@ async def test_every_tiny_model_name_serves(name: str, one_torch_thread: None) -
 def test_the_command_line_refuses_an_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:
     """--model must be a built-in name or a diffusers folder; anything else stops before
     serving, with one line and the usage status."""
-    from omni_trio.__main__ import main
+    from omni_trio.cli import main
 
     assert main(["serve", "--model", "/no/such/folder"]) == 2
     assert capsys.readouterr().err == (
@@ -125,7 +127,9 @@ async def test_a_folder_is_served_at_its_models_own_defaults(
     assert load_model(str(sd_folder_128), step_seconds=0.0, max_steps=20).steps == 20
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    service = _service(parser.parse_args(["--model", str(sd_folder_128)]), model)
+    service = make_service(
+        service_options(parser.parse_args(["--model", str(sd_folder_128)])), model
+    )
     with anyio.fail_after(BUDGET):
         async with serving(service) as client:
             card = (await client.get("/v1/models")).json()["data"][0]
@@ -135,7 +139,7 @@ async def test_a_folder_is_served_at_its_models_own_defaults(
         7.5,
     )
     explicit = parser.parse_args(["--model", str(sd_folder_128), "--default-size", "64x64"])
-    config = _service(explicit, model).config
+    config = make_service(service_options(explicit), model).config
     assert (config.default_width, config.default_height) == (64, 64)
 
 
@@ -144,19 +148,18 @@ def test_the_decode_options_reach_every_runner(
 ) -> None:
     """L72: --decode-tile-above and --decode-framewise-above set each runner's decode
     chunks ("never" turns one off); a bad value stops with one line naming it."""
-    from omni_trio.__main__ import main
-    from omni_trio.serve._cli import decode_options
+    from omni_trio.cli import main
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    args = parser.parse_args(["--model", "tiny-sd"])
-    assert decode_options(args) == {"tile_above": 1024 * 1024, "framewise_above": None}
+    options = service_options(parser.parse_args(["--model", "tiny-sd"]))
+    assert (options.decode_tile_above, options.decode_framewise_above) == (1024 * 1024, None)
     args = parser.parse_args(
         ["--model", "tiny-ltx", "--decode-tile-above", "never", "--decode-framewise-above", "16"]
     )
-    options = decode_options(args)
-    assert options == {"tile_above": None, "framewise_above": 16}
-    model = load_model("tiny-ltx", step_seconds=0.0, runner_options=options)
+    options = service_options(args)
+    assert (options.decode_tile_above, options.decode_framewise_above) == (None, 16)
+    model = options.load_model()
     chunks = [runner._family.chunks for runner in model.runners]
     assert [(c.tile_above, c.framewise_above) for c in chunks] == [(None, 16)]
     with pytest.raises(SystemExit):

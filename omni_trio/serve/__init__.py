@@ -5,8 +5,9 @@
 - ``ServeConfig``: the HTTP layer's own settings (model name, defaults, body limit);
 - ``UploadLimits``: how large an edit's upload may be (bytes, pixels);
 - ``VideoConfig``: a video model's jobs (``/v1/videos``): fps, how many, how long;
-- ``python -m omni_trio serve``: the command line, under Hypercorn (trio) or
-  Uvicorn (asyncio), with signal-driven draining.
+- ``_options``: ``ServiceOptions`` and ``build_service``, the one way a service is
+  built from a model's name and settings: ``python -m omni_trio serve`` (the
+  command line, ``omni_trio.cli``), ``serve --ray`` and a Ray replica use it.
 
 See docs/serving.md.
 

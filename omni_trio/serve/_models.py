@@ -16,6 +16,9 @@ a call leaves them out:
 The built-in tiny models are built for 64x64 (tiny-unet: 32x32) and default to
 ``TINY_STEPS`` steps: they exist to be fast. ``tiny-wan`` and ``tiny-ltx`` make
 videos (``/v1/videos``, L73), at 16 and 25 frames per second.
+
+A spec that names no model is a ``ValueError``, a model that does not load a
+``ModelError``; neither names a command-line option (the command line adds that).
 """
 
 from __future__ import annotations
@@ -26,9 +29,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._command import CommandError, UsageError, summary
-
-__all__ = ["MODELS", "TINY_SIZE", "TINY_STEPS", "LoadedModel", "load_model", "model_folder"]
+__all__ = [
+    "MODELS",
+    "TINY_SIZE",
+    "TINY_STEPS",
+    "LoadedModel",
+    "ModelError",
+    "call_default",
+    "load_model",
+    "model_folder",
+    "model_size",
+]
 
 #: Built-in models: tiny real pipelines with random weights, and a fake one for tests.
 MODELS = (
@@ -59,6 +70,13 @@ VIDEO_FPS = {"wan": 16.0, "ltx": 25.0}
 FALLBACK_FPS = 24.0
 
 
+class ModelError(Exception):
+    """A model that does not load, or not on a device; the loader's error is its cause.
+
+    The message names the model and the device (``cannot load 'x' on cuda:1``).
+    """
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoadedModel:
     """The runners (one per device) and the defaults that suit them."""
@@ -73,7 +91,7 @@ class LoadedModel:
     fps: float | None = None
 
 
-def _call_default(pipeline: Any, name: str, fallback: float) -> float:
+def call_default(pipeline: Any, name: str, fallback: float) -> float:
     """The default of ``pipeline.__call__``'s parameter ``name``, if it is a number."""
     try:
         default = inspect.signature(type(pipeline).__call__).parameters[name].default
@@ -114,14 +132,15 @@ def model_folder(spec: str) -> Path:
     """The diffusers folder ``spec`` names (not one of ``MODELS``); checked, nothing loaded.
 
     Raises:
-        UsageError: ``spec`` is not a diffusers folder; the message says why.
+        ValueError: ``spec`` is not a diffusers folder; the message says why and
+            names the built-in models.
     """
     from ..runners._load import check_pipeline_folder
 
     try:
         return check_pipeline_folder(spec)
     except ValueError as exc:
-        raise UsageError(f"--model: {exc}; the built-in models are {', '.join(MODELS)}") from None
+        raise ValueError(f"{exc}; the built-in models are {', '.join(MODELS)}") from None
 
 
 def load_model(
@@ -144,8 +163,8 @@ def load_model(
             chunks' thresholds, L72); a pipeline served by its own call takes none.
 
     Raises:
-        UsageError: ``spec`` is neither a known name nor a diffusers folder.
-        CommandError: the folder's pipeline does not load, or not on a device.
+        ValueError: ``spec`` is neither a known name nor a diffusers folder.
+        ModelError: the pipeline does not load, or not on a device.
     """
     if spec == "fake":
         from ..testing import FakeRunner
@@ -190,7 +209,7 @@ def load_model(
             runners.append(wrap(pipeline, **(runner_options or {})))
         except Exception as exc:
             where = "" if device is None else f" on {device}"
-            raise CommandError(f"--model: cannot load {spec!r}{where}: {summary(exc)}") from exc
+            raise ModelError(f"cannot load {spec!r}{where}") from exc
         pipelines.append(pipeline)
     pipeline = pipelines[0]
     runner = runners[0]
@@ -199,7 +218,7 @@ def load_model(
         description = f"tiny {type(pipeline).__name__}, random weights{where}"
     else:
         description = f"{type(pipeline).__name__} from {folder}{where}"
-        steps = int(_call_default(pipeline, "num_inference_steps", FALLBACK_STEPS))
+        steps = int(call_default(pipeline, "num_inference_steps", FALLBACK_STEPS))
         steps = max(1, min(steps, max_steps))
     fixed = runner.capabilities.fixed_size
     size = (fixed[1], fixed[0]) if fixed is not None else model_size(pipeline, tiny=tiny)
@@ -212,6 +231,6 @@ def load_model(
         description=description,
         size=size,
         steps=steps,
-        guidance_scale=float(_call_default(pipeline, guidance, FALLBACK_GUIDANCE)),
+        guidance_scale=float(call_default(pipeline, guidance, FALLBACK_GUIDANCE)),
         fps=VIDEO_FPS.get(family or "", FALLBACK_FPS) if video else None,
     )

@@ -40,7 +40,7 @@ class ReplicaIngress:
     """Wrap ``app`` so a cancelled HTTP request reads as a client disconnect.
 
     Args:
-        app: the ASGI app (``ImageService.app``).
+        app: the ASGI app (``Service.app``).
         replica_id: what ``X-Omni-Trio-Replica`` says.
     """
 

@@ -5,7 +5,7 @@ Needs the ``ray`` extra (``pip install 'omni_trio[ray]'``); ``import omni_trio``
 
 - ``deployment(model=..., num_replicas=..., ...)`` returns a bound application for
   ``serve.run``: each replica loads the model, opens one engine (the
-  ``ImageService`` lifespan, run by Ray Serve's ASGI ingress) and serves the
+  ``Service`` lifespan, run by Ray Serve's ASGI ingress) and serves the
   OpenAI-style API of ``omni-trio serve`` unchanged;
 - ``ImageDeployment.generate(request)`` (a ``GenerationRequest`` or a dict of its
   fields) is the Python handle method, for other deployments;
@@ -33,8 +33,9 @@ from .._errors import EngineClosedError
 from .._outputs import EngineStatistics, GenerationOutput
 from .._request import GenerationRequest
 from .._runner import Runner
-from ._app import Service as ImageService
+from ._app import Service
 from ._config import ServeConfig
+from ._options import ServiceOptions, build_service
 from ._ray_ingress import REPLICA_HEADER, App, ReplicaIngress
 
 __all__ = [
@@ -55,7 +56,7 @@ SHUTDOWN_MARGIN_S = 5.0
 #: Ray's own default, -1, queues without bound: a client would wait, never refused.
 DEFAULT_MAX_QUEUED_REQUESTS = 16
 
-ServiceFactory = Callable[[], ImageService]
+ServiceFactory = Callable[[], Service]
 """Builds a replica's service on the replica (picklable: it travels to the replica)."""
 
 RunnerFactory = Callable[[], "Runner[Any] | Sequence[Runner[Any]]"]
@@ -108,34 +109,12 @@ ImageDeployment = serve.deployment(name="omni_trio")(serve.ingress()(_ImageRepli
 """The Serve deployment: bind it to a ``ServiceFactory``, or use ``deployment()``."""
 
 
-def _make_service(
-    model: str | RunnerFactory,
-    devices: tuple[str, ...] | None,
-    step_seconds: float,
-    engine_config: EngineConfig,
-    serve_config: ServeConfig | None,
-) -> ImageService:
-    """Load ``model`` here (on the replica) and build its service."""
-    if not isinstance(model, str):
-        runners = model()
-        config = serve_config if serve_config is not None else ServeConfig()
-        return ImageService(runners, engine_config=engine_config, config=config)
-    from ._models import load_model
-
-    loaded = load_model(
-        model, step_seconds=step_seconds, max_steps=engine_config.max_steps, devices=devices
-    )
-    if serve_config is None:
-        width, height = loaded.size
-        serve_config = ServeConfig(
-            model_name=loaded.name,
-            default_width=width,
-            default_height=height,
-            default_steps=min(loaded.steps, engine_config.max_steps),
-            default_guidance_scale=loaded.guidance_scale,
-        )
-    runners = loaded.runners[0] if len(loaded.runners) == 1 else list(loaded.runners)
-    return ImageService(runners, engine_config=engine_config, config=serve_config)
+def _runner_service(
+    make_runners: RunnerFactory, engine_config: EngineConfig, serve_config: ServeConfig | None
+) -> Service:
+    """Call ``make_runners`` here (on the replica) and serve what it returns."""
+    config = serve_config if serve_config is not None else ServeConfig()
+    return Service(make_runners(), engine_config=engine_config, config=config)
 
 
 def application(
@@ -191,8 +170,11 @@ def deployment(
 
     Args:
         model: one of ``omni-trio serve``'s models (``fake``, ``tiny-sd``, ...) or a
-            diffusers folder, loaded on each replica; or a picklable function that
-            returns the runner (or one per device), called on each replica.
+            diffusers folder, loaded on each replica, which builds its service as
+            ``omni-trio serve`` does (``build_service``: the defaults checked against
+            the model as the replica starts, a video model's own frames per second);
+            or a picklable function that returns the runner (or one per device),
+            called on each replica.
         devices: one runner per device on each replica (``--devices``); with
             ``ray_actor_options={"num_gpus": k}`` Ray shows each replica its k GPUs
             as ``cuda:0`` to ``cuda:k-1``.
@@ -230,14 +212,19 @@ def deployment(
         raise ValueError(
             f"max_queued_requests: must be >= 1 (a bounded queue), got {max_queued_requests}"
         )
-    make = functools.partial(
-        _make_service,
-        model,
-        None if devices is None else tuple(devices),
-        step_seconds,
-        config,
-        serve_config,
-    )
+    make: ServiceFactory
+    if isinstance(model, str):
+        options = ServiceOptions(
+            model=model,
+            devices=None if devices is None else tuple(devices),
+            step_seconds=step_seconds,
+            engine_config=config,
+        )
+        if serve_config is not None:
+            options = options.with_serve_config(serve_config)
+        make = functools.partial(build_service, options)
+    else:
+        make = functools.partial(_runner_service, model, config, serve_config)
     return application(
         make,
         shutdown_grace=config.shutdown_grace,

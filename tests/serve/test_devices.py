@@ -16,9 +16,9 @@ from omni_trio.runners._devices import parse_devices
 from omni_trio.serve import ServeConfig, Service
 from omni_trio.serve._models import load_model
 from omni_trio.testing import wait_until
+from tests.support.cli import one_line_error, serve
 from tests.support.devices import KillableRunner
 from tests.support.serve import PATH, metric, serving
-from tests.test_serve_cli import one_line_error, serve
 from tests.util import BUDGET
 
 
@@ -104,12 +104,13 @@ def test_upload_limits_are_options() -> None:
     """L76: ``--max-upload-bytes`` and ``--max-upload-pixels`` reach the service's limits."""
     import argparse
 
-    from omni_trio.serve._cli import _service, add_serve_arguments
+    from omni_trio.cli._options import make_service, service_options
+    from omni_trio.cli._serve import add_serve_arguments
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     args = parser.parse_args(
         ["--model", "fake", "--max-upload-bytes", "1000", "--max-upload-pixels", "4096"]
     )
-    service = _service(args, load_model("fake", step_seconds=0.0))
+    service = make_service(service_options(args), load_model("fake", step_seconds=0.0))
     assert (service.upload_limits.max_bytes, service.upload_limits.max_pixels) == (1000, 4096)

@@ -9,7 +9,6 @@ Determinism rules:
   that starts an endless request ends it whatever happens;
 - requests that must overlap take seconds (hundreds of 10 ms steps), so that they
   overlap however slowly the threads that send them start;
-- the CLI test runs first, before that cluster exists, with a cluster of its own;
 - "mid-way" is a step count read from the replicas' own ``/metrics`` or progress
   events; which replica answered is its ``X-Omni-Trio-Replica`` header, and a
   replica's metrics are read until every replica has answered;
@@ -25,15 +24,11 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -41,9 +36,10 @@ import openai
 import pytest
 
 import omni_trio as ot
-from omni_trio.serve._ray_cli import RAY_ENVIRONMENT
+from omni_trio.cli._ray import RAY_ENVIRONMENT
 from omni_trio.serve._ray_ingress import REPLICA_HEADER, Message, ReplicaIngress
-from tests.support.serve import PATH, ROOT, free_port, metric, poll_until
+from tests.support.cli import alive, descendants
+from tests.support.serve import PATH, free_port, metric, poll_until
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None
 
@@ -52,42 +48,6 @@ STEP_S = 0.01
 #: so however slow the machine, it is cut off by the test, never finished.
 ENDLESS = 100_000
 REPLICAS = 2
-STARTUP_S = 150.0
-
-
-def descendants(pid: int) -> set[int]:
-    """The live (not zombie) processes below ``pid``, from /proc."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] != "Z":
-            parents[int(entry)] = int(fields[1])
-    found: set[int] = set()
-    frontier = {pid}
-    while frontier:
-        children = {child for child, parent in parents.items() if parent in frontier}
-        frontier = children - found
-        found |= children
-    return found
-
-
-def alive(pids: set[int]) -> set[int]:
-    """Those of ``pids`` still running (zombies count as gone)."""
-    left = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            left.add(pid)
-    return left
 
 
 # -- ReplicaIngress alone ------------------------------------------------------
@@ -126,51 +86,6 @@ def test_a_cancelled_request_reads_as_a_disconnect_and_waits_for_the_app() -> No
 
     asyncio.run(asyncio.wait_for(main(), 10))
     assert (REPLICA_HEADER.lower().encode(), b"r1") in sent[0]["headers"]
-
-
-# -- the CLI, first: its own cluster, gone before the module's starts ---------------
-
-
-@pytest.mark.timeout(240)
-@pytest.mark.ray
-@pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
-def test_serve_ray_serves_replicas_and_sigterm_leaves_no_ray_process(tmp_path: Path) -> None:
-    """L45, L47: ``omni-trio serve --ray --replicas 2`` serves the API behind Ray's proxy; SIGTERM
-    deletes the app, stops the local cluster and exits 0 with no Ray process left."""
-    port = free_port()
-    log = tmp_path / "serve-ray.log"
-    command = [sys.executable, "-m", "omni_trio", "serve", "--ray", "--replicas", "2"]
-    command += ["--model", "fake", "--port", str(port), "--step-seconds", str(STEP_S)]
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    seen: set[int] = set()
-    try:
-
-        def ready() -> bool:
-            assert process.poll() is None, log.read_text(errors="replace")
-            seen.update(descendants(process.pid))
-            try:
-                return httpx.get(f"{url}/health", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        poll_until(ready, timeout=STARTUP_S, what="serve --ray to answer /health")
-        answer = httpx.post(
-            url + PATH, json={"prompt": "a flower", "num_inference_steps": 2}, timeout=30
-        )
-        assert answer.status_code == 200, answer.text
-        assert answer.headers[REPLICA_HEADER]
-        seen.update(descendants(process.pid))
-        assert len(seen) >= 4, seen  # gcs_server, raylet, the controller, the replicas...
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=90) == 0, log.read_text(errors="replace")
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=30)
-    poll_until(lambda: not alive(seen), timeout=10, what="every Ray process to exit")
-    assert "Traceback" not in log.read_text(errors="replace")
 
 
 # -- one cluster for the rest ----------------------------------------------------

@@ -527,8 +527,10 @@ async def test_serve_tiny_wan_takes_the_video_options() -> None:
     """
     import argparse
 
-    from omni_trio._command import UsageError
-    from omni_trio.serve._cli import _service, add_serve_arguments
+    from omni_trio.cli._errors import UsageError
+    from omni_trio.cli._options import make_service as cli_service
+    from omni_trio.cli._options import service_options
+    from omni_trio.cli._serve import add_serve_arguments
     from omni_trio.serve._models import load_model
 
     parser = argparse.ArgumentParser()
@@ -536,13 +538,15 @@ async def test_serve_tiny_wan_takes_the_video_options() -> None:
     model = load_model("tiny-wan", step_seconds=0.0)
     assert model.fps == 16.0 and model.runners[0].capabilities.frames == (4, 1)
     args = parser.parse_args(["--model", "tiny-wan", "--video-jobs", "3", "--video-ttl", "5"])
-    service = _service(args, model)
+    service = cli_service(service_options(args), model)
     config = service.videos.config
     assert (config.max_jobs, config.ttl_s, config.fps, service.frames) == (3, 5.0, 16.0, (4, 1))
     args = parser.parse_args(["--model", "tiny-wan", "--video-fps", "10000"])
     with pytest.raises(UsageError, match="--video-fps: the model refuses it"):
-        _service(args, model)  # the default 4 s would be 40001 frames, over MAX_NUM_FRAMES
+        # The default 4 s would be 40001 frames, over MAX_NUM_FRAMES.
+        cli_service(service_options(args), model)
     with anyio.fail_after(BUDGET):
-        async with serving(_service(parser.parse_args(["--model", "tiny-wan"]), model)) as client:
+        options = service_options(parser.parse_args(["--model", "tiny-wan"]))
+        async with serving(cli_service(options, model)) as client:
             card = (await client.get("/v1/models")).json()["data"][0]
     assert (card["fps"], card["default_seconds"], card["frames"]) == (16.0, "4", "4k + 1")

@@ -16,7 +16,6 @@ import base64
 import contextlib
 import io
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import omni_trio as ot
 from omni_trio.serve import ServeConfig, Service
 from omni_trio.testing import FakeRunner
+from tests.support.cli import ROOT, free_port
 
 __all__ = [
     "BAD_BODIES",
@@ -58,7 +58,6 @@ __all__ = [
 ]
 
 #: The checkout's root: the real servers run there, ``examples/`` is there.
-ROOT = Path(__file__).resolve().parents[2]
 SERVERS = ["hypercorn", "uvicorn"]
 PATH = "/v1/images/generations"
 
@@ -199,14 +198,6 @@ def poll_until(predicate: Callable[[], bool], *, timeout: float, what: str) -> N
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.01)
-
-
-def free_port() -> int:
-    """A port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @dataclass

@@ -1,17 +1,23 @@
-"""Abort the TCP connections a server still holds open: the last step of a bounded shutdown.
+"""The server's sockets: its port checked before it serves, its connections aborted after.
 
-A client that stops reading its socket keeps the server's write to it pending for as
-long as it likes. Hypercorn on trio writes in a shielded cancel scope, so no
-cancellation ends that write: the connection, and so the shutdown, waits forever.
-The way out that works for any server is below the server: every open socket of
-this process that is a connection accepted on one of the server's ports is reset
-(``SO_LINGER`` 0, then ``shutdown``). A pending write then fails at once (the
-server sees a broken connection, the app an ``http.disconnect``), a pending read
-sees the end of the stream, and the server closes the socket itself as usual.
+``check_port`` binds (and closes) the port before the model loads, so a port in use
+is one line at once, not a server's traceback later.
+
+``abort_connections`` aborts the TCP connections a server still holds open: the
+last step of a bounded shutdown. A client that stops reading its socket keeps the
+server's write to it pending for as long as it likes. Hypercorn on trio writes in
+a shielded cancel scope, so no cancellation ends that write: the connection, and
+so the shutdown, waits forever. The way out that works for any server is below
+the server: every open socket of this process that is a connection accepted on
+one of the server's ports is reset (``SO_LINGER`` 0, then ``shutdown``). A pending
+write then fails at once (the server sees a broken connection, the app an
+``http.disconnect``), a pending read sees the end of the stream, and the server
+closes the socket itself as usual.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -19,7 +25,9 @@ import stat
 import struct
 from collections.abc import Collection, Iterator
 
-__all__ = ["abort_connections"]
+from ._errors import CommandError, UsageError
+
+__all__ = ["abort_connections", "address", "check_port"]
 
 _log = logging.getLogger("omni_trio.serve")
 
@@ -90,3 +98,30 @@ def abort_connections(ports: Collection[int]) -> int:
                 continue  # the peer reset it first
             aborted += 1
     return aborted
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail now, in one line, if ``host:port`` cannot be bound (in use, or not an address).
+
+    Raises:
+        UsageError: ``host`` is not an address (``--host``).
+        CommandError: the bind fails; the message says why.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise UsageError(f"--host: cannot listen on {host!r}: {exc.strerror or exc}") from None
+    family, kind, proto, _, bound = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        # As the servers do: a port left in TIME_WAIT by a previous run is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(bound)
+        except OSError as exc:
+            reason = "the port is in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+            raise CommandError(f"cannot listen on {address(host, port)}: {reason}") from None
+
+
+def address(host: str, port: int) -> str:
+    """``host:port`` as a server names it (``[::1]:8000`` for an IPv6 host)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -19,13 +19,14 @@ import anyio
 # tqdm ships no type hints; its bar is used through a handful of calls.
 from tqdm import tqdm  # type: ignore[import-untyped]
 
-from ._command import CommandError, UsageError, seconds, summary
-from ._config import EngineConfig
-from ._engine import open_engine
-from ._errors import InvalidRequestError, RequestAbortedError, RequestFailedError
-from ._outputs import RequestMetrics
-from ._request import GenerationRequest
-from ._runner import Runner, RunnerCapabilities
+from .._config import EngineConfig
+from .._engine import open_engine
+from .._errors import InvalidRequestError, RequestAbortedError, RequestFailedError
+from .._outputs import RequestMetrics
+from .._request import GenerationRequest
+from .._runner import Runner, RunnerCapabilities
+from ._errors import CommandError, UsageError, summary
+from ._types import seconds
 
 __all__ = ["KINDS", "add_demo_arguments", "run_demo"]
 
@@ -149,7 +150,7 @@ def _image(path: str | None, size: int) -> Any:
 def _model_folder(args: argparse.Namespace) -> Path | None:
     if args.model is None:
         return None
-    from .runners._load import check_pipeline_folder
+    from ..runners._load import check_pipeline_folder
 
     try:
         return check_pipeline_folder(args.model)
@@ -159,8 +160,8 @@ def _model_folder(args: argparse.Namespace) -> Path | None:
 
 def _runner(args: argparse.Namespace, folder: Path | None) -> tuple[Runner[Any], str]:
     if folder is not None:
-        from .runners import runner_for
-        from .runners._load import load_pipeline
+        from ..runners import runner_for
+        from ..runners._load import load_pipeline
 
         try:
             pipeline = load_pipeline(folder)
@@ -170,10 +171,10 @@ def _runner(args: argparse.Namespace, folder: Path | None) -> tuple[Runner[Any],
             ) from exc
         return runner_for(pipeline), f"{type(pipeline).__name__} from {folder}"
     if args.kind == "fake":
-        from .testing import FakeRunner
+        from ..testing import FakeRunner
 
         return FakeRunner(step_seconds=args.step_seconds), "FakeRunner (no weights)"
-    from .runners import DiffusersRunner, tiny_pipeline
+    from ..runners import DiffusersRunner, tiny_pipeline
 
     pipeline = tiny_pipeline(args.kind, seed=0)
     return DiffusersRunner(pipeline), f"tiny {type(pipeline).__name__}, random weights"

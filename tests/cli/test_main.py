@@ -1,4 +1,4 @@
-"""The ``omni-trio`` command: one-line errors, exit statuses, --version, a quiet start.
+"""The ``omni-trio`` command: one-line errors, exit statuses, --version, the serve extra.
 
 Each case runs the command in a subprocess (``python -m omni_trio``) on this
 checkout's code (``PYTHONPATH``) and asserts on its exit status and its whole
@@ -8,9 +8,6 @@ stderr. The serve extra's absence is simulated by a meta path hook that makes
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import tomllib
 from importlib import import_module
 from pathlib import Path
@@ -18,9 +15,7 @@ from pathlib import Path
 import pytest
 
 import omni_trio
-
-ROOT = Path(__file__).resolve().parent.parent
-BUDGET_S = 120
+from tests.support.cli import ROOT, omni_trio_command, python
 
 # Makes "starlette" (the first module of the serve extra) look uninstalled.
 WITHOUT_STARLETTE = """
@@ -43,30 +38,6 @@ SERVE_EXTRA = (
 )
 
 
-def python(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """Run ``python <argv>`` on this checkout's code, in ``cwd``."""
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, *argv],
-        capture_output=True,
-        text=True,
-        timeout=BUDGET_S,
-        cwd=cwd,
-        env={**os.environ, "PYTHONPATH": path},
-    )
-
-
-def omni_trio_command(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m omni_trio <args>``."""
-    return python("-m", "omni_trio", *args, cwd=cwd)
-
-
-def bar_free(stderr: str) -> list[str]:
-    """The pieces of ``stderr`` that are not the demo's progress bar."""
-    pieces = stderr.replace("\r", "\n").splitlines()
-    return [piece for piece in pieces if piece and not piece.startswith("  denoise:")]
-
-
 def test_version(tmp_path: Path) -> None:
     """--version prints the package's version on stdout and exits 0."""
     result = omni_trio_command("--version", cwd=tmp_path)
@@ -75,7 +46,7 @@ def test_version(tmp_path: Path) -> None:
 
 
 def test_console_script_is_main(capsys: pytest.CaptureFixture[str]) -> None:
-    """pyproject's omni-trio script names omni_trio.__main__:main, which runs the CLI."""
+    """pyproject's omni-trio script names omni_trio.cli:main, which runs the CLI."""
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     module, _, function = scripts["omni-trio"].partition(":")
     entry = getattr(import_module(module), function)
@@ -175,35 +146,3 @@ def test_demo_works_without_the_serve_extra(tmp_path: Path) -> None:
     helped = python("-c", WITHOUT_STARLETTE, "--help", cwd=tmp_path)
     assert helped.returncode == 0
     assert "(needs pip install 'omni_trio[serve]')" in helped.stdout
-
-
-def test_the_demo_starts_quietly(tmp_path: Path) -> None:
-    """The tiny SD demo's stderr is its progress bar alone, with Python's warnings shown.
-
-    It used to print transformers' torchvision-fallback notice twice on every start.
-    """
-    result = python("-W", "default", "-m", "omni_trio", "demo", "--steps", "3", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert bar_free(result.stderr) == []
-    assert "  denoise: 100%" in result.stderr
-    assert "3/3" in result.stderr
-
-
-def test_a_model_folder_loads_quietly(tmp_path: Path) -> None:
-    """--model: no accelerate or torchvision notice; only the loading and denoise bars.
-
-    Without accelerate, diffusers used to warn on every load that it falls back to
-    ``low_cpu_mem_usage=False``.
-    """
-    folder = tmp_path / "tiny-sd"
-    script = (
-        "from omni_trio.runners import tiny_pipeline;"
-        f"tiny_pipeline('sd').save_pretrained({str(folder)!r})"
-    )
-    saved = python("-c", script, cwd=tmp_path)
-    assert saved.returncode == 0, saved.stderr
-    result = omni_trio_command("demo", "--model", str(folder), "--steps", "2", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "StableDiffusionPipeline from" in result.stdout
-    loading = ("Loading pipeline components...", "Loading weights", "\x1b[A")
-    assert [piece for piece in bar_free(result.stderr) if not piece.startswith(loading)] == []

@@ -31,26 +31,22 @@ import pytest
 import sniffio
 
 from omni_trio import EngineConfig
-from omni_trio.__main__ import main
-from omni_trio.serve import ServeConfig
-from omni_trio.serve import Service as ImageService
-from omni_trio.serve._load import (
+from omni_trio.cli import main
+from omni_trio.cli._loadtest import PATH, LoadConfig, endpoint_url, run_load
+from omni_trio.cli._loadtest_math import (
     DEFAULT_CLASS,
     OUTCOMES,
-    PATH,
-    LoadConfig,
     RequestRecord,
-    endpoint_url,
     format_summary,
     percentile,
     poisson_schedule,
-    run_load,
     summarize,
 )
+from omni_trio.serve import ServeConfig, Service
 from omni_trio.testing import FakeRunner, GatedRunner, wait_until
+from tests.support.cli import free_port
 from tests.support.serve import metric
-
-from .util import BUDGET
+from tests.util import BUDGET
 
 # -- the schedule --------------------------------------------------------------------
 
@@ -356,13 +352,6 @@ def test_usage_errors_are_one_line_and_exit_2(
     assert (exited.value.code, err, out) == (2, f"omni-trio: error: {line}\n", "")
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def test_an_unreachable_server_is_one_line_and_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
     """Nothing listens on the port: one line naming it, before any load; exit 1."""
     port = free_port()
@@ -392,7 +381,7 @@ def test_a_json_path_that_cannot_be_written_fails_before_the_run(
 
 
 @contextmanager
-def serving_in_a_thread(service: ImageService) -> Iterator[str]:
+def serving_in_a_thread(service: Service) -> Iterator[str]:
     """Serve ``service.app`` with Uvicorn in a thread on a free loopback port, for the
     command (which runs its own event loop); yield the base URL once it listens."""
     import uvicorn
@@ -422,7 +411,7 @@ def test_the_command_prints_the_table_and_writes_every_record(
 ) -> None:
     """``omni-trio load`` against the app with an instant model and no give-ups: every
     planned request completes; the table is on stdout, the JSON has every record."""
-    service = ImageService(
+    service = Service(
         FakeRunner(), config=ServeConfig(model_name="fake", default_width=16, default_height=16)
     )
     saved = tmp_path / "load.json"
@@ -444,7 +433,7 @@ def test_the_command_prints_the_table_and_writes_every_record(
 
 
 @asynccontextmanager
-async def serving(service: ImageService) -> AsyncIterator[str]:
+async def serving(service: Service) -> AsyncIterator[str]:
     """Serve ``service.app`` with Hypercorn in this event loop on a free loopback port;
     yield its base URL once /health answers 200; shut it down on exit."""
     from hypercorn.config import Config
@@ -487,7 +476,7 @@ async def test_a_run_against_the_app_counts_every_outcome(tmp_path: Path) -> Non
     a disconnect; every other client completes with its image. The CLI's pieces
     write the JSON and the table."""
     runner = GatedRunner()
-    service = ImageService(
+    service = Service(
         runner,
         engine_config=EngineConfig(max_batch_size=64),
         config=ServeConfig(model_name="fake", default_width=16, default_height=16),
@@ -557,7 +546,7 @@ def test_the_command_sends_deadlines_and_priorities(
     what was sent, the table has a line per class, and each record carries the
     priority its arrival drew (the schedule's, for that seed and share); ``--requests``
     sends exactly that many."""
-    service = ImageService(
+    service = Service(
         FakeRunner(), config=ServeConfig(model_name="fake", default_width=16, default_height=16)
     )
     saved = tmp_path / "load.json"
@@ -590,7 +579,7 @@ async def test_a_priority_over_the_servers_bound_is_refused_for_that_class_only(
     """L63: the body's priority reaches the server: with ``max_priority`` 0, the clients
     that send priority 1 get a 400 ``invalid_value``, counted by reason and in their
     class; the others complete."""
-    service = ImageService(
+    service = Service(
         FakeRunner(), config=ServeConfig(model_name="fake", default_width=16, default_height=16)
     )
     config = LoadConfig(
@@ -625,7 +614,7 @@ async def test_every_request_carries_the_deadline() -> None:
     """L63: ``deadline_ms`` reaches the engine's admission: once the measured step time
     says no request can finish within it, every request is a 429
     ``deadline_unmeetable``, and ``/metrics`` counts each as ``deadline_refused``."""
-    service = ImageService(
+    service = Service(
         FakeRunner(), config=ServeConfig(model_name="fake", default_width=16, default_height=16)
     )
     config = LoadConfig(

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._command import UsageError
+from ._errors import UsageError
 
 __all__ = ["PREFIX", "read_environment", "resolve_environment", "variable"]
 

@@ -8,51 +8,19 @@ binds first.
 from __future__ import annotations
 
 import json
-import logging
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.serve import PATH, ROOT, free_port
+from omni_trio.cli._loadtest import PATH
+from tests.support.cli import ROOT, busy_port, free_port, one_line_error, serve
 
 SERVERS = ["hypercorn", "uvicorn"]
-
-
-def serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m omni_trio serve ARGS`` to its end (it must stop by itself)."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_TRIO_")}
-    return subprocess.run(
-        [sys.executable, "-m", "omni_trio", "serve", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env={**environ, **(env or {})},
-    )
-
-
-def one_line_error(result: subprocess.CompletedProcess[str], status: int, text: str) -> None:
-    assert result.returncode == status, result.stderr
-    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
-    assert result.stderr.startswith("omni-trio: error: ") and text in result.stderr, result.stderr
-
-
-@contextmanager
-def busy_port() -> Iterator[int]:
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        yield held.getsockname()[1]
 
 
 @pytest.mark.parametrize(
@@ -158,52 +126,3 @@ def test_json_logs_are_one_object_per_line_with_one_access_line_per_request(
     messages = [e["message"] for e in entries if e["logger"] == "omni_trio.serve"]
     assert any(m.startswith("draining: ") for m in messages)
     assert any(m.startswith("drained: 3 completed") for m in messages)
-
-
-@pytest.mark.anyio
-async def test_hypercorn_access_log_drops_the_line_of_a_close_that_raced_the_response(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """Hypercorn logs a status-less access line when the client's close races the end of
-    a complete response (pgjones/hypercorn#357; ``curl`` shows it about every other
-    request). The wrapped app marks its scope before the response's last send, and the
-    access logger drops a status-less line for a marked scope only: a request that got
-    no answer keeps its line."""
-    import anyio
-    from hypercorn.config import Config
-
-    from omni_trio.serve._access import SENT, AccessLogger, marking_sent
-
-    seen_at_send: list[bool] = []
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"x", "more_body": False})
-
-    scope: dict[str, Any] = {"type": "http"}
-
-    async def send(message: Any) -> None:
-        seen_at_send.append(scope.get(SENT, False))
-
-    with anyio.fail_after(10):
-        await marking_sent(app)(scope, None, send)  # type: ignore[arg-type]
-    assert seen_at_send == [False, True]  # marked before the last send, not after
-    config = Config()
-    config.accesslog = logging.getLogger("hypercorn.access")
-    logger = AccessLogger(config)
-    request = {
-        "type": "http",
-        "method": "POST",
-        "path": PATH,
-        "http_version": "1.1",
-        "headers": [],
-        "client": ("127.0.0.1", 1),
-        "query_string": b"",
-        "scheme": "http",
-    }
-    with caplog.at_level(logging.INFO, "hypercorn.access"):
-        await logger.access({**request, SENT: True}, None, 0.1)
-        assert caplog.records == []
-        await logger.access({**request, SENT: True}, {"status": 200, "headers": []}, 0.1)
-        await logger.access(request, None, 0.1)  # never answered: its line stays
-    assert [r.getMessage().split('" ')[1].split()[0] for r in caplog.records] == ["200", "-"]

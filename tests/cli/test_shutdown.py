@@ -28,8 +28,8 @@ from typing import Any
 import httpx
 import pytest
 
-from omni_trio.serve._cli import add_serve_arguments
-from omni_trio.serve._sockets import abort_connections
+from omni_trio.cli._serve import add_serve_arguments
+from omni_trio.cli._sockets import abort_connections
 from tests.support.serve import PATH, SERVERS, Server, parse_sse_lines, poll_until, run_server
 
 STEP_S = 0.02

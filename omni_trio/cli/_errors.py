@@ -1,14 +1,11 @@
 """What the ``omni-trio`` commands share: their errors and exit statuses.
 
 A command raises ``UsageError`` for arguments it cannot use and ``CommandError``
-for anything else that stops it; ``omni_trio.__main__`` prints either as one line,
+for anything else that stops it; ``main`` prints either as one line,
 ``omni-trio: error: <message>``, and exits with its ``exit_status``.
 """
 
 from __future__ import annotations
-
-import argparse
-import math
 
 __all__ = [
     "EXIT_ERROR",
@@ -17,7 +14,6 @@ __all__ = [
     "PROG",
     "CommandError",
     "UsageError",
-    "seconds",
     "summary",
 ]
 
@@ -58,14 +54,3 @@ def summary(exc: BaseException) -> str:
     """``exc`` as one line: its type and the first line of its message."""
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-
-
-def seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds ``>= 0`` (refuses nan and inf)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
-    return value

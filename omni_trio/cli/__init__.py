@@ -1,0 +1,30 @@
+"""The ``omni-trio`` command line (also ``python -m omni_trio``): demo, serve, load.
+
+The library never imports this package; it imports the library (``serve`` for the
+server, the core for the demo). Its modules:
+
+- ``_main``: ``main()``: the parser, the commands that need the ``serve`` extra
+  (imported only once it is there), one-line errors, ``--version``, ``--debug``.
+- ``_errors``: ``UsageError`` and ``CommandError``, the exit statuses, ``summary``.
+- ``_demo``: ``demo``: one image with a tiny model, a progress bar.
+- ``_types``: the argparse value types of every command.
+- ``_serve``: ``serve``: its options, checked before it serves, then the service.
+- ``_options``: ``serve``'s options as the serve package's ``ServiceOptions``, and
+  the serve package's errors as the command's, named by their option.
+- ``_servers``: the service under Hypercorn (trio) or Uvicorn (asyncio), drained on
+  SIGTERM or SIGINT.
+- ``_ray``: ``serve --ray``: the same service, N replicas on Ray Serve.
+- ``_env``: every ``serve`` option from its ``OMNI_TRIO_<OPTION>`` variable.
+- ``_logs``: the server's log on stderr, as text or JSON lines.
+- ``_access``: Hypercorn's access log without its phantom lines.
+- ``_sockets``: the port checked before serving, the connections still open after
+  the drain aborted.
+- ``_loadtest_command``: ``load``: an open-loop load test of an images endpoint;
+  ``_loadtest``: its HTTP client; ``_loadtest_math``: its schedule and figures (pure).
+"""
+
+from __future__ import annotations
+
+from ._main import main as main
+
+__all__ = ["main"]

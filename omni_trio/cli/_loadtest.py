@@ -1,0 +1,374 @@
+"""``omni-trio load URL``'s client: an open-loop load test of an OpenAI-style images endpoint.
+
+The arrivals are ``poisson_schedule``'s (``_loadtest_math``). Each arrival is a
+client of its own: it opens a connection (no keep-alive, so no client waits for
+another's connection), POSTs a small generation body and waits for the answer. A
+``give_up_fraction`` of them are impatient: each gives up at a moment drawn
+uniformly from ``give_up_s`` (seconds after it sent its request) by closing its
+connection, as a browser tab or a timed-out gateway does. A server that notices
+stops working for it; one that does not computes an image nobody reads.
+
+Scheduling fields, for servers that take them (``omni-trio serve`` does, L63):
+``deadline_ms`` puts the same deadline on every request (the SLO, say: a server
+that knows it can refuse or drop what it cannot finish in time), and
+``priority`` with ``priority_share`` sends a ``priority`` from that share of the
+clients, drawn per arrival from a stream of its own, so the arrival times and
+give-ups stay those of the seed.
+
+The module logs (``omni_trio.load``) and never prints.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import anyio
+
+from ._errors import CommandError, UsageError, summary
+from ._loadtest_math import Arrival, RequestRecord, poisson_schedule, summarize
+
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = [
+    "CONNECT_CHECK_S",
+    "PATH",
+    "LoadConfig",
+    "LoadResult",
+    "check_reachable",
+    "endpoint_url",
+    "run_load",
+]
+
+_log = logging.getLogger("omni_trio.load")
+
+#: The endpoint a base URL is completed with.
+PATH = "/v1/images/generations"
+
+#: Seconds the reachability check waits for a TCP connection.
+CONNECT_CHECK_S = 5.0
+
+
+def endpoint_url(url: str) -> str:
+    """The images endpoint of ``url``: a base URL gets ``PATH`` appended.
+
+    ``http://host:8000`` and ``http://host:8000/`` become
+    ``http://host:8000/v1/images/generations``; a URL that already ends with it
+    is kept; ``http://host/images`` (a mounted service) becomes
+    ``http://host/images/v1/images/generations``.
+
+    Raises:
+        UsageError: not an ``http`` or ``https`` URL with a host.
+    """
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError(
+            f"URL: expected http://HOST[:PORT][/PATH], e.g. http://127.0.0.1:8000, got {url!r}"
+        )
+    if parts.query or parts.fragment:
+        raise UsageError(f"URL: give no query or fragment, got {url!r}")
+    del port  # read only to check it
+    base = url.rstrip("/")
+    return base if base.endswith(PATH) else base + PATH
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadConfig:
+    """One load run.
+
+    Args:
+        url: the images endpoint (see ``endpoint_url``).
+        rate: mean requests per second, > 0.
+        duration_s: the arrival window in seconds, > 0.
+        slo_s: the latency objective in seconds, > 0.
+        seed: the schedule's seed.
+        give_up_fraction: the share of clients that give up, 0 to 1.
+        give_up_s: the (low, high) span of a give-up moment, in seconds after
+            sending; ``None`` for ``(0, 2 * slo_s)``.
+        prompt: every request's prompt.
+        size: ``"WxH"``, or ``None`` for the server's default.
+        steps: ``num_inference_steps``, or ``None`` for the server's default.
+        model: the body's ``model``, or ``None`` to leave it out.
+        timeout_s: seconds a patient client waits for its answer before it
+            counts an ``error``.
+        headers: extra request headers (an ``Authorization``, say).
+        deadline_ms: every body's ``deadline_ms``, or ``None`` to send none.
+        priority: the ``priority`` a ``priority_share`` of the bodies carry
+            (drawn per arrival, see ``poisson_schedule``), or ``None``: none does.
+        priority_share: that share, 0 to 1.
+        count: exactly this many requests in the window (see
+            ``poisson_schedule``), or ``None`` for a Poisson count at ``rate``.
+
+    Raises:
+        ValueError: a value out of range; the message names it.
+    """
+
+    url: str
+    rate: float
+    duration_s: float
+    slo_s: float
+    seed: int = 0
+    give_up_fraction: float = 0.3
+    give_up_s: tuple[float, float] | None = None
+    prompt: str = "a lighthouse at dusk"
+    size: str | None = "64x64"
+    steps: int | None = None
+    model: str | None = None
+    timeout_s: float = 300.0
+    headers: tuple[tuple[str, str], ...] = field(default=())
+    deadline_ms: int | None = None
+    priority: int | None = None
+    priority_share: float = 1.0
+    count: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("rate", "duration_s", "slo_s", "timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}: must be a finite number > 0, got {value!r}")
+        if not 0 <= self.give_up_fraction <= 1:
+            raise ValueError(
+                f"give_up_fraction: must be from 0 to 1, got {self.give_up_fraction!r}"
+            )
+        low, high = self.give_up_span
+        if not (math.isfinite(high) and 0 <= low <= high):
+            raise ValueError(f"give_up_s: must be 0 <= low <= high, got {(low, high)!r}")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps: must be >= 1, got {self.steps!r}")
+        if self.deadline_ms is not None and self.deadline_ms < 1:
+            raise ValueError(f"deadline_ms: must be >= 1, got {self.deadline_ms!r}")
+        if not 0 <= self.priority_share <= 1:
+            raise ValueError(f"priority_share: must be from 0 to 1, got {self.priority_share!r}")
+        if self.count is not None and self.count < 0:
+            raise ValueError(f"count: must be >= 0, got {self.count!r}")
+
+    @property
+    def give_up_span(self) -> tuple[float, float]:
+        """``give_up_s``, or its default ``(0, 2 * slo_s)``."""
+        return self.give_up_s if self.give_up_s is not None else (0.0, 2 * self.slo_s)
+
+    def schedule(self) -> tuple[Arrival, ...]:
+        """This run's arrivals (``poisson_schedule``)."""
+        return poisson_schedule(
+            rate=self.rate,
+            duration_s=self.duration_s,
+            seed=self.seed,
+            give_up_fraction=self.give_up_fraction,
+            give_up_s=self.give_up_span,
+            priority=self.priority,
+            priority_share=self.priority_share,
+            count=self.count,
+        )
+
+    def body(self, index: int, priority: int | None = None) -> dict[str, Any]:
+        """The JSON body of request ``index`` (its seed is the index: reproducible).
+
+        Args:
+            index: the arrival's index.
+            priority: its ``Arrival.priority``, sent when not ``None``.
+        """
+        body: dict[str, Any] = {"prompt": self.prompt, "n": 1, "seed": index}
+        if self.size is not None:
+            body["size"] = self.size
+        if self.steps is not None:
+            body["num_inference_steps"] = self.steps
+        if self.model is not None:
+            body["model"] = self.model
+        if self.deadline_ms is not None:
+            body["deadline_ms"] = self.deadline_ms
+        if priority is not None:
+            body["priority"] = priority
+        return body
+
+    def as_json(self) -> dict[str, Any]:
+        """The configuration as JSON values (headers by name only: they may hold secrets)."""
+        fields = asdict(self)
+        fields["give_up_s"] = list(self.give_up_span)
+        fields["headers"] = [name for name, _ in self.headers]
+        return fields
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadResult:
+    """A finished run.
+
+    Args:
+        config: what was run.
+        records: one per arrival, in arrival order.
+        elapsed_s: seconds from the first arrival's slot to the last answer.
+    """
+
+    config: LoadConfig
+    records: tuple[RequestRecord, ...]
+    elapsed_s: float
+
+    def summary(self) -> dict[str, Any]:
+        """``summarize`` of the records, over the arrival window, at the config's SLO."""
+        return summarize(self.records, duration_s=self.config.duration_s, slo_s=self.config.slo_s)
+
+    def as_json(self) -> dict[str, Any]:
+        """The config, the summary, the elapsed time and every record, as JSON values."""
+        return {
+            "config": self.config.as_json(),
+            "summary": self.summary(),
+            "elapsed_s": self.elapsed_s,
+            "records": [asdict(record) for record in self.records],
+        }
+
+
+async def _send(
+    client: httpx.AsyncClient, config: LoadConfig, arrival: Arrival, started: float
+) -> RequestRecord:
+    """Send one request and wait for its answer, or give up; never raises an ``Exception``."""
+    import httpx
+
+    sent = anyio.current_time()
+
+    def record(outcome: str, **extra: Any) -> RequestRecord:
+        latency = anyio.current_time() - sent
+        return RequestRecord(
+            index=arrival.index,
+            sent_s=sent - started,
+            outcome=outcome,
+            latency_s=latency,
+            give_up_s=arrival.give_up_s,
+            priority=arrival.priority,
+            **extra,
+        )
+
+    give_up = math.inf if arrival.give_up_s is None else arrival.give_up_s
+    response = None
+    # Cancelling httpx mid-request closes its connection: the server sees the client go.
+    with anyio.move_on_after(give_up):
+        try:
+            response = await client.post(
+                config.url, json=config.body(arrival.index, arrival.priority)
+            )
+        except httpx.TimeoutException:
+            return record("error", error=f"no answer within {config.timeout_s:g} s")
+        except httpx.HTTPError as exc:
+            return record("error", error=summary(exc))
+    if response is None:
+        return record("gave_up")
+    if response.status_code != 200:
+        return record("refused", status=response.status_code, code=_error_code(response))
+    try:
+        data = response.json()["data"]
+        images = len(data) if isinstance(data, list) else 0
+    except (ValueError, KeyError, TypeError):
+        images = 0
+    if images == 0:
+        return record("error", status=200, error="a 200 without images (not an images endpoint?)")
+    return record("completed", status=200, images=images)
+
+
+def _error_code(response: httpx.Response) -> str | None:
+    """The ``{"error": {"code": ...}}`` of an error answer, if it has a string one."""
+    try:
+        code = response.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) and code else None
+
+
+def _reason(exc: OSError) -> str:
+    """Why a connection failed: anyio's "All connection attempts failed" names no cause."""
+    cause = exc.__cause__
+    if isinstance(cause, BaseExceptionGroup):
+        cause = cause.exceptions[0]
+    if isinstance(cause, OSError) and cause.errno:
+        return os.strerror(cause.errno)
+    return os.strerror(exc.errno) if exc.errno else str(exc)
+
+
+async def check_reachable(url: str) -> None:
+    """Open (and close) one TCP connection to ``url``'s host and port.
+
+    Raises:
+        CommandError: the connection fails or takes longer than ``CONNECT_CHECK_S``.
+
+    Cancellation:
+        Safe: nothing is left open.
+    """
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        with anyio.fail_after(CONNECT_CHECK_S):
+            stream = await anyio.connect_tcp(host, port)
+    except TimeoutError:
+        raise CommandError(
+            f"cannot reach {where}: no connection within {CONNECT_CHECK_S:g} s"
+        ) from None
+    except OSError as exc:
+        raise CommandError(
+            f"cannot reach {where}: {_reason(exc)}; is the server running?"
+        ) from None
+    await stream.aclose()
+
+
+async def run_load(
+    config: LoadConfig, *, on_record: Callable[[RequestRecord], None] | None = None
+) -> LoadResult:
+    """Run ``config``'s schedule against its URL; return every request's record.
+
+    Sends each arrival at its moment (late ones at once: the loop never waits for
+    an answer to send), then waits for every answer or give-up.
+
+    Args:
+        config: the run.
+        on_record: called with each record as its request ends, in the caller's
+            event loop.
+
+    Returns:
+        The result, its records in arrival order.
+
+    Cancellation:
+        Cancelling stops sending and closes every open connection; nothing is
+        returned.
+    """
+    import httpx
+
+    arrivals = config.schedule()
+    records: list[RequestRecord | None] = [None] * len(arrivals)
+    _log.info(
+        "load: %d requests over %g s (%g/s, seed %d) to %s",
+        len(arrivals),
+        config.duration_s,
+        config.rate,
+        config.seed,
+        config.url,
+    )
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(config.timeout_s), limits=limits, headers=dict(config.headers)
+    ) as client:
+        started = anyio.current_time()
+
+        async def one(arrival: Arrival) -> None:
+            done = await _send(client, config, arrival, started)
+            records[arrival.index] = done
+            if on_record is not None:
+                on_record(done)
+
+        async with anyio.create_task_group() as tg:
+            for arrival in arrivals:
+                await anyio.sleep_until(started + arrival.at_s)
+                tg.start_soon(one, arrival)
+        elapsed = anyio.current_time() - started
+    finished = tuple(record for record in records if record is not None)
+    assert len(finished) == len(arrivals)
+    _log.info("load: done in %.1f s: %s", elapsed, dict(Counter(r.outcome for r in finished)))
+    return LoadResult(config=config, records=finished, elapsed_s=elapsed)

@@ -1,0 +1,216 @@
+"""``omni-trio load URL``: check the server answers, run the load, print the table, save it.
+
+The arguments become a ``LoadConfig`` (``_loadtest``); the run's summary
+(``_loadtest_math``) is written as a short table to the stream given (stdout),
+and with ``--json`` every record is saved too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+import anyio
+
+from ._errors import CommandError, UsageError
+from ._loadtest import PATH, LoadConfig, LoadResult, check_reachable, endpoint_url, run_load
+from ._loadtest_math import format_summary, priority_class
+from ._types import count, fraction, header, integer, positive, span
+
+__all__ = ["add_load_arguments", "run_load_command"]
+
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``load`` command's arguments to ``parser``."""
+    parser.add_argument(
+        "url",
+        metavar="URL",
+        help=f"the server, e.g. http://127.0.0.1:8000 ({PATH} is appended unless given)",
+    )
+    parser.add_argument(
+        "--rate", type=positive, default=None, help="requests per second, mean (default 1)"
+    )
+    parser.add_argument(
+        "--requests",
+        type=count(1),
+        default=None,
+        metavar="N",
+        help="exactly N requests over --duration, at Poisson moments (instead of --rate)",
+    )
+    parser.add_argument(
+        "--duration", type=positive, default=30.0, metavar="S", help="seconds (default 30)"
+    )
+    parser.add_argument(
+        "--slo-s",
+        type=positive,
+        default=10.0,
+        metavar="S",
+        help="latency objective: images within it count toward the goodput (default 10)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="schedule seed (default 0)")
+    parser.add_argument(
+        "--give-up-fraction",
+        type=fraction,
+        default=0.3,
+        metavar="F",
+        help="share of clients that give up, closing their connection (default 0.3)",
+    )
+    parser.add_argument(
+        "--give-up-after",
+        type=span,
+        default=None,
+        metavar="MAX|MIN:MAX",
+        help="seconds after sending when they do, uniform in [MIN, MAX] (default 0:2xSLO)",
+    )
+    parser.add_argument(
+        "--size", default="64x64", help="the body's size, WxH (default 64x64; 'auto': the server's)"
+    )
+    parser.add_argument(
+        "--steps", type=count(1), default=None, help="num_inference_steps (default: the server's)"
+    )
+    parser.add_argument("--prompt", default="a lighthouse at dusk")
+    parser.add_argument("--model", default=None, help="the body's model (default: none sent)")
+    parser.add_argument(
+        "--timeout",
+        type=positive,
+        default=300.0,
+        metavar="S",
+        help="seconds a patient client waits before it counts an error (default 300)",
+    )
+    parser.add_argument(
+        "--header",
+        type=header,
+        action="append",
+        default=[],
+        metavar="'NAME: VALUE'",
+        help="an extra request header (repeatable), e.g. 'Authorization: Bearer ...'",
+    )
+    parser.add_argument(
+        "--deadline-ms",
+        type=count(1),
+        default=None,
+        metavar="MS",
+        help="every body's deadline_ms, e.g. the SLO (default: none sent)",
+    )
+    parser.add_argument(
+        "--priority",
+        type=integer,
+        default=None,
+        metavar="P",
+        help="the body's priority, sent by --priority-share of the clients (default: none sent)",
+    )
+    parser.add_argument(
+        "--priority-share",
+        type=fraction,
+        default=None,
+        metavar="F",
+        help="share of clients that send --priority, drawn per arrival (default 1: all)",
+    )
+    parser.add_argument(
+        "--json", type=Path, default=None, metavar="PATH", help="write every record and the summary"
+    )
+
+
+def _config(args: argparse.Namespace) -> LoadConfig:
+    if args.requests is not None and args.rate is not None:
+        raise UsageError("--requests: give --rate or --requests, not both")
+    rate = 1.0 if args.rate is None else args.rate
+    if args.requests is not None:
+        rate = args.requests / args.duration
+    if args.priority_share is not None and args.priority is None:
+        raise UsageError("--priority-share: give --priority too (the priority that share sends)")
+    try:
+        return LoadConfig(
+            url=endpoint_url(args.url),
+            rate=rate,
+            duration_s=args.duration,
+            slo_s=args.slo_s,
+            seed=args.seed,
+            give_up_fraction=args.give_up_fraction,
+            give_up_s=args.give_up_after,
+            prompt=args.prompt,
+            size=None if args.size == "auto" else args.size,
+            steps=args.steps,
+            model=args.model,
+            timeout_s=args.timeout,
+            headers=tuple(args.header),
+            deadline_ms=args.deadline_ms,
+            priority=args.priority,
+            priority_share=1.0 if args.priority_share is None else args.priority_share,
+            count=args.requests,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _open_json(path: Path) -> TextIO:
+    """``path`` opened for writing now, so that a bad one fails before the run, not after.
+
+    Not truncated: a run that fails leaves an earlier file as it was. Truncate it
+    before writing.
+
+    Raises:
+        UsageError: it cannot be opened.
+    """
+    try:
+        return open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666), "w")
+    except OSError as exc:
+        raise UsageError(f"--json: cannot write {str(path)!r}: {exc.strerror}") from None
+
+
+def _scheduling(config: LoadConfig, summary: Mapping[str, Any]) -> str:
+    """The header line's words on ``deadline_ms`` and ``priority``, if any was sent."""
+    words = ""
+    if config.deadline_ms is not None:
+        words += f"; deadline_ms {config.deadline_ms}"
+    if config.priority is not None:
+        sent = summary["by_priority"].get(priority_class(config.priority), {}).get("requests", 0)
+        words += f"; {sent} send priority {config.priority}"
+    return words
+
+
+def run_load_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """``omni-trio load``: check the server answers, run the load, print and save the result.
+
+    Returns:
+        0 once the run is done (whatever its outcomes).
+
+    Raises:
+        UsageError: a bad URL or option, a ``--json`` path that cannot be written.
+        CommandError: the server cannot be reached, or every request was answered
+            404 or 405 (the URL is not an images endpoint).
+    """
+    out = sys.stdout if out is None else out
+    config = _config(args)
+    with contextlib.ExitStack() as stack:
+        saved = None if args.json is None else stack.enter_context(_open_json(args.json))
+
+        async def main() -> LoadResult:
+            await check_reachable(config.url)
+            return await run_load(config)
+
+        result = anyio.run(main, backend="trio")
+        if saved is not None:
+            saved.truncate(0)
+            saved.write(json.dumps(result.as_json(), indent=2) + "\n")
+    summary_ = result.summary()
+    low, high = config.give_up_span
+    out.write(
+        f"{summary_['requests']} requests at {config.rate:g}/s for {config.duration_s:g} s"
+        f" (seed {config.seed}) to {config.url}; {summary_['impatient']} mean to give up"
+        f" {low:g} to {high:g} s after sending" + _scheduling(config, summary_) + "\n"
+    )
+    out.write(format_summary(summary_))
+    statuses = set(summary_["refused_by_status"])
+    if summary_["counts"]["refused"] == summary_["requests"] > 0 and statuses <= {"404", "405"}:
+        raise CommandError(
+            f"URL: every request was answered {'/'.join(sorted(statuses))}: is {config.url}"
+            " an images endpoint?"
+        )
+    return 0

@@ -1,0 +1,287 @@
+"""The load test's arithmetic, with no I/O: the Poisson schedule and the figures of a run.
+
+Open loop: requests arrive as a Poisson process at ``rate`` per second for
+``duration_s`` seconds, whatever the server answers, so a slow server faces a
+growing queue instead of a politely waiting client. The arrival times come from a
+seeded generator: the same seed and rate give the same schedule, on any server.
+With ``count`` the window holds exactly that many arrivals, at the moments of a
+Poisson process conditioned on that count (sorted uniform moments): the bursts of
+a Poisson process without the run-to-run noise of its count, which in a short run
+moves the offered load by tens of percent.
+
+Every request ends one way (``OUTCOMES``): ``completed`` (a 200 with its
+images), ``gave_up``, ``refused`` (any other status, kept per status and error
+``code``) or ``error`` (no answer: a reset connection, a timeout, a body that
+is not an images answer).
+``summarize`` turns the records into the figures: the SLO goodput (images
+received within ``slo_s`` of their request, per second of the arrival window),
+the throughput (every image received, per second of the window), and the p50 and
+p99 latencies of the completed requests, split by the priority sent
+(``by_priority``); ``format_summary`` makes them the command's table.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "DEFAULT_CLASS",
+    "OUTCOMES",
+    "Arrival",
+    "RequestRecord",
+    "format_summary",
+    "percentile",
+    "poisson_schedule",
+    "priority_class",
+    "summarize",
+]
+
+#: How a request can end, in the order the table shows them.
+OUTCOMES = ("completed", "gave_up", "refused", "error")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Arrival:
+    """One planned request.
+
+    Args:
+        index: its rank in the schedule, from 0.
+        at_s: when it is sent, in seconds after the run's start.
+        give_up_s: seconds after sending at which its client gives up, or
+            ``None`` for a client that waits for the answer.
+        priority: the ``priority`` its body carries, or ``None`` for none.
+    """
+
+    index: int
+    at_s: float
+    give_up_s: float | None
+    priority: int | None = None
+
+
+def poisson_schedule(
+    *,
+    rate: float,
+    duration_s: float,
+    seed: int,
+    give_up_fraction: float = 0.0,
+    give_up_s: tuple[float, float] = (0.0, 0.0),
+    priority: int | None = None,
+    priority_share: float = 1.0,
+    count: int | None = None,
+) -> tuple[Arrival, ...]:
+    """The arrivals of a Poisson process at ``rate`` per second within ``duration_s``.
+
+    Each arrival draws three numbers in a fixed order (its gap, whether it gives
+    up, when), so the arrival times depend on ``seed`` and ``rate`` alone: two
+    runs with other give-up settings send at the same moments. Whether it sends
+    ``priority`` is drawn from a second generator, also seeded by ``seed``, one
+    number per arrival: the arrivals and give-ups are the same with or without
+    priorities, and the n-th arrival's class depends on ``seed`` and
+    ``priority_share`` alone. With ``count``, the ``count`` moments are drawn
+    first (uniform in the window, then sorted), then each arrival's two give-up
+    numbers.
+
+    Args:
+        rate: mean arrivals per second, > 0.
+        duration_s: the arrival window in seconds; no arrival at or after it.
+        seed: the generator's seed.
+        give_up_fraction: the probability that an arrival's client gives up.
+        give_up_s: the (low, high) span its give-up moment is drawn from, uniformly.
+        priority: the ``priority`` the chosen share sends; ``None``: none does.
+        priority_share: the probability that an arrival sends ``priority``.
+        count: exactly this many arrivals (``rate`` is then not read), or
+            ``None`` for a Poisson count.
+
+    Returns:
+        The arrivals, in time order.
+    """
+    rng = random.Random(seed)
+    classes = random.Random(f"priority-{seed}")
+    low, high = give_up_s
+
+    def arrival(index: int, at: float) -> Arrival:
+        gives_up = rng.random() < give_up_fraction
+        after = rng.uniform(low, high)
+        prioritized = priority is not None and classes.random() < priority_share
+        return Arrival(
+            index=index,
+            at_s=at,
+            give_up_s=after if gives_up else None,
+            priority=priority if prioritized else None,
+        )
+
+    if count is not None:
+        # random() is in [0, 1): every moment falls inside the window.
+        moments = sorted(duration_s * rng.random() for _ in range(count))
+        return tuple(arrival(index, at) for index, at in enumerate(moments))
+    arrivals: list[Arrival] = []
+    at = 0.0
+    while True:
+        at += rng.expovariate(rate)
+        if at >= duration_s:
+            return tuple(arrivals)
+        arrivals.append(arrival(len(arrivals), at))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestRecord:
+    """How one request went.
+
+    Args:
+        index: its arrival's index.
+        sent_s: when it was sent, in seconds after the run's start.
+        outcome: one of ``OUTCOMES``.
+        latency_s: seconds from sending to the whole answer (``completed``,
+            ``refused``), to giving up (``gave_up``) or to the failure (``error``).
+        status: the HTTP status, when an answer came.
+        give_up_s: when its client meant to give up (``Arrival.give_up_s``); one
+            whose answer came first is ``completed`` all the same.
+        status: the HTTP status, when an answer came.
+        images: the images of a completed answer.
+        error: what went wrong, for ``error``.
+        priority: the ``priority`` its body carried (``Arrival.priority``).
+        code: a refusal's error ``code`` (``{"error": {"code": ...}}``), if it had one.
+    """
+
+    index: int
+    sent_s: float
+    outcome: str
+    latency_s: float
+    give_up_s: float | None = None
+    status: int | None = None
+    images: int = 0
+    error: str | None = None
+    priority: int | None = None
+    code: str | None = None
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0 to 100) of ``values``, ``None`` for none.
+
+    Linear between the two nearest ranks (numpy's default, and
+    ``statistics.quantiles(..., method="inclusive")``): one value is every
+    percentile of itself.
+    """
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    below = math.floor(rank)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (rank - below)
+
+
+#: ``by_priority``'s key for the requests that sent no ``priority``.
+DEFAULT_CLASS = "default"
+
+
+def priority_class(priority: int | None) -> str:
+    """The ``by_priority`` key of a request that sent ``priority``."""
+    return DEFAULT_CLASS if priority is None else str(priority)
+
+
+def _rates(records: Sequence[RequestRecord], *, duration_s: float, slo_s: float) -> dict[str, Any]:
+    """Goodput, throughput and latencies of ``records`` (one class, or all)."""
+    completed = [r for r in records if r.outcome == "completed"]
+    good = [r for r in completed if r.latency_s <= slo_s]
+    latencies = [r.latency_s for r in completed]
+    return {
+        "requests": len(records),
+        "completed": len(completed),
+        "images": sum(r.images for r in completed),
+        "good_images": sum(r.images for r in good),
+        "good_requests": len(good),
+        "goodput_per_s": sum(r.images for r in good) / duration_s,
+        "throughput_per_s": sum(r.images for r in completed) / duration_s,
+        "p50_latency_s": percentile(latencies, 50),
+        "p99_latency_s": percentile(latencies, 99),
+    }
+
+
+def summarize(
+    records: Sequence[RequestRecord], *, duration_s: float, slo_s: float
+) -> dict[str, Any]:
+    """The run's figures from its records; pure.
+
+    Args:
+        records: one per request sent.
+        duration_s: the arrival window, the "second of the run" of the rates.
+        slo_s: the latency objective: an image counts toward the goodput when
+            its request completed within this many seconds of being sent.
+
+    Returns:
+        ``requests``; ``impatient`` (those whose client meant to give up);
+        ``counts`` per outcome (every one of ``OUTCOMES``);
+        ``refused_by_status`` (the status codes, as strings, and their counts);
+        ``refused_by_reason`` (``"STATUS"`` or ``"STATUS CODE"`` with the
+        answer's error code, e.g. ``"429 deadline_unmeetable"``, and counts);
+        ``images`` and ``good_images`` (within the SLO); ``good_requests``;
+        ``goodput_per_s`` and ``throughput_per_s`` (images per second of the
+        window); ``p50_latency_s`` and ``p99_latency_s`` of the completed
+        requests (``None`` if none completed); ``by_priority``: per priority
+        sent (``priority_class``: its number as a string, ``"default"`` for
+        none), that class's ``requests``, ``completed``, images, goodput,
+        throughput and latencies as above; ``duration_s`` and ``slo_s``.
+    """
+    counts = Counter(record.outcome for record in records)
+    refused_records = [r for r in records if r.outcome == "refused"]
+    refused = Counter(str(r.status) for r in refused_records)
+    reasons = Counter(f"{r.status} {r.code}" if r.code else str(r.status) for r in refused_records)
+    classes: dict[str, list[RequestRecord]] = {}
+    for record in records:
+        classes.setdefault(priority_class(record.priority), []).append(record)
+    return {
+        **_rates(records, duration_s=duration_s, slo_s=slo_s),
+        "impatient": sum(r.give_up_s is not None for r in records),
+        "counts": {outcome: counts[outcome] for outcome in OUTCOMES},
+        "refused_by_status": dict(sorted(refused.items())),
+        "refused_by_reason": dict(sorted(reasons.items())),
+        "by_priority": {
+            name: _rates(members, duration_s=duration_s, slo_s=slo_s)
+            for name, members in sorted(classes.items())
+        },
+        "duration_s": duration_s,
+        "slo_s": slo_s,
+    }
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f} s"
+
+
+def format_summary(summary: Mapping[str, Any]) -> str:
+    """The short table ``omni-trio load`` prints: outcomes, then the figures.
+
+    With more than one priority class (or any priority sent), a line per class
+    follows: its goodput and p99 latency.
+    """
+    counts = summary["counts"]
+    lines = ["outcome          requests"]
+    for outcome in OUTCOMES:
+        if outcome == "refused" and summary["refused_by_reason"]:
+            for reason, count in summary["refused_by_reason"].items():
+                lines.append(f"  {f'refused ({reason})':<16}{count:>7}")
+        else:
+            lines.append(f"  {outcome:<16}{counts[outcome]:>7}")
+    lines += [
+        f"goodput          {summary['goodput_per_s']:.3f} images/s within"
+        f" {summary['slo_s']:g} s ({summary['good_images']} images)",
+        f"throughput       {summary['throughput_per_s']:.3f} images/s ({summary['images']} images)",
+        f"latency p50      {_seconds(summary['p50_latency_s'])}",
+        f"latency p99      {_seconds(summary['p99_latency_s'])}",
+    ]
+    classes = summary["by_priority"]
+    if set(classes) - {DEFAULT_CLASS}:
+        for name, figures in classes.items():
+            label = "no priority" if name == DEFAULT_CLASS else f"priority {name}"
+            lines.append(
+                f"  {label:<15}{figures['goodput_per_s']:.3f} images/s goodput"
+                f" ({figures['good_images']} of {figures['requests']} requests),"
+                f" p99 {_seconds(figures['p99_latency_s'])}"
+            )
+    return "\n".join(lines) + "\n"

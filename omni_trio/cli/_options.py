@@ -1,0 +1,136 @@
+"""``serve``'s options as the serve package's ``ServiceOptions``, and its errors as the command's.
+
+``serve`` and ``serve --ray`` build their service as ``build_service`` does, from
+the ``ServiceOptions`` of their arguments. The serve package says what is wrong
+without naming an option (a ``ValueError`` for a spec that names no model, a
+``ModelError`` for one that does not load, an ``OptionError`` naming the field of
+a default the model refuses); here those become the command's usage errors and
+errors, named by the option that set them.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from .._config import EngineConfig
+from ..serve._models import MODELS, LoadedModel, ModelError, model_folder
+from ..serve._options import OptionError, ServiceOptions, build_service
+from ..serve._upload import UploadLimits
+from ._errors import CommandError, UsageError, summary
+
+if TYPE_CHECKING:
+    from ..serve._app import Service
+
+__all__ = ["check_model", "load", "make_service", "service_options"]
+
+#: The option that sets each field of ``ServiceOptions`` the model can refuse.
+_OPTIONS = {
+    "video_fps": "--video-fps",
+    "default_size": "--default-size",
+    "default_steps": "--default-steps",
+    "default_guidance_scale": "--default-guidance",
+}
+
+
+def check_model(spec: str) -> None:
+    """Check that ``spec`` names a model (built in, or a diffusers folder); nothing loads.
+
+    Raises:
+        UsageError: it names none; the message names ``--model``.
+    """
+    if spec in MODELS:
+        return
+    try:
+        model_folder(spec)
+    except ValueError as exc:
+        raise UsageError(f"--model: {exc}") from None
+
+
+def _devices(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """The devices ``--devices`` or ``--workers`` name; ``None`` when neither is given.
+
+    Raises:
+        UsageError: ``--devices`` names no device, a bad one, or one twice.
+    """
+    workers: int | None = args.workers
+    if workers is not None:
+        return ("cpu",) * workers
+    if args.devices is None:
+        return None
+    from ..runners._devices import parse_devices
+
+    try:
+        return tuple(parse_devices(args.devices))
+    except ValueError as exc:
+        raise UsageError(f"--{exc}") from None
+
+
+def service_options(args: argparse.Namespace) -> ServiceOptions:
+    """The ``ServiceOptions`` of ``serve``'s parsed arguments (the model is not checked).
+
+    Raises:
+        UsageError: ``--devices`` is wrong, or a limit is out of the engine's range.
+    """
+    try:
+        engine_config = EngineConfig(
+            max_batch_size=args.max_batch_size,
+            max_waiting=args.max_waiting,
+            shutdown_grace=args.shutdown_grace,
+            max_steps=args.max_steps,
+            max_height=args.max_size,
+            max_width=args.max_size,
+            max_num_images=args.max_n,
+        )
+        uploads = UploadLimits(max_bytes=args.max_upload_bytes, max_pixels=args.max_upload_pixels)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return ServiceOptions(
+        model=args.model,
+        devices=_devices(args),
+        step_seconds=args.step_seconds,
+        decode_tile_above=args.decode_tile_above,
+        decode_framewise_above=args.decode_framewise_above,
+        engine_config=engine_config,
+        model_name=args.model_name,
+        default_size=args.default_size,
+        default_steps=args.default_steps,
+        default_guidance_scale=args.default_guidance,
+        max_body_bytes=args.max_body_bytes,
+        retry_after_s=args.retry_after,
+        max_priority=args.max_priority,
+        upload_limits=uploads,
+        video_fps=args.video_fps,
+        video_jobs=args.video_jobs,
+        video_ttl_s=args.video_ttl,
+    )
+
+
+def load(options: ServiceOptions) -> LoadedModel:
+    """``options.load_model()``, its errors the command's.
+
+    Raises:
+        UsageError: ``--model`` names no model.
+        CommandError: the model does not load, or not on a device.
+    """
+    check_model(options.model)
+    try:
+        return options.load_model()
+    except ModelError as exc:
+        reason = "" if exc.__cause__ is None else f": {summary(exc.__cause__)}"
+        raise CommandError(f"--model: {exc}{reason}") from exc
+
+
+def make_service(options: ServiceOptions, model: LoadedModel) -> Service:
+    """``build_service(options, model=model)``, its errors the command's.
+
+    Raises:
+        UsageError: a setting is out of range, or a default the model refuses
+            (the message names the option).
+    """
+    try:
+        return build_service(options, model=model)
+    except OptionError as exc:
+        raise UsageError(f"{_OPTIONS[exc.option]}: {exc.detail}") from None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None

@@ -1,0 +1,212 @@
+"""``omni-trio serve --ray``: the same server, N replicas on Ray Serve.
+
+Without ``--ray-address`` the command starts a local Ray cluster bound to loopback
+(``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``; usage stats off), deploys ``--replicas``
+replicas of the model (each its own engine, see ``omni_trio.serve.ray``) behind Ray
+Serve's HTTP proxy on ``--host:--port``, and on the first SIGTERM or SIGINT
+deletes the application (each replica drains: Ray waits for its requests, then
+the engine's shutdown sequence runs), stops the local cluster, and exits 0 with no
+Ray process left. With ``--ray-address`` it joins that cluster and, on a signal,
+deletes only its own application.
+
+Ray is imported only here, only with ``--ray``: the options exist without the extra,
+so that ``--ray`` without it is a one-line error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib.util
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+from ..serve._models import MODELS
+from ..serve._options import ServiceOptions, build_service
+from ._errors import CommandError, UsageError, summary
+from ._logs import configure_logging
+from ._options import check_model, load, make_service, service_options
+from ._sockets import address, check_port
+from ._types import count, gpus
+
+__all__ = ["APP_NAME", "RAY_ENVIRONMENT", "add_ray_arguments", "run_ray"]
+
+_log = logging.getLogger("omni_trio.serve")
+
+#: The Serve application's name (and its deployment's).
+APP_NAME = "omni_trio"
+
+#: Set (unless already set) before Ray is imported: keep a local cluster on
+#: loopback, and send no usage statistics anywhere.
+RAY_ENVIRONMENT = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+RAY_EXTRA_PIP = "pip install 'omni_trio[ray]'"
+
+
+def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--ray``, ``--replicas``, ``--replica-gpus`` and ``--ray-address`` to ``parser``."""
+    group = parser.add_argument_group(
+        "Ray Serve (scale out; needs the ray extra; --server and --close-timeout do not apply)"
+    )
+    group.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve through Ray Serve: one engine per replica, behind its HTTP proxy",
+    )
+    group.add_argument(
+        "--replicas", type=count(1), default=1, metavar="N", help="replicas (default 1)"
+    )
+    group.add_argument(
+        "--replica-gpus",
+        type=gpus,
+        default=0.0,
+        metavar="G",
+        help="GPUs Ray reserves for each replica (it sees them as cuda:0..); default 0",
+    )
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="join this Ray cluster (e.g. 10.0.0.1:6379) instead of starting a local one",
+    )
+
+
+def _options(args: argparse.Namespace) -> ServiceOptions:
+    """The service options of ``args``, checked as far as they can be before Ray starts.
+
+    Raises:
+        UsageError: an option is wrong (``--port 0``, ``--model``, ...).
+        CommandError: the ray extra is missing, or the port cannot be bound.
+    """
+    if importlib.util.find_spec("ray") is None:
+        raise CommandError(f"--ray needs the 'ray' extra (ray is missing): {RAY_EXTRA_PIP}")
+    if args.port == 0:
+        raise UsageError("--port: Ray Serve's proxy needs a fixed port with --ray, not 0")
+    check_model(args.model)
+    options = service_options(args)
+    if args.ray_address is None:
+        check_port(args.host, args.port)
+    return options
+
+
+def _start_ray(args: argparse.Namespace) -> None:
+    """Start a local cluster on loopback, or join ``--ray-address``'s."""
+    for name, value in RAY_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    import ray
+
+    if args.ray_address is None:
+        ray.init(
+            _node_ip_address="127.0.0.1",
+            include_dashboard=False,
+            # Every replica schedules on this one node, whatever its core count.
+            num_cpus=max(os.cpu_count() or 1, args.replicas),
+        )
+    else:
+        ray.init(address=args.ray_address)
+
+
+def _deploy(args: argparse.Namespace, options: ServiceOptions) -> None:
+    """Deploy ``--replicas`` replicas, each building its service from ``options``.
+
+    Raises:
+        UsageError: the replicas need more GPUs than the cluster has.
+        CommandError: the deployment fails (a replica did not start).
+    """
+    import ray
+    from ray import serve
+
+    from ..serve.ray import application
+
+    available = ray.cluster_resources().get("GPU", 0.0)
+    if args.replica_gpus * args.replicas > available:
+        raise UsageError(
+            f"--replica-gpus: {args.replicas} replicas of {args.replica_gpus:g} GPUs need"
+            f" {args.replicas * args.replica_gpus:g}; the cluster has {available:g}"
+        )
+    serve.start(http_options={"host": args.host, "port": args.port}, proxy_location="HeadOnly")
+    engine_config = options.engine_config
+    app = application(
+        functools.partial(build_service, options),
+        shutdown_grace=engine_config.shutdown_grace,
+        max_ongoing_requests=engine_config.max_batch_size + engine_config.max_waiting,
+        num_replicas=args.replicas,
+        ray_actor_options={"num_gpus": args.replica_gpus} if args.replica_gpus else None,
+        name=APP_NAME,
+    )
+    try:
+        serve.run(app, name=APP_NAME, route_prefix="/")
+    except Exception as exc:  # a replica that did not start: Ray says why in its log
+        raise CommandError(f"--ray: the deployment failed: {summary(exc)}") from exc
+
+
+@contextmanager
+def _signals() -> Iterator[Callable[[], None]]:
+    """Catch SIGTERM and SIGINT in the block; yield a function that waits for the first."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def wait() -> None:
+        # Ray's core worker may install its own C-level SIGTERM handler after ours
+        # (it exits at once, leaving the cluster up): ours is put back meanwhile.
+        while not stop.wait(0.5):
+            for sig in previous:
+                signal.signal(sig, on_signal)
+
+    try:
+        yield wait
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_ray(args: argparse.Namespace) -> int:
+    """Serve ``args`` on Ray Serve until a signal; return the exit status.
+
+    Raises:
+        UsageError: an option is wrong (``--port 0``, more GPUs than the cluster has).
+        CommandError: the ray extra is missing, the port cannot be bound, or the
+            deployment fails.
+    """
+    options = _options(args)
+    configure_logging(args.log_level, args.log_format)
+    if args.model in MODELS:
+        # The built-in models load in a moment: check the defaults against one here,
+        # so a bad option is a usage error now, not a failed deployment.
+        here = dataclasses.replace(options, devices=None)
+        make_service(here, load(here))
+    local = args.ray_address is None
+    _start_ray(args)
+    import ray
+    from ray import serve
+
+    with _signals() as wait_for_signal:
+        try:
+            _deploy(args, options)
+            _log.info(
+                "serving %s with %d replica(s) on Ray Serve (%s) at http://%s",
+                args.model,
+                args.replicas,
+                "a local cluster" if local else args.ray_address,
+                address(args.host, args.port),
+            )
+            wait_for_signal()
+            _log.info("stopping: the replicas drain, then the engines shut down")
+            if local:
+                serve.shutdown()
+            else:
+                serve.delete(APP_NAME)
+        finally:
+            ray.shutdown()
+    _log.info("stopped%s", "; the local Ray cluster is down" if local else "")
+    return 0

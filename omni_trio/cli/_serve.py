@@ -1,0 +1,279 @@
+"""``python -m omni_trio serve``: check the options, load a model, serve it until a signal.
+
+Everything that can be checked before serving is, each mistake one line: the
+options and their variables (``_env``), the port (``_sockets``), the model and the
+defaults against it (``_options``). Then the service runs under Hypercorn (trio)
+or Uvicorn (asyncio) and drains on SIGTERM or SIGINT (``_servers``); ``--ray``
+serves it on Ray Serve instead (``_ray``). The process exits 0 once every engine
+thread and every other thread it started has ended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from .._request import MAX_PRIORITY
+from ..serve._models import MODELS
+from ._env import read_environment, resolve_environment
+from ._errors import EXIT_ERROR, CommandError
+from ._logs import LOG_FORMATS, configure_logging
+from ._options import check_model, load, make_service, service_options
+from ._ray import add_ray_arguments, run_ray
+from ._servers import run_hypercorn, run_uvicorn
+from ._sockets import address, check_port
+from ._types import count, finite, positive, seconds, size, threshold
+
+__all__ = ["add_serve_arguments", "run_serve"]
+
+_log = logging.getLogger("omni_trio.serve")
+
+#: Seconds other threads get to end after the server returned (they were told to).
+THREAD_EXIT_S = 2.0
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``serve`` command's options to ``parser``.
+
+    Every option can also come from the environment (``OMNI_TRIO_<OPTION>``, see
+    ``_env``); the command line wins.
+    """
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="MODEL|PATH",
+        help=f"one of {', '.join(MODELS)}, or a local diffusers folder",
+    )
+    parser.add_argument("--model-name", default=None, help="the id in /v1/models")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument(
+        "--port",
+        type=count(0, 65535),
+        default=8000,
+        help="port; 0 picks a free one (default 8000)",
+    )
+    parser.add_argument(
+        "--server",
+        choices=["hypercorn", "uvicorn"],
+        default="hypercorn",
+        help="hypercorn runs on trio (default), uvicorn on asyncio",
+    )
+    devices = parser.add_argument_group("devices (one worker each, one queue)")
+    choice = devices.add_mutually_exclusive_group()
+    choice.add_argument(
+        "--devices",
+        default=None,
+        metavar="LIST|auto",
+        help="torch devices, comma-separated (cuda:0,cuda:1), or auto: every visible GPU,"
+        " else the CPU (default: one worker where the model loads)",
+    )
+    choice.add_argument(
+        "--workers",
+        type=count(1, 64),
+        default=None,
+        metavar="N",
+        help="N workers on the CPU, torch's threads shared out among them",
+    )
+    limits = parser.add_argument_group("engine and limits")
+    limits.add_argument(
+        "--max-batch-size", type=count(1), default=4, help="requests per denoise step (default 4)"
+    )
+    limits.add_argument(
+        "--max-waiting", type=count(0), default=256, help="queue bound, then 429 (default 256)"
+    )
+    limits.add_argument(
+        "--shutdown-grace",
+        type=seconds,
+        default=10.0,
+        metavar="S",
+        help="seconds running requests get to finish on shutdown (default 10)",
+    )
+    limits.add_argument(
+        "--close-timeout",
+        type=seconds,
+        default=5.0,
+        metavar="S",
+        help="seconds the last responses get to reach their clients after the drain;"
+        " connections still open then are aborted (default 5)",
+    )
+    limits.add_argument(
+        "--max-steps", type=count(1), default=200, help="largest num_inference_steps (default 200)"
+    )
+    limits.add_argument(
+        "--max-size", type=count(1), default=2048, help="largest width and height (default 2048)"
+    )
+    limits.add_argument(
+        "--max-n", type=count(1), default=8, help="most images per request (default 8)"
+    )
+    limits.add_argument(
+        "--max-body-bytes",
+        type=count(1),
+        default=1 << 20,
+        help="larger request bodies get 413 (default 1 MiB)",
+    )
+    limits.add_argument(
+        "--max-upload-bytes",
+        type=count(1),
+        default=16 << 20,
+        help="larger /v1/images/edits uploads get 413 (default 16 MiB)",
+    )
+    limits.add_argument(
+        "--max-upload-pixels",
+        type=count(1),
+        default=4096 * 4096,
+        help="an uploaded image of more pixels (read from its header, before decoding)"
+        " gets 413 (default 4096x4096)",
+    )
+    limits.add_argument(
+        "--retry-after",
+        type=count(0),
+        default=1,
+        metavar="S",
+        help="Retry-After seconds sent with 429 and 503 (default 1)",
+    )
+    limits.add_argument(
+        "--max-priority",
+        type=count(0, MAX_PRIORITY),
+        default=0,
+        help="highest priority a request may ask for; more is a 400 (default 0: clients are"
+        " anonymous, none may put itself ahead of the others)",
+    )
+    videos = parser.add_argument_group("video jobs (a video model's /v1/videos)")
+    videos.add_argument(
+        "--video-jobs",
+        type=count(1),
+        default=64,
+        metavar="N",
+        help="most video jobs held at once, finished ones included; then 429 (default 64)",
+    )
+    videos.add_argument(
+        "--video-ttl",
+        type=positive,
+        default=3600.0,
+        metavar="S",
+        help="seconds a finished video job (and its MP4) is kept (default 3600)",
+    )
+    videos.add_argument(
+        "--video-fps",
+        type=positive,
+        default=None,
+        metavar="FPS",
+        help="frames per second of the MP4s, which turns seconds into frames"
+        " (default: the model's; Wan 16, LTX-Video 25)",
+    )
+    decoding = parser.add_argument_group(
+        "decodes in chunks (L72: an abort during a decode lands within one chunk)"
+    )
+    decoding.add_argument(
+        "--decode-tile-above",
+        type=threshold,
+        default=1024 * 1024,
+        metavar="PIXELS|never",
+        help="decode a frame of more pixels than this in the VAE's blended tiles"
+        " (default 1048576: past 1024x1024)",
+    )
+    decoding.add_argument(
+        "--decode-framewise-above",
+        type=threshold,
+        default=None,
+        metavar="FRAMES|never",
+        help="decode a LTX-Video clip of more frames than this in the VAE's blended"
+        " temporal chunks (default never: the output then equals the pipeline's call)",
+    )
+    defaults = parser.add_argument_group("request defaults (by default: what suits the model)")
+    defaults.add_argument(
+        "--default-size", type=size, default=None, metavar="WxH", help="size when none is asked"
+    )
+    defaults.add_argument(
+        "--default-steps",
+        type=count(1),
+        default=None,
+        help="num_inference_steps when none is asked",
+    )
+    defaults.add_argument(
+        "--default-guidance", type=finite, default=None, help="guidance_scale when none is asked"
+    )
+    parser.add_argument(
+        "--step-seconds",
+        type=seconds,
+        default=0.05,
+        help="simulated compute per step of the fake model (default 0.05)",
+    )
+    logs = parser.add_argument_group("logging (stderr)")
+    logs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    logs.add_argument(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="text lines, or one JSON object per line (default text)",
+    )
+    logs.add_argument(
+        "--no-access-log",
+        dest="access_log",
+        action="store_false",
+        help="no line per HTTP request",
+    )
+    add_ray_arguments(parser)
+    read_environment(parser)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run the server with parsed ``args`` until a signal drains it; return the exit status.
+
+    Raises:
+        UsageError: an option (or its variable) is wrong.
+        CommandError: the model does not load, or the port cannot be bound.
+    """
+    resolve_environment(args)
+    if args.ray:
+        return run_ray(args)
+    check_model(args.model)
+    options = service_options(args)
+    check_port(args.host, args.port)
+    # Only now: a command that stops at a usage error leaves the logging alone.
+    configure_logging(args.log_level, args.log_format)
+    model = load(options)
+    service = make_service(options, model)
+    run: Callable[..., None] = run_hypercorn if args.server == "hypercorn" else run_uvicorn
+    config = service.config
+    _log.info(
+        "serving %s (%s; default %dx%d, %d steps, guidance %g) on http://%s with %s (%s)",
+        config.model_name,
+        model.description,
+        config.default_width,
+        config.default_height,
+        config.default_steps,
+        config.default_guidance_scale,
+        address(args.host, args.port),
+        args.server,
+        "trio" if args.server == "hypercorn" else "asyncio",
+    )
+    try:
+        run(service, args)
+    except OSError as exc:  # a bind that failed after the check (a race)
+        raise CommandError(f"cannot listen on {address(args.host, args.port)}: {exc}") from exc
+    return _threads_ended()
+
+
+def _threads_ended() -> int:
+    """Log the threads still alive once the server returned: 0 if none, else ``EXIT_ERROR``."""
+    from ..testing import engine_threads
+
+    left = [t.name for t in engine_threads()]
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    # AnyIO's asyncio worker threads (image encoding) are told to stop when the
+    # event loop's main task ends, and end a moment later.
+    deadline = time.monotonic() + THREAD_EXIT_S
+    for thread in others:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    others = [t for t in others if t.is_alive()]
+    _log.log(
+        logging.WARNING if left or others else logging.INFO,
+        "stopped; engine threads left: %s; other non-daemon threads: %s",
+        left or "none",
+        [t.name for t in others] or "none",
+    )
+    return EXIT_ERROR if left or others else 0

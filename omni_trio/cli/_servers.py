@@ -1,0 +1,189 @@
+"""Run a service under Hypercorn (trio) or Uvicorn (asyncio), draining on SIGTERM or SIGINT.
+
+A first signal drains before the server stops listening: ``/health`` turns 503,
+new requests get 503, running requests get ``--shutdown-grace`` seconds, the rest
+are cut at their next step. Then the server stops listening and the last
+responses get ``--close-timeout`` seconds to reach their clients; connections
+still open after that are aborted (``_sockets``), whatever their clients do, so
+the lifespan closes the (already closed) engine and the server returns in
+bounded time. Each further signal ends the current stage at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import signal
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ._sockets import address
+
+if TYPE_CHECKING:
+    import socket
+    from collections.abc import Awaitable, Collection
+    from types import FrameType
+
+    from ..serve._app import Service
+
+__all__ = ["BACKSTOP_S", "run_hypercorn", "run_uvicorn"]
+
+_log = logging.getLogger("omni_trio.serve")
+
+#: Seconds the server's own shutdown timeout (Hypercorn's ``graceful_timeout``,
+#: Uvicorn's ``timeout_graceful_shutdown``) runs past ``--close-timeout``: a backstop
+#: that should never fire, since the connections are aborted at ``--close-timeout``.
+BACKSTOP_S = 1.0
+
+
+async def _cut_short_by(
+    next_signal: Callable[[], Awaitable[None]], stage: Callable[[], Awaitable[None]]
+) -> None:
+    """Run ``stage`` until it returns or the next signal arrives, whichever is first."""
+    import anyio
+
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            await next_signal()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        await stage()
+        tg.cancel_scope.cancel()
+
+
+async def _close_stage(
+    ports: Collection[int], close_s: float, next_signal: Callable[[], Awaitable[None]]
+) -> None:
+    """After the drain: give the last responses ``close_s`` s, then abort what is still open.
+
+    Cancellation:
+        The caller cancels it once the server closed all its connections by
+        itself; then nothing is aborted.
+    """
+    import anyio
+
+    from ._sockets import abort_connections
+
+    await _cut_short_by(next_signal, lambda: anyio.sleep(close_s))
+    aborted = abort_connections(ports)
+    if aborted:
+        _log.warning(
+            "aborted %d connection(s) still open %g s after the drain (--close-timeout)",
+            aborted,
+            close_s,
+        )
+
+
+def _bound_port(address: str) -> int:
+    """The port of Hypercorn's ``http://HOST:PORT`` (``[::1]`` included)."""
+    return int(address.rsplit(":", 1)[1])
+
+
+def run_hypercorn(service: Service, args: argparse.Namespace) -> None:
+    import trio
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    config = Config()
+    config.bind = [address(args.host, args.port)]
+    config.graceful_timeout = args.close_timeout + BACKSTOP_S
+    # Loggers, not "-": their lines go through the one handler (text or JSON).
+    config.accesslog = logging.getLogger("hypercorn.access") if args.access_log else None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.loglevel = args.log_level.upper()
+    from ._access import AccessLogger, marking_sent
+
+    config.logger_class = AccessLogger
+    # hypercorn's ASGI types are narrower than Starlette's; the app is ASGI 3.
+    app: Any = marking_sent(service.app)
+
+    async def main() -> None:
+        # Open before serving, so no signal is missed once /health answers.
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+
+            async def next_signal() -> None:
+                async for _ in signals:
+                    return
+
+            drained = trio.Event()
+
+            async def shutdown_trigger() -> None:
+                await next_signal()
+                await _cut_short_by(next_signal, service.drain)
+                drained.set()  # returning makes Hypercorn stop listening and close
+
+            async with trio.open_nursery() as nursery:
+
+                async def serving(task_status: trio.TaskStatus[list[str]]) -> None:
+                    await serve(
+                        app, config, shutdown_trigger=shutdown_trigger, task_status=task_status
+                    )
+                    nursery.cancel_scope.cancel()  # every connection closed: nothing to abort
+
+                binds: list[str] = await nursery.start(serving)
+                await drained.wait()
+                # Hypercorn writes to a socket in a shielded scope: a client that stops
+                # reading would hold its connection, and this shutdown, forever.
+                ports = {_bound_port(bind) for bind in binds}
+                await _close_stage(ports, args.close_timeout, next_signal)
+
+    trio.run(main)
+
+
+def run_uvicorn(service: Service, args: argparse.Namespace) -> None:
+    import anyio
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """Uvicorn's server, draining the engine before it stops listening.
+
+        Uvicorn installs ``handle_exit`` for SIGINT and SIGTERM. Here it only counts
+        the signal (so nothing is re-raised at exit); ``on_tick``, which Uvicorn's
+        main task runs every 0.1 s, drains on the first and tells Uvicorn to stop;
+        ``shutdown`` aborts the connections still open after ``--close-timeout``.
+        """
+
+        signals = 0
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            self.signals += 1
+
+        async def next_signal(self) -> None:
+            seen = self.signals
+            while self.signals == seen:
+                await anyio.sleep(0.05)
+
+        async def on_tick(self, counter: int) -> bool:
+            if await super().on_tick(counter):
+                return True
+            if not self.signals:
+                return False
+            await _cut_short_by(self.next_signal, service.drain)
+            return True
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            ports = {sock.getsockname()[1] for server in self.servers for sock in server.sockets}
+            async with anyio.create_task_group() as tg:
+                # Uvicorn's own timeout cancels the app's tasks, logging a traceback
+                # for each; aborting first lets them end as disconnects.
+                tg.start_soon(_close_stage, ports, args.close_timeout, self.next_signal)
+                await super().shutdown(sockets)
+                tg.cancel_scope.cancel()
+
+    config = uvicorn.Config(
+        service.app,
+        host=args.host,
+        port=args.port,
+        loop="asyncio",
+        http="h11",
+        ws="none",
+        lifespan="on",
+        log_level=args.log_level,
+        log_config=None,  # its lines go through the one handler (text or JSON)
+        access_log=args.access_log,
+        timeout_graceful_shutdown=math.ceil(args.close_timeout + BACKSTOP_S),
+    )
+    DrainingServer(config).run()

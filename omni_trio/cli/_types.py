@@ -1,0 +1,139 @@
+"""The argparse value types of every command, written once.
+
+Each takes the option's text and returns its value, or raises
+``argparse.ArgumentTypeError`` with what it expected; argparse then prints
+``argument --x: <that>`` (and ``_env`` names the variable instead). They refuse
+nan and infinities where a finite number is meant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+__all__ = [
+    "count",
+    "finite",
+    "fraction",
+    "gpus",
+    "header",
+    "integer",
+    "positive",
+    "seconds",
+    "size",
+    "span",
+    "threshold",
+]
+
+
+def _number(text: str) -> float:
+    """``float(text)``, or nan where it is not a number (each type says what it expects)."""
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
+def count(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An int in ``[minimum, maximum]`` (no upper bound by default)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+            raise argparse.ArgumentTypeError(f"expected an integer {bound}, got {text!r}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def integer(text: str) -> int:
+    """Any int."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def threshold(text: str) -> int | None:
+    """An int >= 1, or ``never`` (``None``)."""
+    if text.strip().lower() == "never":
+        return None
+    return count(1)(text)
+
+
+def finite(text: str) -> float:
+    """A finite number."""
+    value = _number(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def positive(text: str) -> float:
+    """A finite number > 0."""
+    value = finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number from 0 to 1."""
+    value = _number(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A finite number of seconds ``>= 0``."""
+    value = _number(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def span(text: str) -> tuple[float, float]:
+    """``MAX`` or ``MIN:MAX`` seconds, as ``(MIN, MAX)`` (``MIN`` 0 by default)."""
+    low, sep, high = text.partition(":")
+    try:
+        bounds = (seconds(low), seconds(high)) if sep else (0.0, seconds(text))
+    except argparse.ArgumentTypeError:
+        bounds = (1.0, 0.0)
+    if bounds[0] > bounds[1]:
+        raise argparse.ArgumentTypeError(f"expected MAX or MIN:MAX seconds, got {text!r}")
+    return bounds
+
+
+def gpus(text: str) -> float:
+    """A number of GPUs ``>= 0`` (a fraction shares one)."""
+    value = _number(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of GPUs >= 0, got {text!r}")
+    return value
+
+
+def size(text: str) -> tuple[int, int]:
+    """``WIDTHxHEIGHT``, each >= 1, as ``(width, height)``."""
+    width, sep, height = text.partition("x")
+    try:
+        sides = int(width), int(height)
+    except ValueError:
+        sides = (0, 0)
+    if not sep or min(sides) < 1:
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT, e.g. 64x64, got {text!r}")
+    return sides
+
+
+def header(text: str) -> tuple[str, str]:
+    """An HTTP header, ``'Name: value'``, as ``(name, value)`` stripped."""
+    name, sep, value = text.partition(":")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected 'Name: value', got {text!r}")
+    return name.strip(), value.strip()

@@ -1,0 +1,222 @@
+"""Build a service from options: the one way ``serve``, ``serve --ray`` and a Ray replica do.
+
+``ServiceOptions`` says what to serve (a model's name or folder), where (its
+devices) and how (the engine's limits, the request defaults, the upload limits,
+the video jobs, the decode chunks); it is plain data, so it travels to a Ray
+replica, which builds its service there. ``build_service`` loads the model and
+builds the ``Service``: what the options leave to the model (``None``) is the
+model's own (``_models``: its name, size, steps, guidance scale, frames per
+second), and the defaults are checked once, as a request that uses them all.
+
+The errors name the options' fields, never a command-line option: the command
+line (``omni_trio.cli``) turns its arguments into ``ServiceOptions`` and names
+its own options in what it prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._config import EngineConfig
+from .._errors import InvalidRequestError
+from .._request import GenerationRequest
+from ._app import Service
+from ._config import ServeConfig
+from ._models import FALLBACK_FPS, LoadedModel, load_model
+from ._upload import UploadLimits
+from ._video_body import frames_for
+from ._video_jobs import VideoConfig
+
+__all__ = ["OptionError", "ServiceOptions", "build_service"]
+
+# Where the options leave a setting as the HTTP layer's own, its default is theirs.
+_SERVE = ServeConfig()
+_VIDEO = VideoConfig()
+
+#: The field of ``ServiceOptions`` that sets each request field a default fills.
+_DEFAULT_FIELDS = {
+    "num_frames": "video_fps",
+    "width": "default_size",
+    "height": "default_size",
+    "num_steps": "default_steps",
+    "guidance_scale": "default_guidance_scale",
+}
+
+
+class OptionError(ValueError):
+    """A default of ``ServiceOptions`` that the model refuses; ``option`` names the field.
+
+    Args:
+        option: the field of ``ServiceOptions`` (``default_size``, ``video_fps``, ...).
+        detail: what is wrong with it.
+    """
+
+    def __init__(self, option: str, detail: str) -> None:
+        super().__init__(f"{option}: {detail}")
+        self.option = option
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[type[OptionError], tuple[str, str]]:
+        # Its arguments are not its message: a Ray replica's error is pickled.
+        return type(self), (self.option, self.detail)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServiceOptions:
+    """What to serve, where and how: everything ``build_service`` needs, as plain data.
+
+    ``None`` leaves a setting to the model: its name, default size, steps and
+    guidance scale, and a video model's frames per second.
+
+    Args:
+        model: one of ``MODELS`` (``fake``, ``tiny-sd``, ...) or a diffusers folder.
+        devices: one runner per device (``parse_devices`` checked them); ``None``:
+            one runner, where the model loads.
+        step_seconds: the ``fake`` model's simulated compute per step.
+        decode_tile_above: each ``DiffusersRunner``'s ``tile_above`` (L72).
+        decode_framewise_above: each ``DiffusersRunner``'s ``framewise_above`` (L72).
+        engine_config: the engine's configuration; its ``max_steps`` also caps the
+            model's default step count.
+        model_name: the id in ``/v1/models``.
+        default_size: (width, height) when a request gives no size.
+        default_steps: ``num_inference_steps`` when a request gives none.
+        default_guidance_scale: ``guidance_scale`` when a request gives none.
+        max_body_bytes: as ``ServeConfig``'s.
+        retry_after_s: as ``ServeConfig``'s.
+        max_priority: as ``ServeConfig``'s.
+        upload_limits: how large an edit's upload may be.
+        video_fps: frames per second of a video model's MP4s (``VideoConfig.fps``).
+        video_jobs: the most video jobs held at once (``VideoConfig.max_jobs``).
+        video_ttl_s: seconds a finished video job is kept (``VideoConfig.ttl_s``).
+    """
+
+    model: str
+    devices: tuple[str, ...] | None = None
+    step_seconds: float = 0.05
+    # DiffusersRunner's own defaults: importing it here would import torch.
+    decode_tile_above: int | None = 1024 * 1024
+    decode_framewise_above: int | None = None
+    engine_config: EngineConfig = field(default_factory=EngineConfig)
+    model_name: str | None = None
+    default_size: tuple[int, int] | None = None
+    default_steps: int | None = None
+    default_guidance_scale: float | None = None
+    max_body_bytes: int = _SERVE.max_body_bytes
+    retry_after_s: int = _SERVE.retry_after_s
+    max_priority: int = _SERVE.max_priority
+    upload_limits: UploadLimits = field(default_factory=UploadLimits)
+    video_fps: float | None = None
+    video_jobs: int = _VIDEO.max_jobs
+    video_ttl_s: float = _VIDEO.ttl_s
+
+    def with_serve_config(self, config: ServeConfig) -> ServiceOptions:
+        """These options with every setting of ``config``: its defaults, not the model's."""
+        return dataclasses.replace(
+            self,
+            model_name=config.model_name,
+            default_size=(config.default_width, config.default_height),
+            default_steps=config.default_steps,
+            default_guidance_scale=config.default_guidance_scale,
+            max_body_bytes=config.max_body_bytes,
+            retry_after_s=config.retry_after_s,
+            max_priority=config.max_priority,
+        )
+
+    def load_model(self) -> LoadedModel:
+        """Load the model these options name, on their devices, with their decode chunks.
+
+        Raises:
+            ValueError: ``model`` names no model.
+            ModelError: the model does not load, or not on a device.
+        """
+        runner_options: dict[str, Any] = {
+            "tile_above": self.decode_tile_above,
+            "framewise_above": self.decode_framewise_above,
+        }
+        return load_model(
+            self.model,
+            step_seconds=self.step_seconds,
+            max_steps=self.engine_config.max_steps,
+            devices=self.devices,
+            runner_options=runner_options,
+        )
+
+
+def build_service(options: ServiceOptions, *, model: LoadedModel | None = None) -> Service:
+    """Load the model ``options`` name and build its service, the defaults checked against it.
+
+    Args:
+        options: what to serve, and how.
+        model: the model, if it is loaded already (``options.load_model()``).
+
+    Returns:
+        The service; its engine opens with its app's lifespan.
+
+    Raises:
+        ValueError: ``options.model`` names no model, or a setting is out of range
+            (the message names the field of the configuration that refused it).
+        OptionError: a default the model refuses; ``option`` names the field.
+        ModelError: the model does not load, or not on a device.
+    """
+    loaded = model if model is not None else options.load_model()
+    config = _serve_config(options, loaded)
+    fps = options.video_fps if options.video_fps is not None else loaded.fps or FALLBACK_FPS
+    videos = VideoConfig(fps=fps, max_jobs=options.video_jobs, ttl_s=options.video_ttl_s)
+    _check_defaults(options.engine_config, config, videos, loaded)
+    runners = loaded.runners[0] if len(loaded.runners) == 1 else list(loaded.runners)
+    return Service(
+        runners,
+        engine_config=options.engine_config,
+        config=config,
+        upload_limits=options.upload_limits,
+        video_config=videos,
+    )
+
+
+def _serve_config(options: ServiceOptions, model: LoadedModel) -> ServeConfig:
+    """The HTTP layer's configuration: the options', and the model's where they leave it."""
+    width, height = options.default_size if options.default_size is not None else model.size
+    steps = options.default_steps
+    guidance = options.default_guidance_scale
+    return ServeConfig(
+        model_name=options.model_name if options.model_name is not None else model.name,
+        default_width=width,
+        default_height=height,
+        default_steps=(
+            steps if steps is not None else min(model.steps, options.engine_config.max_steps)
+        ),
+        default_guidance_scale=guidance if guidance is not None else model.guidance_scale,
+        max_body_bytes=options.max_body_bytes,
+        retry_after_s=options.retry_after_s,
+        max_priority=options.max_priority,
+    )
+
+
+def _check_defaults(
+    engine_config: EngineConfig, config: ServeConfig, videos: VideoConfig, model: LoadedModel
+) -> None:
+    """Check the defaults once, as a request that uses them all (a video's default length too).
+
+    Raises:
+        OptionError: the engine or the model refuses one; ``option`` names its field.
+    """
+    capabilities = model.runners[0].capabilities
+    frames = capabilities.frames
+    try:
+        probe = GenerationRequest(
+            prompt="-",
+            width=config.default_width,
+            height=config.default_height,
+            num_steps=config.default_steps,
+            guidance_scale=config.default_guidance_scale,
+            num_frames=(
+                None if frames is None else frames_for(videos.default_seconds, videos.fps, frames)
+            ),
+        )
+        engine_config.check_request(probe)
+        capabilities.check_request(probe)
+    except InvalidRequestError as exc:
+        option = _DEFAULT_FIELDS.get(exc.field, "default_size")
+        raise OptionError(option, f"the model refuses it: {exc}") from None

@@ -1,0 +1,110 @@
+"""The model ``serve`` names: the serve package's errors name no option, the command's
+name ``--model``.
+
+Pure calls in this process: a missing folder, and a folder whose ``model_index.json``
+is not JSON (diffusers fails to load it, with no download).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from omni_trio import EngineConfig
+from omni_trio.cli._errors import EXIT_ERROR, EXIT_USAGE, CommandError, UsageError, summary
+from omni_trio.cli._options import check_model, load, make_service, service_options
+from omni_trio.cli._serve import add_serve_arguments
+from omni_trio.serve._models import MODELS, ModelError, load_model
+from omni_trio.serve._options import ServiceOptions
+
+BUILT_IN = f"the built-in models are {', '.join(MODELS)}"
+
+
+def broken_folder(tmp_path: Path) -> Path:
+    """A diffusers folder in name only: its ``model_index.json`` is not JSON."""
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    (folder / "model_index.json").write_text("{not json")
+    return folder
+
+
+def test_the_serve_package_names_no_option(tmp_path: Path) -> None:
+    """``load_model``: a ``ValueError`` for a spec that names no model, a ``ModelError``
+    (the loader's error its cause) for one that does not load; neither says ``--model``,
+    so a Ray replica that raises one says what failed, not which option."""
+    missing = str(tmp_path / "nope")
+    with pytest.raises(ValueError, match=r"^no such folder: ") as unknown:
+        load_model(missing, step_seconds=0.0)
+    assert str(unknown.value) == f"no such folder: {missing!r}; {BUILT_IN}"
+    folder = broken_folder(tmp_path)
+    with pytest.raises(ModelError) as failed:
+        load_model(str(folder), step_seconds=0.0)
+    assert str(failed.value) == f"cannot load {str(folder)!r}"
+    assert isinstance(failed.value.__cause__, Exception)
+
+
+def test_the_command_names_the_option(tmp_path: Path) -> None:
+    """The same errors from the command: a usage error and an error, each one line that
+    starts with ``--model``, the cause's type and first line after the model's."""
+    missing = str(tmp_path / "nope")
+    with pytest.raises(UsageError) as unknown:
+        check_model(missing)
+    assert str(unknown.value) == f"--model: no such folder: {missing!r}; {BUILT_IN}"
+    assert unknown.value.exit_status == EXIT_USAGE
+    check_model("fake")  # a built-in name: nothing to check on disk
+    folder = broken_folder(tmp_path)
+    with pytest.raises(CommandError) as failed:
+        load(ServiceOptions(model=str(folder), step_seconds=0.0))
+    model_error = failed.value.__cause__
+    assert isinstance(model_error, ModelError) and model_error.__cause__ is not None
+    assert str(failed.value) == f"--model: cannot load {str(folder)!r}: " + summary(
+        model_error.__cause__
+    )
+    assert failed.value.exit_status == EXIT_ERROR
+    assert "\n" not in str(failed.value)
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    """``serve``'s arguments, parsed as the command parses them."""
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_the_options_become_service_options() -> None:
+    """``serve``'s defaults are the command's own (a queue of 256, 10 s of grace, at most
+    200 steps); what it leaves to the model stays ``None``; devices are a tuple."""
+    assert service_options(parse("--model", "fake")) == ServiceOptions(
+        model="fake",
+        step_seconds=0.05,
+        engine_config=EngineConfig(
+            max_batch_size=4,
+            max_waiting=256,
+            shutdown_grace=10.0,
+            max_steps=200,
+            max_height=2048,
+            max_width=2048,
+            max_num_images=8,
+        ),
+    )
+    options = service_options(parse("--model", "fake", "--workers", "2", "--default-size", "32x48"))
+    assert (options.devices, options.default_size) == (("cpu", "cpu"), (32, 48))
+    with pytest.raises(UsageError, match=r"^--devices: "):
+        service_options(parse("--model", "fake", "--devices", "cpu,,"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["--default-size", "60x64"], "--default-size: the model refuses it: width: must be"),
+        (["--default-steps", "500"], "--default-steps: the model refuses it: num_steps: must"),
+    ],
+)
+def test_a_default_the_model_refuses_names_its_option(argv: list[str], line: str) -> None:
+    """``make_service``: the field ``build_service`` names becomes the option that set it."""
+    options = service_options(parse("--model", "fake", *argv))
+    with pytest.raises(UsageError) as refused:
+        make_service(options, load(options))
+    assert str(refused.value).startswith(line)
