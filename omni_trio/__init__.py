@@ -18,8 +18,8 @@ The data (no threads, no event loop):
 - ``_request``: ``GenerationRequest``.
 - ``_outputs``: what the engine hands out: ``RequestStatus``, ``StepEvent``,
   ``GenerationOutput``, ``RequestMetrics``, ``EngineStatistics``, ``WorkerStatistics``.
-- ``_runner``: the ``Runner`` protocol, the seam to a model (``runners/`` holds the
-  diffusers implementations).
+- ``_runner``: the ``Runner`` protocol, the seam to a model, public as ``omni_trio.abc``
+  (``runners/`` holds the diffusers implementations).
 - ``_construct``: ``NoPublicConstructor``, the metaclass of the final classes that
   only the library instantiates (``Engine``, ``RequestHandle``).
 - ``_exports``: gives every exported class and function its public ``__module__``.
@@ -63,13 +63,18 @@ The command line (``omni-trio`` / ``python -m omni_trio``):
 - ``_command``: one-line user errors and the exit statuses.
 - ``_demo``: the demo: one image with a tiny model, a progress bar.
 
-The public subpackages: ``runners`` (diffusers pipelines, step by step; needs torch),
-``testing`` (fake runners, leak checks, invariants) and ``serve`` (the HTTP API).
+The public subpackages: ``abc`` (the runner seam: ``Runner``, ``StopRun``,
+``cancel_point``; torch-free), ``runners`` (diffusers pipelines, step by step; needs
+torch), ``testing`` (fake runners, leak checks, invariants) and ``serve`` (the HTTP API).
 """
 
 from __future__ import annotations
 
 from . import _exports
+
+# First, so that the seam's names are ``omni_trio.abc.*`` (reprs, pickles) whichever
+# public package a program imports first: ``omni_trio.runners`` re-exports them too.
+from . import abc as abc
 from ._config import EngineConfig as EngineConfig
 from ._engine import Engine as Engine
 from ._engine import open_engine as open_engine
