@@ -18,6 +18,7 @@ The data (no threads, no event loop):
 - ``_request``: ``GenerationRequest``.
 - ``_outputs``: what the engine hands out: ``RequestStatus``, ``StepEvent``,
   ``GenerationOutput``, ``RequestMetrics``, ``EngineStatistics``, ``WorkerStatistics``.
+- ``_reasons``: ``AbortReason``, the vocabulary of abort reasons.
 - ``_runner``: the ``Runner`` protocol, the seam to a model, public as ``omni_trio.abc``
   (``runners/`` holds the diffusers implementations).
 - ``_construct``: ``NoPublicConstructor``, the metaclass of the final classes that
@@ -96,11 +97,13 @@ from ._outputs import RequestMetrics as RequestMetrics
 from ._outputs import RequestStatus as RequestStatus
 from ._outputs import StepEvent as StepEvent
 from ._outputs import WorkerStatistics as WorkerStatistics
+from ._reasons import AbortReason as AbortReason
 from ._request import GenerationRequest as GenerationRequest
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AbortReason",
     "DeadlineError",
     "DuplicateRequestError",
     "Engine",

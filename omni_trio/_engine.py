@@ -48,12 +48,13 @@ from ._outputs import (
     WorkerStatistics,
 )
 from ._pool import Pool, Withdrawal
+from ._reasons import AbortReason
 from ._record import Record, wait_shielded
 from ._request import GenerationRequest
 from ._runner import Runner, RunnerCapabilities
 from ._validate import check_text, fail_request
 from ._worker import Worker
-from ._workitem import SHUTDOWN, WorkItem
+from ._workitem import WorkItem
 
 if TYPE_CHECKING:
     from ._owner import RequestOwner
@@ -62,9 +63,6 @@ __all__ = ["Engine", "open_engine"]
 
 _engine_numbers = itertools.count()
 StateT = TypeVar("StateT")
-
-#: The abort reason of a request whose deadline passed (L62).
-DEADLINE = "deadline"
 
 #: Longest request id ``submit`` accepts (ids go into logs, headers and JSON; picked
 #: generously, not measured: a UUID is 36 characters).
@@ -261,7 +259,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
 
     # -- abort ---------------------------------------------------------------
 
-    async def abort(self, request_id: str, *, reason: str = "user") -> bool:
+    async def abort(self, request_id: str, *, reason: str = AbortReason.USER) -> bool:
         """Abort the live request ``request_id`` and wait until it is released.
 
         Returns:
@@ -279,7 +277,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         await record.done.wait()
         return True
 
-    def abort_nowait(self, request_id: str, *, reason: str = "user") -> bool:
+    def abort_nowait(self, request_id: str, *, reason: str = AbortReason.USER) -> bool:
         """Request the abort of the live request ``request_id``; never blocks.
 
         Returns:
@@ -297,8 +295,10 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
 
     @staticmethod
     def _check_reason(reason: str) -> None:
-        if not isinstance(reason, str) or not reason or reason == SHUTDOWN:
-            raise ValueError(f"reason: must be a non-empty str other than {SHUTDOWN!r}")
+        if not isinstance(reason, str) or not reason or reason == AbortReason.SHUTDOWN:
+            raise ValueError(
+                f"reason: must be a non-empty str other than {AbortReason.SHUTDOWN.value!r}"
+            )
 
     def _abort_record(self, record: Record, reason: str) -> None:
         """The one path by which anything ends a request early."""
@@ -314,7 +314,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
     def _expire(self, record: Record) -> None:
         """The timer's callback: ``record``'s deadline passed (L62)."""
         try:
-            self._abort_record(record, DEADLINE)
+            self._abort_record(record, AbortReason.DEADLINE)
         except Exception as exc:  # an engine bug: fail loudly, never crash the loop
             self._die(died(exc, "the engine failed to expire a deadline"))
 
@@ -411,7 +411,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
 
     def _cut(self, record: Record) -> None:
         """Mark ``record`` as cut off by shutdown; the worker drops it at its next boundary."""
-        if record.token.cancel(SHUTDOWN):
+        if record.token.cancel(AbortReason.SHUTDOWN):
             record.mark_abort()
 
     # -- messages from the engine's threads ----------------------------------
@@ -508,8 +508,8 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             del self._terminal_open[record.request_id]
 
     def _cut_error(self, record: Record) -> Exception:
-        reason = record.token.reason or SHUTDOWN
-        if reason == SHUTDOWN:
+        reason = record.token.reason or AbortReason.SHUTDOWN
+        if reason == AbortReason.SHUTDOWN:
             return EngineClosedError(f"request {record.request_id!r} was cut off by shutdown")
         return RequestAbortedError(
             f"request {record.request_id!r} was aborted ({reason})",
@@ -535,7 +535,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             self._workers[index].orphan_parked()
         for record in list(self._live.values()):
             if record.worker == index:
-                record.token.cancel(SHUTDOWN)
+                record.token.cancel(AbortReason.SHUTDOWN)
                 failed = RequestFailedError(
                     f"request {record.request_id!r} failed: {death.message}",
                     request_id=record.request_id,
@@ -556,7 +556,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         live = list(self._live.values())
         # Cut first, so that no suspension in flight parks a request that ends here.
         for record in live:
-            record.token.cancel(SHUTDOWN)
+            record.token.cancel(AbortReason.SHUTDOWN)
         self._pool.withdraw_all()
         self._pool.stop()
         for record in live:
@@ -579,7 +579,7 @@ def _log_finished(record: Record, status: RequestStatus, outcome: object) -> Non
     assert metrics is not None
     reason = record.token.reason if status is RequestStatus.ABORTED else None
     dropped = record.channel.dropped if record.reading else 0
-    warn = reason == SHUTDOWN or dropped > 0
+    warn = reason == AbortReason.SHUTDOWN or dropped > 0
     level = logging.WARNING if warn else logging.INFO
     if not ENGINE.isEnabledFor(level):
         return

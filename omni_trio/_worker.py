@@ -54,6 +54,7 @@ from ._imagecheck import checked_images
 from ._log import WORKER
 from ._materialize import Materializer
 from ._messages import Exited, Post, Stepped, died, discard_quietly, release
+from ._reasons import AbortReason
 from ._runner import Runner, StopRun, SuspendableRunner, WholeCallRunner
 from ._scheduler import (
     BoundaryPlan,
@@ -65,7 +66,7 @@ from ._scheduler import (
     plan_preemption,
     sources,
 )
-from ._workitem import SHUTDOWN, WorkItem
+from ._workitem import WorkItem
 
 if TYPE_CHECKING:
     from ._config import EngineConfig
@@ -345,7 +346,7 @@ class Worker:
                 if plan.stop:
                     for item in plan.drop:
                         self._hold(item)  # held here until released: counted running
-                        item.token.cancel(SHUTDOWN)
+                        item.token.cancel(AbortReason.SHUTDOWN)
                 if not plan.wait:
                     self._taken(plan.admit)
                     return plan

@@ -36,6 +36,7 @@ from .._errors import (
     RequestFailedError,
 )
 from .._outputs import EngineStatistics, GenerationOutput, RequestMetrics, RequestStatus, StepEvent
+from .._reasons import AbortReason
 from ._checks import assert_no_engine_threads
 
 if TYPE_CHECKING:
@@ -467,7 +468,7 @@ def _outcome_aborted(handle: RequestHandle, error: BaseException) -> None:
     if isinstance(error, RequestAbortedError):
         assert error.reason == handle.abort_reason, (error.reason, handle)
     else:
-        assert handle.abort_reason == "shutdown", handle.abort_reason
+        assert handle.abort_reason == AbortReason.SHUTDOWN, handle.abort_reason
 
 
 def _outcome_failed(handle: RequestHandle, error: BaseException) -> None:

@@ -54,8 +54,9 @@ class RequestProbe:
     def cancel_reason(self) -> str | None:
         """Why something asked the engine to end the request early, the moment it asked.
 
-        ``"user"`` (or the reason given to an abort), ``"consumer_gone"``,
-        ``"cancelled"``, ``"shutdown"``; ``None`` while nothing asked. Unlike
+        An ``AbortReason`` (``"user"``, ``"consumer_gone"``, ``"cancelled"``,
+        ``"shutdown"``, ``"deadline"``, ...) or the reason given to an abort;
+        ``None`` while nothing asked. Unlike
         ``RequestHandle.abort_reason`` it is set before the request is terminal,
         and stays set when the request ended otherwise (the first reason wins).
         """
