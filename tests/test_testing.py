@@ -127,3 +127,11 @@ async def test_ledger_flags_running_back_to_waiting_without_a_suspension() -> No
             await wait_until(lambda: runner.live_states == 0)
             ledger.check(engine)
     assert ledger.tracked == 0
+
+
+def test_rss_bytes_is_deprecated() -> None:
+    """``rss_bytes`` still reads a size, with a ``DeprecationWarning`` (removed in 0.3.0)."""
+    import omni_trio.testing
+
+    with pytest.warns(DeprecationWarning, match=r"removed in 0\.3\.0"):
+        assert omni_trio.testing.rss_bytes(trim=True) > 0

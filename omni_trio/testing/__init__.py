@@ -14,6 +14,7 @@ from ._checks import assert_no_engine_threads as assert_no_engine_threads
 from ._checks import engine_threads as engine_threads
 from ._checks import live_objects as live_objects
 from ._checks import wait_until as wait_until
+from ._deprecated import rss_bytes as rss_bytes  # deprecated, removed in 0.3.0
 from ._fake import FakeRunner as FakeRunner
 from ._fake import FakeState as FakeState
 from ._fake import GatedRunner as GatedRunner
@@ -22,7 +23,6 @@ from ._invariants import RunnerCounters as RunnerCounters
 from ._invariants import assert_nothing_left as assert_nothing_left
 from ._invariants import check_engine_invariants as check_engine_invariants
 from ._invariants import engine_settled as engine_settled
-from ._invariants import rss_bytes as rss_bytes
 from ._probe import RequestProbe as RequestProbe
 from ._probe import cancel_at_delivery as cancel_at_delivery
 from ._probe import probe as probe

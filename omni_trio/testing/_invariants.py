@@ -11,7 +11,6 @@ built on omni_trio can run the same ones:
   ends exactly once, that nothing is delivered after its end, and that the
   statistics count each request where its handle says it is (L15, L17, L19).
 - ``assert_nothing_left(engine, runner)``: after shutdown, nothing is alive (L35).
-- ``rss_bytes(trim=True)``: the process's resident memory now, for soak tests.
 - ``RunnerCounters``: the protocol of the runner counters these read.
 
 All of them must be called from the event loop's thread (the thread that runs the
@@ -21,7 +20,6 @@ engine), never from a runner.
 from __future__ import annotations
 
 import math
-import os
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -50,7 +48,6 @@ __all__ = [
     "assert_nothing_left",
     "check_engine_invariants",
     "engine_settled",
-    "rss_bytes",
 ]
 
 _STATUSES = tuple(RequestStatus)
@@ -199,47 +196,6 @@ def assert_nothing_left(
         assert runner.closed, "L35: the runner was not closed"
         if runner_states:
             assert runner.live_states == 0, f"{runner.live_states} runner states never discarded"
-
-
-def rss_bytes(*, trim: bool = False) -> int:
-    """Return this process's resident set size in bytes.
-
-    Reads ``/proc/self/statm`` (Linux); elsewhere falls back to the peak RSS from
-    ``getrusage``, which only ever grows (so a growth check stays conservative).
-
-    Args:
-        trim: first hand the C allocator's free memory back to the system (glibc's
-            ``malloc_trim``; a no-op elsewhere), so that the reading follows live
-            memory rather than what the allocator happens to keep cached. Call
-            ``gc.collect()`` before, too.
-    """
-    if trim:
-        _malloc_trim()
-    try:
-        with open("/proc/self/statm", "rb") as statm:
-            resident_pages = int(statm.read().split()[1])
-    except (OSError, IndexError, ValueError):
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        # Linux and the BSDs report KiB, macOS bytes.
-        return peak if os.uname().sysname == "Darwin" else peak * 1024
-    return resident_pages * os.sysconf("SC_PAGE_SIZE")
-
-
-def _malloc_trim() -> None:
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
-        return  # not glibc
-    trim.argtypes = [ctypes.c_size_t]
-    trim(0)
 
 
 @dataclass(eq=False, slots=True)
