@@ -18,6 +18,8 @@ The data (no threads, no event loop):
 - ``_request``: ``GenerationRequest``.
 - ``_outputs``: what the engine hands out: ``RequestStatus``, ``StepEvent``,
   ``GenerationOutput``, ``RequestMetrics``, ``EngineStatistics``, ``WorkerStatistics``.
+- ``_mp4``: the MP4 encoder behind ``GenerationOutput.save_video`` (PyAV, imported
+  only when a video is written).
 - ``_reasons``: ``AbortReason``, the vocabulary of abort reasons.
 - ``_runner``: the ``Runner`` protocol, the seam to a model, public as ``omni_trio.abc``
   (``runners/`` holds the diffusers implementations).
