@@ -37,6 +37,7 @@ The loop side (runs in the event loop's thread only):
 - ``_channel``: the per-request coalescing channel.
 - ``_deadlines``: ``DeadlineTimer``, the one timer task that aborts requests whose
   deadline passed.
+- ``_estimate``: admission's deadline estimate, which refuses what cannot be met.
 
 The thread side (runs in the engine's own threads only):
 
@@ -57,6 +58,9 @@ The seam between them:
   died, exited).
 - ``_inbox``: the thread-to-loop hand-off that carries those messages without ever
   blocking a thread.
+- ``_log``: the library's loggers and the one line of a finished request.
+- ``_threads``: the engine's thread names (``ENGINE_THREAD_PREFIX``,
+  ``engine_threads()``) and the process's torch thread count.
 - ``_cancelpoint``: ``cancel_point()``, which a runner calls inside a step or a decode,
   and the check an engine thread arms it with for one call (L71, L72).
 
