@@ -20,7 +20,13 @@ import trio.testing
 
 import omni_trio as ot
 from omni_trio.runners import RunnerCapabilities
-from omni_trio.testing import FakeState, GatedRunner, assert_nothing_left, wait_until
+from omni_trio.testing import (
+    FakeState,
+    GatedRunner,
+    assert_nothing_left,
+    probe_engine,
+    wait_until,
+)
 
 from .test_priority import RecordingRunner
 from .util import BUDGET, expected_images, req
@@ -391,7 +397,7 @@ async def test_park_on_host_and_the_parked_bytes_bound(park_on_host: bool) -> No
             low, mid = await low_suspended_for(
                 engine, runner, req(num_steps=5), req(num_steps=3, priority=1)
             )
-            assert engine._workers[0].parked_bytes == one_state
+            assert probe_engine(engine).workers[0].parked_bytes == one_state
             top = engine.submit(req(num_steps=1, priority=2), request_id="top")
             runner.open_gate()
             for handle in (low, mid, top):

@@ -36,6 +36,7 @@ from .._errors import (
 from .._outputs import EngineStatistics, GenerationOutput, RequestMetrics, RequestStatus, StepEvent
 from .._reasons import AbortReason
 from ._checks import assert_no_engine_threads
+from ._probe import RequestProbe
 
 if TYPE_CHECKING:
     from .._engine import Engine
@@ -201,6 +202,8 @@ def assert_nothing_left(
 @dataclass(eq=False, slots=True)
 class _Entry:
     record: Record
+    # What the status checks read (``_moment``): the record, through the public view.
+    probe: RequestProbe
     handle: weakref.ref[RequestHandle]
     status: RequestStatus
     metrics: RequestMetrics | None = None
@@ -223,11 +226,11 @@ class _Moment:
     suspended: bool
 
 
-def _moment(record: Record) -> _Moment:
-    """Read ``record`` now; the suspensions first (see ``_check_waiting``)."""
-    preemptions = record.preemptions
-    status = record.status
-    return _Moment(preemptions=preemptions, status=status, suspended=record.t_suspended is not None)
+def _moment(probe: RequestProbe) -> _Moment:
+    """Read a request now, through its probe; the suspensions first (see ``_check_waiting``)."""
+    preemptions = probe.preemptions
+    status = probe.status
+    return _Moment(preemptions=preemptions, status=status, suspended=probe.is_suspended)
 
 
 @dataclass(eq=False, slots=True)
@@ -278,7 +281,9 @@ class RequestLedger:
         """Start following the request of ``handle`` (right after ``submit``)."""
         record = handle._record
         assert id(record) not in self._entries, f"{handle!r} tracked twice"
-        self._entries[id(record)] = _Entry(record, weakref.ref(handle), record.status)
+        self._entries[id(record)] = _Entry(
+            record, RequestProbe(record), weakref.ref(handle), record.status
+        )
 
     def _entry(self, handle: RequestHandle) -> _Entry | None:
         return self._entries.get(id(handle._record))
@@ -355,12 +360,12 @@ class RequestLedger:
         dead = engine is not None and engine.statistics().is_dead
         entries = list(self._entries.items())
         if engine is None:
-            moments = [_moment(entry.record) for _, entry in entries]
+            moments = [_moment(entry.probe) for _, entry in entries]
         else:
             # Under the workers' lock, which a worker holds to take or suspend a
             # request: each status is read with the suspension that explains it.
             with engine._pool.cond:
-                moments = [_moment(entry.record) for _, entry in entries]
+                moments = [_moment(entry.probe) for _, entry in entries]
         for (key, entry), moment in zip(entries, moments, strict=True):
             if self._check_entry(entry, moment, engine, dead):
                 del self._entries[key]

@@ -38,6 +38,7 @@ from omni_trio.testing import (
     check_engine_invariants,
     engine_settled,
     probe,
+    probe_engine,
     wait_until,
 )
 
@@ -370,7 +371,8 @@ class Machine:
         """
         if not tracked.probe.holds_state or self.engine.statistics().is_dead:
             return True
-        return tracked.probe._record.worker not in self.engine._alive
+        worker = tracked.probe.worker
+        return worker is None or not probe_engine(self.engine).workers[worker].is_alive
 
     def disturb_live(self) -> None:
         for tracked in self.live():
@@ -398,21 +400,22 @@ class Machine:
             return False
         if engine.statistics().is_dead:
             return True
-        records = list(engine._live.values())
+        records = probe_engine(engine).requests
         new = any(r.worker is None for r in records)
         workers = engine.statistics().workers
         for index, waiting_at_gate in enumerate(waits):
             mine = [r for r in records if r.worker == index]
             running = sum(r.status is ot.RequestStatus.RUNNING for r in mine)
             # The worker thread writes its count after it posted the releases.
-            if index in engine._alive and workers[index].running != running:
+            alive = workers[index].alive
+            if alive and workers[index].running != running:
                 return False
             if self.gate_open:
                 continue
             if running:
                 if not waiting_at_gate:
                     return False
-            elif index in engine._alive and (mine or new):
+            elif alive and (mine or new):
                 # An idle worker takes at once: nothing waits for it, neither its
                 # own suspended requests nor new ones.
                 return False
@@ -423,7 +426,7 @@ class Machine:
         for index, runner in enumerate(self.runners):
             if not any(
                 r.status is ot.RequestStatus.RUNNING and r.worker == index
-                for r in self.engine._live.values()
+                for r in probe_engine(self.engine).requests
             ):
                 runner.revoke()
 
@@ -441,13 +444,14 @@ class Machine:
             held = sum(t.status is ot.RequestStatus.RUNNING or t.suspended for t in self.tracked)
             assert self.counters.live_states == held, (self.counters.live_states, held)
             self.check_workers(stats)
-        if not engine._live and not engine._terminal_open and not stats.is_dead:
+        view = probe_engine(engine)
+        if not view.live_ids and not view.open_ids and not stats.is_dead:
             assert_engine_idle(engine)  # L14
             assert self.counters.live_states == 0
         self.check_order()
         # L62: the timer holds exactly the live requests whose deadline is to come.
         pending = self.deadlines_to_come()
-        assert len(engine._deadlines) == len(pending), (len(engine._deadlines), pending)
+        assert view.pending_deadlines == len(pending), (view.pending_deadlines, pending)
         kept = [t for t in self.tracked if t.holds_id or t.reader]
         self.finished_ids += [t.request_id for t in self.tracked if t not in kept]
         self.tracked = kept
@@ -543,7 +547,7 @@ class Machine:
         predicted: with several workers, which one takes a request is the engine's
         choice, but every request stays on it, and the counts must agree.
         """
-        records = list(self.engine._live.values())
+        records = probe_engine(self.engine).requests
         assert stats.workers_alive == sum(not r.died for r in self.runners), stats
         assert len(stats.workers) == len(self.runners)
         suspended = 0
@@ -766,8 +770,8 @@ class Machine:
         if op.invalid == "empty_id":
             request_id = ""
         deadline = op.deadline
-        workers = self.engine._workers
-        if deadline == "tight" and any(workers[i].step_s is None for i in self.engine._alive):
+        workers = probe_engine(self.engine).workers
+        if deadline == "tight" and any(w.step_s is None for w in workers if w.is_alive):
             # Admitted before every live worker measured a step, it would expire at
             # a moment of the threads' choosing: sent only when admission must
             # refuse it.
@@ -854,7 +858,9 @@ class Machine:
         request_id = self.target(op.pick, suspended=op.suspended)
         tracked = self.holder(request_id)
         live = tracked is not None and not tracked.status.is_terminal
-        assert live == (request_id in self.engine._live), "model and engine disagree"
+        assert live == (request_id in probe_engine(self.engine).live_ids), (
+            "model and engine disagree"
+        )
         if op.how == "handle" and (
             tracked is None or tracked.handle is None or tracked.handle.is_closed
         ):
@@ -928,7 +934,8 @@ class Machine:
         to_come = len(self.deadlines_to_come())
         await wait_until(
             lambda: (
-                all(t.abort_requested for t in expired) and len(self.engine._deadlines) == to_come
+                all(t.abort_requested for t in expired)
+                and probe_engine(self.engine).pending_deadlines == to_come
             ),
             interval=POLL,
             max_interval=POLL_MAX,
