@@ -19,7 +19,7 @@ import omni_trio as ot
 from omni_trio._request import MAX_DEADLINE_S
 from omni_trio.testing import FakeRunner, GatedRunner, assume_step_time, probe_engine, wait_until
 
-from .test_priority import RecordingRunner
+from .support.core import RecordingRunner
 from .util import BUDGET, req
 
 

@@ -28,7 +28,7 @@ from omni_trio.testing import (
     wait_until,
 )
 
-from .test_priority import RecordingRunner
+from .support.core import RecordingRunner
 from .util import BUDGET, expected_images, req
 
 pytestmark = pytest.mark.filterwarnings("error")
