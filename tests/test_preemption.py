@@ -96,8 +96,7 @@ async def test_higher_priority_suspends_the_running_request_which_resumes_exactl
             events: list[int] = []
 
             async def read_low() -> None:
-                async for event in low:
-                    events.append(event.step)
+                events.extend([event.step async for event in low])
 
             async with anyio.create_task_group() as group:
                 group.start_soon(read_low)

@@ -81,6 +81,45 @@ POLL = 0.0002
 POLL_MAX = 0.005
 
 
+def request_for(op: Submit, size: int, ranked: dict[str, Any]) -> object:
+    """What ``submit`` is given for ``op``: a valid request, or one ``op.invalid`` breaks."""
+    match op.invalid:
+        case "steps":
+            return req(
+                num_steps=MAX_STEPS + 1, height=op.size, width=op.size, seed=op.seed, **ranked
+            )
+        case "multiple":
+            return ot.GenerationRequest(num_steps=op.steps, height=12, width=16, **ranked)
+        case "width":
+            return ot.GenerationRequest(num_steps=op.steps, height=8, width=MAX_SIZE + 8, **ranked)
+        case "extra":
+            return ot.GenerationRequest(
+                num_steps=op.steps, height=8, width=8, extra={"x": 1}, **ranked
+            )
+        case "type":
+            return {"prompt": "not a request"}
+        case _:
+            return req(
+                num_steps=op.steps,
+                height=size,
+                width=size,
+                seed=op.seed,
+                preview_every=op.preview_every,
+                **ranked,
+            )
+
+
+def check_refusal(op: Submit, error: ot.OmniTrioError, expected: set[type[Exception]]) -> None:
+    """``submit`` refused ``op`` with ``error``: one of the ``expected``, saying why."""
+    assert type(error) in expected, f"submit raised {error!r}, expected {expected}"
+    if isinstance(error, ot.InvalidRequestError):
+        assert op.invalid is not None and error.field == INVALID_FIELD[op.invalid], error
+    if isinstance(error, ot.DeadlineError):
+        # L62: the estimate is stated, and it is over the deadline.
+        assert error.deadline_s == TIGHT_DEADLINE < error.estimate_s, error
+        note("submit refused: deadline unmeetable")
+
+
 def admitted_and_live(stats: ot.EngineStatistics) -> tuple[int, int]:
     """Admitted, and waiting plus running: exact between two reads in one loop callback.
 
@@ -720,11 +759,7 @@ class Machine:
             case Drop(pick):
                 self.drop(pick)
             case FailAt(step):
-                for runner in self.runners:
-                    runner.fail_at_step = step
-                if step is not None:
-                    self.chaos = True
-                    self.disturb_live()
+                self.fail_at(step)
             case Kill():
                 # With several workers only the first dies: the others serve on (L43).
                 self.runner.kill = True
@@ -736,6 +771,14 @@ class Machine:
                 await self.check_expiry()
             case _:
                 raise AssertionError(op)
+
+    def fail_at(self, step: int | None) -> None:
+        """Arm every runner to fail its ``step``-th step (L22); ``None`` disarms them."""
+        for runner in self.runners:
+            runner.fail_at_step = step
+        if step is not None:
+            self.chaos = True
+            self.disturb_live()
 
     def expected_admission_error(
         self, request_id: str | None, invalid: str | None, *, tight: bool = False
@@ -790,33 +833,7 @@ class Machine:
             if len(running) < self.plan.max_batch_size:
                 size = 8 if size == 16 else 16
         ranked: dict[str, Any] = {"deadline_s": deadline_s, "priority": priority}
-        request: object
-        match op.invalid:
-            case "steps":
-                request = req(
-                    num_steps=MAX_STEPS + 1, height=op.size, width=op.size, seed=op.seed, **ranked
-                )
-            case "multiple":
-                request = ot.GenerationRequest(num_steps=op.steps, height=12, width=16, **ranked)
-            case "width":
-                request = ot.GenerationRequest(
-                    num_steps=op.steps, height=8, width=MAX_SIZE + 8, **ranked
-                )
-            case "extra":
-                request = ot.GenerationRequest(
-                    num_steps=op.steps, height=8, width=8, extra={"x": 1}, **ranked
-                )
-            case "type":
-                request = {"prompt": "not a request"}
-            case _:
-                request = req(
-                    num_steps=op.steps,
-                    height=size,
-                    width=size,
-                    seed=op.seed,
-                    preview_every=op.preview_every,
-                    **ranked,
-                )
+        request = request_for(op, size, ranked)
         tight = deadline == "tight" and op.invalid != "type"
         expected = self.expected_admission_error(request_id or None, op.invalid, tight=tight)
         before = self.engine.statistics()
@@ -826,13 +843,7 @@ class Machine:
         except ot.OmniTrioError as exc:
             error = exc
         if error is not None:
-            assert type(error) in expected, f"submit raised {error!r}, expected {expected}"
-            if isinstance(error, ot.InvalidRequestError):
-                assert op.invalid is not None and error.field == INVALID_FIELD[op.invalid], error
-            if isinstance(error, ot.DeadlineError):
-                # L62: the estimate is stated, and it is over the deadline.
-                assert error.deadline_s == TIGHT_DEADLINE < error.estimate_s, error
-                note("submit refused: deadline unmeetable")
+            check_refusal(op, error, expected)
             after = self.engine.statistics()
             assert admitted_and_live(after) == admitted_and_live(before)
             return
