@@ -1,4 +1,8 @@
-"""What every benchmark shares: options, machine facts, statistics, memory, tables."""
+"""What every benchmark shares: options, machine facts, statistics, memory, tables.
+
+Resident memory (``rss_bytes``) is a benchmark's figure, never a test's: tests
+assert exact things (live objects, tensors, threads) instead.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ __all__ = [
     "machine",
     "md_table",
     "p99",
+    "rss_bytes",
     "shared_pipeline",
     "spread",
     "spread_p99",
@@ -124,6 +129,47 @@ def live_tensor_count(*, where: Callable[[Any], bool] | None = None) -> int:
         if tensor and (where is None or where(obj)):
             count += 1
     return count
+
+
+def rss_bytes(*, trim: bool = False) -> int:
+    """Return this process's resident set size in bytes.
+
+    Reads ``/proc/self/statm`` (Linux); elsewhere falls back to the peak RSS from
+    ``getrusage``, which only ever grows (so a growth check stays conservative).
+
+    Args:
+        trim: first hand the C allocator's free memory back to the system (glibc's
+            ``malloc_trim``; a no-op elsewhere), so that the reading follows live
+            memory rather than what the allocator happens to keep cached. Call
+            ``gc.collect()`` before, too.
+    """
+    if trim:
+        _malloc_trim()
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            resident_pages = int(statm.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        # Linux and the BSDs report KiB, macOS bytes.
+        return peak if os.uname().sysname == "Darwin" else peak * 1024
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def _malloc_trim() -> None:
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return  # not glibc
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
 
 
 @cache

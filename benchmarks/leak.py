@@ -38,9 +38,9 @@ from omni_trio import (
 )
 from omni_trio._record import Record
 from omni_trio.runners import DiffusersRunner
-from omni_trio.testing import live_objects, rss_bytes
+from omni_trio.testing import live_objects
 
-from .common import Options, fmt, live_tensor_count, md_table, shared_pipeline
+from .common import Options, fmt, live_tensor_count, md_table, rss_bytes, shared_pipeline
 from .peers import sd_request
 from .plot import figure
 

@@ -18,8 +18,11 @@ The data (no threads, no event loop):
 - ``_request``: ``GenerationRequest``.
 - ``_outputs``: what the engine hands out: ``RequestStatus``, ``StepEvent``,
   ``GenerationOutput``, ``RequestMetrics``, ``EngineStatistics``, ``WorkerStatistics``.
-- ``_runner``: the ``Runner`` protocol, the seam to a model (``runners/`` holds the
-  diffusers implementations).
+- ``_mp4``: the MP4 encoder behind ``GenerationOutput.save_video`` (PyAV, imported
+  only when a video is written).
+- ``_reasons``: ``AbortReason``, the vocabulary of abort reasons.
+- ``_runner``: the ``Runner`` protocol, the seam to a model, public as ``omni_trio.abc``
+  (``runners/`` holds the diffusers implementations).
 - ``_construct``: ``NoPublicConstructor``, the metaclass of the final classes that
   only the library instantiates (``Engine``, ``RequestHandle``).
 - ``_exports``: gives every exported class and function its public ``__module__``.
@@ -34,6 +37,7 @@ The loop side (runs in the event loop's thread only):
 - ``_channel``: the per-request coalescing channel.
 - ``_deadlines``: ``DeadlineTimer``, the one timer task that aborts requests whose
   deadline passed.
+- ``_estimate``: admission's deadline estimate, which refuses what cannot be met.
 
 The thread side (runs in the engine's own threads only):
 
@@ -43,8 +47,8 @@ The thread side (runs in the engine's own threads only):
 - ``_imagecheck``: the output contract, checked on every image and preview.
 - ``_failure``: a runner's exception made into a request's failure, formatted once
   and defensively, its frames cleared.
-- ``_scheduler``: the waiting queue, ranked by priority and deadline, and batch formation (pure,
-  synchronous).
+- ``_scheduler``: the waiting queue, ranked by priority and deadline, batch formation
+  and the boundary policy (``plan_boundary``: pure, synchronous).
 
 The seam between them:
 
@@ -54,6 +58,9 @@ The seam between them:
   died, exited).
 - ``_inbox``: the thread-to-loop hand-off that carries those messages without ever
   blocking a thread.
+- ``_log``: the library's loggers and the one line of a finished request.
+- ``_threads``: the engine's thread names (``ENGINE_THREAD_PREFIX``,
+  ``engine_threads()``) and the process's torch thread count.
 - ``_cancelpoint``: ``cancel_point()``, which a runner calls inside a step or a decode,
   and the check an engine thread arms it with for one call (L71, L72).
 
@@ -70,13 +77,18 @@ top of the library, which never imports it (``__main__`` only calls ``cli.main``
 - ``cli._loadtest_command``: ``load``, an open-loop load test (``cli._loadtest``, its
   client; ``cli._loadtest_math``, its schedule and figures).
 
-The public subpackages: ``runners`` (diffusers pipelines, step by step; needs torch),
-``testing`` (fake runners, leak checks, invariants) and ``serve`` (the HTTP API).
+The public subpackages: ``abc`` (the runner seam: ``Runner``, ``StopRun``,
+``cancel_point``; torch-free), ``runners`` (diffusers pipelines, step by step; needs
+torch), ``testing`` (fake runners, leak checks, invariants) and ``serve`` (the HTTP API).
 """
 
 from __future__ import annotations
 
 from . import _exports
+
+# First, so that the seam's names are ``omni_trio.abc.*`` (reprs, pickles) whichever
+# public package a program imports first: ``omni_trio.runners`` re-exports them too.
+from . import abc as abc
 from ._config import EngineConfig as EngineConfig
 from ._engine import Engine as Engine
 from ._engine import open_engine as open_engine
@@ -98,11 +110,13 @@ from ._outputs import RequestMetrics as RequestMetrics
 from ._outputs import RequestStatus as RequestStatus
 from ._outputs import StepEvent as StepEvent
 from ._outputs import WorkerStatistics as WorkerStatistics
+from ._reasons import AbortReason as AbortReason
 from ._request import GenerationRequest as GenerationRequest
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AbortReason",
     "DeadlineError",
     "DuplicateRequestError",
     "Engine",

@@ -9,9 +9,7 @@ here, and the tables are always consistent when a task looks at them.
 from __future__ import annotations
 
 import itertools
-import logging
 import math
-import os
 import threading
 import uuid
 import weakref
@@ -26,7 +24,6 @@ from ._config import EngineConfig
 from ._construct import NoPublicConstructor
 from ._deadlines import DeadlineTimer
 from ._errors import (
-    DeadlineError,
     DuplicateRequestError,
     EngineClosedError,
     EngineDeadError,
@@ -35,10 +32,11 @@ from ._errors import (
     RequestAbortedError,
     RequestFailedError,
 )
+from ._estimate import check_deadline
 from ._failure import format_traceback
 from ._handle import RequestHandle
 from ._inbox import LoopInbox
-from ._log import ENGINE, log_exception
+from ._log import ENGINE, log_exception, log_finished
 from ._messages import Completed, Died, Exited, Message, Released, Stepped, died
 from ._outputs import (
     EngineStatistics,
@@ -48,12 +46,14 @@ from ._outputs import (
     WorkerStatistics,
 )
 from ._pool import Pool, Withdrawal
+from ._reasons import AbortReason
 from ._record import Record, wait_shielded
 from ._request import GenerationRequest
-from ._runner import Runner, RunnerCapabilities
+from ._runner import Runner, runner_sequence, shared_capabilities
+from ._threads import set_torch_threads, worker_name
 from ._validate import check_text, fail_request
 from ._worker import Worker
-from ._workitem import SHUTDOWN, WorkItem
+from ._workitem import WorkItem
 
 if TYPE_CHECKING:
     from ._owner import RequestOwner
@@ -62,9 +62,6 @@ __all__ = ["Engine", "open_engine"]
 
 _engine_numbers = itertools.count()
 StateT = TypeVar("StateT")
-
-#: The abort reason of a request whose deadline passed (L62).
-DEADLINE = "deadline"
 
 #: Longest request id ``submit`` accepts (ids go into logs, headers and JSON; picked
 #: generously, not measured: a UUID is 36 characters).
@@ -78,7 +75,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
     def __init__(self, runners: Sequence[Runner[Any]], config: EngineConfig) -> None:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
-        self._capabilities = _capabilities_of(runners)
+        self._capabilities = shared_capabilities(runners)
         self._config = config
         self._inbox: LoopInbox[Message[WorkItem]] = LoopInbox(self._dispatch)
         self._pool = Pool()
@@ -92,7 +89,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
                 index=index,
                 post=self._inbox.post,
                 post_quietly=self._inbox.post_quietly,
-                name=f"omni-trio-{number}" + (f".{index}" if several else ""),
+                name=worker_name(number, index, several=several),
             )
             for index, runner in enumerate(runners)
         ]
@@ -178,7 +175,8 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             raise
         deadline = None
         if request.deadline_s is not None:
-            self._check_deadline(request, request_id)
+            workers = [self._workers[index] for index in self._alive]
+            check_deadline(request, request_id, workers=workers, pool=self._pool)
             deadline = anyio.current_time() + request.deadline_s
         record = Record(
             request,
@@ -216,43 +214,6 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         async with self.submit(request, request_id=request_id) as handle:
             return await handle.result()
 
-    def _check_deadline(self, request: GenerationRequest, request_id: str) -> None:
-        """Refuse ``request`` if the estimate of its completion misses its deadline (L62).
-
-        The estimate, on the best worker, is its measured step time (its moving
-        average) times the steps ahead: those left of its running batch, those of
-        the waiting requests of equal or higher priority shared out over full
-        batches on every live worker, and the request's own. It errs towards
-        admitting (it assumes full batches; the timer aborts what still misses);
-        while a live worker has measured no step yet it admits. Cost: O(k + w), k
-        the distinct priorities waiting and w the workers, never a scan of the queue.
-        """
-        deadline_s = request.deadline_s
-        workers = [self._workers[index] for index in self._alive]
-        measured = [(worker.step_s, worker.steps_left) for worker in workers]
-        if deadline_s is None or not workers or any(step_s is None for step_s, _ in measured):
-            return
-        waiting = self._pool.steps_ahead(request.priority)
-        shared = -(-waiting // (self._workers[0].max_batch * len(workers)))
-        best = min(
-            (
-                (left + shared + request.denoise_steps) * cast(float, step_s),
-                left,
-                cast(float, step_s),
-            )
-            for step_s, left in measured
-        )
-        estimate, left, step_s = best
-        steps = left + shared + request.denoise_steps
-        if estimate > deadline_s:
-            raise DeadlineError(
-                f"the deadline of {deadline_s:g} s cannot be met: the estimate is "
-                f"{estimate:.3f} s ({steps} steps of {step_s * 1e3:.1f} ms)",
-                estimate_s=estimate,
-                deadline_s=deadline_s,
-                request_id=request_id,
-            )
-
     def _check_admitting(self) -> None:
         if self._dead is not None:
             raise self._dead_error()
@@ -261,7 +222,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
 
     # -- abort ---------------------------------------------------------------
 
-    async def abort(self, request_id: str, *, reason: str = "user") -> bool:
+    async def abort(self, request_id: str, *, reason: str = AbortReason.USER) -> bool:
         """Abort the live request ``request_id`` and wait until it is released.
 
         Returns:
@@ -279,7 +240,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         await record.done.wait()
         return True
 
-    def abort_nowait(self, request_id: str, *, reason: str = "user") -> bool:
+    def abort_nowait(self, request_id: str, *, reason: str = AbortReason.USER) -> bool:
         """Request the abort of the live request ``request_id``; never blocks.
 
         Returns:
@@ -297,8 +258,10 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
 
     @staticmethod
     def _check_reason(reason: str) -> None:
-        if not isinstance(reason, str) or not reason or reason == SHUTDOWN:
-            raise ValueError(f"reason: must be a non-empty str other than {SHUTDOWN!r}")
+        if not isinstance(reason, str) or not reason or reason == AbortReason.SHUTDOWN:
+            raise ValueError(
+                f"reason: must be a non-empty str other than {AbortReason.SHUTDOWN.value!r}"
+            )
 
     def _abort_record(self, record: Record, reason: str) -> None:
         """The one path by which anything ends a request early."""
@@ -314,7 +277,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
     def _expire(self, record: Record) -> None:
         """The timer's callback: ``record``'s deadline passed (L62)."""
         try:
-            self._abort_record(record, DEADLINE)
+            self._abort_record(record, AbortReason.DEADLINE)
         except Exception as exc:  # an engine bug: fail loudly, never crash the loop
             self._die(died(exc, "the engine failed to expire a deadline"))
 
@@ -411,7 +374,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
 
     def _cut(self, record: Record) -> None:
         """Mark ``record`` as cut off by shutdown; the worker drops it at its next boundary."""
-        if record.token.cancel(SHUTDOWN):
+        if record.token.cancel(AbortReason.SHUTDOWN):
             record.mark_abort()
 
     # -- messages from the engine's threads ----------------------------------
@@ -500,7 +463,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             self._terminal_open[request_id] = handle
         record.channel.close_send()
         record.done.set()
-        _log_finished(record, status, outcome)
+        log_finished(record, status, outcome)
 
     def _forget(self, record: Record, handle: RequestHandle) -> None:
         """Free the id of a terminal request whose handle just closed (L3)."""
@@ -508,8 +471,8 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             del self._terminal_open[record.request_id]
 
     def _cut_error(self, record: Record) -> Exception:
-        reason = record.token.reason or SHUTDOWN
-        if reason == SHUTDOWN:
+        reason = record.token.reason or AbortReason.SHUTDOWN
+        if reason == AbortReason.SHUTDOWN:
             return EngineClosedError(f"request {record.request_id!r} was cut off by shutdown")
         return RequestAbortedError(
             f"request {record.request_id!r} was aborted ({reason})",
@@ -535,7 +498,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             self._workers[index].orphan_parked()
         for record in list(self._live.values()):
             if record.worker == index:
-                record.token.cancel(SHUTDOWN)
+                record.token.cancel(AbortReason.SHUTDOWN)
                 failed = RequestFailedError(
                     f"request {record.request_id!r} failed: {death.message}",
                     request_id=record.request_id,
@@ -556,7 +519,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         live = list(self._live.values())
         # Cut first, so that no suspension in flight parks a request that ends here.
         for record in live:
-            record.token.cancel(SHUTDOWN)
+            record.token.cancel(AbortReason.SHUTDOWN)
         self._pool.withdraw_all()
         self._pool.stop()
         for record in live:
@@ -567,43 +530,6 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         error = EngineDeadError(str(self._dead))
         error.__cause__ = self._dead.__cause__
         return error
-
-
-def _log_finished(record: Record, status: RequestStatus, outcome: object) -> None:
-    """Log the one line of a request that just became terminal (see docs/design.md).
-
-    INFO; WARNING when shutdown cut it or when a consumer that iterates its events
-    was too slow to read them all (the channel dropped some to coalesce).
-    """
-    metrics = record.metrics
-    assert metrics is not None
-    reason = record.token.reason if status is RequestStatus.ABORTED else None
-    dropped = record.channel.dropped if record.reading else 0
-    warn = reason == SHUTDOWN or dropped > 0
-    level = logging.WARNING if warn else logging.INFO
-    if not ENGINE.isEnabledFor(level):
-        return
-    parts = [
-        f"request {record.request_id} {status.value}:",
-        f"steps {metrics.steps_done}/{record.steps_total},",
-        f"queue wait {metrics.queue_wait_s:.3f} s, total {metrics.total_s:.3f} s",
-    ]
-    if reason is not None:
-        parts.append(f", reason {reason}")
-    if status is RequestStatus.FAILED:
-        parts.append(f", error {_summary(outcome)}")
-    if dropped:
-        parts.append(f", slow consumer: {dropped} step event(s) dropped unread")
-    ENGINE.log(
-        level,
-        " ".join(parts[:3]) + "".join(parts[3:]),
-        extra={"request_id": record.request_id, "outcome": status.value},
-    )
-
-
-def _summary(outcome: object) -> str:
-    """The type and message of an engine error (formatted already: never the runner's code)."""
-    return f"{type(outcome).__name__}: {outcome}" if isinstance(outcome, Exception) else "?"
 
 
 @final
@@ -625,55 +551,6 @@ class _HandleOwner:
         self._engine._forget(record, handle)
 
 
-def _capabilities_of(runners: Sequence[Runner[Any]]) -> RunnerCapabilities:
-    """The capabilities every runner declares, the same for all (L42)."""
-    if not runners:
-        raise ValueError("runners: give at least one runner")
-    found: RunnerCapabilities | None = None
-    for runner in runners:
-        capabilities = getattr(runner, "capabilities", None)
-        if not isinstance(capabilities, RunnerCapabilities):
-            raise TypeError("runner.capabilities must be a RunnerCapabilities")
-        if found is not None and capabilities != found:
-            # One admission validates and batches for all: what one worker refuses,
-            # another must refuse too.
-            raise ValueError("runners: every runner must declare the same capabilities")
-        found = capabilities
-    assert found is not None
-    return found
-
-
-def _runner_list(runners: Runner[Any] | Sequence[Runner[Any]]) -> list[Runner[Any]]:
-    if isinstance(runners, Sequence) and not isinstance(runners, (str, bytes)):
-        return list(runners)
-    return [runners]
-
-
-def _set_torch_threads(config: EngineConfig, workers: int) -> None:
-    """Pick the process's torch intra-op thread count for ``workers`` workers.
-
-    The count is process-wide (``torch.set_num_threads``: the last call wins), so
-    it is one setting for all workers: ``config.torch_threads`` when given, else,
-    with several workers, the CPU cores divided among them, so that CPU workers do
-    not oversubscribe the cores. With one worker and no setting it is left alone.
-    """
-    threads = config.torch_threads
-    if threads is None:
-        if workers == 1:
-            return
-        threads = max(1, _cores() // workers)
-    import torch
-
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-        ENGINE.info("torch intra-op threads set to %d for %d worker(s)", threads, workers)
-
-
-def _cores() -> int:
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
-
-
 @asynccontextmanager
 async def open_engine(
     runners: Runner[StateT] | Sequence[Runner[StateT]], config: EngineConfig | None = None
@@ -681,7 +558,7 @@ async def open_engine(
     """Start an engine on one runner, or one runner per device; shut it down on exit.
 
     Args:
-        runners: the model runner (see ``omni_trio.runners.Runner``), or a
+        runners: the model runner (see ``omni_trio.abc.Runner``), or a
             sequence of them, typically the same pipeline loaded once per device
             (``omni_trio.runners.for_devices``): each gets its own worker, all
             share one queue (L42). They must declare the same capabilities.
@@ -700,9 +577,9 @@ async def open_engine(
         waits for ``shutdown_grace`` plus at most one step.
     """
     config = config if config is not None else EngineConfig()
-    runner_list = _runner_list(runners)
+    runner_list = runner_sequence(runners)
     engine = Engine._create(runner_list, config)
-    _set_torch_threads(config, len(runner_list))
+    set_torch_threads(config, len(runner_list))
     for worker in engine._workers:
         worker.start()
     # The block's exception is held, not raised inside the task group, which would

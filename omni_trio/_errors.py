@@ -14,8 +14,8 @@
         ├── QueueFullError          max_waiting reached (backpressure)
         ├── DeadlineError           .estimate_s: the engine's estimate says deadline_s
         │                           cannot be met (refused at admission)
-        ├── RequestAbortedError     .reason: "user", "consumer_gone", "cancelled",
-        │                           "deadline", ...
+        ├── RequestAbortedError     .reason: an AbortReason ("user", "consumer_gone",
+        │                           "cancelled", "deadline", ...) or the str given
         └── RequestFailedError      the runner raised or returned a bad output; __cause__ is
                                     the runner's exception or an InvalidOutputError
 

@@ -1,7 +1,7 @@
 """Give each exported class and function the public package as its ``__module__``.
 
-Each public package (``omni_trio``, ``omni_trio.runners``, ``omni_trio.testing``,
-``omni_trio.serve``) re-exports names from private modules and calls
+Each public package (``omni_trio``, ``omni_trio.abc``, ``omni_trio.runners``,
+``omni_trio.testing``, ``omni_trio.serve``) re-exports names from private modules and calls
 ``set_public_module`` at the end of its ``__init__``, as trio's
 ``fixup_module_metadata`` and httpx do. Then reprs, tracebacks and documentation
 say ``omni_trio.RequestAbortedError``, not the private module it lives in, and a

@@ -13,6 +13,7 @@ import anyio.lowlevel
 
 from ._construct import NoPublicConstructor
 from ._outputs import GenerationOutput, RequestMetrics, RequestStatus, StepEvent
+from ._reasons import AbortReason
 from ._record import TAKEN, Record, wait_shielded
 
 if TYPE_CHECKING:
@@ -35,10 +36,10 @@ def _fresh(error: BaseException) -> BaseException:
     return copy
 
 
-def _leave_reason(exc: BaseException | None) -> str:
+def _leave_reason(exc: BaseException | None) -> AbortReason:
     if isinstance(exc, anyio.get_cancelled_exc_class()):
-        return "cancelled"
-    return "consumer_gone"
+        return AbortReason.CANCELLED
+    return AbortReason.CONSUMER_GONE
 
 
 @final
@@ -88,7 +89,10 @@ class RequestHandle(metaclass=NoPublicConstructor, made_by="Engine.submit()"):
 
     @property
     def abort_reason(self) -> str | None:
-        """Why the request was aborted (``"shutdown"`` when cut off), else ``None``."""
+        """Why the request was aborted (an ``AbortReason``, or the reason given), else ``None``.
+
+        ``AbortReason.SHUTDOWN`` when shutdown cut it off.
+        """
         if self._record.status is RequestStatus.ABORTED:
             return self._record.token.reason
         return None
@@ -172,7 +176,7 @@ class RequestHandle(metaclass=NoPublicConstructor, made_by="Engine.submit()"):
             raise RuntimeError(f"the output of request {self.request_id!r} was already returned")
         raise anyio.ClosedResourceError  # closed while this call waited
 
-    def abort_nowait(self, *, reason: str = "user") -> bool:
+    def abort_nowait(self, *, reason: str = AbortReason.USER) -> bool:
         """Request the abort of this request; never blocks.
 
         Returns:
@@ -185,7 +189,7 @@ class RequestHandle(metaclass=NoPublicConstructor, made_by="Engine.submit()"):
             self._owner.abort(record, reason)
         return live
 
-    async def abort(self, *, reason: str = "user") -> bool:
+    async def abort(self, *, reason: str = AbortReason.USER) -> bool:
         """Abort the request and wait until the engine released it.
 
         Returns:
@@ -204,7 +208,7 @@ class RequestHandle(metaclass=NoPublicConstructor, made_by="Engine.submit()"):
         Cancellation:
             Deferred until the engine released the request (one step at most).
         """
-        await self._close("consumer_gone")
+        await self._close(AbortReason.CONSUMER_GONE)
 
     async def _close(self, reason: str) -> None:
         record = self._record

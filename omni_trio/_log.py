@@ -1,4 +1,5 @@
-"""The library's loggers, and records whose traceback was formatted in another thread.
+"""The library's loggers, the line of a finished request, and records whose traceback
+was formatted in another thread.
 
 The hierarchy is ``omni_trio``: ``omni_trio.engine`` (one line per finished
 request, runner failures, the worker's death), ``omni_trio.worker`` (the threads'
@@ -13,8 +14,15 @@ Records about one request carry its id as ``record.request_id`` (the
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-__all__ = ["ENGINE", "SERVE", "WORKER", "log_exception"]
+from ._outputs import RequestStatus
+from ._reasons import AbortReason
+
+if TYPE_CHECKING:
+    from ._record import Record
+
+__all__ = ["ENGINE", "SERVE", "WORKER", "log_exception", "log_finished"]
 
 logging.getLogger("omni_trio").addHandler(logging.NullHandler())
 
@@ -66,3 +74,41 @@ def log_exception(
     # a MemoryHandler) keeps only the text, not the exception and what it holds (a
     # runner's tensors), as QueueHandler.prepare does.
     record.exc_info = None
+
+
+def log_finished(record: Record, status: RequestStatus, outcome: object) -> None:
+    """Log the one line of a request that just became terminal (see docs/design.md).
+
+    INFO; WARNING when shutdown cut it or when a consumer that iterates its events
+    was too slow to read them all (the channel dropped some to coalesce). Called
+    from the event loop's thread.
+    """
+    metrics = record.metrics
+    assert metrics is not None
+    reason = record.token.reason if status is RequestStatus.ABORTED else None
+    dropped = record.channel.dropped if record.reading else 0
+    warn = reason == AbortReason.SHUTDOWN or dropped > 0
+    level = logging.WARNING if warn else logging.INFO
+    if not ENGINE.isEnabledFor(level):
+        return
+    parts = [
+        f"request {record.request_id} {status.value}:",
+        f"steps {metrics.steps_done}/{record.steps_total},",
+        f"queue wait {metrics.queue_wait_s:.3f} s, total {metrics.total_s:.3f} s",
+    ]
+    if reason is not None:
+        parts.append(f", reason {reason}")
+    if status is RequestStatus.FAILED:
+        parts.append(f", error {_summary(outcome)}")
+    if dropped:
+        parts.append(f", slow consumer: {dropped} step event(s) dropped unread")
+    ENGINE.log(
+        level,
+        " ".join(parts[:3]) + "".join(parts[3:]),
+        extra={"request_id": record.request_id, "outcome": status.value},
+    )
+
+
+def _summary(outcome: object) -> str:
+    """The type and message of an engine error (formatted already: never the runner's code)."""
+    return f"{type(outcome).__name__}: {outcome}" if isinstance(outcome, Exception) else "?"

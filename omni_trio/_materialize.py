@@ -29,15 +29,16 @@ from typing import Any
 from ._cancelpoint import Leave, armed
 from ._imagecheck import checked_images, checked_video
 from ._messages import Completed, Post, discard_quietly, discard_state, ended, release
+from ._reasons import AbortReason
 from ._runner import Runner, StopRun
-from ._workitem import SHUTDOWN, WorkItem
+from ._workitem import WorkItem
 
 __all__ = ["Materializer"]
 
 
 def _cut(item: WorkItem) -> bool:
     reason = item.token.reason
-    return reason is not None and reason != SHUTDOWN
+    return reason is not None and reason != AbortReason.SHUTDOWN
 
 
 class _LeftDecode(Exception):

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import enum
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import TYPE_CHECKING, BinaryIO
+
+from ._mp4 import write_mp4
 
 if TYPE_CHECKING:
     import torch
@@ -102,8 +102,8 @@ class GenerationOutput:
     ) -> None:
         """Write video ``index`` as an H.264 MP4 (``yuv420p``, what every player reads).
 
-        Needs PyAV (``pip install 'omni_trio[video]'``), imported here only. Grey
-        frames are written as RGB, an alpha channel is dropped.
+        Needs PyAV (``pip install 'omni_trio[video]'``), imported only when a video is
+        written (``_mp4``). Grey frames are written as RGB, an alpha channel is dropped.
 
         Args:
             path: the file to write (replaced if it exists), or a writable,
@@ -121,34 +121,7 @@ class GenerationOutput:
             raise ValueError("save_video: this output is an image (its request had no num_frames)")
         if not 0 <= index < self.video.shape[0]:
             raise ValueError(f"save_video: index {index} out of range for {self.video.shape[0]}")
-        if isinstance(fps, bool) or not math.isfinite(fps) or fps <= 0:
-            raise ValueError(f"save_video: fps must be finite and > 0, got {fps!r}")
-        height, width = self.video.shape[-2:]
-        if height % 2 or width % 2:
-            raise ValueError(f"save_video: H.264 needs even sides, got {width}x{height}")
-        try:
-            import av
-        except ImportError as exc:
-            raise ImportError(
-                "save_video needs PyAV: pip install 'omni_trio[video]' (or pip install av)"
-            ) from exc
-        import torch
-
-        frames = self.video[index]
-        if frames.shape[1] == 1:
-            frames = frames.expand(-1, 3, -1, -1)
-        rgb = (frames[:, :3].clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
-        rate = Fraction(fps).limit_denominator(1_000_000)
-        target = os.fspath(path) if isinstance(path, str | os.PathLike) else path
-        with av.open(target, mode="w", format="mp4") as container:
-            stream = container.add_stream("libx264", rate=rate)
-            stream.width = int(width)
-            stream.height = int(height)
-            stream.pix_fmt = "yuv420p"
-            for array in rgb.numpy():
-                frame = av.VideoFrame.from_ndarray(array, format="rgb24")
-                container.mux(stream.encode(frame))
-            container.mux(stream.encode(None))  # flush the encoder's delayed frames
+        write_mp4(self.video[index], path, fps)
 
     def to_pil(self) -> list[Image]:
         """Convert the images to PIL images (RGB, or L for one channel)."""

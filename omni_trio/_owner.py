@@ -31,7 +31,7 @@ class RequestOwner(Protocol):
 
         Raises:
             ValueError: ``reason`` is not a non-empty ``str``, or it is
-                ``"shutdown"``, which only the engine's shutdown gives.
+                ``AbortReason.SHUTDOWN``, which only the engine's shutdown gives.
         """
 
     def abort(self, record: Record, reason: str) -> None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ._errors import InvalidRequestError
 from ._request import GenerationRequest
@@ -43,7 +43,15 @@ from ._request import GenerationRequest
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Runner", "RunnerCapabilities", "StopRun", "SuspendableRunner", "WholeCallRunner"]
+__all__ = [
+    "Runner",
+    "RunnerCapabilities",
+    "StopRun",
+    "SuspendableRunner",
+    "WholeCallRunner",
+    "runner_sequence",
+    "shared_capabilities",
+]
 
 StateT = TypeVar("StateT")
 
@@ -299,3 +307,33 @@ class SuspendableRunner(Runner[StateT], Protocol):
     def resume(self, state: StateT) -> None:
         """Bring a parked ``state`` back, so that the next ``step`` continues it exactly."""
         ...
+
+
+def runner_sequence(runners: Runner[Any] | Sequence[Runner[Any]]) -> list[Runner[Any]]:
+    """``open_engine``'s runners as a list: one runner, or a sequence of them."""
+    if isinstance(runners, Sequence) and not isinstance(runners, (str, bytes)):
+        return list(runners)
+    return [runners]
+
+
+def shared_capabilities(runners: Sequence[Runner[Any]]) -> RunnerCapabilities:
+    """The capabilities every runner declares, the same for all (L42).
+
+    Raises:
+        ValueError: no runner, or runners that declare different capabilities.
+        TypeError: a runner's ``capabilities`` is not a ``RunnerCapabilities``.
+    """
+    if not runners:
+        raise ValueError("runners: give at least one runner")
+    found: RunnerCapabilities | None = None
+    for runner in runners:
+        capabilities = getattr(runner, "capabilities", None)
+        if not isinstance(capabilities, RunnerCapabilities):
+            raise TypeError("runner.capabilities must be a RunnerCapabilities")
+        if found is not None and capabilities != found:
+            # One admission validates and batches for all: what one worker refuses,
+            # another must refuse too.
+            raise ValueError("runners: every runner must declare the same capabilities")
+        found = capabilities
+    assert found is not None
+    return found

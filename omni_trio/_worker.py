@@ -1,8 +1,9 @@
 """The step loop: one owned, non-daemon thread per device.
 
 At every step boundary, under the pool's lock (microseconds, never across runner
-work), the worker drops the members whose token is set (L7, L21), takes the
-requests that may join the batch, and decides whether to stop. Then, without the
+work), the worker asks the boundary policy (``_scheduler.plan_boundary``, a pure
+function) for a plan and applies it: it drops the members whose token is set (L7,
+L21), takes the requests that may join the batch, or stops. Then, without the
 lock, it prepares the new members, runs one runner step for the whole batch and
 posts one step event per member. Members whose last step is done go to the
 materializer, so the next step starts at once (L16). A whole-call runner (one that
@@ -26,12 +27,13 @@ discard its states and say so.
 Preemption (L61), with a runner that declares ``suspendable``: when the
 best-ranked request this worker could take has a strictly higher priority than a
 running one and cannot start otherwise (the batch is full, has another batch key,
-or takes no joins), the worker plans victims under the lock: the lowest-ranked
-running member, or the whole batch when only an empty batch lets the newcomer
-start. Outside the lock it asks the runner what parking them would hold; if that
-fits ``max_parked_bytes`` and the plan still stands, it reserves the newcomer
-(takes it), suspends the victims into its own queue of parked requests, at the
-rank they had, and prepares the newcomer at the same boundary. A request is
+or takes no joins), the plan names victims: the lowest-ranked running member, or
+the whole batch when only an empty batch lets the newcomer start. Outside the
+lock the worker asks the runner what parking them would hold; if that fits
+``max_parked_bytes`` and the plan still stands (the policy, asked again under the
+lock, plans the same), it reserves the newcomer (takes it), suspends the victims
+into its own queue of parked requests, at the rank they had, and prepares the
+newcomer at the same boundary. A request is
 suspended at most ``max_preemptions`` times. A suspended request reads WAITING;
 when this worker takes it again the runner resumes it from the step it reached.
 One that the event loop withdraws (abort, deadline, shutdown) is released by the
@@ -40,8 +42,10 @@ materializer thread at once, never decoded.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, cast
 
@@ -50,9 +54,19 @@ from ._imagecheck import checked_images
 from ._log import WORKER
 from ._materialize import Materializer
 from ._messages import Exited, Post, Stepped, died, discard_quietly, release
+from ._reasons import AbortReason
 from ._runner import Runner, StopRun, SuspendableRunner, WholeCallRunner
-from ._scheduler import WaitingQueue, best_of, take
-from ._workitem import SHUTDOWN, WorkItem
+from ._scheduler import (
+    BoundaryPlan,
+    BoundaryRules,
+    Member,
+    Preemption,
+    WaitingQueue,
+    plan_boundary,
+    plan_preemption,
+    sources,
+)
+from ._workitem import WorkItem
 
 if TYPE_CHECKING:
     from ._config import EngineConfig
@@ -88,7 +102,6 @@ class Worker:
         self._post = post
         self._post_quietly = post_quietly
         self._max_batch = min(config.max_batch_size, capabilities.max_batch_size)
-        self._can_join = capabilities.can_join
         self._previews = capabilities.previews
         self._whole_call = capabilities.whole_call
         self._cancel_points = capabilities.cancel_points
@@ -97,7 +110,15 @@ class Worker:
         # its device) with the bytes each parks, under the pool's lock. ``_closed``:
         # the thread has exited and discarded them; nothing is parked from then on.
         self._preempting = capabilities.suspendable and config.preemption
-        self._max_preemptions = config.max_preemptions
+        # The boundary policy's rules (``_scheduler.plan_boundary``), and the same
+        # without preemption, for the boundary that follows a preemption given up.
+        self._rules = BoundaryRules(
+            max_batch=self._max_batch,
+            can_join=capabilities.can_join,
+            preempting=self._preempting,
+            max_preemptions=config.max_preemptions,
+        )
+        self._rules_no_preemption = dataclasses.replace(self._rules, preempting=False)
         self._park_on_host = config.park_on_host
         self._max_parked_bytes = config.max_parked_bytes
         self.parked: WaitingQueue[WorkItem] = WaitingQueue()
@@ -246,10 +267,11 @@ class Worker:
         A method of its own so that no loop variable outlives it: an idle worker
         holds no request (L14).
         """
-        admitted, dropped, plan, stop = self._boundary(running, plan=self._preempting)
-        self._release_all(dropped)
-        if plan is not None:
-            admitted = self._preempt(running, *plan)
+        plan = self._boundary(running, preempting=self._preempting)
+        self._release_all(plan.drop)
+        admitted: Sequence[WorkItem] = plan.admit
+        if plan.preempt is not None:
+            admitted = self._preempt(running, plan.preempt)
         for index, item in enumerate(admitted):
             try:
                 self._prepare(item, running)
@@ -259,9 +281,9 @@ class Worker:
                     discard_quietly(self._runner, rest)
                 raise
         self._note_left(running)
-        return stop
+        return plan.stop
 
-    def _release_all(self, dropped: list[WorkItem]) -> None:
+    def _release_all(self, dropped: Sequence[WorkItem]) -> None:
         for index, item in enumerate(dropped):
             try:
                 release(self._runner, item, self._post, None)
@@ -285,63 +307,49 @@ class Worker:
         average = self.step_s
         self.step_s = elapsed if average is None else average + _STEP_WEIGHT * (elapsed - average)
 
-    def _queues(self, running: list[WorkItem]) -> tuple[WaitingQueue[WorkItem], ...]:
-        """Where this worker may take from now; under the lock.
+    def _members(self, running: list[WorkItem]) -> list[Member[WorkItem]]:
+        """The running batch as the boundary policy sees it; under the lock."""
+        return [
+            Member(
+                item=item,
+                key=item.batch_key,
+                rank=item.rank(),
+                preemptions=item.preemptions,
+                stopped=item.token.reason is not None,
+            )
+            for item in running
+        ]
 
-        Its own suspended requests always; new ones too, unless it is busy while
-        another worker idles (that one starts them alone, on its own device).
-        """
-        if running and self._pool.idle:
-            return (self.parked,)
-        return (self._pool.fresh, self.parked)
+    def _boundary(self, running: list[WorkItem], *, preempting: bool) -> BoundaryPlan[WorkItem]:
+        """Plan this boundary under the lock and apply what the lock covers; return the plan.
 
-    def _boundary(
-        self, running: list[WorkItem], *, plan: bool
-    ) -> tuple[list[WorkItem], list[WorkItem], tuple[list[WorkItem], WorkItem] | None, bool]:
-        """Under the lock: (admitted, dropped, a preemption plan, whether to stop).
-
-        With ``plan`` and a preemption to make, nothing is admitted: the plan
-        (victims, newcomer) is returned for ``_preempt`` to carry out.
+        The policy is ``plan_boundary``'s; here ``running`` becomes the members it
+        keeps, what it takes becomes this worker's, and with nothing to do the
+        worker waits on the condition. With ``preempting`` and a preemption to
+        make, nothing is admitted: ``_preempt`` carries the plan out.
         """
         pool = self._pool
+        rules = self._rules if preempting else self._rules_no_preemption
         with self._cond:
             while True:
                 if self._fatal is not None:
                     raise self._fatal
-                dropped = [item for item in running if item.token.reason is not None]
-                if dropped:
-                    running[:] = [item for item in running if item.token.reason is None]
-                if pool.stopping:
-                    dropped += running
-                    for item in self.parked.drain():
-                        self._withdraw(item)
-                        dropped.append(item)
-                    for item in pool.fresh.drain():
-                        item.taken = True  # held here until released: counted running
-                        dropped.append(item)
-                    running.clear()
-                    for item in dropped:
-                        item.token.cancel(SHUTDOWN)
-                    return [], dropped, None, True
-                queues = self._queues(running)
-                if plan:
-                    found = self._plan(running, queues)
-                    if found is not None:
-                        return [], dropped, found, False
-                free = self._max_batch - len(running)
-                if not running and pool.idle:
-                    # Share the waiting requests with the idle workers (L42).
-                    waiting = sum(len(queue) for queue in queues)
-                    free = min(free, -(-waiting // (pool.idle + 1)))
-                admitted = take(
-                    queues,
-                    batch_key=running[0].batch_key if running else None,
-                    free=free,
-                    can_join=self._can_join,
+                plan = plan_boundary(
+                    self._members(running),
+                    fresh=pool.fresh,
+                    parked=self.parked,
+                    rules=rules,
+                    stopping=pool.stopping,
+                    idle=pool.idle,
                 )
-                self._taken(admitted)
-                if running or admitted or dropped:
-                    return admitted, dropped, None, False
+                running[:] = plan.keep
+                if plan.stop:
+                    for item in plan.drop:
+                        self._hold(item)  # held here until released: counted running
+                        item.token.cancel(AbortReason.SHUTDOWN)
+                if not plan.wait:
+                    self._taken(plan.admit)
+                    return plan
                 # Idle from here: whatever left the batch (a failed step, a whole
                 # call), statistics() must not count it while the worker waits.
                 self._note_left(running)
@@ -351,45 +359,20 @@ class Worker:
                 finally:
                     pool.idle -= 1
 
-    def _taken(self, items: list[WorkItem]) -> None:
+    def _hold(self, item: WorkItem) -> None:
+        """Mark ``item`` as held by this worker's threads, out of every queue; under the lock."""
+        item.taken = True
+        if item in self._parked_sizes:
+            self._unpark(item)
+
+    def _taken(self, items: Sequence[WorkItem]) -> None:
         """Mark ``items`` as this worker's, running; under the lock."""
         for item in items:
-            item.taken = True
+            self._hold(item)
             item.worker = self.index
-            if item in self._parked_sizes:
-                self._unpark(item)
 
-    def _plan(
-        self, running: list[WorkItem], queues: tuple[WaitingQueue[WorkItem], ...]
-    ) -> tuple[list[WorkItem], WorkItem] | None:
-        """The running members to suspend so the best-ranked waiting one can start (L61).
-
-        Only members of strictly lower priority that were suspended fewer than
-        ``max_preemptions`` times qualify. When the newcomer could join the batch
-        but it is full, the lowest-ranked qualifying member makes room; when only
-        an empty batch lets it start (another batch key, or a runner that takes no
-        joins), every member must qualify, or none is suspended. Under the lock.
-        """
-        best = best_of(queues) if running else None
-        if best is None:
-            return None
-        newcomer, key, priority, _ = best
-        joinable = self._can_join and key == running[0].batch_key
-        if joinable and len(running) < self._max_batch:
-            return None  # it joins at this boundary anyway
-        eligible = [
-            item
-            for item in running
-            if item.request.priority < priority and item.preemptions < self._max_preemptions
-        ]
-        if joinable:
-            return ([max(eligible, key=WorkItem.rank)], newcomer) if eligible else None
-        return (eligible, newcomer) if eligible and len(eligible) == len(running) else None
-
-    def _preempt(
-        self, running: list[WorkItem], victims: list[WorkItem], newcomer: WorkItem
-    ) -> list[WorkItem]:
-        """Carry out a plan: suspend ``victims`` for ``newcomer``; return what to admit.
+    def _preempt(self, running: list[WorkItem], plan: Preemption[WorkItem]) -> Sequence[WorkItem]:
+        """Carry out a plan: suspend its victims for its newcomer; return what to admit.
 
         Outside the lock: the runner's calls. All or nothing: if parking every
         victim would pass ``max_parked_bytes``, or the plan no longer stands once
@@ -399,6 +382,7 @@ class Worker:
         instead of parked.
         """
         runner = cast("SuspendableRunner[Any]", self._runner)
+        victims, newcomer = plan.victims, plan.newcomer
         sizes: list[int] = []
         for item in victims:
             try:
@@ -410,7 +394,7 @@ class Worker:
         limit = self._max_parked_bytes
         with self._cond:
             fits = limit is None or self.parked_bytes + sum(sizes) <= limit
-            stands = fits and self._plan(running, self._queues(running)) == (victims, newcomer)
+            stands = fits and self._replan(running) == plan
             if stands:
                 # Reserved: it is this worker's from now on, whatever the suspensions do.
                 if not self._pool.fresh.remove(newcomer):
@@ -433,10 +417,16 @@ class Worker:
                 release(self._runner, item, self._post, None)
         return [newcomer]
 
-    def _no_preemption(self, running: list[WorkItem]) -> list[WorkItem]:
-        admitted, dropped, _, _ = self._boundary(running, plan=False)
-        self._release_all(dropped)
-        return admitted
+    def _replan(self, running: list[WorkItem]) -> Preemption[WorkItem] | None:
+        """The preemption the policy would plan now; under the lock."""
+        pool = self._pool
+        queues = sources(pool.fresh, self.parked, busy=bool(running), idle=pool.idle)
+        return plan_preemption(self._members(running), queues, self._rules)
+
+    def _no_preemption(self, running: list[WorkItem]) -> Sequence[WorkItem]:
+        plan = self._boundary(running, preempting=False)
+        self._release_all(plan.drop)
+        return plan.admit
 
     def _park(self, item: WorkItem, size: int) -> None:
         """Put a suspended ``item`` in this worker's parked queue, at its rank; under the lock."""

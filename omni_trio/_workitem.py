@@ -15,10 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ._request import GenerationRequest
 
-__all__ = ["SHUTDOWN", "CancelToken", "WorkItem"]
-
-#: The cancellation reason the engine uses when shutdown cuts a request off.
-SHUTDOWN = "shutdown"
+__all__ = ["CancelToken", "WorkItem"]
 
 
 class CancelToken:

@@ -189,3 +189,36 @@ async def test_handle_abort_nowait_signals_only_its_request() -> None:
             async with engine.submit(req(num_steps=2), request_id="r") as new:
                 assert handle.abort_nowait() is False
                 await new.result()
+
+
+async def test_the_engine_gives_abort_reasons_of_one_vocabulary() -> None:
+    """The engine's own reasons are ``AbortReason`` members; a caller's str stays as given."""
+    runner = GatedRunner()
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=1)) as engine:
+            async with engine.submit(req(), request_id="run") as running:
+                await runner.wait_arrived(1)
+                by_default = engine.submit(req())
+                engine.abort_nowait(by_default.request_id)
+                given = engine.submit(req())
+                await given.abort(reason="mine")
+                async with engine.submit(req()) as left:
+                    pass
+                running.abort_nowait()
+                runner.open_gate()
+                with pytest.raises(ot.RequestAbortedError) as info:
+                    await running.result()
+        assert info.value.reason is ot.AbortReason.USER
+        assert by_default.abort_reason is ot.AbortReason.USER
+        assert left.abort_reason is ot.AbortReason.CONSUMER_GONE
+        assert given.abort_reason == "mine" and type(given.abort_reason) is str
+        await by_default.aclose()
+        await given.aclose()
+    assert [reason.value for reason in ot.AbortReason] == [
+        "user",
+        "consumer_gone",
+        "cancelled",
+        "shutdown",
+        "deadline",
+        "client_disconnected",
+    ]

@@ -21,15 +21,22 @@ import omni_trio as ot
 from omni_trio.testing import (
     FakeRunner,
     GatedRunner,
+    RequestProbe,
     assert_engine_idle,
     live_objects,
     probe,
+    probe_engine,
     wait_until,
 )
 
 from .util import BUDGET, Boom, read_gated, req
 
 pytestmark = pytest.mark.anyio
+
+
+def _asked_to_end(request: RequestProbe | None) -> bool:
+    """Whether ``request`` is live and something asked the engine to end it."""
+    return request is not None and request.cancel_reason is not None
 
 
 async def release_once_aborted(runner: GatedRunner, handle: ot.RequestHandle) -> None:
@@ -107,9 +114,7 @@ async def test_cancelled_generate_aborts_and_waits() -> None:
         async with ot.open_engine(runner) as engine, anyio.create_task_group() as outer:
 
             async def release_once_aborted() -> None:
-                await wait_until(
-                    lambda: "g" in engine._live and bool(engine._live["g"].token.reason)
-                )
+                await wait_until(lambda: _asked_to_end(probe_engine(engine).request("g")))
                 runner.open_gate()
 
             outer.start_soon(release_once_aborted)

@@ -21,6 +21,7 @@ from omni_trio.testing import (
     FakeState,
     GatedRunner,
     assert_engine_idle,
+    probe_engine,
     wait_until,
 )
 
@@ -146,11 +147,11 @@ async def test_idle_worker_statistics_after_a_failed_batch() -> None:
                 with pytest.raises(ot.RequestFailedError):
                     await handle.result()
             # Idle: the worker waits on the pool's condition; nothing changes now.
-            await wait_until(lambda: engine._pool.idle == 1)
+            await wait_until(lambda: probe_engine(engine).idle_workers == 1)
             stats = engine.statistics()
             assert stats.running == 0
             assert stats.workers[0].running == 0, stats.workers[0]
-            assert engine._workers[0].steps_left == 0
+            assert probe_engine(engine).workers[0].steps_left == 0
 
 
 class FlakyRunner(FakeRunner):

@@ -17,9 +17,9 @@ import trio.testing
 
 import omni_trio as ot
 from omni_trio._request import MAX_DEADLINE_S
-from omni_trio.testing import FakeRunner, GatedRunner, wait_until
+from omni_trio.testing import FakeRunner, GatedRunner, assume_step_time, probe_engine, wait_until
 
-from .test_priority import RecordingRunner
+from .support.core import RecordingRunner
 from .util import BUDGET, req
 
 
@@ -137,7 +137,7 @@ async def test_deadline_never_fires_for_an_ended_request(
         async with engine.submit(req(deadline_s=10_000), request_id="r") as first:
             await first.result()
         autojump_clock.autojump_threshold = 0
-        assert len(engine._deadlines) == 0
+        assert probe_engine(engine).pending_deadlines == 0
         second = engine.submit(req(), request_id="r")
         await runner.wait_arrived(4)
         await trio.sleep(20_000)
@@ -160,11 +160,11 @@ async def test_pending_deadlines_do_not_delay_shutdown() -> None:
         async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=1)) as engine:
             handles = [engine.submit(req(deadline_s=10_000), request_id=f"r{i}") for i in range(20)]
             await runner.wait_arrived(1)
-            assert len(engine._deadlines) == 20
+            assert probe_engine(engine).pending_deadlines == 20
             runner.open_gate()
         assert all(handle.status.is_terminal for handle in handles)
         assert all(handle.status is ot.RequestStatus.ABORTED for handle in handles[1:])
-        assert len(engine._deadlines) == 0
+        assert probe_engine(engine).pending_deadlines == 0
         for handle in handles:
             await handle.aclose()
 
@@ -186,9 +186,11 @@ async def test_unmeetable_deadline_is_refused_at_admission() -> None:
             await runner.wait_arrived(1)
             runner.release(1)
             await runner.wait_arrived(2)
-            assert engine._workers[0].step_s is not None
-            engine._workers[0].step_s = 1.0  # the worker is held in a step: nothing overwrites it
-            assert engine._workers[0].steps_left == 3
+            [worker] = probe_engine(engine).workers
+            assert worker.step_s is not None
+            assume_step_time(engine, 1.0)  # the worker is held in a step: nothing overwrites it
+            assert worker.step_s == 1.0
+            assert worker.steps_left == 3
             others = [
                 engine.submit(req(num_steps=5, priority=1), request_id="ahead"),
                 engine.submit(req(num_steps=7, priority=-1), request_id="behind"),
@@ -215,8 +217,9 @@ async def test_step_time_is_measured_by_the_worker() -> None:
     runner = FakeRunner()
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(runner) as engine:
-            assert engine._workers[0].step_s is None
+            [worker] = probe_engine(engine).workers
+            assert worker.step_s is None
             await engine.generate(req(num_steps=3))
-            await wait_until(lambda: engine._workers[0].steps_left == 0)
-            step_s = engine._workers[0].step_s
+            await wait_until(lambda: worker.steps_left == 0)
+            step_s = worker.step_s
             assert step_s is not None and 0.0 < step_s < math.inf

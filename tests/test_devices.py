@@ -21,6 +21,8 @@ from omni_trio.testing import (
     FakeRunner,
     assert_nothing_left,
     check_engine_invariants,
+    probe,
+    probe_engine,
     wait_until,
 )
 
@@ -293,8 +295,8 @@ async def test_a_consumer_leaving_on_each_worker_aborts_and_waits_for_release(wa
                         group.start_soon(cancel_result)
                     else:
                         group.start_soon(handle.aclose)
-                    record = engine._live[handle.request_id]
-                    await wait_until(lambda record=record: record.token.reason is not None)  # type: ignore[misc]
+                    view = probe(handle)
+                    await wait_until(lambda view=view: view.cancel_reason is not None)  # type: ignore[misc]
                     assert handle.status is ot.RequestStatus.RUNNING  # held in its step
                     runner.open_gate()
                 # The task returned only after the release.
@@ -303,7 +305,7 @@ async def test_a_consumer_leaving_on_each_worker_aborts_and_waits_for_release(wa
             for handle in handles:
                 await handle.aclose()
             await wait_until(lambda: all(w.running == 0 for w in engine.statistics().workers))
-            assert not engine._live
+            assert not probe_engine(engine).live_ids
             check_engine_invariants(engine, Both(runners))
 
 

@@ -24,7 +24,16 @@ import pytest
 import omni_trio as ot
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ["omni_trio", "omni_trio.runners", "omni_trio.testing", "omni_trio.serve"]
+PACKAGES = [
+    "omni_trio",
+    "omni_trio.abc",
+    "omni_trio.runners",
+    "omni_trio.testing",
+    "omni_trio.serve",
+]
+#: The runner seam: ``omni_trio.runners`` re-exports ``omni_trio.abc``'s names, which
+#: keep the name ``omni_trio.abc`` whatever a program imports first.
+SEAM = frozenset(ot.abc.__all__)
 
 
 def _public_names(package: types.ModuleType) -> set[str]:
@@ -53,7 +62,8 @@ def test_exports_carry_the_public_module(name: str) -> None:
     for export in package.__all__:
         obj = getattr(package, export)
         if isinstance(obj, type | types.FunctionType):
-            assert obj.__module__ == name, (export, obj.__module__)
+            home = "omni_trio.abc" if export in SEAM else name
+            assert obj.__module__ == home, (export, obj.__module__)
             # The public path finds the object itself: what pickle relies on.
             assert getattr(sys.modules[obj.__module__], obj.__qualname__) is obj, export
         else:
@@ -105,9 +115,9 @@ def test_errors_read_the_same() -> None:
     ]
 
 
-@pytest.mark.parametrize("name", ["omni_trio", "omni_trio.serve"])
+@pytest.mark.parametrize("name", ["omni_trio", "omni_trio.abc", "omni_trio.serve"])
 def test_import_loads_no_torch(name: str) -> None:
-    """``import omni_trio`` (and the HTTP layer) loads neither torch nor diffusers."""
+    """``import omni_trio`` (the runner seam and the HTTP layer too) loads no torch or diffusers."""
     code = (
         f"import {name}, sys; "
         f"assert {name}.__file__.startswith({str(ROOT)!r}), {name}.__file__; "
@@ -164,3 +174,20 @@ def test_endpoints_import_neither_their_app_nor_each_other(endpoint: str) -> Non
         imported = _imports(ROOT / "omni_trio" / "serve" / f"{module}.py")
         assert "omni_trio.serve._errors" in imported  # the resolution works
         assert not imported & forbidden, (module, sorted(imported & forbidden))
+
+
+def test_the_seam_is_one_set_of_objects_named_omni_trio_abc() -> None:
+    """``omni_trio.runners`` re-exports ``omni_trio.abc``'s objects; they pickle as abc's."""
+    import omni_trio.abc
+    import omni_trio.runners
+
+    for name in omni_trio.abc.__all__:
+        assert getattr(omni_trio.runners, name) is getattr(omni_trio.abc, name), name
+    assert _pickled_class(pickle.dumps(omni_trio.abc.StopRun())) == ("omni_trio.abc", "StopRun")
+    # Whichever is imported first (a fresh interpreter each way).
+    for first in ("omni_trio.runners", "omni_trio.abc"):
+        code = f"import {first}, omni_trio.runners as r; print(r.Runner.__module__)"
+        result = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+        assert result.stdout.strip() == "omni_trio.abc", (first, result.stderr)

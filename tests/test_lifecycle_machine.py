@@ -37,6 +37,10 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -44,12 +48,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import omni_trio as ot
+from omni_trio._worker import Worker
 from omni_trio.testing import assert_nothing_left
 
 from .lifecycle.clock import virtual_clock_options
 from .lifecycle.model import Machine, MachineRunner, hook_submit, note
 from .lifecycle.ops import MAX_SIZE, MAX_STEPS, Advance, Plan, plans, two_worker_plans
-from .util import WorkerKilled
+from .util import BUDGET, WorkerKilled
+
+WAITING = ot.RequestStatus.WAITING
 
 _HEALTH = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 settings.register_profile(
@@ -67,6 +74,34 @@ TWO_WORKER_EXAMPLES = 60 if PROFILE == "ci" else 1000
 
 #: Hang budget of one operation, and of one example's teardown (seconds).
 OP_BUDGET = 10.0
+
+
+def block_until(predicate: Callable[[], bool]) -> None:
+    """Wait for the engine's threads in the loop's thread, blocking it: the loop cannot run.
+
+    The worker thread needs nothing of the loop (L20), so what it does next happens
+    meanwhile. Polls, under the hang budget ``BUDGET``; never a pause to let time pass.
+    """
+    given_up = time.monotonic() + BUDGET
+    while not predicate():
+        assert time.monotonic() < given_up, "the engine's threads did not get there"
+        time.sleep(0.001)
+
+
+def at_the_boundary(worker: threading.Thread) -> bool:
+    """Whether ``worker``'s step loop waits for the pool's lock in ``Worker._boundary``.
+
+    There it enters ``with self._cond`` (``Condition.__enter__``, then the lock's
+    acquire, in C: no frame of its own); past the lock it would be in the policy's
+    frames, or on the condition (``Condition.wait``).
+    """
+    frame = sys._current_frames().get(worker.ident or -1)
+    return (
+        frame is not None
+        and frame.f_code is threading.Condition.__enter__.__code__
+        and frame.f_back is not None
+        and frame.f_back.f_code is Worker._boundary.__code__
+    )
 
 
 @pytest.fixture(params=["trio", "asyncio"])
@@ -210,16 +245,15 @@ async def test_invariants_hold_while_the_worker_takes_a_request() -> None:
     "a" holds the worker at the gate, "b" waits. Inside the check, right after it
     reads the statistics ("b" waiting), "a"'s step is let go and the worker reaches
     the boundary where it would take "b". The check reads the counts and the
-    records' statuses under the workers' lock, so the worker waits for it: "b" still
-    reads WAITING when the check reads it. (Without the lock the worker takes "b"
-    within the 50 ms given, and the check sees it waiting in the counts and running
-    in the records.)
+    records' statuses under the workers' lock, so the worker waits for it at the
+    boundary, and "b" still reads WAITING when the check reads it. Exact: the check
+    goes on once the worker's step loop is at the lock, or once "b" was taken (as it
+    would be, were the lock not held: then the check sees "b" waiting in the counts
+    and running in the records).
     """
-    import time
+    from omni_trio.testing import GatedRunner, check_engine_invariants, probe
 
-    from omni_trio.testing import GatedRunner, check_engine_invariants
-
-    from .util import BUDGET, req
+    from .util import req
 
     runner = GatedRunner()
     with anyio.fail_after(BUDGET):
@@ -227,15 +261,16 @@ async def test_invariants_hold_while_the_worker_takes_a_request() -> None:
             a = engine.submit(req(num_steps=1), request_id="a")
             await runner.wait_arrived(1)
             b = engine.submit(req(num_steps=1), request_id="b")
+            [worker] = [t for t in engine.threads if t.name.endswith("-worker")]
             statistics = engine.statistics
+            seen: list[bool] = []
 
             def racing_statistics() -> ot.EngineStatistics:
                 stats = statistics()
                 runner.release(1)  # "a" ends; the worker would take "b" at the boundary
-                given_up = time.monotonic() + BUDGET
-                while runner.steps_run < 1 and time.monotonic() < given_up:
-                    time.sleep(0.001)  # the worker thread needs nothing of the loop (L20)
-                time.sleep(0.05)  # time enough to take "b", were the lock not held
+                block_until(lambda: runner.steps_run == 1)
+                block_until(lambda: at_the_boundary(worker) or probe(b).status is not WAITING)
+                seen.append(at_the_boundary(worker))
                 return stats
 
             engine.statistics = racing_statistics  # type: ignore[method-assign]
@@ -252,6 +287,7 @@ async def test_invariants_hold_while_the_worker_takes_a_request() -> None:
                     await handle.result()
     assert b.metrics is not None and b.metrics.steps_done == 1
     assert failure is None, failure
+    assert seen == [True], "the check went on before the worker reached the lock"
 
 
 @pytest.mark.anyio
@@ -266,11 +302,9 @@ async def test_settling_is_not_fooled_by_a_step_between_its_reads() -> None:
     the engine is not settled. (Read after the records, the gate shows "b"'s step
     waiting and the records "a" before its step: settled, wrongly.)
     """
-    import time
-
     from omni_trio.testing import wait_until
 
-    from .util import BUDGET, req
+    from .util import req
 
     runner = MachineRunner(max_batch_size=1)
     plan = Plan(
@@ -286,9 +320,7 @@ async def test_settling_is_not_fooled_by_a_step_between_its_reads() -> None:
                 at_gate = runner.at_gate
 
                 def racing_at_gate() -> bool:
-                    given_up = time.monotonic() + BUDGET
-                    while runner.arrived < 2 and time.monotonic() < given_up:
-                        time.sleep(0.001)  # the worker thread needs nothing of the loop
+                    block_until(lambda: runner.arrived == 2)
                     return at_gate()
 
                 runner.release(1)
@@ -319,11 +351,9 @@ async def test_invariants_hold_while_a_dying_worker_drops_its_suspended_requests
     as its own. Found by the machine's soak: its settling polls
     ``check_engine_invariants``, which failed in that window.)
     """
-    import time
-
     from omni_trio.testing import check_engine_invariants, wait_until
 
-    from .util import BUDGET, req
+    from .util import req
 
     runner = MachineRunner(max_batch_size=1)
     failure: str | None = None
@@ -339,9 +369,7 @@ async def test_invariants_hold_while_a_dying_worker_drops_its_suspended_requests
 
                 def check_once_closed() -> str | None:
                     # Blocking: the loop cannot run, so it cannot learn of the death.
-                    given_up = time.monotonic() + BUDGET
-                    while not runner.closed and time.monotonic() < given_up:
-                        time.sleep(0.001)
+                    block_until(lambda: runner.closed)
                     try:
                         check_engine_invariants(engine, runner)
                     except AssertionError as exc:

@@ -20,9 +20,15 @@ import trio.testing
 
 import omni_trio as ot
 from omni_trio.runners import RunnerCapabilities
-from omni_trio.testing import FakeState, GatedRunner, assert_nothing_left, wait_until
+from omni_trio.testing import (
+    FakeState,
+    GatedRunner,
+    assert_nothing_left,
+    probe_engine,
+    wait_until,
+)
 
-from .test_priority import RecordingRunner
+from .support.core import RecordingRunner
 from .util import BUDGET, expected_images, req
 
 pytestmark = pytest.mark.filterwarnings("error")
@@ -90,8 +96,7 @@ async def test_higher_priority_suspends_the_running_request_which_resumes_exactl
             events: list[int] = []
 
             async def read_low() -> None:
-                async for event in low:
-                    events.append(event.step)
+                events.extend([event.step async for event in low])
 
             async with anyio.create_task_group() as group:
                 group.start_soon(read_low)
@@ -391,7 +396,7 @@ async def test_park_on_host_and_the_parked_bytes_bound(park_on_host: bool) -> No
             low, mid = await low_suspended_for(
                 engine, runner, req(num_steps=5), req(num_steps=3, priority=1)
             )
-            assert engine._workers[0].parked_bytes == one_state
+            assert probe_engine(engine).workers[0].parked_bytes == one_state
             top = engine.submit(req(num_steps=1, priority=2), request_id="top")
             runner.open_gate()
             for handle in (low, mid, top):

@@ -8,40 +8,14 @@ starts is read from the runner's own calls (``prepare``, the members of each
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
-from typing import Any
-
 import anyio
 import pytest
 
 import omni_trio as ot
 from omni_trio._request import MAX_PRIORITY
-from omni_trio.testing import FakeState, GatedRunner
 
+from .support.core import RecordingRunner
 from .util import BUDGET, req
-
-
-class RecordingRunner(GatedRunner):
-    """A ``GatedRunner`` that records which requests it prepares and steps, in order."""
-
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        self._order_lock = threading.Lock()
-        self.prepared: list[str] = []
-        self.batches: list[tuple[str, ...]] = []
-
-    def prepare(self, request: ot.GenerationRequest, request_id: str) -> FakeState:
-        """Record the start, then prepare."""
-        with self._order_lock:
-            self.prepared.append(request_id)
-        return super().prepare(request, request_id)
-
-    def step(self, states: Sequence[FakeState]) -> None:
-        """Record the batch's members, then step."""
-        with self._order_lock:
-            self.batches.append(tuple(state.request_id for state in states))
-        super().step(states)
 
 
 def test_priority_defaults_to_zero() -> None:

@@ -1,11 +1,14 @@
-"""The pure waiting queue: property tests over generated operation lists.
+"""The pure waiting queue and boundary policy: property tests over generated inputs.
 
 Determinism: no threads, no event loop; Hypothesis drives plain method calls and
-checks them against a simple list-based model.
+checks them against simple models (a sorted list; the lifecycle machine's worker
+model for the boundary policy).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 from unittest import mock
@@ -14,8 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import omni_trio as ot
 from omni_trio import _scheduler
-from omni_trio._scheduler import WaitingQueue
+from omni_trio._scheduler import BoundaryRules, Member, Preemption, WaitingQueue, plan_boundary
+from tests.lifecycle.sched import Job, WorkerModel
 
 
 @dataclass(eq=False)
@@ -266,3 +271,220 @@ def test_a_take_that_leaves_withdrawn_entries_behind_compacts_the_heap() -> None
     assert queue.take(batch_key=None, free=half // 2, can_join=True) == items[: half // 2]
     assert len(queue) == half - half // 2
     assert len(queue._heap) - len(queue) <= max(_scheduler._MIN_REBUILD, len(queue))
+
+
+# -- the boundary policy -------------------------------------------------------
+#
+# ``plan_boundary`` against the lifecycle machine's worker model (``WorkerModel``,
+# written from the contract, not from the engine's code): on generated batches and
+# queues, the plan and the model's boundary agree on what drops, what is suspended
+# and what runs next. The model is one worker's (no idle peers) and joins; the idle
+# share and runners without joins are checked on their own below.
+
+_deadlines = st.sampled_from([math.inf, 1.0, 2.0])
+
+
+@dataclass(frozen=True, kw_only=True)
+class Boundary:
+    """One generated boundary: the worker's rules, its batch and its queues."""
+
+    max_batch: int
+    max_preemptions: int
+    preempting: bool
+    stopping: bool
+    running: list[Job]
+    fresh: list[Job]
+    parked: list[Job]
+
+
+def _job(where: str, priority: int, key: int, deadline: float, admission: int) -> Job:
+    request = ot.GenerationRequest(height=8 * (1 + key), width=8, priority=priority)
+    return Job(f"j{admission}", request, (-priority, deadline, admission), where=where)  # type: ignore[arg-type]
+
+
+@st.composite
+def boundaries(draw: st.DrawFn) -> Boundary:
+    """A batch of one key (at most ``max_batch``), some of its tokens set, and queues."""
+    max_batch = draw(st.integers(1, 3))
+    key = draw(st.integers(0, 1))
+    admissions = itertools.count()
+    running: list[Job] = []
+    # A full batch half the time: what preemption needs for a newcomer that could join.
+    for _ in range(draw(st.just(max_batch) | st.integers(0, max_batch))):
+        job = _job(
+            "running", draw(st.sampled_from([0, 1, 2])), key, draw(_deadlines), next(admissions)
+        )
+        job.preemptions = draw(st.sampled_from([0, 1]))
+        # Only a running member waits for a boundary to see its token: a waiting
+        # one is withdrawn at once (L6).
+        job.token = draw(st.sampled_from([None, None, None, "user"]))
+        running.append(job)
+    # Hypothesis draws the first of a ``sampled_from`` more often: waiting priorities
+    # lean higher than running ones (preemption needs a better newcomer), and most
+    # boundaries preempt if they should, and do not stop.
+    waiting = st.tuples(st.sampled_from([2, 1, 0]), st.integers(0, 1), _deadlines)
+    fresh = [
+        _job("fresh", *spec, next(admissions))
+        for spec in draw(st.lists(waiting, min_size=1, max_size=4))
+    ]
+    parked = [
+        _job("parked", *spec, next(admissions)) for spec in draw(st.lists(waiting, max_size=3))
+    ]
+    for job in parked:
+        job.preemptions = draw(st.integers(1, 2))
+    # Drawn admission order is not rank order: shuffle who was admitted first.
+    order = draw(st.permutations(range(len(running) + len(fresh) + len(parked))))
+    for job, admission in zip([*running, *fresh, *parked], order, strict=True):
+        job.rank = (*job.rank[:2], admission)
+    return Boundary(
+        max_batch=max_batch,
+        max_preemptions=draw(st.sampled_from([1, 2, 0])),
+        preempting=draw(st.sampled_from([True, True, True, False])),
+        stopping=draw(st.sampled_from([False] * 7 + [True])),
+        running=running,
+        fresh=fresh,
+        parked=parked,
+    )
+
+
+def _queue(jobs: list[Job]) -> WaitingQueue[Job]:
+    queue: WaitingQueue[Job] = WaitingQueue()
+    for job in jobs:
+        queue.push(job, job.key, priority=job.priority, deadline=job.rank[1], sequence=job.rank[2])
+    return queue
+
+
+def _members(jobs: list[Job]) -> list[Member[Job]]:
+    return [
+        Member(
+            item=job,
+            key=job.key,
+            rank=job.rank,
+            preemptions=job.preemptions,
+            stopped=job.token is not None,
+        )
+        for job in jobs
+    ]
+
+
+@settings(max_examples=500)
+@given(boundaries())
+def test_boundary_plan_agrees_with_the_worker_model(boundary: Boundary) -> None:
+    """L7, L32, L60, L61: the plan drops, suspends and admits what the worker model does."""
+    running, fresh, parked = boundary.running, boundary.fresh, boundary.parked
+    jobs = [*running, *fresh, *parked]
+    fresh_queue, parked_queue = _queue(fresh), _queue(parked)
+    rules = BoundaryRules(
+        max_batch=boundary.max_batch,
+        can_join=True,
+        preempting=boundary.preempting,
+        max_preemptions=boundary.max_preemptions,
+    )
+    plan = plan_boundary(
+        _members(running),
+        fresh=fresh_queue,
+        parked=parked_queue,
+        rules=rules,
+        stopping=boundary.stopping,
+        idle=0,
+    )
+    # Without preemption the model is a worker whose members may never be suspended.
+    model = WorkerModel(
+        max_batch=boundary.max_batch,
+        max_preemptions=boundary.max_preemptions if boundary.preempting else 0,
+        fresh=list(fresh),
+        parked=list(parked),
+        running=list(running),
+        stopping=boundary.stopping,
+    )
+    model.boundary()
+
+    assert plan.stop == model.exited
+    assert set(plan.drop) == {job for job in jobs if job.where == "ended"}
+    victims = plan.preempt.victims if plan.preempt is not None else ()
+    assert set(victims) == {job for job in running if job.where == "parked"}
+    if plan.preempt is not None:
+        assert not plan.admit
+        # The worker takes the newcomer out of its queue once the victims are parked.
+        starting = [plan.preempt.newcomer]
+        assert fresh_queue.remove(plan.preempt.newcomer) or parked_queue.remove(
+            plan.preempt.newcomer
+        )
+    else:
+        starting = list(plan.admit)
+    assert model.running == [job for job in plan.keep if job not in victims] + starting
+    # What the plan left waiting is what the model did.
+    assert set(fresh_queue.drain()) == set(model.fresh)
+    assert set(parked_queue.drain()) == {job for job in model.parked if job not in victims}
+    assert plan.wait == (not running and not model.running and not boundary.stopping)
+
+
+def _waiting_jobs(count: int, *, key: int = 0, priority: int = 0) -> list[Job]:
+    """``count`` jobs of one batch key and priority, admitted in order after any others."""
+    request = ot.GenerationRequest(height=8 * (1 + key), width=8, priority=priority)
+    return [
+        Job(f"j{key}.{priority}.{n}", request, (-priority, math.inf, next(_admissions)))
+        for n in range(count)
+    ]
+
+
+_admissions = itertools.count()
+
+
+@given(st.integers(0, 12), st.integers(0, 4), st.integers(1, 8))
+def test_an_idle_worker_takes_its_share_beside_idle_ones(
+    waiting: int, idle: int, max_batch: int
+) -> None:
+    """L42: a worker that wakes beside ``idle`` idle ones takes its share, not a whole batch."""
+    fresh = _queue(_waiting_jobs(waiting))
+    rules = BoundaryRules(max_batch=max_batch, can_join=True, preempting=True, max_preemptions=1)
+    plan = plan_boundary(
+        [], fresh=fresh, parked=WaitingQueue(), rules=rules, stopping=False, idle=idle
+    )
+    share = -(-waiting // (idle + 1))
+    assert len(plan.admit) == min(max_batch, share)
+    assert plan.wait == (waiting == 0)
+
+
+@given(st.integers(1, 3), st.integers(0, 3), st.integers(1, 3), st.booleans())
+def test_a_busy_worker_beside_an_idle_one_takes_only_its_suspended(
+    running: int, fresh_count: int, parked_count: int, urgent: bool
+) -> None:
+    """L42, L61: while another worker idles, a busy one takes and preempts for no new request."""
+    batch = _waiting_jobs(running)
+    fresh = _waiting_jobs(fresh_count, key=1 if urgent else 0, priority=2 if urgent else 0)
+    parked = _waiting_jobs(parked_count, key=2)
+    fresh_queue, parked_queue = _queue(fresh), _queue(parked)
+    rules = BoundaryRules(max_batch=8, can_join=True, preempting=True, max_preemptions=1)
+    plan = plan_boundary(
+        _members(batch), fresh=fresh_queue, parked=parked_queue, rules=rules, stopping=False, idle=1
+    )
+    assert plan.preempt is None
+    assert plan.admit == ()  # the suspended ones have another key than the batch
+    assert len(fresh_queue) == fresh_count
+
+
+def test_a_runner_without_joins_takes_only_into_an_empty_batch() -> None:
+    """L60: without joins nothing enters a running batch; a priority empties it (L61)."""
+    batch = _waiting_jobs(1)
+    [newcomer] = _waiting_jobs(1, priority=1)
+    rules = BoundaryRules(max_batch=4, can_join=False, preempting=False, max_preemptions=1)
+    plan = plan_boundary(
+        _members(batch),
+        fresh=_queue([newcomer]),
+        parked=WaitingQueue(),
+        rules=rules,
+        stopping=False,
+        idle=0,
+    )
+    assert plan.keep == tuple(batch) and plan.admit == () and plan.preempt is None
+    rules = dataclasses.replace(rules, preempting=True)
+    plan = plan_boundary(
+        _members(batch),
+        fresh=_queue([newcomer]),
+        parked=WaitingQueue(),
+        rules=rules,
+        stopping=False,
+        idle=0,
+    )
+    assert plan.preempt == Preemption(victims=tuple(batch), newcomer=newcomer)

@@ -9,7 +9,15 @@ import pytest
 import torch
 
 import omni_trio as ot
-from omni_trio.testing import FakeRunner, GatedRunner, RequestLedger, engine_threads, wait_until
+from omni_trio.testing import (
+    FakeRunner,
+    GatedRunner,
+    RequestLedger,
+    RequestProbe,
+    engine_threads,
+    probe,
+    wait_until,
+)
 
 from .util import BUDGET, req, solo_images, status
 
@@ -96,12 +104,15 @@ async def test_ledger_follows_a_suspended_request_back_to_waiting() -> None:
 
 
 @pytest.mark.anyio
-async def test_ledger_flags_running_back_to_waiting_without_a_suspension() -> None:
+async def test_ledger_flags_running_back_to_waiting_without_a_suspension(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """L15, L61: RUNNING -> WAITING is legal only for a suspended request.
 
-    While the worker waits at the gate inside "a"'s step, the test makes "a"'s
-    record read WAITING again by hand, counting no suspension: the ledger, which
-    saw it RUNNING, flags it. Counting one suspension makes the same status legal.
+    While the worker waits at the gate inside "a"'s step, the probe the ledger reads
+    through (``RequestProbe``) says WAITING again, with no suspension counted: the
+    ledger, which saw "a" RUNNING, flags it. One suspension counted makes the same
+    status legal. The engine's own state is never touched.
     """
     runner = GatedRunner()
     ledger = RequestLedger()
@@ -111,19 +122,25 @@ async def test_ledger_flags_running_back_to_waiting_without_a_suspension() -> No
                 ledger.track(handle)
                 await runner.wait_arrived(1)
                 ledger.check(engine)
-                record = handle._record
-                # The worker waits at the gate: nothing else writes these now.
-                record.taken = False
-                try:
+                with monkeypatch.context() as patch:
+                    patch.setattr(
+                        RequestProbe, "status", property(lambda _: ot.RequestStatus.WAITING)
+                    )
                     with pytest.raises(AssertionError, match="never suspended"):
                         ledger.check()
-                    record.preemptions += 1
+                    patch.setattr(RequestProbe, "preemptions", property(lambda _: 1))
                     ledger.check()
-                finally:
-                    record.taken = True
-                    record.preemptions -= 1
+                assert probe(handle).status is ot.RequestStatus.RUNNING
                 runner.release(1)
                 ledger.outcome(handle, await handle.result())
             await wait_until(lambda: runner.live_states == 0)
             ledger.check(engine)
     assert ledger.tracked == 0
+
+
+def test_rss_bytes_is_deprecated() -> None:
+    """``rss_bytes`` still reads a size, with a ``DeprecationWarning`` (removed in 0.3.0)."""
+    import omni_trio.testing
+
+    with pytest.warns(DeprecationWarning, match=r"removed in 0\.3\.0"):
+        assert omni_trio.testing.rss_bytes(trim=True) > 0

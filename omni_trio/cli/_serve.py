@@ -260,7 +260,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _threads_ended() -> int:
     """Log the threads still alive once the server returned: 0 if none, else ``EXIT_ERROR``."""
-    from ..testing import engine_threads
+    from .._threads import engine_threads
 
     left = [t.name for t in engine_threads()]
     others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]

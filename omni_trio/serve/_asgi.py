@@ -25,6 +25,7 @@ import anyio
 import anyio.lowlevel
 from starlette.responses import JSONResponse
 
+from .._reasons import AbortReason
 from ._errors import ApiError
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 #: The abort reason of a request whose client disconnected.
-CLIENT_GONE = "client_disconnected"
+CLIENT_GONE = AbortReason.CLIENT_DISCONNECTED
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),

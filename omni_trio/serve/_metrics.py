@@ -60,6 +60,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .._outputs import EngineStatistics, RequestMetrics, RequestStatus
+from .._reasons import AbortReason
 
 if TYPE_CHECKING:
     from .._handle import RequestHandle
@@ -279,7 +280,8 @@ class ServeMetrics:
             outcome = "completed"
         elif status is RequestStatus.ABORTED:
             reason = handle.abort_reason
-            outcome = reason if reason in ("shutdown", "deadline") else "aborted"
+            stops = (AbortReason.SHUTDOWN, AbortReason.DEADLINE)
+            outcome = str(reason) if reason in stops else "aborted"
         else:
             outcome = "failed"
         self.count(outcome)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import gc
-import threading
 from collections.abc import Callable
 from typing import TypeVar
 
 import anyio
 
 from .._engine import Engine
+from .._threads import ENGINE_THREAD_PREFIX, engine_threads
 
 __all__ = [
     "ENGINE_THREAD_PREFIX",
@@ -20,15 +20,7 @@ __all__ = [
     "wait_until",
 ]
 
-#: Every thread an engine starts has a name that begins with this.
-ENGINE_THREAD_PREFIX = "omni-trio-"
-
 T = TypeVar("T")
-
-
-def engine_threads() -> list[threading.Thread]:
-    """Return the live threads that some engine started."""
-    return [t for t in threading.enumerate() if t.name.startswith(ENGINE_THREAD_PREFIX)]
 
 
 def assert_no_engine_threads() -> None:

@@ -11,7 +11,6 @@ built on omni_trio can run the same ones:
   ends exactly once, that nothing is delivered after its end, and that the
   statistics count each request where its handle says it is (L15, L17, L19).
 - ``assert_nothing_left(engine, runner)``: after shutdown, nothing is alive (L35).
-- ``rss_bytes(trim=True)``: the process's resident memory now, for soak tests.
 - ``RunnerCounters``: the protocol of the runner counters these read.
 
 All of them must be called from the event loop's thread (the thread that runs the
@@ -21,7 +20,6 @@ engine), never from a runner.
 from __future__ import annotations
 
 import math
-import os
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -36,7 +34,9 @@ from .._errors import (
     RequestFailedError,
 )
 from .._outputs import EngineStatistics, GenerationOutput, RequestMetrics, RequestStatus, StepEvent
+from .._reasons import AbortReason
 from ._checks import assert_no_engine_threads
+from ._probe import RequestProbe
 
 if TYPE_CHECKING:
     from .._engine import Engine
@@ -49,7 +49,6 @@ __all__ = [
     "assert_nothing_left",
     "check_engine_invariants",
     "engine_settled",
-    "rss_bytes",
 ]
 
 _STATUSES = tuple(RequestStatus)
@@ -200,50 +199,11 @@ def assert_nothing_left(
             assert runner.live_states == 0, f"{runner.live_states} runner states never discarded"
 
 
-def rss_bytes(*, trim: bool = False) -> int:
-    """Return this process's resident set size in bytes.
-
-    Reads ``/proc/self/statm`` (Linux); elsewhere falls back to the peak RSS from
-    ``getrusage``, which only ever grows (so a growth check stays conservative).
-
-    Args:
-        trim: first hand the C allocator's free memory back to the system (glibc's
-            ``malloc_trim``; a no-op elsewhere), so that the reading follows live
-            memory rather than what the allocator happens to keep cached. Call
-            ``gc.collect()`` before, too.
-    """
-    if trim:
-        _malloc_trim()
-    try:
-        with open("/proc/self/statm", "rb") as statm:
-            resident_pages = int(statm.read().split()[1])
-    except (OSError, IndexError, ValueError):
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        # Linux and the BSDs report KiB, macOS bytes.
-        return peak if os.uname().sysname == "Darwin" else peak * 1024
-    return resident_pages * os.sysconf("SC_PAGE_SIZE")
-
-
-def _malloc_trim() -> None:
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
-        return  # not glibc
-    trim.argtypes = [ctypes.c_size_t]
-    trim(0)
-
-
 @dataclass(eq=False, slots=True)
 class _Entry:
     record: Record
+    # What the status checks read (``_moment``): the record, through the public view.
+    probe: RequestProbe
     handle: weakref.ref[RequestHandle]
     status: RequestStatus
     metrics: RequestMetrics | None = None
@@ -266,11 +226,11 @@ class _Moment:
     suspended: bool
 
 
-def _moment(record: Record) -> _Moment:
-    """Read ``record`` now; the suspensions first (see ``_check_waiting``)."""
-    preemptions = record.preemptions
-    status = record.status
-    return _Moment(preemptions=preemptions, status=status, suspended=record.t_suspended is not None)
+def _moment(probe: RequestProbe) -> _Moment:
+    """Read a request now, through its probe; the suspensions first (see ``_check_waiting``)."""
+    preemptions = probe.preemptions
+    status = probe.status
+    return _Moment(preemptions=preemptions, status=status, suspended=probe.is_suspended)
 
 
 @dataclass(eq=False, slots=True)
@@ -321,7 +281,9 @@ class RequestLedger:
         """Start following the request of ``handle`` (right after ``submit``)."""
         record = handle._record
         assert id(record) not in self._entries, f"{handle!r} tracked twice"
-        self._entries[id(record)] = _Entry(record, weakref.ref(handle), record.status)
+        self._entries[id(record)] = _Entry(
+            record, RequestProbe(record), weakref.ref(handle), record.status
+        )
 
     def _entry(self, handle: RequestHandle) -> _Entry | None:
         return self._entries.get(id(handle._record))
@@ -398,12 +360,12 @@ class RequestLedger:
         dead = engine is not None and engine.statistics().is_dead
         entries = list(self._entries.items())
         if engine is None:
-            moments = [_moment(entry.record) for _, entry in entries]
+            moments = [_moment(entry.probe) for _, entry in entries]
         else:
             # Under the workers' lock, which a worker holds to take or suspend a
             # request: each status is read with the suspension that explains it.
             with engine._pool.cond:
-                moments = [_moment(entry.record) for _, entry in entries]
+                moments = [_moment(entry.probe) for _, entry in entries]
         for (key, entry), moment in zip(entries, moments, strict=True):
             if self._check_entry(entry, moment, engine, dead):
                 del self._entries[key]
@@ -467,7 +429,7 @@ def _outcome_aborted(handle: RequestHandle, error: BaseException) -> None:
     if isinstance(error, RequestAbortedError):
         assert error.reason == handle.abort_reason, (error.reason, handle)
     else:
-        assert handle.abort_reason == "shutdown", handle.abort_reason
+        assert handle.abort_reason == AbortReason.SHUTDOWN, handle.abort_reason
 
 
 def _outcome_failed(handle: RequestHandle, error: BaseException) -> None:

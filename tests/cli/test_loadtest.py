@@ -43,7 +43,7 @@ from omni_trio.cli._loadtest_math import (
     summarize,
 )
 from omni_trio.serve import ServeConfig, Service
-from omni_trio.testing import FakeRunner, GatedRunner, wait_until
+from omni_trio.testing import FakeRunner, GatedRunner, assume_step_time, probe_engine, wait_until
 from tests.support.cli import free_port
 from tests.support.serve import metric
 from tests.util import BUDGET
@@ -638,8 +638,8 @@ async def test_every_request_carries_the_deadline() -> None:
             async with httpx.AsyncClient() as client:
                 warm = await client.post(f"{url}{PATH}", json={"prompt": "warm", "size": "16x16"})
                 assert warm.status_code == 200
-                await wait_until(lambda: engine._workers[0].steps_left == 0)
-                engine._workers[0].step_s = 10.0  # idle, and every request refused: it stays
+                await wait_until(lambda: probe_engine(engine).workers[0].steps_left == 0)
+                assume_step_time(engine, 10.0)  # idle, and every request refused: it stays
                 result = await run_load(dataclasses.replace(config, url=endpoint_url(url)))
                 text = (await client.get(f"{url}/metrics")).text
     summary = result.summary()

@@ -38,6 +38,7 @@ from omni_trio.testing import (
     check_engine_invariants,
     engine_settled,
     probe,
+    probe_engine,
     wait_until,
 )
 
@@ -78,6 +79,45 @@ POLL = 0.0002
 #: The longest pause between polls: waits back off from ``POLL`` to this, so a long
 #: wait does not keep the GIL from the engine's threads (not measured either).
 POLL_MAX = 0.005
+
+
+def request_for(op: Submit, size: int, ranked: dict[str, Any]) -> object:
+    """What ``submit`` is given for ``op``: a valid request, or one ``op.invalid`` breaks."""
+    match op.invalid:
+        case "steps":
+            return req(
+                num_steps=MAX_STEPS + 1, height=op.size, width=op.size, seed=op.seed, **ranked
+            )
+        case "multiple":
+            return ot.GenerationRequest(num_steps=op.steps, height=12, width=16, **ranked)
+        case "width":
+            return ot.GenerationRequest(num_steps=op.steps, height=8, width=MAX_SIZE + 8, **ranked)
+        case "extra":
+            return ot.GenerationRequest(
+                num_steps=op.steps, height=8, width=8, extra={"x": 1}, **ranked
+            )
+        case "type":
+            return {"prompt": "not a request"}
+        case _:
+            return req(
+                num_steps=op.steps,
+                height=size,
+                width=size,
+                seed=op.seed,
+                preview_every=op.preview_every,
+                **ranked,
+            )
+
+
+def check_refusal(op: Submit, error: ot.OmniTrioError, expected: set[type[Exception]]) -> None:
+    """``submit`` refused ``op`` with ``error``: one of the ``expected``, saying why."""
+    assert type(error) in expected, f"submit raised {error!r}, expected {expected}"
+    if isinstance(error, ot.InvalidRequestError):
+        assert op.invalid is not None and error.field == INVALID_FIELD[op.invalid], error
+    if isinstance(error, ot.DeadlineError):
+        # L62: the estimate is stated, and it is over the deadline.
+        assert error.deadline_s == TIGHT_DEADLINE < error.estimate_s, error
+        note("submit refused: deadline unmeetable")
 
 
 def admitted_and_live(stats: ot.EngineStatistics) -> tuple[int, int]:
@@ -370,7 +410,8 @@ class Machine:
         """
         if not tracked.probe.holds_state or self.engine.statistics().is_dead:
             return True
-        return tracked.probe._record.worker not in self.engine._alive
+        worker = tracked.probe.worker
+        return worker is None or not probe_engine(self.engine).workers[worker].is_alive
 
     def disturb_live(self) -> None:
         for tracked in self.live():
@@ -398,21 +439,22 @@ class Machine:
             return False
         if engine.statistics().is_dead:
             return True
-        records = list(engine._live.values())
+        records = probe_engine(engine).requests
         new = any(r.worker is None for r in records)
         workers = engine.statistics().workers
         for index, waiting_at_gate in enumerate(waits):
             mine = [r for r in records if r.worker == index]
             running = sum(r.status is ot.RequestStatus.RUNNING for r in mine)
             # The worker thread writes its count after it posted the releases.
-            if index in engine._alive and workers[index].running != running:
+            alive = workers[index].alive
+            if alive and workers[index].running != running:
                 return False
             if self.gate_open:
                 continue
             if running:
                 if not waiting_at_gate:
                     return False
-            elif index in engine._alive and (mine or new):
+            elif alive and (mine or new):
                 # An idle worker takes at once: nothing waits for it, neither its
                 # own suspended requests nor new ones.
                 return False
@@ -423,7 +465,7 @@ class Machine:
         for index, runner in enumerate(self.runners):
             if not any(
                 r.status is ot.RequestStatus.RUNNING and r.worker == index
-                for r in self.engine._live.values()
+                for r in probe_engine(self.engine).requests
             ):
                 runner.revoke()
 
@@ -441,13 +483,14 @@ class Machine:
             held = sum(t.status is ot.RequestStatus.RUNNING or t.suspended for t in self.tracked)
             assert self.counters.live_states == held, (self.counters.live_states, held)
             self.check_workers(stats)
-        if not engine._live and not engine._terminal_open and not stats.is_dead:
+        view = probe_engine(engine)
+        if not view.live_ids and not view.open_ids and not stats.is_dead:
             assert_engine_idle(engine)  # L14
             assert self.counters.live_states == 0
         self.check_order()
         # L62: the timer holds exactly the live requests whose deadline is to come.
         pending = self.deadlines_to_come()
-        assert len(engine._deadlines) == len(pending), (len(engine._deadlines), pending)
+        assert view.pending_deadlines == len(pending), (view.pending_deadlines, pending)
         kept = [t for t in self.tracked if t.holds_id or t.reader]
         self.finished_ids += [t.request_id for t in self.tracked if t not in kept]
         self.tracked = kept
@@ -543,7 +586,7 @@ class Machine:
         predicted: with several workers, which one takes a request is the engine's
         choice, but every request stays on it, and the counts must agree.
         """
-        records = list(self.engine._live.values())
+        records = probe_engine(self.engine).requests
         assert stats.workers_alive == sum(not r.died for r in self.runners), stats
         assert len(stats.workers) == len(self.runners)
         suspended = 0
@@ -716,11 +759,7 @@ class Machine:
             case Drop(pick):
                 self.drop(pick)
             case FailAt(step):
-                for runner in self.runners:
-                    runner.fail_at_step = step
-                if step is not None:
-                    self.chaos = True
-                    self.disturb_live()
+                self.fail_at(step)
             case Kill():
                 # With several workers only the first dies: the others serve on (L43).
                 self.runner.kill = True
@@ -732,6 +771,14 @@ class Machine:
                 await self.check_expiry()
             case _:
                 raise AssertionError(op)
+
+    def fail_at(self, step: int | None) -> None:
+        """Arm every runner to fail its ``step``-th step (L22); ``None`` disarms them."""
+        for runner in self.runners:
+            runner.fail_at_step = step
+        if step is not None:
+            self.chaos = True
+            self.disturb_live()
 
     def expected_admission_error(
         self, request_id: str | None, invalid: str | None, *, tight: bool = False
@@ -766,8 +813,8 @@ class Machine:
         if op.invalid == "empty_id":
             request_id = ""
         deadline = op.deadline
-        workers = self.engine._workers
-        if deadline == "tight" and any(workers[i].step_s is None for i in self.engine._alive):
+        workers = probe_engine(self.engine).workers
+        if deadline == "tight" and any(w.step_s is None for w in workers if w.is_alive):
             # Admitted before every live worker measured a step, it would expire at
             # a moment of the threads' choosing: sent only when admission must
             # refuse it.
@@ -786,33 +833,7 @@ class Machine:
             if len(running) < self.plan.max_batch_size:
                 size = 8 if size == 16 else 16
         ranked: dict[str, Any] = {"deadline_s": deadline_s, "priority": priority}
-        request: object
-        match op.invalid:
-            case "steps":
-                request = req(
-                    num_steps=MAX_STEPS + 1, height=op.size, width=op.size, seed=op.seed, **ranked
-                )
-            case "multiple":
-                request = ot.GenerationRequest(num_steps=op.steps, height=12, width=16, **ranked)
-            case "width":
-                request = ot.GenerationRequest(
-                    num_steps=op.steps, height=8, width=MAX_SIZE + 8, **ranked
-                )
-            case "extra":
-                request = ot.GenerationRequest(
-                    num_steps=op.steps, height=8, width=8, extra={"x": 1}, **ranked
-                )
-            case "type":
-                request = {"prompt": "not a request"}
-            case _:
-                request = req(
-                    num_steps=op.steps,
-                    height=size,
-                    width=size,
-                    seed=op.seed,
-                    preview_every=op.preview_every,
-                    **ranked,
-                )
+        request = request_for(op, size, ranked)
         tight = deadline == "tight" and op.invalid != "type"
         expected = self.expected_admission_error(request_id or None, op.invalid, tight=tight)
         before = self.engine.statistics()
@@ -822,13 +843,7 @@ class Machine:
         except ot.OmniTrioError as exc:
             error = exc
         if error is not None:
-            assert type(error) in expected, f"submit raised {error!r}, expected {expected}"
-            if isinstance(error, ot.InvalidRequestError):
-                assert op.invalid is not None and error.field == INVALID_FIELD[op.invalid], error
-            if isinstance(error, ot.DeadlineError):
-                # L62: the estimate is stated, and it is over the deadline.
-                assert error.deadline_s == TIGHT_DEADLINE < error.estimate_s, error
-                note("submit refused: deadline unmeetable")
+            check_refusal(op, error, expected)
             after = self.engine.statistics()
             assert admitted_and_live(after) == admitted_and_live(before)
             return
@@ -854,7 +869,9 @@ class Machine:
         request_id = self.target(op.pick, suspended=op.suspended)
         tracked = self.holder(request_id)
         live = tracked is not None and not tracked.status.is_terminal
-        assert live == (request_id in self.engine._live), "model and engine disagree"
+        assert live == (request_id in probe_engine(self.engine).live_ids), (
+            "model and engine disagree"
+        )
         if op.how == "handle" and (
             tracked is None or tracked.handle is None or tracked.handle.is_closed
         ):
@@ -928,7 +945,8 @@ class Machine:
         to_come = len(self.deadlines_to_come())
         await wait_until(
             lambda: (
-                all(t.abort_requested for t in expired) and len(self.engine._deadlines) == to_come
+                all(t.abort_requested for t in expired)
+                and probe_engine(self.engine).pending_deadlines == to_come
             ),
             interval=POLL,
             max_interval=POLL_MAX,

@@ -142,7 +142,7 @@ class WorkerModel:
                 assert not self.dead and not self.exited, f"a step ran after the end: {batch}"
             else:
                 assert index == 0, "the worker went idle between two steps"
-            self._boundary(batch)
+            self.boundary(batch)
             assert set(self.running) == set(batch), (
                 f"L60, L61: the worker ran {_names(batch)}, the model predicts"
                 f" {_names(self.running)} (waiting: {self.fresh}, suspended: {self.parked})"
@@ -154,7 +154,7 @@ class WorkerModel:
         if self.pending is not None:
             self._run(fail_at=fail_at, kill=kill)
         if not self.dead and not self.exited:
-            self._boundary(None)
+            self.boundary(None)
             assert not self.running, (
                 f"L60: the worker idles, the model predicts it runs {_names(self.running)}"
             )
@@ -181,7 +181,14 @@ class WorkerModel:
         job.where = "running"
         self.running.append(job)
 
-    def _boundary(self, observed: Sequence[Job] | None) -> None:
+    def boundary(self, observed: Sequence[Job] | None = None) -> None:
+        """Advance one step boundary: drop, stop, suspend or take (see the module's rules).
+
+        ``observed``: the batch the runner ran next, which resolves loose tokens;
+        ``None`` when none ran. ``tests/test_scheduler.py`` checks the engine's
+        boundary policy (``_scheduler.plan_boundary``) against this, one boundary
+        at a time, with no engine.
+        """
         for job in list(self.running):
             # A loose token: seen at the boundary where the job leaves the batch.
             if job.token is not None and (not job.loose or observed is None or job not in observed):

@@ -17,7 +17,14 @@ import pytest
 import omni_trio as ot
 from omni_trio.serve import ServeConfig, Service
 from omni_trio.serve._schema import DEADLINE_HEADER, parse_generation_body
-from omni_trio.testing import FakeRunner, FakeState, GatedRunner, wait_until
+from omni_trio.testing import (
+    FakeRunner,
+    FakeState,
+    GatedRunner,
+    assume_step_time,
+    probe_engine,
+    wait_until,
+)
 from tests.support.serve import PATH, AsgiCall, metric, serving
 from tests.util import BUDGET
 
@@ -199,8 +206,8 @@ async def test_an_unmeetable_deadline_gets_429_with_the_estimate() -> None:
             engine = service.engine
             assert engine is not None
             assert (await client.post(PATH, json={"prompt": "warm"})).status_code == 200
-            await wait_until(lambda: engine._workers[0].steps_left == 0)
-            engine._workers[0].step_s = 10.0  # idle: no step overwrites it
+            await wait_until(lambda: probe_engine(engine).workers[0].steps_left == 0)
+            assume_step_time(engine, 10.0)  # idle: no step overwrites it
             refused = await client.post(PATH, json={"prompt": "x", "deadline_ms": 1000})
             assert refused.status_code == 429
             assert refused.headers["retry-after"] == "1"

@@ -1,0 +1,41 @@
+"""The runner seam, typed without torch: what a custom runner implements and may raise.
+
+``import omni_trio.abc`` loads neither torch nor diffusers, so a runner for another
+framework (or a fake) is typed against these names alone:
+
+- ``Runner``: the protocol the engine drives, one step at a time; ``SuspendableRunner``
+  the three calls more that preemption needs (L61); ``WholeCallRunner`` a runner
+  that runs its own loop, with ``StepCallback`` the callback it calls after every
+  step.
+- ``RunnerCapabilities``: what a runner declares up front (batch size, joins,
+  batch keys, previews, ...).
+- ``StopRun``: what the engine raises inside a runner call to stop it.
+- ``cancel_point()``: what a runner that declares ``cancel_points`` calls inside a
+  step or a decode (L71, L72).
+
+``omni_trio.runners`` re-exports the same objects beside the diffusers runners.
+"""
+
+from __future__ import annotations
+
+from . import _exports
+from ._cancelpoint import cancel_point as cancel_point
+from ._runner import Runner as Runner
+from ._runner import RunnerCapabilities as RunnerCapabilities
+from ._runner import StepCallback as StepCallback
+from ._runner import StopRun as StopRun
+from ._runner import SuspendableRunner as SuspendableRunner
+from ._runner import WholeCallRunner as WholeCallRunner
+
+__all__ = [
+    "Runner",
+    "RunnerCapabilities",
+    "StepCallback",
+    "StopRun",
+    "SuspendableRunner",
+    "WholeCallRunner",
+    "cancel_point",
+]
+
+# Reprs, tracebacks and pickles name this package, not its private modules.
+_exports.set_public_module(__name__, globals())
