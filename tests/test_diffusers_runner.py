@@ -19,7 +19,7 @@ import torch
 import omni_trio as ot
 from omni_trio._request import MAX_GUIDANCE_SCALE
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
-from omni_trio.runners._families import RequestState, step_groups
+from omni_trio.runners._family import RequestState, step_groups
 
 from .util import BUDGET, read_gated
 

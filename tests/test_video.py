@@ -20,7 +20,7 @@ import torch
 import omni_trio as ot
 from omni_trio._request import MAX_NUM_FRAMES
 from omni_trio.runners import DiffusersRunner, RunnerCapabilities, tiny_pipeline
-from omni_trio.runners._families import RequestState
+from omni_trio.runners._family import RequestState
 from omni_trio.testing import FakeRunner
 
 from .test_diffusers_runner import GatedDiffusers, resumed_and_uninterrupted

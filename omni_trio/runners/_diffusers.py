@@ -25,7 +25,8 @@ from .._runner import RunnerCapabilities, StopRun
 from ._cancel import CancelPoints, cancel_modules
 from ._chunks import DecodeChunks
 from ._edit import keep_unmasked
-from ._families import RequestState, family_for, joined
+from ._families import family_for
+from ._family import RequestState, joined
 from ._park import park_on_host, state_tensors, unpark
 
 __all__ = ["DiffusersRunner", "latent_preview"]
