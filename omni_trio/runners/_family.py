@@ -31,6 +31,7 @@ __all__ = [
     "retrieve_timesteps",
     "step_groups",
     "unit_number",
+    "wan_denormalized",
 ]
 
 
@@ -257,3 +258,17 @@ def calculate_shift(config: Any, image_seq_len: int, max_shift: float) -> float:
         config.get("max_shift", max_shift),
     )
     return mu
+
+
+def wan_denormalized(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """``latents`` ``[N, C, F, h, w]`` as a Wan VAE decodes them (Wan's; Qwen-Image's, one frame).
+
+    In the VAE's dtype, de-normalised by its ``latents_mean`` and ``latents_std``, as
+    both pipelines' ``__call__`` do before the decode.
+    """
+    latents = latents.to(vae.dtype)
+    view = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(view).to(latents.device, latents.dtype)
+    std = 1.0 / torch.tensor(vae.config.latents_std).view(view).to(latents.device, latents.dtype)
+    denormalized: torch.Tensor = latents / std + mean
+    return denormalized

@@ -22,6 +22,7 @@ from ._family import (
     joined,
     randn,
     retrieve_timesteps,
+    wan_denormalized,
 )
 
 __all__ = ["Flux", "QwenImage", "StableDiffusion3"]
@@ -332,13 +333,7 @@ class QwenImage(Family):
 
     def decode(self, state: RequestState) -> torch.Tensor:
         vae = self.pipe.vae
-        latents = self._unpacked(state).to(vae.dtype)
-        view = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(view).to(latents.device, latents.dtype)
-        std = 1.0 / torch.tensor(vae.config.latents_std).view(view).to(
-            latents.device, latents.dtype
-        )
-        latents = latents / std + mean
+        latents = wan_denormalized(vae, self._unpacked(state))
         image = self._vae_decode(
             state, latents.shape[0], lambda rows: vae.decode(latents[rows], return_dict=False)[0]
         )[:, :, 0]

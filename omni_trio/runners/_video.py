@@ -25,6 +25,7 @@ from ._family import (
     randn,
     retrieve_timesteps,
     unit_number,
+    wan_denormalized,
 )
 
 __all__ = ["LTXVideo", "Wan"]
@@ -178,13 +179,7 @@ class Wan(_Video):
     def decode(self, state: RequestState) -> torch.Tensor:
         assert state.latents is not None
         vae = self.pipe.vae
-        latents = state.latents.to(vae.dtype)
-        view = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(view).to(latents.device, latents.dtype)
-        std = 1.0 / torch.tensor(vae.config.latents_std).view(view).to(
-            latents.device, latents.dtype
-        )
-        latents = latents / std + mean
+        latents = wan_denormalized(vae, state.latents)
         video = self._vae_decode(
             state, latents.shape[0], lambda rows: vae.decode(latents[rows], return_dict=False)[0]
         )
