@@ -1,4 +1,8 @@
-"""Which family drives which pipeline: the UNet ones in ``_sd``, the flow ones in ``_flow``."""
+"""Which family drives which pipeline: the registry on top of the family modules.
+
+It imports every family module (``_sd``, ``_flow``, ``_video``); none of them
+imports it, so what a pipeline gets is decided here alone.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,12 @@ from ._chunks import DecodeChunks
 from ._family import Family
 from ._flow import Flux, QwenImage, StableDiffusion3
 from ._sd import StableDiffusion, StableDiffusionXL, Unconditional
+from ._video import LTXVideo, Wan
 
 __all__ = ["family_for", "is_supported", "supported_pipelines"]
 
 
+#: Every family by the name of the pipeline class it drives.
 _FAMILIES: dict[str, type[Family]] = {
     "StableDiffusionPipeline": StableDiffusion,
     "StableDiffusionXLPipeline": StableDiffusionXL,
@@ -18,25 +24,21 @@ _FAMILIES: dict[str, type[Family]] = {
     "QwenImagePipeline": QwenImage,
     "DDPMPipeline": Unconditional,
     "DDIMPipeline": Unconditional,
+    # Video (L70).
+    "WanPipeline": Wan,
+    "LTXPipeline": LTXVideo,
 }
-
-
-def _registry() -> dict[str, type[Family]]:
-    """Every family by pipeline class name; the video ones live in ``_video`` (L70)."""
-    from ._video import LTXVideo, Wan
-
-    return {**_FAMILIES, "WanPipeline": Wan, "LTXPipeline": LTXVideo}
 
 
 def supported_pipelines() -> list[str]:
     """The pipeline classes ``DiffusersRunner`` drives step by step."""
-    return list(_registry())
+    return list(_FAMILIES)
 
 
 def _family_class(pipe: object) -> type[Family] | None:
     import diffusers
 
-    for name, family in _registry().items():
+    for name, family in _FAMILIES.items():
         # The exact class: a subclass may change the loop in ways we cannot see. The
         # name first: diffusers imports a pipeline's module (and its notices) on lookup.
         if type(pipe).__name__ == name and type(pipe) is getattr(diffusers, name):
