@@ -22,10 +22,9 @@ import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, runner_for, tiny_pipeline
 from omni_trio.serve import ImageService, ServeConfig
 from omni_trio.serve._models import MODELS, TINY_SIZE, TINY_STEPS, load_model
-
-from .test_diffusers_runner import GatedDiffusers, resumed_and_uninterrupted
-from .test_serve_app import PATH, png_size, serving
-from .util import BUDGET, read_gated
+from tests.support.runners import GatedDiffusers, resumed_and_uninterrupted
+from tests.test_serve_app import PATH, png_size, serving
+from tests.util import BUDGET, read_gated
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -19,38 +19,18 @@ import torch
 
 import omni_trio as ot
 from omni_trio._request import MAX_NUM_FRAMES
-from omni_trio.runners import DiffusersRunner, RunnerCapabilities, tiny_pipeline
+from omni_trio.runners import DiffusersRunner, RunnerCapabilities
 from omni_trio.runners._family import RequestState
 from omni_trio.testing import FakeRunner
-
-from .test_diffusers_runner import GatedDiffusers, resumed_and_uninterrupted
-from .util import BUDGET, read_gated
+from tests.support.runners import FRAMES, GatedDiffusers, resumed_and_uninterrupted
+from tests.support.runners import VIDEO_SIZE as SIZE
+from tests.support.runners import tiny as pipe
+from tests.support.runners import video_request as request
+from tests.util import BUDGET, read_gated
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 
 KINDS = ("wan", "ltx")
-SIZE = 32
-FRAMES = 9
-
-
-@cache
-def pipe(kind: str) -> Any:
-    return tiny_pipeline(kind)
-
-
-def request(**fields: Any) -> ot.GenerationRequest:
-    values: dict[str, Any] = {
-        "prompt": "a red flower",
-        "negative_prompt": "dull",
-        "num_steps": 3,
-        "height": SIZE,
-        "width": SIZE,
-        "num_frames": FRAMES,
-        "guidance_scale": 5.0,
-        "seed": 7,
-    }
-    values.update(fields)
-    return ot.GenerationRequest(**values)
 
 
 def reference(kind: str, r: ot.GenerationRequest, pipeline: Any = None) -> torch.Tensor:

@@ -23,9 +23,8 @@ from PIL import Image
 import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, RunnerCapabilities, tiny_pipeline
 from omni_trio.testing import FakeRunner
-
-from .test_diffusers_runner import GatedDiffusers, resumed_and_uninterrupted
-from .util import BUDGET
+from tests.support.runners import GatedDiffusers, resumed_and_uninterrupted
+from tests.util import BUDGET
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 

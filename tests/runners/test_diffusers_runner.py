@@ -7,8 +7,6 @@ step where an abort must land at a known boundary.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
@@ -19,9 +17,9 @@ import torch
 import omni_trio as ot
 from omni_trio._request import MAX_GUIDANCE_SCALE
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
-from omni_trio.runners._family import RequestState, step_groups
-
-from .util import BUDGET, read_gated
+from omni_trio.runners._family import step_groups
+from tests.support.runners import GatedDiffusers, resumed_and_uninterrupted
+from tests.util import BUDGET, read_gated
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -111,36 +109,6 @@ async def test_batch_joining_mid_flight_matches_solo(kind: str) -> None:
     assert stats.batch_steps < stats.steps_run  # they shared steps
     for r, output in zip([first, *later], outputs, strict=True):
         torch.testing.assert_close(output.images, reference(kind, r), atol=1e-3, rtol=0)
-
-
-class GatedDiffusers(DiffusersRunner):
-    """A DiffusersRunner whose steps wait for ``release``."""
-
-    def __init__(self, pipeline: Any) -> None:
-        super().__init__(pipeline)
-        self._gate = threading.Condition()
-        self._permits = 0
-        self.arrived = 0
-
-    def release(self, n: int = 1) -> None:
-        with self._gate:
-            self._permits += n
-            self._gate.notify_all()
-
-    def open_gate(self) -> None:
-        self.release(10**6)
-
-    def step(self, states: Sequence[RequestState]) -> None:
-        with self._gate:
-            self.arrived += 1
-            if not self._gate.wait_for(lambda: self._permits > 0, timeout=20):
-                raise RuntimeError("step never released")
-            self._permits -= 1
-        super().step(states)
-
-    async def wait_arrived(self, n: int) -> None:
-        while self.arrived < n:
-            await anyio.sleep(0.001)
 
 
 async def test_abort_one_member_leaves_others_equal_to_solo() -> None:
@@ -284,42 +252,6 @@ async def test_cuda_decode_overlaps_and_lands_in_pinned_memory() -> None:
     for output in outputs:
         assert output.images.is_pinned()
         torch.testing.assert_close(output.images, expected, atol=1e-3, rtol=0)
-
-
-async def resumed_and_uninterrupted(
-    pipeline: Any,
-    low_request: ot.GenerationRequest,
-    high_request: ot.GenerationRequest,
-    *,
-    park_on_host: bool,
-) -> tuple[ot.GenerationOutput, ot.GenerationOutput, int]:
-    """``low_request`` suspended after its first step for ``high_request`` (of a higher
-    priority) and resumed, the same request uninterrupted, and the bytes its suspension
-    parked. Batches of one: the same composition both ways.
-    """
-    options = ot.EngineConfig(max_batch_size=1, park_on_host=park_on_host)
-    with anyio.fail_after(BUDGET):
-        async with ot.open_engine(DiffusersRunner(pipeline), options) as engine:
-            uninterrupted = await engine.generate(low_request)
-        runner = GatedDiffusers(pipeline)
-        async with ot.open_engine(runner, options) as engine:
-            low = engine.submit(low_request, request_id="low")
-            await runner.wait_arrived(1)
-            high = engine.submit(high_request, request_id="high")
-            runner.release(1)
-            await runner.wait_arrived(2)
-            stats = engine.statistics()
-            assert (stats.suspended, stats.preemptions) == (1, 1)
-            assert low.status is ot.RequestStatus.WAITING
-            parked = engine._workers[0].parked_bytes
-            runner.open_gate()
-            async with high:
-                await high.result()
-            async with low:
-                resumed = await low.result()
-    assert resumed.metrics.preemptions == 1
-    assert runner.live_states == 0
-    return resumed, uninterrupted, parked
 
 
 @pytest.mark.parametrize(("kind", "park_on_host"), [("sd", False), ("sd", True), ("unet", True)])
