@@ -21,7 +21,7 @@ import torch
 import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
 from omni_trio.runners._chunks import DecodeChunks
-from tests.support.runners import ModuleGate, abort_inside, tiny, video_request
+from tests.support.runners import ModuleGate, abort_inside, request, tiny
 from tests.util import BUDGET
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -109,7 +109,7 @@ def test_a_long_ltx_video_decodes_in_temporal_chunks_only_past_the_threshold() -
     default, one call.
     """
     pipe = tiny("ltx")
-    r = video_request(num_frames=33, num_steps=2)
+    r = request("ltx", num_frames=33, num_steps=2)
     chunked, calls = decoded(pipe, r, framewise_above=16)
     assert calls == 5
     assert not pipe.vae.use_framewise_decoding
@@ -147,8 +147,8 @@ async def test_an_abort_during_a_chunked_ltx_decode_lands_before_the_next_chunk(
     video is bitwise a fresh engine's.
     """
     pipe = tiny("ltx")
-    first = video_request(num_frames=33, num_steps=2)
-    after = video_request(num_frames=33, num_steps=2, prompt="after", seed=3)
+    first = request("ltx", num_frames=33, num_steps=2)
+    after = request("ltx", num_frames=33, num_steps=2, prompt="after", seed=3)
     with anyio.fail_after(BUDGET):
         gate, runner, handle, output, fresh = await abort_inside(
             lambda ltx: ltx.vae.decoder, 2, pipe=pipe, first=first, after=after, framewise_above=16

@@ -18,37 +18,97 @@ import torch
 
 import omni_trio as ot
 from omni_trio._cancelpoint import active_checks
-from omni_trio.runners import DiffusersRunner, tiny_pipeline
+from omni_trio.runners import TINY_KINDS, TINY_VIDEO_KINDS, DiffusersRunner, tiny_pipeline
 from omni_trio.runners._family import RequestState
 from omni_trio.testing import probe, wait_until
 from tests.util import BUDGET
 
-#: A video request's size and frame count: 32 x 32 px, 9 frames (it keeps both frame
-#: rules: Wan 4k + 1, LTX-Video 8k + 1).
-VIDEO_SIZE = 32
+#: Every tiny kind ``DiffusersRunner`` drives: the images', then the videos'.
+KINDS: tuple[str, ...] = (*TINY_KINDS, *TINY_VIDEO_KINDS)
+
+#: Each kind's test size (the unconditional UNet's is its only one). A video's frame
+#: count: 9 keeps both frame rules (Wan 4k + 1, LTX-Video 8k + 1).
+SIZE = {"sd": 64, "sdxl": 64, "sd3": 64, "flux": 64, "qwen-image": 64, "unet": 32}
+SIZE |= dict.fromkeys(TINY_VIDEO_KINDS, 32)
 FRAMES = 9
 
 
 @cache
 def tiny(kind: str) -> Any:
-    """The tiny pipeline of ``kind``, built once."""
+    """The tiny pipeline of ``kind``, built once per process."""
     return tiny_pipeline(kind)
 
 
-def video_request(**fields: Any) -> ot.GenerationRequest:
-    """A small guided video request; ``fields`` override the defaults."""
+def request(kind: str, **fields: Any) -> ot.GenerationRequest:
+    """A small guided request for ``kind``; ``fields`` override the defaults.
+
+    A video request has ``FRAMES`` frames, 3 steps and the negative prompt ``"dull"``.
+    """
     values: dict[str, Any] = {
         "prompt": "a red flower",
-        "negative_prompt": "dull",
-        "num_steps": 3,
-        "height": VIDEO_SIZE,
-        "width": VIDEO_SIZE,
-        "num_frames": FRAMES,
+        "num_steps": 4,
+        "height": SIZE[kind],
+        "width": SIZE[kind],
         "guidance_scale": 5.0,
         "seed": 7,
     }
+    if kind in TINY_VIDEO_KINDS:
+        values |= {"negative_prompt": "dull", "num_steps": 3, "num_frames": FRAMES}
     values.update(fields)
     return ot.GenerationRequest(**values)
+
+
+_references: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def reference(kind: str, r: ot.GenerationRequest, pipeline: Any = None) -> torch.Tensor:
+    """The pipeline's own ``__call__`` output for ``r``, mapped as the family maps it.
+
+    Images ``[N, C, H, W]``, or a video's frames ``[N, F, C, H, W]``. Qwen-Image takes
+    ``guidance_scale`` as ``true_cfg_scale``; ``extra`` goes to the call as it is.
+    The tiny pipeline's output is computed once per request (a seed gives one output;
+    a test run on both backends asks twice); ``pipeline`` given, its own call runs
+    every time (a test of what the call gives now passes the tiny one itself).
+    """
+    assert r.image is None, "an edit's reference is its edit pipeline's (test_edits.py)"
+    if pipeline is not None:
+        return _called(kind, r, pipeline)
+    key = (kind, repr(r))
+    if key not in _references:
+        _references[key] = _called(kind, r, tiny(kind))
+    return _references[key]
+
+
+def _called(kind: str, r: ot.GenerationRequest, call: Any) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(r.seed or 0)
+    if kind == "unet":
+        out = call(
+            batch_size=r.num_images,
+            num_inference_steps=r.num_steps,
+            generator=generator,
+            output_type="pt",
+        )
+        images: torch.Tensor = out.images
+        return images
+    scale = "true_cfg_scale" if kind == "qwen-image" else "guidance_scale"
+    options: dict[str, Any] = {scale: r.guidance_scale}
+    if r.num_frames is None:
+        options["num_images_per_prompt"] = r.num_images
+    else:
+        options |= {"num_frames": r.num_frames, "num_videos_per_prompt": r.num_images}
+    out = call(
+        r.prompt,
+        negative_prompt=r.negative_prompt,
+        num_inference_steps=r.num_steps,
+        height=r.height,
+        width=r.width,
+        generator=generator,
+        output_type="pt",
+        **options,
+        **r.extra,
+    )
+    result: torch.Tensor = out.images if r.num_frames is None else out.frames
+    return result
 
 
 class GatedDiffusers(DiffusersRunner):
@@ -159,7 +219,8 @@ class ModuleGate:
 
 def _vae_cache_clear(pipe: Any) -> bool:
     # None before its first decode; every entry None once a decode ended or was left.
-    return all(feature is None for feature in getattr(pipe.vae, "_feat_map", None) or ())
+    vae = getattr(pipe, "vae", None)  # the unconditional UNet's pipeline has none
+    return all(feature is None for feature in getattr(vae, "_feat_map", None) or ())
 
 
 async def _fresh_output(pipe: Any, r: ot.GenerationRequest, **options: Any) -> ot.GenerationOutput:
@@ -183,8 +244,8 @@ async def abort_inside(
     output and a fresh engine's output for ``after`` (same options).
     """
     pipe = tiny("wan") if pipe is None else pipe
-    first = video_request(num_steps=3) if first is None else first
-    after = video_request(seed=3, prompt="after", num_steps=2) if after is None else after
+    first = request("wan") if first is None else first
+    after = request("wan", seed=3, prompt="after", num_steps=2) if after is None else after
     runner = DiffusersRunner(pipe, **options)
     gate = ModuleGate(where(pipe), at)
     try:
