@@ -10,7 +10,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 python3 -m pytest -q -o addopts="" -p no:cacheprovider \
     -W ignore::DeprecationWarning -W ignore::FutureWarning -W ignore::UserWarning \
-    tests/test_diffusers_runner.py tests/test_contract_abort.py 2>&1 | tee "$out/pytest.log" | tail -15
+    tests/runners/test_diffusers_runner.py tests/test_contract_abort.py 2>&1 | tee "$out/pytest.log" | tail -15
 python3 -m benchmarks pipeline --device cuda --out "$out" > /dev/null && \
     python3 -c "import json; d=json.load(open('$out/pipeline.json')); print('pipeline', d['summary'], d['direct_s'], d['engine_s'])"
 python3 -m benchmarks batching --device cuda --requests 8 --out "$out" > /dev/null && \

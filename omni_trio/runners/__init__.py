@@ -8,6 +8,23 @@
 - ``runner_for(pipeline)``: the first where it can, else the second.
 - ``tiny_pipeline``: tiny real pipelines with random weights, for tests and demos.
 - ``for_devices(make, devices)``: one runner per device, for ``open_engine``.
+
+Layout: the private modules, each importing only those below it:
+
+- ``_call``: ``PipelineCallRunner`` and ``runner_for``;
+- ``_diffusers``: ``DiffusersRunner``, the step loop all families share (with
+  ``_park``, suspension, and ``_cancel``, the cancel points' hooks);
+- ``_registry``: which family drives which pipeline (``family_for``,
+  ``is_supported``, ``supported_pipelines``); it imports every family module;
+- the families, which import the base (and ``_edit``, ``_chunks``), never the
+  registry and never each other: ``_sd`` (SD, SDXL on SD, unconditional
+  DDPM/DDIM), ``_flow`` (SD3, Flux, Qwen-Image), ``_video`` (Wan, LTX-Video);
+- ``_edit``: image-to-image and inpainting for SD and SDXL;
+- ``_family``: the base, ``Family`` and ``RequestState``, and the helpers that
+  more than one family module uses (public names inside the private module);
+- ``_chunks``: decodes in chunks (L72).
+
+Apart: ``_tiny`` (and ``_quiet``), ``_load`` and ``_devices`` import no family.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import torch
 from .._request import GenerationRequest
 from .._runner import Runner, RunnerCapabilities, StepCallback
 from ._diffusers import DiffusersRunner, latent_preview
-from ._families import is_supported
+from ._registry import is_supported
 
 __all__ = ["PipelineCallRunner", "runner_for"]
 

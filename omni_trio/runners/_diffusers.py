@@ -25,8 +25,9 @@ from .._runner import RunnerCapabilities, StopRun
 from ._cancel import CancelPoints, cancel_modules
 from ._chunks import DecodeChunks
 from ._edit import keep_unmasked
-from ._families import RequestState, family_for, joined
+from ._family import RequestState, joined
 from ._park import park_on_host, state_tensors, unpark
+from ._registry import family_for
 
 __all__ = ["DiffusersRunner", "latent_preview"]
 

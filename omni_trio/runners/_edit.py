@@ -21,15 +21,13 @@ latents, the noise, the latent-sized mask), which suspension moves with the rest
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from .._request import GenerationRequest
 from ._chunks import vae_lock
-
-if TYPE_CHECKING:
-    from ._families import RequestState
+from ._family import RequestState, randn
 
 __all__ = ["EditLatents", "edit_latents", "keep_unmasked"]
 
@@ -48,12 +46,6 @@ class EditLatents(NamedTuple):
     timesteps: torch.Tensor
     latents: torch.Tensor
     edit: dict[str, torch.Tensor]
-
-
-def _randn(shape: tuple[int, ...], generator: torch.Generator, device: Any, dtype: Any) -> Any:
-    from diffusers.utils.torch_utils import randn_tensor
-
-    return randn_tensor(shape, generator=generator, device=device, dtype=dtype)
 
 
 def _sample(vae: Any, image: torch.Tensor, generator: torch.Generator) -> tuple[Any, _Draw | None]:
@@ -163,7 +155,7 @@ def edit_latents(
         # StableDiffusion(XL)Img2ImgPipeline.prepare_latents.
         latents, _ = _encode(pipe, pixels, generator, dtype, xl=xl, shift=xl)
         latents = torch.cat([latents] * count)
-        noise = _randn(tuple(latents.shape), generator, device, dtype)
+        noise = randn(tuple(latents.shape), generator, device, dtype)
         return EditLatents(timesteps, scheduler.add_noise(latents, noise, first), {})
     # StableDiffusion(XL)InpaintPipeline: prepare_latents, then prepare_mask_latents.
     assert isinstance(request.mask, torch.Tensor)
@@ -172,14 +164,14 @@ def edit_latents(
     image_latents = image_latents.repeat(count, 1, 1, 1)
     factor = int(pipe.vae_scale_factor)
     shape = (count, int(pipe.vae.config.latent_channels), height // factor, width // factor)
-    noise = _randn(shape, generator, device, dtype)
+    noise = randn(shape, generator, device, dtype)
     if request.strength == 1.0:
         latents = noise * scheduler.init_noise_sigma
     else:
         latents = scheduler.add_noise(image_latents, noise, first)
     mask = mask_processor.preprocess(request.mask[None], height=height, width=width)
     if draw is not None:
-        _randn(draw.shape, generator, draw.device, draw.dtype)  # the masked image's sampling
+        randn(draw.shape, generator, draw.device, draw.dtype)  # the masked image's sampling
     mask = torch.nn.functional.interpolate(mask, size=(height // factor, width // factor))
     mask = mask.to(device=device, dtype=dtype).repeat(count, 1, 1, 1)
     return EditLatents(

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ._families import RequestState
+from ._family import RequestState
 
 __all__ = ["park_on_host", "state_tensors", "unpark"]
 

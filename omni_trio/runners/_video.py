@@ -17,14 +17,15 @@ import numpy as np
 import torch
 
 from .._request import GenerationRequest
-from ._families import (
+from ._family import (
     Family,
     RequestState,
-    _calculate_shift,
-    _guidance_rows,
-    _randn,
-    _retrieve_timesteps,
+    calculate_shift,
+    guidance_rows,
+    randn,
+    retrieve_timesteps,
     unit_number,
+    wan_denormalized,
 )
 
 __all__ = ["LTXVideo", "Wan"]
@@ -178,13 +179,7 @@ class Wan(_Video):
     def decode(self, state: RequestState) -> torch.Tensor:
         assert state.latents is not None
         vae = self.pipe.vae
-        latents = state.latents.to(vae.dtype)
-        view = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(view).to(latents.device, latents.dtype)
-        std = 1.0 / torch.tensor(vae.config.latents_std).view(view).to(
-            latents.device, latents.dtype
-        )
-        latents = latents / std + mean
+        latents = wan_denormalized(vae, state.latents)
         video = self._vae_decode(
             state, latents.shape[0], lambda rows: vae.decode(latents[rows], return_dict=False)[0]
         )
@@ -252,8 +247,8 @@ class LTXVideo(_Video):
             device=self.device,
         )
         cond = {
-            "encoder_hidden_states": _guidance_rows(cfg, negative, positive),
-            "encoder_attention_mask": _guidance_rows(cfg, negative_mask, positive_mask),
+            "encoder_hidden_states": guidance_rows(cfg, negative, positive),
+            "encoder_attention_mask": guidance_rows(cfg, negative_mask, positive_mask),
         }
         latents = pipe.prepare_latents(
             request.num_images,
@@ -267,12 +262,12 @@ class LTXVideo(_Video):
         )
         frames, height, width = self._grid(request)
         steps = request.num_steps
-        timesteps = _retrieve_timesteps(
+        timesteps = retrieve_timesteps(
             scheduler,
             steps,
             self.device,
             sigmas=np.linspace(1.0, 1 / steps, steps),
-            mu=_calculate_shift(scheduler.config, frames * height * width, 1.15),
+            mu=calculate_shift(scheduler.config, frames * height * width, 1.15),
         )
         spatial = pipe.vae_spatial_compression_ratio
         shared = {
@@ -330,7 +325,7 @@ class LTXVideo(_Video):
             # As __call__: the noise is drawn whatever its scale. One timestep per
             # video: __call__ makes one per prompt, which its VAE refuses for
             # num_videos_per_prompt > 1 (diffusers 0.42).
-            noise = _randn(tuple(latents.shape), state.generator, self.device, latents.dtype)
+            noise = randn(tuple(latents.shape), state.generator, self.device, latents.dtype)
             decode_timestep = unit_number(request, "decode_timestep", 0.0)
             scale = unit_number(request, "decode_noise_scale", decode_timestep)
             count = request.num_images

@@ -1,9 +1,14 @@
-"""Video in DiffusersRunner (L70): tiny Wan and LTX-Video against their own ``__call__``.
+"""Video in DiffusersRunner (L70): what Wan and LTX-Video do beyond the image families.
+
+Their request options against their own ``__call__``, the frame rule, the MP4 writer,
+bad videos, Wan 2.2's two experts. What every family does (equal its ``__call__``,
+join mid-flight, resume exactly, previews) is the conformance suite's
+(test_conformance.py).
 
 Determinism: tiny pipelines with seeded weights; torch uses one thread so batched
-and solo runs add in a fixed order; a gated runner holds the worker inside a step
-where a preemption must land at a known boundary. Sizes: 32 x 32 px, 9 frames (it
-keeps both frame rules: Wan 4k + 1, LTX-Video 8k + 1), 2 to 4 steps.
+and solo runs add in a fixed order; a gated runner holds the worker inside a step.
+Sizes: 32 x 32 px, 9 frames (it keeps both frame rules: Wan 4k + 1, LTX-Video 8k + 1),
+1 to 4 steps.
 """
 
 from __future__ import annotations
@@ -19,123 +24,37 @@ import torch
 
 import omni_trio as ot
 from omni_trio._request import MAX_NUM_FRAMES
-from omni_trio.runners import DiffusersRunner, RunnerCapabilities, tiny_pipeline
-from omni_trio.runners._families import RequestState
+from omni_trio.runners import DiffusersRunner, RunnerCapabilities
+from omni_trio.runners._family import RequestState
 from omni_trio.testing import FakeRunner
-
-from .test_diffusers_runner import GatedDiffusers, resumed_and_uninterrupted
-from .util import BUDGET, read_gated
+from tests.support.runners import FRAMES, SIZE, GatedDiffusers, reference, request, tiny
+from tests.util import BUDGET
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 
-KINDS = ("wan", "ltx")
-SIZE = 32
-FRAMES = 9
-
-
-@cache
-def pipe(kind: str) -> Any:
-    return tiny_pipeline(kind)
-
-
-def request(**fields: Any) -> ot.GenerationRequest:
-    values: dict[str, Any] = {
-        "prompt": "a red flower",
-        "negative_prompt": "dull",
-        "num_steps": 3,
-        "height": SIZE,
-        "width": SIZE,
-        "num_frames": FRAMES,
-        "guidance_scale": 5.0,
-        "seed": 7,
-    }
-    values.update(fields)
-    return ot.GenerationRequest(**values)
-
-
-def reference(kind: str, r: ot.GenerationRequest, pipeline: Any = None) -> torch.Tensor:
-    """The pipeline's own __call__ frames for ``r``: ``[N, F, C, H, W]``.
-
-    ``pipeline``: another pipeline than the tiny one of ``kind`` (its own call).
-    """
-    out = (pipe(kind) if pipeline is None else pipeline)(
-        r.prompt,
-        negative_prompt=r.negative_prompt,
-        num_inference_steps=r.num_steps,
-        height=r.height,
-        width=r.width,
-        num_frames=r.num_frames,
-        guidance_scale=r.guidance_scale,
-        num_videos_per_prompt=r.num_images,
-        generator=torch.Generator().manual_seed(r.seed or 0),
-        output_type="pt",
-        **r.extra,
-    )
-    frames: torch.Tensor = out.frames
-    return frames
-
-
+# The suite's case (guided, a negative prompt) is not repeated here.
 CASES = [
-    ("wan", {}),
     ("wan", {"guidance_scale": 1.0, "negative_prompt": None, "num_images": 2}),
-    ("ltx", {}),
     ("ltx", {"extra": {"decode_timestep": 0.05, "decode_noise_scale": 0.025}}),
     ("ltx", {"guidance_scale": 1.0}),
 ]
 
 
 @pytest.mark.parametrize(("kind", "fields"), CASES)
-async def test_a_video_equals_its_pipeline_call(kind: str, fields: dict[str, Any]) -> None:
-    """L70, L72: for a seed, the engine's video is the pipeline's own __call__ frames, a CPU
-    float tensor [N, F, C, H, W] in [0, 1] (1e-5; reached: identical for LTX-Video, 1.2e-6
-    for guided Wan, whose __call__ makes its two guidance calls apart), decoded in chunks
-    with cancel points between them; images are the first frames.
+async def test_video_options_equal_the_pipeline_call(kind: str, fields: dict[str, Any]) -> None:
+    """L70: unguided videos, two of one prompt, and LTX-Video's decode timestep and noise
+    equal the pipeline's own __call__ frames for the seed (1e-5), a CPU float tensor
+    [N, F, C, H, W]; images are the first frames.
     """
-    r = request(**fields)
+    r = request(kind, **fields)
     with anyio.fail_after(BUDGET):
-        async with ot.open_engine(DiffusersRunner(pipe(kind))) as engine:
+        async with ot.open_engine(DiffusersRunner(tiny(kind))) as engine:
             output = await engine.generate(r)
     assert output.video is not None
-    assert output.video.shape == (r.num_images, FRAMES, 3, SIZE, SIZE)
+    assert output.video.shape == (r.num_images, FRAMES, 3, SIZE[kind], SIZE[kind])
     assert output.video.dtype == torch.float32 and output.video.device.type == "cpu"
     torch.testing.assert_close(output.video, reference(kind, r), atol=1e-5, rtol=0)
     assert torch.equal(output.images, output.video[:, 0])
-
-
-@pytest.mark.parametrize("kind", KINDS)
-async def test_videos_batch_and_join_mid_way(kind: str) -> None:
-    """L70: two videos of one size and frame count share every step from the first, a third
-    joins at the second step; each equals its solo pipeline call (1e-4; reached 1.2e-6).
-    """
-    first = request(num_steps=4, seed=1, prompt="first")
-    second = request(num_steps=3, seed=2, prompt="second, longer", guidance_scale=1.0)
-    # LTXPipeline's own call fails for two videos of one prompt with a timestep-conditioned
-    # VAE (see test_two_ltx_videos_of_one_prompt_decode): one each here.
-    third = request(
-        num_steps=2,
-        seed=3,
-        prompt="third",
-        negative_prompt=None,
-        num_images=2 if kind == "wan" else 1,
-    )
-    runner = GatedDiffusers(pipe(kind))
-    with anyio.fail_after(BUDGET):
-        async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=4)) as engine:
-            handles = [engine.submit(first), engine.submit(second)]
-            await runner.wait_arrived(1)
-            runner.release(1)
-            await runner.wait_arrived(2)
-            handles.append(engine.submit(third))
-            runner.open_gate()
-            outputs = []
-            for handle in handles:
-                async with handle:
-                    outputs.append(await handle.result())
-            stats = engine.statistics()
-    assert (stats.steps_run, stats.batch_steps) == (4 + 3 + 2, 4)  # all shared
-    for r, output in zip([first, second, third], outputs, strict=True):
-        assert output.video is not None
-        torch.testing.assert_close(output.video, reference(kind, r), atol=1e-4, rtol=0)
 
 
 async def test_two_ltx_videos_of_one_prompt_decode() -> None:
@@ -144,10 +63,10 @@ async def test_two_ltx_videos_of_one_prompt_decode() -> None:
     own, with one decode timestep per video.
     """
     with anyio.fail_after(BUDGET):
-        async with ot.open_engine(DiffusersRunner(pipe("ltx"))) as engine:
-            output = await engine.generate(request(num_steps=2, num_images=2))
+        async with ot.open_engine(DiffusersRunner(tiny("ltx"))) as engine:
+            output = await engine.generate(request("ltx", num_steps=2, num_images=2))
     assert output.video is not None
-    assert output.video.shape == (2, FRAMES, 3, SIZE, SIZE)
+    assert output.video.shape == (2, FRAMES, 3, SIZE["ltx"], SIZE["ltx"])
     assert not torch.equal(output.video[0], output.video[1])
 
 
@@ -159,26 +78,28 @@ async def test_num_frames_is_validated_by_name(kind: str, good: int, bad: int) -
     """
     for value in (0, True, 1.5, MAX_NUM_FRAMES + 1):
         with pytest.raises(ot.InvalidRequestError) as info:
-            request(num_frames=value)
+            request(kind, num_frames=value)
         assert info.value.field == "num_frames"
-    runner = DiffusersRunner(pipe(kind))
+    runner = DiffusersRunner(tiny(kind))
     capabilities = runner.capabilities
     assert capabilities.frames == ((4, 1) if kind == "wan" else (8, 1))
-    assert capabilities.batch_key(request()) != capabilities.batch_key(request(num_frames=good))
+    assert capabilities.batch_key(request(kind)) != capabilities.batch_key(
+        request(kind, num_frames=good)
+    )
     async with ot.open_engine(runner) as engine:
         for fields in ({"num_frames": bad}, {"num_frames": None}):
             with pytest.raises(ot.InvalidRequestError) as info:
-                engine.submit(request(**fields))
+                engine.submit(request(kind, **fields))
             assert info.value.field == "num_frames"
     async with ot.open_engine(FakeRunner()) as engine:
         with pytest.raises(ot.InvalidRequestError) as info:
-            engine.submit(request(num_frames=good))
+            engine.submit(request(kind, num_frames=good))
         assert info.value.field == "num_frames"
     with pytest.raises(ValueError, match="frames"):
         RunnerCapabilities(frames=(4, 4))
     # A video runner's key holds the frames even when its fields leave them out.
     plain = RunnerCapabilities(frames=(4, 1), batch_key_fields=("height",))
-    assert plain.batch_key(request(num_frames=5)) == (SIZE, 5)
+    assert plain.batch_key(request(kind, num_frames=5)) == (SIZE[kind], 5)
 
 
 async def test_save_video_writes_an_mp4_that_reads_back(tmp_path: Path) -> None:
@@ -188,10 +109,10 @@ async def test_save_video_writes_an_mp4_that_reads_back(tmp_path: Path) -> None:
     import av
 
     with anyio.fail_after(BUDGET):
-        async with ot.open_engine(DiffusersRunner(pipe("ltx"))) as engine:
-            output = await engine.generate(request(num_steps=2, width=64))
+        async with ot.open_engine(DiffusersRunner(tiny("ltx"))) as engine:
+            output = await engine.generate(request("ltx", num_steps=2, width=64))
         async with ot.open_engine(FakeRunner()) as engine:
-            image = await engine.generate(request(num_steps=1, num_frames=None))
+            image = await engine.generate(request("ltx", num_steps=1, num_frames=None))
     assert image.video is None
     path = tmp_path / "clip.mp4"
     output.save_video(path, fps=8)
@@ -200,7 +121,7 @@ async def test_save_video_writes_an_mp4_that_reads_back(tmp_path: Path) -> None:
         frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
         assert stream.average_rate == 8
     assert len(frames) == FRAMES
-    assert all(frame.shape == (SIZE, 64, 3) for frame in frames)
+    assert all(frame.shape == (SIZE["ltx"], 64, 3) for frame in frames)
     with pytest.raises(ValueError, match="fps"):
         output.save_video(path, fps=0)
     with pytest.raises(ValueError, match="index"):
@@ -214,22 +135,6 @@ async def test_save_video_writes_an_mp4_that_reads_back(tmp_path: Path) -> None:
             output.save_video(path)
     finally:
         sys.modules["av"] = saved  # type: ignore[assignment]
-
-
-@pytest.mark.parametrize("kind", KINDS)
-async def test_a_suspended_video_resumes_to_the_uninterrupted_one(kind: str) -> None:
-    """L61, L70: suspended after its first step and resumed, a video is bitwise the one it
-    makes uninterrupted (alone both times); the parked state holds its latents at least.
-    """
-    low = request(num_steps=4, seed=11, prompt="low")
-    high = request(num_steps=2, seed=12, prompt="high", priority=1)
-    resumed, uninterrupted, parked = await resumed_and_uninterrupted(
-        pipe(kind), low, high, park_on_host=True
-    )
-    assert resumed.video is not None and uninterrupted.video is not None
-    latents = 8 * 2 * (SIZE // 8) ** 2  # LTX's: 8 channels, 2 latent frames (Wan's more)
-    assert parked >= 4 * latents
-    assert torch.equal(resumed.video, uninterrupted.video)
 
 
 class BadVideo(DiffusersRunner):
@@ -262,28 +167,11 @@ async def test_a_bad_video_fails_the_request_naming_the_violation(how: str, mess
     past the first, fails the request (InvalidOutputError) and is never delivered.
     """
     with anyio.fail_after(BUDGET):
-        async with ot.open_engine(BadVideo(pipe("wan"), how)) as engine:
+        async with ot.open_engine(BadVideo(tiny("wan"), how)) as engine:
             with pytest.raises(ot.RequestFailedError) as info:
-                await engine.generate(request(num_steps=1), request_id="bad")
+                await engine.generate(request("wan", num_steps=1), request_id="bad")
     assert isinstance(info.value.__cause__, ot.InvalidOutputError)
     assert str(info.value) == f"request 'bad' failed: the runner's decode returned {message}"
-
-
-@pytest.mark.parametrize("kind", KINDS)
-async def test_previews_are_the_first_latent_frame(kind: str) -> None:
-    """L18, L70: a video's preview is a small RGB image of its first latent frame."""
-    runner = GatedDiffusers(pipe(kind))
-    with anyio.fail_after(BUDGET):
-        async with ot.open_engine(runner) as engine:
-            async with engine.submit(request(preview_every=1, num_steps=2)) as handle:
-                events = await read_gated(handle, runner)
-                await handle.result()
-    previews = [event.preview for event in events]
-    assert len(previews) == 2
-    for preview in previews:
-        assert preview is not None
-        assert preview.shape == (1, 3, SIZE // 8, SIZE // 8)
-        assert float(preview.min()) >= 0.0 and float(preview.max()) <= 1.0
 
 
 @cache
@@ -293,7 +181,7 @@ def two_experts() -> Any:
 
     # Untyped: diffusers' constructors carry no annotations.
     diffusers: Any = importlib.import_module("diffusers")
-    base = pipe("wan")
+    base = tiny("wan")
     torch.manual_seed(1)
     second = diffusers.WanTransformer3DModel(**base.transformer.config).eval()
     return diffusers.WanPipeline(**{**base.components, "transformer_2": second}, boundary_ratio=0.5)
@@ -317,8 +205,8 @@ async def test_wan_two_experts_alone_and_with_rows_of_both_in_one_step() -> None
         getattr(pipeline, name).register_forward_pre_hook(noted(name), with_kwargs=True)
         for name in ("transformer", "transformer_2")
     ]
-    first = request(num_steps=4, seed=1)
-    second = request(num_steps=4, seed=2, prompt="second", guidance_scale=1.0)
+    first = request("wan", num_steps=4, seed=1)
+    second = request("wan", num_steps=4, seed=2, prompt="second", guidance_scale=1.0)
     try:
         runner = GatedDiffusers(pipeline)
         with anyio.fail_after(BUDGET):

@@ -1,9 +1,10 @@
 """Cancel points (L71, L72): a step or a decode left mid-way when its work is not wanted.
 
-Real models: tiny Wan, where a test hook holds one block (or one VAE decoder call)
-of the model in the worker's (the materializer's) thread while the test aborts the
-request, so the abort lands at a known place without any timing; then the next
-request must equal a fresh engine's, bitwise (one torch thread).
+Real models: tiny Wan, where a test hook holds one VAE decoder call in the
+materializer's thread while the test aborts the request, so the abort lands at a
+known place without any timing; then the next request must equal a fresh engine's,
+bitwise (one torch thread). A step of every family left inside a block is the
+conformance suite's (test_conformance.py); every family's hooks are here.
 
 Engine side, with fake runners whose steps run virtual blocks and whose decodes run
 chunks (``FakeRunner(blocks=...)``), gated per block or chunk, so where the worker
@@ -14,7 +15,6 @@ gate for a release that never comes (the gate's timeout fails the test).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -25,14 +25,11 @@ import trio
 import trio.testing
 
 import omni_trio as ot
-from omni_trio._cancelpoint import active_checks
 from omni_trio.runners import DiffusersRunner, RunnerCapabilities, tiny_pipeline
 from omni_trio.runners._cancel import hooked
 from omni_trio.testing import GatedRunner, probe, wait_until
-
-from .test_video import pipe as video_pipe
-from .test_video import request as video_request
-from .util import BUDGET, expected_images, req
+from tests.support.runners import abort_inside
+from tests.util import BUDGET, expected_images, req
 
 BLOCKS = 4
 
@@ -223,127 +220,6 @@ def test_cancel_points_are_declared_apart_from_whole_calls() -> None:
 
 
 # -- real models: tiny Wan (L71, L72) and the image families' hooks -----------------
-
-
-class ModuleGate:
-    """A forward pre-hook on ``module`` that holds its ``at``-th call until ``release()``.
-
-    It runs after the runner's own cancel-point hook (hooks run in the order they were
-    registered), so the held call is inside the block: the cancel point before it
-    passed. ``calls`` counts the calls that began, ``finished`` those that ran to the end.
-    """
-
-    def __init__(self, module: torch.nn.Module, at: int) -> None:
-        self.at = at
-        self.calls = 0
-        self.finished = 0
-        self.arrived = threading.Event()
-        self._go = threading.Event()
-        self._handles = [
-            module.register_forward_pre_hook(self._hook),
-            module.register_forward_hook(self._done),
-        ]
-
-    def _done(self, module: torch.nn.Module, args: object, output: object) -> None:
-        self.finished += 1
-
-    def _hook(self, module: torch.nn.Module, args: object) -> None:
-        self.calls += 1
-        if self.calls == self.at:
-            self.arrived.set()
-            if not self._go.wait(20):
-                raise RuntimeError("ModuleGate: never released")
-
-    def release(self) -> None:
-        self._go.set()
-
-    def remove(self) -> None:
-        self._go.set()
-        for handle in self._handles:
-            handle.remove()
-
-    async def wait_arrived(self) -> None:
-        await wait_until(self.arrived.is_set)
-
-
-def _vae_cache_clear(pipe: Any) -> bool:
-    # None before its first decode; every entry None once a decode ended or was left.
-    return all(feature is None for feature in getattr(pipe.vae, "_feat_map", None) or ())
-
-
-async def _fresh_output(pipe: Any, r: ot.GenerationRequest, **options: Any) -> ot.GenerationOutput:
-    async with ot.open_engine(DiffusersRunner(pipe, **options)) as engine:
-        return await engine.generate(r)
-
-
-async def abort_inside(
-    where: Callable[[Any], torch.nn.Module],
-    at: int,
-    *,
-    pipe: Any = None,
-    first: ot.GenerationRequest | None = None,
-    after: ot.GenerationRequest | None = None,
-    **options: Any,
-) -> tuple[ModuleGate, DiffusersRunner, ot.RequestHandle, ot.GenerationOutput, ot.GenerationOutput]:
-    """Abort ``first`` while ``where(pipe)``'s ``at``-th call runs; then serve ``after``.
-
-    Defaults: tiny Wan, a 3-step video, then another. ``options`` go to the
-    ``DiffusersRunner``. Returns the gate, the runner, the aborted handle, ``after``'s
-    output and a fresh engine's output for ``after`` (same options).
-    """
-    pipe = video_pipe("wan") if pipe is None else pipe
-    first = video_request(num_steps=3) if first is None else first
-    after = video_request(seed=3, prompt="after", num_steps=2) if after is None else after
-    runner = DiffusersRunner(pipe, **options)
-    gate = ModuleGate(where(pipe), at)
-    try:
-        async with ot.open_engine(runner) as engine:
-            handle = engine.submit(first, request_id="r")
-            await gate.wait_arrived()
-
-            async def release_once_cut() -> None:
-                await wait_until(lambda: probe(handle).cancel_reason is not None)
-                gate.release()
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(release_once_cut)
-                assert await engine.abort("r") is True
-            assert runner.live_states == 0 and active_checks() == 0
-            assert _vae_cache_clear(pipe)
-            calls = gate.calls
-            await handle.aclose()
-            output = await engine.generate(after)
-            gate.calls = calls  # the counts of the aborted request only
-    finally:
-        gate.remove()
-        runner.close()
-    return gate, runner, handle, output, await _fresh_output(pipe, after, **options)
-
-
-@pytest.mark.anyio
-@pytest.mark.usefixtures("one_torch_thread")
-async def test_a_wan_step_is_left_at_the_next_block_and_the_model_serves_on_as_fresh() -> None:
-    """L71: a tiny Wan video aborted inside block 0 of its second step: the step is left
-    before block 1 (block 1 ran once: in step 1), one step counted, nothing decoded, no
-    check armed, the VAE's cache empty; the next request's video is bitwise a fresh
-    engine's.
-    """
-    with anyio.fail_after(BUDGET):
-        block_1 = ModuleGate(video_pipe("wan").transformer.blocks[1], at=0)
-        try:
-            gate, runner, handle, output, fresh = await abort_inside(
-                lambda wan: wan.transformer.blocks[0], at=2
-            )
-            block_1_calls = block_1.finished
-        finally:
-            block_1.remove()
-    assert gate.calls == 2  # block 0: steps 1 and 2
-    # Step 1 of the aborted one (not its step 2), then 2 steps each of the next and the fresh.
-    assert block_1_calls == 1 + 2 + 2
-    assert handle.metrics is not None and handle.metrics.steps_done == 1
-    assert runner.decodes == 1  # the next request's only
-    assert output.video is not None and fresh.video is not None
-    assert torch.equal(output.video, fresh.video)
 
 
 @pytest.mark.anyio

@@ -21,11 +21,8 @@ import torch
 import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
 from omni_trio.runners._chunks import DecodeChunks
-
-from .test_cancel_points import ModuleGate, abort_inside
-from .test_video import pipe as video_pipe
-from .test_video import request as video_request
-from .util import BUDGET
+from tests.support.runners import ModuleGate, abort_inside, request, tiny
+from tests.util import BUDGET
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -111,8 +108,8 @@ def test_a_long_ltx_video_decodes_in_temporal_chunks_only_past_the_threshold() -
     ``use_framewise_decoding`` decode, the flag off again after; at the threshold, and by
     default, one call.
     """
-    pipe = video_pipe("ltx")
-    r = video_request(num_frames=33, num_steps=2)
+    pipe = tiny("ltx")
+    r = request("ltx", num_frames=33, num_steps=2)
     chunked, calls = decoded(pipe, r, framewise_above=16)
     assert calls == 5
     assert not pipe.vae.use_framewise_decoding
@@ -149,9 +146,9 @@ async def test_an_abort_during_a_chunked_ltx_decode_lands_before_the_next_chunk(
     the decode is left before chunk 3, the VAE's framewise flag is off again, and the next
     video is bitwise a fresh engine's.
     """
-    pipe = video_pipe("ltx")
-    first = video_request(num_frames=33, num_steps=2)
-    after = video_request(num_frames=33, num_steps=2, prompt="after", seed=3)
+    pipe = tiny("ltx")
+    first = request("ltx", num_frames=33, num_steps=2)
+    after = request("ltx", num_frames=33, num_steps=2, prompt="after", seed=3)
     with anyio.fail_after(BUDGET):
         gate, runner, handle, output, fresh = await abort_inside(
             lambda ltx: ltx.vae.decoder, 2, pipe=pipe, first=first, after=after, framewise_above=16

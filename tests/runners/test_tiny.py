@@ -172,7 +172,7 @@ def test_quiet_notices_drops_only_the_torchvision_notice_and_only_inside() -> No
 
 def test_building_prints_nothing(tmp_path: Path) -> None:
     """A fresh process that builds every kind writes nothing on stderr (no notices, no bars)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     script = (
         "from omni_trio.runners import TINY_KINDS, tiny_pipeline\n"
         "for kind in TINY_KINDS:\n"

@@ -21,22 +21,16 @@ import torch
 from PIL import Image
 
 import omni_trio as ot
-from omni_trio.runners import DiffusersRunner, RunnerCapabilities, tiny_pipeline
+from omni_trio.runners import DiffusersRunner, RunnerCapabilities
 from omni_trio.testing import FakeRunner
-
-from .test_diffusers_runner import GatedDiffusers, resumed_and_uninterrupted
-from .util import BUDGET
+from tests.support.runners import GatedDiffusers, resumed_and_uninterrupted, tiny
+from tests.util import BUDGET
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 
 SIZE = 64
 #: Measured: at most 2.4e-6 apart on the CPU (float32); the bound leaves room.
 TOLERANCE = 1e-4
-
-
-@cache
-def pipe(kind: str) -> Any:
-    return tiny_pipeline(kind)
 
 
 def picture(seed: int = 1) -> Image.Image:
@@ -73,7 +67,7 @@ def edit(kind: str = "image-to-image", **fields: Any) -> ot.GenerationRequest:
 def edit_pipeline(family: str, inpaint: bool, scheduler: str | None = None) -> Any:
     import diffusers
 
-    base = pipe(family)
+    base = tiny(family)
     name = {
         ("sd", False): "StableDiffusionImg2ImgPipeline",
         ("sd", True): "StableDiffusionInpaintPipeline",
@@ -134,7 +128,7 @@ async def test_an_edit_equals_its_pipeline_and_reports_the_steps_it_runs(
     """
     r = edit(kind)
     with anyio.fail_after(BUDGET):
-        async with ot.open_engine(DiffusersRunner(pipe(family))) as engine:
+        async with ot.open_engine(DiffusersRunner(tiny(family))) as engine:
             async with engine.submit(r) as handle:
                 events = [(event.step, event.total) async for event in handle]
                 output = await handle.result()
@@ -160,7 +154,7 @@ async def test_edits_batch_with_each_other_and_join_mid_way(family: str) -> None
     ]
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(
-            DiffusersRunner(pipe(family)), ot.EngineConfig(max_batch_size=4)
+            DiffusersRunner(tiny(family)), ot.EngineConfig(max_batch_size=4)
         ) as engine:
             async with engine.submit(first) as head:
                 async for event in head:
@@ -187,7 +181,7 @@ async def test_a_scheduler_that_draws_noise_draws_what_the_pipeline_draws() -> N
     import diffusers as untyped
 
     diffusers: Any = untyped
-    base = pipe("sd")
+    base = tiny("sd")
     noisy = diffusers.StableDiffusionPipeline(
         **{
             **base.components,
@@ -208,7 +202,7 @@ async def test_an_aborted_edit_is_never_decoded() -> None:
     leaves that step at its first cancel point (the UNet's first block), undecoded, and
     its state (the image's latents, noise and mask with it) is freed.
     """
-    runner = GatedDiffusers(pipe("sd"))
+    runner = GatedDiffusers(tiny("sd"))
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(runner) as engine:
             handle = engine.submit(edit("inpaint"), request_id="edit")
@@ -235,7 +229,7 @@ async def test_a_suspended_edit_resumes_to_the_uninterrupted_image(park_on_host:
         prompt="high", num_steps=2, height=SIZE, width=SIZE, seed=12, priority=1
     )
     resumed, uninterrupted, parked = await resumed_and_uninterrupted(
-        pipe("sd"), low, high, park_on_host=park_on_host
+        tiny("sd"), low, high, park_on_host=park_on_host
     )
     latent = 4 * 4 * (SIZE // 8) ** 2  # one [1, 4, 8, 8] float32 tensor
     assert parked >= 3 * latent + latent // 4  # latents, image latents, noise, mask
@@ -350,7 +344,7 @@ async def test_runners_that_take_no_images_refuse_them_by_name(
     if runner == "fake":
         made: Any = FakeRunner()
     elif runner == "sd3":
-        made = DiffusersRunner(pipe("sd3"))
+        made = DiffusersRunner(tiny("sd3"))
     else:
 
         class ImagesOnly(FakeRunner):

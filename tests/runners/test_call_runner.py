@@ -23,8 +23,7 @@ from omni_trio.runners import (
     tiny_pipeline,
 )
 from omni_trio.runners._call import CallState
-
-from .util import BUDGET
+from tests.util import BUDGET
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 
