@@ -10,8 +10,7 @@ import anyio.lowlevel
 import pytest
 
 from omni_trio._channel import CoalescingChannel
-
-from .util import BUDGET
+from tests.support.core import BUDGET
 
 pytestmark = pytest.mark.anyio
 

@@ -18,8 +18,7 @@ import pytest
 
 import omni_trio as ot
 from omni_trio.testing import FakeRunner, engine_threads
-
-from .util import BUDGET, req
+from tests.support.core import BUDGET, req
 
 
 def test_engine_has_no_public_constructor() -> None:

@@ -12,8 +12,7 @@ import torch
 
 import omni_trio as ot
 from omni_trio.testing import GatedRunner, assert_engine_idle, probe, wait_until
-
-from .util import BUDGET, req, solo_images
+from tests.support.core import BUDGET, req, solo_images
 
 pytestmark = pytest.mark.anyio
 

@@ -16,8 +16,7 @@ import torch
 
 import omni_trio as ot
 from omni_trio.testing import FakeRunner, GatedRunner, assert_engine_idle
-
-from .util import BUDGET, req, solo_images
+from tests.support.core import BUDGET, req, solo_images
 
 pytestmark = pytest.mark.anyio
 

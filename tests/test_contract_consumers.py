@@ -28,8 +28,7 @@ from omni_trio.testing import (
     probe_engine,
     wait_until,
 )
-
-from .util import BUDGET, Boom, read_gated, req
+from tests.support.core import BUDGET, Boom, read_gated, req
 
 pytestmark = pytest.mark.anyio
 

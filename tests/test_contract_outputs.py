@@ -15,8 +15,7 @@ import pytest
 
 import omni_trio as ot
 from omni_trio.testing import FakeRunner, GatedRunner, wait_until
-
-from .util import BUDGET, read_gated, req, stats_add_up
+from tests.support.core import BUDGET, read_gated, req, stats_add_up
 
 pytestmark = pytest.mark.anyio
 

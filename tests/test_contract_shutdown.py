@@ -18,8 +18,7 @@ import trio.testing
 
 import omni_trio as ot
 from omni_trio.testing import FakeRunner, GatedRunner, probe, wait_until
-
-from .util import BUDGET, req
+from tests.support.core import BUDGET, req
 
 
 async def _close_in_background(engine: ot.Engine, tg: anyio.abc.TaskGroup) -> None:

@@ -24,8 +24,7 @@ from omni_trio.testing import (
     probe_engine,
     wait_until,
 )
-
-from .util import BUDGET, WorkerKilled, req, solo_images
+from tests.support.core import BUDGET, WorkerKilled, req, solo_images
 
 pytestmark = pytest.mark.anyio
 

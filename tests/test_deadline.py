@@ -18,9 +18,7 @@ import trio.testing
 import omni_trio as ot
 from omni_trio._request import MAX_DEADLINE_S
 from omni_trio.testing import FakeRunner, GatedRunner, assume_step_time, probe_engine, wait_until
-
-from .support.core import RecordingRunner
-from .util import BUDGET, req
+from tests.support.core import BUDGET, RecordingRunner, req
 
 
 @pytest.mark.parametrize(

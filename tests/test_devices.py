@@ -25,9 +25,8 @@ from omni_trio.testing import (
     probe_engine,
     wait_until,
 )
-
-from .support.devices import KillableRunner, PrepareRecorder
-from .util import BUDGET, WorkerKilled, expected_images, req
+from tests.support.core import BUDGET, WorkerKilled, expected_images, req
+from tests.support.devices import KillableRunner, PrepareRecorder
 
 pytestmark = pytest.mark.filterwarnings("error")
 

@@ -15,8 +15,7 @@ import pytest
 
 import omni_trio as ot
 from omni_trio.testing import GatedRunner
-
-from .util import BUDGET
+from tests.support.core import BUDGET
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))

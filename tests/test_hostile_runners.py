@@ -42,8 +42,7 @@ from omni_trio.testing import (
     assert_engine_idle,
     wait_until,
 )
-
-from .util import BUDGET, WorkerKilled, read_gated, req, solo_images
+from tests.support.core import BUDGET, WorkerKilled, read_gated, req, solo_images
 
 pytestmark = pytest.mark.anyio
 

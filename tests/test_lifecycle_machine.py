@@ -50,11 +50,10 @@ from hypothesis import HealthCheck, given, settings
 import omni_trio as ot
 from omni_trio._worker import Worker
 from omni_trio.testing import assert_nothing_left
-
-from .lifecycle.clock import virtual_clock_options
-from .lifecycle.model import Machine, MachineRunner, hook_submit, note
-from .lifecycle.ops import MAX_SIZE, MAX_STEPS, Advance, Plan, plans, two_worker_plans
-from .util import BUDGET, WorkerKilled
+from tests.lifecycle.clock import virtual_clock_options
+from tests.lifecycle.model import Machine, MachineRunner, hook_submit, note
+from tests.lifecycle.ops import MAX_SIZE, MAX_STEPS, Advance, Plan, plans, two_worker_plans
+from tests.support.core import BUDGET, WorkerKilled
 
 WAITING = ot.RequestStatus.WAITING
 
@@ -252,8 +251,7 @@ async def test_invariants_hold_while_the_worker_takes_a_request() -> None:
     and running in the records).
     """
     from omni_trio.testing import GatedRunner, check_engine_invariants, probe
-
-    from .util import req
+    from tests.support.core import req
 
     runner = GatedRunner()
     with anyio.fail_after(BUDGET):
@@ -303,8 +301,7 @@ async def test_settling_is_not_fooled_by_a_step_between_its_reads() -> None:
     waiting and the records "a" before its step: settled, wrongly.)
     """
     from omni_trio.testing import wait_until
-
-    from .util import req
+    from tests.support.core import req
 
     runner = MachineRunner(max_batch_size=1)
     plan = Plan(
@@ -352,8 +349,7 @@ async def test_invariants_hold_while_a_dying_worker_drops_its_suspended_requests
     ``check_engine_invariants``, which failed in that window.)
     """
     from omni_trio.testing import check_engine_invariants, wait_until
-
-    from .util import req
+    from tests.support.core import req
 
     runner = MachineRunner(max_batch_size=1)
     failure: str | None = None

@@ -16,8 +16,7 @@ import pytest
 
 import omni_trio as ot
 from omni_trio.testing import FakeRunner, GatedRunner, wait_until
-
-from .util import BUDGET
+from tests.support.core import BUDGET
 
 pytestmark = pytest.mark.anyio
 

@@ -25,8 +25,7 @@ import torch
 import omni_trio as ot
 from omni_trio._imagecheck import PIXEL_SLACK, checked_images
 from omni_trio.testing import FakeRunner, FakeState, GatedRunner, assert_engine_idle, wait_until
-
-from .util import BUDGET, read_gated, req, solo_images
+from tests.support.core import BUDGET, read_gated, req, solo_images
 
 Spoil = Callable[[torch.Tensor], Any]
 

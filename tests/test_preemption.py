@@ -27,9 +27,7 @@ from omni_trio.testing import (
     probe_engine,
     wait_until,
 )
-
-from .support.core import RecordingRunner
-from .util import BUDGET, expected_images, req
+from tests.support.core import BUDGET, RecordingRunner, expected_images, req
 
 pytestmark = pytest.mark.filterwarnings("error")
 

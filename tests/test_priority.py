@@ -13,9 +13,7 @@ import pytest
 
 import omni_trio as ot
 from omni_trio._request import MAX_PRIORITY
-
-from .support.core import RecordingRunner
-from .util import BUDGET, req
+from tests.support.core import BUDGET, RecordingRunner, req
 
 
 def test_priority_defaults_to_zero() -> None:

@@ -37,8 +37,7 @@ from omni_trio.testing import (
     probe,
     wait_until,
 )
-
-from .util import BUDGET, check_all, outcome_of, req, solo_images, status
+from tests.support.core import BUDGET, check_all, outcome_of, req, solo_images, status
 
 pytestmark = pytest.mark.anyio
 

@@ -33,8 +33,15 @@ from omni_trio.testing import (
     probe,
     wait_until,
 )
-
-from .util import BUDGET, RunnerBroke, WorkerKilled, check_all, outcome_of, req, solo_images
+from tests.support.core import (
+    BUDGET,
+    RunnerBroke,
+    WorkerKilled,
+    check_all,
+    outcome_of,
+    req,
+    solo_images,
+)
 
 pytestmark = pytest.mark.anyio
 

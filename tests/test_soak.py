@@ -51,8 +51,7 @@ from omni_trio.testing import (
     live_objects,
     probe,
 )
-
-from .util import RunnerBroke, expected_images, outcome_of, req
+from tests.support.core import RunnerBroke, expected_images, outcome_of, req
 
 REQUESTS = 1000
 CONSUMERS = 32

@@ -45,8 +45,8 @@ from omni_trio.cli._loadtest_math import (
 from omni_trio.serve import ServeConfig, Service
 from omni_trio.testing import FakeRunner, GatedRunner, assume_step_time, probe_engine, wait_until
 from tests.support.cli import free_port
+from tests.support.core import BUDGET
 from tests.support.serve import metric
-from tests.util import BUDGET
 
 # -- the schedule --------------------------------------------------------------------
 

@@ -41,8 +41,8 @@ from omni_trio.testing import (
     probe_engine,
     wait_until,
 )
+from tests.support.core import Boom, WorkerKilled, expected_images, req
 
-from ..util import Boom, WorkerKilled, expected_images, req
 from .clock import jump
 from .ops import (
     ABSENT_ID,

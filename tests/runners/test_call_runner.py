@@ -23,7 +23,7 @@ from omni_trio.runners import (
     tiny_pipeline,
 )
 from omni_trio.runners._call import CallState
-from tests.util import BUDGET
+from tests.support.core import BUDGET
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -21,8 +21,8 @@ import torch
 import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
 from omni_trio.runners._chunks import DecodeChunks
+from tests.support.core import BUDGET
 from tests.support.runners import ModuleGate, abort_inside, request, tiny
-from tests.util import BUDGET
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

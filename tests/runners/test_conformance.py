@@ -30,6 +30,7 @@ import torch
 import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, runner_for
 from omni_trio.runners._cancel import cancel_modules
+from tests.support.core import BUDGET, read_gated
 from tests.support.runners import (
     KINDS,
     SIZE,
@@ -41,7 +42,6 @@ from tests.support.runners import (
     resumed_and_uninterrupted,
     tiny,
 )
-from tests.util import BUDGET, read_gated
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -21,6 +21,7 @@ import omni_trio as ot
 from omni_trio._request import MAX_GUIDANCE_SCALE
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
 from omni_trio.runners._family import step_groups
+from tests.support.core import BUDGET
 from tests.support.runners import (
     GatedDiffusers,
     reference,
@@ -28,7 +29,6 @@ from tests.support.runners import (
     resumed_and_uninterrupted,
     tiny,
 )
-from tests.util import BUDGET
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -23,8 +23,8 @@ from PIL import Image
 import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, RunnerCapabilities
 from omni_trio.testing import FakeRunner
+from tests.support.core import BUDGET
 from tests.support.runners import GatedDiffusers, resumed_and_uninterrupted, tiny
-from tests.util import BUDGET
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -22,9 +22,9 @@ import omni_trio as ot
 from omni_trio.runners import DiffusersRunner
 from omni_trio.serve import ServeConfig, Service
 from omni_trio.serve._models import MODELS, TINY_SIZE, TINY_STEPS, load_model
+from tests.support.core import BUDGET
 from tests.support.runners import SIZE, reference, request, tiny
 from tests.support.serve import PATH, png_size, serving
-from tests.util import BUDGET
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -27,8 +27,8 @@ from omni_trio._request import MAX_NUM_FRAMES
 from omni_trio.runners import DiffusersRunner, RunnerCapabilities
 from omni_trio.runners._family import RequestState
 from omni_trio.testing import FakeRunner
+from tests.support.core import BUDGET
 from tests.support.runners import FRAMES, SIZE, GatedDiffusers, reference, request, tiny
-from tests.util import BUDGET
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -24,6 +24,7 @@ import pytest
 
 from omni_trio.serve import ServeConfig, create_app
 from omni_trio.testing import FakeRunner, GatedRunner, assert_engine_idle, wait_until
+from tests.support.core import BUDGET
 from tests.support.serve import (
     BAD_BODIES,
     PATH,
@@ -35,7 +36,6 @@ from tests.support.serve import (
     png_size,
     serving,
 )
-from tests.util import BUDGET
 
 pytestmark = pytest.mark.anyio
 

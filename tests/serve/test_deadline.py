@@ -25,8 +25,8 @@ from omni_trio.testing import (
     probe_engine,
     wait_until,
 )
+from tests.support.core import BUDGET
 from tests.support.serve import PATH, AsgiCall, metric, serving
-from tests.util import BUDGET
 
 pytestmark = pytest.mark.anyio
 

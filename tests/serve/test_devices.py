@@ -17,9 +17,9 @@ from omni_trio.serve import ServeConfig, Service
 from omni_trio.serve._models import load_model
 from omni_trio.testing import wait_until
 from tests.support.cli import one_line_error, serve
+from tests.support.core import BUDGET
 from tests.support.devices import KillableRunner
 from tests.support.serve import PATH, metric, serving
-from tests.util import BUDGET
 
 
 def test_device_lists_are_parsed_and_checked() -> None:

@@ -30,7 +30,7 @@ from PIL import Image
 import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
 from omni_trio.serve import ServeConfig, Service, UploadLimits
-from tests.util import BUDGET
+from tests.support.core import BUDGET
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -16,7 +16,7 @@ from starlette.routing import Mount
 
 from omni_trio.serve import Service
 from omni_trio.testing import FakeRunner, assert_engine_idle
-from tests.util import BUDGET
+from tests.support.core import BUDGET
 
 pytestmark = pytest.mark.anyio
 

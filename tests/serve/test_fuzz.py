@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from omni_trio.serve import Service
 from omni_trio.serve._schema import KNOWN_FIELDS
 from omni_trio.testing import assert_engine_idle
+from tests.support.core import BUDGET
 from tests.support.serve import PATH, make_service, parse_sse, serving
-from tests.util import BUDGET
 
 pytestmark = pytest.mark.anyio
 

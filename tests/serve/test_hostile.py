@@ -23,6 +23,7 @@ import pytest
 
 import omni_trio as ot
 from omni_trio.testing import FakeRunner, FakeState
+from tests.support.core import BUDGET, WorkerKilled
 from tests.support.serve import (
     HOSTILE_BODIES,
     PATH,
@@ -33,7 +34,6 @@ from tests.support.serve import (
     parse_sse,
     serving,
 )
-from tests.util import BUDGET, WorkerKilled
 
 pytestmark = pytest.mark.anyio
 

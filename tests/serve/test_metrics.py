@@ -15,8 +15,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.core import BUDGET
 from tests.support.serve import make_service, serving
-from tests.util import BUDGET
 
 pytestmark = pytest.mark.anyio
 

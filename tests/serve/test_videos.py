@@ -36,8 +36,8 @@ from omni_trio.testing import (
     live_objects,
     wait_until,
 )
+from tests.support.core import BUDGET
 from tests.support.serve import AsgiCall, metric, parse_sse
-from tests.util import BUDGET
 
 pytestmark = pytest.mark.anyio
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import omni_trio as ot
 from omni_trio.testing import FakeRunner, FakeState, GatedRunner
-from tests.util import WorkerKilled
+from tests.support.core import WorkerKilled
 
 __all__ = ["KillableRunner", "PrepareRecorder"]
 

@@ -21,7 +21,7 @@ from omni_trio._cancelpoint import active_checks
 from omni_trio.runners import TINY_KINDS, TINY_VIDEO_KINDS, DiffusersRunner, tiny_pipeline
 from omni_trio.runners._family import RequestState
 from omni_trio.testing import probe, probe_engine, wait_until
-from tests.util import BUDGET
+from tests.support.core import BUDGET
 
 #: Every tiny kind ``DiffusersRunner`` drives: the images', then the videos'.
 KINDS: tuple[str, ...] = (*TINY_KINDS, *TINY_VIDEO_KINDS)

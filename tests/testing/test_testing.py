@@ -18,8 +18,7 @@ from omni_trio.testing import (
     probe,
     wait_until,
 )
-
-from .util import BUDGET, req, solo_images, status
+from tests.support.core import BUDGET, req, solo_images, status
 
 
 def test_fake_runner_depends_only_on_the_request() -> None:

@@ -21,9 +21,8 @@ from omni_trio.cli._options import make_service, service_options
 from omni_trio.cli._serve import add_serve_arguments
 from omni_trio.serve import ServeConfig, Service
 from omni_trio.serve._models import load_model
+from tests.support.core import BUDGET
 from tests.support.serve import PATH, parse_sse, png_size, serving
-
-from .util import BUDGET
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,7 @@ from omni_trio.testing import (
     probe_engine,
     wait_until,
 )
-
-from .util import BUDGET, req
+from tests.support.core import BUDGET, req
 
 pytestmark = pytest.mark.anyio
 
