@@ -214,10 +214,10 @@ def table_abort(result: dict[str, Any]) -> str:
     rows.append(row("omni_trio, running, after the step boundary", engine["after_boundary_ms"]))
     rows.append(row("omni_trio, waiting", engine["waiting_ms"]))
     rows.append(row("(every engine step, for scale)", engine["all_steps_ms"]))
-    for name in ("naive", "interrupt"):
-        rows.append(
-            row(f"{name}, running (until the thread lets go)", result["peers"][name]["release_ms"])
-        )
+    rows.extend(
+        row(f"{name}, running (until the thread lets go)", result["peers"][name]["release_ms"])
+        for name in ("naive", "interrupt")
+    )
     config = result["config"]
     head = (
         f"Tiny SD, {config['size']} px, {config['steps']} steps of {step_ms:.2f} ms; aborted at a"

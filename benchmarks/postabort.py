@@ -168,10 +168,8 @@ async def _video_abort(
 
 async def _step_s(engine: Engine, b: GenerationRequest) -> float:
     """The median time between ``b``'s step events, run alone (a warm-up too)."""
-    times: list[float] = []
     async with engine.submit(b) as handle:
-        async for _ in handle:
-            times.append(time.perf_counter())
+        times = [time.perf_counter() async for _ in handle]
     return statistics.median(later - earlier for earlier, later in itertools.pairwise(times))
 
 

@@ -148,7 +148,7 @@ async def test_a_consumer_too_slow_for_its_events_is_warned_about() -> None:
                     break  # read one, then stop reading
                 await handle.result()
             await engine.generate(request(6), request_id="quiet")
-        lines = dict((m.split(" ")[1], (lvl, m)) for lvl, m in log.lines())
+        lines = {m.split(" ")[1]: (lvl, m) for lvl, m in log.lines()}
         level, message = lines["slow"]
         assert level == logging.WARNING and "slow consumer: " in message
         dropped = int(message.split("slow consumer: ")[1].split(" ")[0])

@@ -350,7 +350,7 @@ async def test_chaos_soak_leaks_nothing() -> None:
     assert tally["output"] <= stats.completed <= tally["output"] + unseen
     assert tally["failed"] <= stats.failed <= tally["failed"] + unseen
     assert tally["aborted"] <= stats.aborted <= tally["aborted"] + unseen
-    print(
+    print(  # noqa: T201 (the soak's summary, shown with -s)
         f"\nsoak: {REQUESTS} requests in {elapsed:.1f} s; consumers saw {dict(tally)}; "
         f"completed {stats.completed}, aborted {stats.aborted}, failed {stats.failed}"
     )

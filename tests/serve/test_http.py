@@ -20,7 +20,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from tests.support.serve import (
     ROOT,
     SERVERS,
     Server,
+    metric,
     nested,
     parse_sse,
     parse_sse_lines,
@@ -233,13 +233,16 @@ def test_disconnect_aborts_and_the_next_request_runs_at_full_speed(
     server: Server, stream: bool
 ) -> None:
     """L51: a client that disconnects mid-way aborts its request at the next step; /metrics
-    shows the abort, the worker stops running it, and the next request runs as fast as an
-    undisturbed one."""
+    shows the abort, at most one step ran for it after the abort was asked, the worker
+    holds nothing of it, and the next request runs all its steps.
+
+    Exact, from the server's own counters: the outcome is counted once the request is
+    terminal, which is once the worker released it (L8), so nothing runs afterwards.
+    """
     steps = 20
-    baseline = server.post({"prompt": "a", "num_inference_steps": steps}).json()["omni_trio"]
     gone = server.outcome("disconnected")
     aborts = server.sample("omni_trio_abort_latency_seconds_count")
-    latency_sum = server.sample("omni_trio_abort_latency_seconds_sum")
+    after_abort = server.sample("omni_trio_steps_after_abort_total")
     started = server.sample("omni_trio_engine_steps_total")
     body = {"prompt": "b", "num_inference_steps": 1000, "stream": stream}
     if stream:
@@ -247,7 +250,6 @@ def test_disconnect_aborts_and_the_next_request_runs_at_full_speed(
             for _, data in parse_sse_lines(response.iter_lines()):
                 if data.get("step", 0) >= 10:
                     break
-            closed_at = time.perf_counter()
     else:
         content = json.dumps(body).encode()
         with raw_post(server, {"Content-Length": str(len(content))}, content):
@@ -256,26 +258,21 @@ def test_disconnect_aborts_and_the_next_request_runs_at_full_speed(
                 timeout=10,
                 what="10 steps of the long request",
             )
-            closed_at = time.perf_counter()
     poll_until(lambda: server.outcome("disconnected") == gone + 1, timeout=10, what="the abort")
-    seen_s = time.perf_counter() - closed_at
-    assert server.sample("omni_trio_abort_latency_seconds_count") == aborts + 1
-    abort_latency = server.sample("omni_trio_abort_latency_seconds_sum") - latency_sum
-    ran = server.sample("omni_trio_engine_steps_total")
-    time.sleep(5 * STEP_S)
-    assert server.sample("omni_trio_engine_steps_total") == ran  # nothing runs any more
-    assert ran - started < 200  # of 1000 steps
-    server.wait_idle()
-    after = server.post({"prompt": "c", "num_inference_steps": steps}).json()["omni_trio"]
-    print(
-        f"\n[{'stream' if stream else 'json'}] disconnect seen in /metrics after"
-        f" {seen_s * 1e3:.1f} ms; abort latency (abort -> release) {abort_latency * 1e3:.2f} ms;"
-        f" next request exec {after['exec_s'] * 1e3:.1f} ms vs undisturbed"
-        f" {baseline['exec_s'] * 1e3:.1f} ms ({steps} steps of {STEP_S * 1e3:.0f} ms)"
-    )
-    assert abort_latency < 20 * STEP_S + 0.5  # a step at most, with room for a busy CI machine
-    assert after["exec_s"] < 1.5 * baseline["exec_s"] + 0.1
-    assert after["queue_wait_s"] < 0.1
+    text = server.metrics()
+    assert metric(text, "omni_trio_abort_latency_seconds_count") == aborts + 1
+    # L7: at most one more step for it once the abort was asked.
+    assert metric(text, "omni_trio_steps_after_abort_total") - after_abort <= 1
+    # Released: nothing of it runs or waits, and its steps stopped short of 1000.
+    assert metric(text, "omni_trio_requests_running") == 0
+    assert metric(text, "omni_trio_requests_waiting") == 0
+    ran = metric(text, "omni_trio_engine_steps_total")
+    assert ran - started < 1000
+    # Full speed: the next request's steps are the only ones the worker runs meanwhile.
+    after = server.post({"prompt": "c", "num_inference_steps": steps})
+    assert after.status_code == 200
+    assert after.json()["omni_trio"]["steps"] == steps
+    assert server.sample("omni_trio_engine_steps_total") == ran + steps
 
 
 # -- the example client --------------------------------------------------------------
