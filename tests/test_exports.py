@@ -9,7 +9,6 @@ exported class and function has the package itself as its ``__module__`` (set by
 
 from __future__ import annotations
 
-import ast
 import importlib
 import pickle
 import pickletools
@@ -128,52 +127,6 @@ def test_import_loads_no_torch(name: str) -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
-
-
-def _imports(path: Path) -> set[str]:
-    """The absolute names of the modules that the file at ``path`` imports, anywhere in it."""
-    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-            module = node.module if node.level == 0 else ".".join(filter(None, [base, node.module]))
-            assert module is not None
-            names.add(module)
-            names.update(f"{module}.{alias.name}" for alias in node.names)
-    return names
-
-
-def test_handle_reaches_the_engine_only_through_its_seam() -> None:
-    """``_handle`` never imports ``_engine`` (not even for typing): it has ``RequestOwner``."""
-    imported = _imports(ROOT / "omni_trio" / "_handle.py")
-    assert "omni_trio._owner" in imported
-    assert not any(name.startswith("omni_trio._engine") for name in imported), imported
-
-
-#: Each endpoint's modules: siblings over the serving plumbing (``_asgi``, ``_forms``, ...).
-ENDPOINTS = {
-    "images": ["_images"],
-    "edits": ["_edits"],
-    "videos": ["_videos", "_video_body", "_video_jobs"],
-}
-
-
-@pytest.mark.parametrize("endpoint", sorted(ENDPOINTS))
-def test_endpoints_import_neither_their_app_nor_each_other(endpoint: str) -> None:
-    """An endpoint never imports ``serve/_app`` or another endpoint, not even for typing."""
-    forbidden = {"omni_trio.serve._app"} | {
-        f"omni_trio.serve.{module}"
-        for other, modules in ENDPOINTS.items()
-        if other != endpoint
-        for module in modules
-    }
-    for module in ENDPOINTS[endpoint]:
-        imported = _imports(ROOT / "omni_trio" / "serve" / f"{module}.py")
-        assert "omni_trio.serve._errors" in imported  # the resolution works
-        assert not imported & forbidden, (module, sorted(imported & forbidden))
 
 
 def test_the_seam_is_one_set_of_objects_named_omni_trio_abc() -> None:

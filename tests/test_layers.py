@@ -1,0 +1,216 @@
+"""The layers, read from the source: which module may import which.
+
+omni_trio is layered (docs/design.md, "Layers"): the data and the seam at the bottom;
+the thread side (the step loop, the pool, the materializer) beside the loop side (the
+engine, its records and handles), which never meet but through messages; the runners
+on the seam only; ``serve`` on the library; the command line on top of everything.
+These tests read every import of every module (module level, inside functions, and
+under ``TYPE_CHECKING``: a type-only import is a dependency of the reader too) and
+fail naming the import that crosses a line. No module is imported, so they are fast
+and cannot be fooled by what an import happens to pull in.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "omni_trio"
+
+#: The event loop's libraries: the thread side never imports them.
+EVENT_LOOP = ("anyio", "trio", "asyncio", "sniffio")
+
+#: The loop side: runs in the event loop's thread only.
+LOOP_SIDE = ("_engine", "_record", "_handle", "_owner", "_channel", "_deadlines", "_inbox")
+
+#: The thread side: runs in the engine's own threads only, and posts messages.
+THREAD_SIDE = (
+    "_worker",
+    "_pool",
+    "_materialize",
+    "_imagecheck",
+    "_failure",
+    "_scheduler",
+    "_workitem",
+    "_messages",
+    "_cancelpoint",
+)
+
+#: What a runner may import of the core: the seam and the data it carries.
+RUNNER_SEAM = frozenset(
+    {
+        "omni_trio.abc",
+        "omni_trio._runner",
+        "omni_trio._cancelpoint",
+        "omni_trio._request",
+        "omni_trio._errors",
+        "omni_trio._exports",
+    }
+)
+
+#: Each endpoint's modules: siblings over the serving plumbing (``_asgi``, ``_forms``, ...).
+ENDPOINTS = {
+    "images": ["_images"],
+    "edits": ["_edits"],
+    "videos": ["_videos", "_video_body", "_video_jobs"],
+}
+
+
+def module_name(path: Path) -> str:
+    """``omni_trio/serve/_app.py`` -> ``omni_trio.serve._app`` (a package: its name)."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> list[Path]:
+    """Every module of the package."""
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def is_module(name: str) -> bool:
+    """Whether ``name`` (``omni_trio.x.y``) is a module or package of this project."""
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+@cache
+def imports(path: Path) -> frozenset[tuple[str, str | None]]:
+    """``(module, name)`` for every import in ``path``: ``name`` is ``None`` for ``import m``.
+
+    Relative imports are made absolute; ``from m import x`` where ``m.x`` is a module
+    gives ``(m.x, None)`` too.
+    """
+    own = module_name(path)
+    package = own if path.name == "__init__.py" else own.rpartition(".")[0]
+    found: set[tuple[str, str | None]] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update((alias.name, None) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                module = ".".join(filter(None, [base, node.module]))
+            else:
+                assert node.module is not None
+                module = node.module
+            found.add((module, None))
+            for alias in node.names:
+                if is_module(f"{module}.{alias.name}"):
+                    found.add((f"{module}.{alias.name}", None))
+                else:
+                    found.add((module, alias.name))
+    return frozenset(found)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The absolute names of the modules ``path`` imports."""
+    return {module for module, _ in imports(path)}
+
+
+def crossing(path: Path, forbidden: tuple[str, ...]) -> list[str]:
+    """The modules ``path`` imports that are, or are inside, one of ``forbidden``."""
+    return sorted(
+        module
+        for module in imported_modules(path)
+        if any(module == top or module.startswith(f"{top}.") for top in forbidden)
+    )
+
+
+def core(name: str) -> Path:
+    return PACKAGE / f"{name}.py"
+
+
+def test_the_import_reader_sees_what_it_must() -> None:
+    """The reader resolves relative imports, names and modules (so the rules can fail)."""
+    worker = imports(core("_worker"))
+    assert ("omni_trio._scheduler", None) in worker
+    assert ("omni_trio._runner", "StopRun") in worker
+    assert ("omni_trio._exports", None) in imports(PACKAGE / "serve" / "__init__.py")
+    assert crossing(core("_inbox"), EVENT_LOOP)  # the hand-off does touch the loop
+
+
+@pytest.mark.parametrize("name", THREAD_SIDE)
+def test_the_thread_side_imports_no_event_loop(name: str) -> None:
+    """The step loop's modules never import an event loop nor the loop side (L20)."""
+    assert not crossing(core(name), EVENT_LOOP), name
+    assert not crossing(core(name), tuple(f"omni_trio.{m}" for m in LOOP_SIDE)), name
+
+
+def test_the_scheduler_is_pure() -> None:
+    """``_scheduler`` imports no threads, no event loop and nothing else of omni_trio."""
+    imported = imported_modules(core("_scheduler"))
+    assert not {m for m in imported if m.startswith("omni_trio")}, imported
+    assert not crossing(core("_scheduler"), ("threading", *EVENT_LOOP)), imported
+
+
+def test_the_handle_reaches_the_engine_only_through_its_seam() -> None:
+    """``_handle`` never imports ``_engine`` (not even for typing): it has ``RequestOwner``."""
+    assert "omni_trio._owner" in imported_modules(core("_handle"))
+    assert not crossing(core("_handle"), ("omni_trio._engine",))
+
+
+def runner_modules() -> Iterator[Path]:
+    return (PACKAGE / "runners").glob("*.py")
+
+
+@pytest.mark.parametrize("path", sorted(runner_modules()), ids=lambda p: p.name)
+def test_runners_import_only_the_core_seam(path: Path) -> None:
+    """A runner knows the seam (``abc``, the request, ``cancel_point``), never the engine."""
+    core_imports = {
+        module
+        for module in imported_modules(path)
+        if module.startswith("omni_trio.") and not module.startswith("omni_trio.runners")
+    }
+    assert core_imports <= RUNNER_SEAM, sorted(core_imports - RUNNER_SEAM)
+
+
+@pytest.mark.parametrize(
+    "package", ["omni_trio._", "omni_trio.abc", "omni_trio.runners", "omni_trio.testing"]
+)
+def test_the_library_never_imports_the_server_or_the_command_line(package: str) -> None:
+    """The core, the seam, the runners and the test kit import neither ``serve`` nor ``cli``.
+
+    ``python -m omni_trio`` (``omni_trio/__main__.py``) is the command line's shim.
+    """
+    for path in modules():
+        name = module_name(path)
+        if name.startswith(package) and name != "omni_trio.__main__":
+            assert not crossing(path, ("omni_trio.serve", "omni_trio.cli")), path
+
+
+def test_serve_never_imports_the_command_line() -> None:
+    """``serve`` is a library: the command line (argparse, options) sits on top of it."""
+    for path in (PACKAGE / "serve").rglob("*.py"):
+        assert not crossing(path, ("omni_trio.cli", "argparse")), path
+
+
+@pytest.mark.parametrize("endpoint", sorted(ENDPOINTS))
+def test_endpoints_import_neither_their_app_nor_each_other(endpoint: str) -> None:
+    """An endpoint never imports ``serve/_app`` or another endpoint, not even for typing."""
+    siblings = [
+        f"omni_trio.serve.{module}"
+        for other, names in ENDPOINTS.items()
+        if other != endpoint
+        for module in names
+    ]
+    forbidden = ("omni_trio.serve._app", *siblings)
+    for module in ENDPOINTS[endpoint]:
+        path = PACKAGE / "serve" / f"{module}.py"
+        assert "omni_trio.serve._errors" in imported_modules(path)  # the resolution works
+        assert not crossing(path, forbidden), (module, crossing(path, forbidden))
+
+
+def test_nothing_imports_another_modules_underscore_names() -> None:
+    """A private name stays in its module: ``from m import _x`` only for a module ``_x``."""
+    private = [
+        f"{module_name(path)}: from {module} import {name}"
+        for path in modules()
+        for module, name in imports(path)
+        if name is not None and name.startswith("_") and not name.startswith("__")
+    ]
+    assert not private, private
