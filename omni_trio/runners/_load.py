@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,9 +41,16 @@ def check_pipeline_folder(path: str | os.PathLike[str]) -> Path:
 def load_pipeline(path: str | os.PathLike[str]) -> DiffusionPipeline:
     """Load the diffusers pipeline saved in a local folder, never touching the network.
 
-    Without ``accelerate`` installed, diffusers warns on every load that it falls
-    back to ``low_cpu_mem_usage=False``; the loader asks for that directly, so the
-    load is the same and the start is quiet.
+    What diffusers needs told, the loader tells it:
+
+    - a component saved as ``None`` (Stable Diffusion 3 without its T5) is written
+      ``[null, null]`` in ``model_index.json``, and diffusers refuses to build the
+      pipeline without it unless it is passed as ``None``: the loader passes it;
+    - without ``accelerate`` installed, diffusers warns on every load that it falls
+      back to ``low_cpu_mem_usage=False``: the loader asks for that directly, so the
+      load is the same and the start is quiet. A model that keeps modules in float32
+      (Wan's transformer) loads only through accelerate: the loader says so in one
+      line rather than let diffusers refuse ``low_cpu_mem_usage=False``.
 
     Args:
         path: a folder that ``check_pipeline_folder`` accepts.
@@ -51,18 +59,72 @@ def load_pipeline(path: str | os.PathLike[str]) -> DiffusionPipeline:
         The pipeline, as ``DiffusionPipeline.from_pretrained`` built it.
 
     Raises:
-        ValueError: ``path`` is not a diffusers folder (see ``check_pipeline_folder``).
+        ValueError: ``path`` is not a diffusers folder (see ``check_pipeline_folder``),
+            or its ``model_index.json`` is not a JSON object.
+        ImportError: a model of the pipeline needs ``accelerate``, which is not installed.
         Exception: whatever diffusers raises for a folder it cannot load.
     """
     folder = check_pipeline_folder(path)
+    index = _read_index(folder)
     with quiet_notices():
         import diffusers
 
         untyped: Any = diffusers  # unannotated constructors; mypy --strict rejects them
         options: dict[str, Any] = {"local_files_only": True}
+        options |= dict.fromkeys(_saved_as_none(index))
         if not untyped.utils.is_accelerate_available():
+            _refuse_without_accelerate(untyped, index)
             options["low_cpu_mem_usage"] = False
         pipeline: DiffusionPipeline = untyped.DiffusionPipeline.from_pretrained(
             str(folder), **options
         )
     return pipeline
+
+
+def _read_index(folder: Path) -> dict[str, Any]:
+    """The folder's ``model_index.json``.
+
+    Raises:
+        ValueError: it is not a JSON object.
+    """
+    try:
+        index = json.loads((folder / "model_index.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{str(folder)!r}: cannot read its model_index.json ({exc})") from None
+    if not isinstance(index, dict):
+        raise ValueError(f"{str(folder)!r}: its model_index.json is not a JSON object")
+    return index
+
+
+def _components(index: dict[str, Any]) -> dict[str, tuple[object, object]]:
+    """The components ``index`` records: name to ``(library, class name)``."""
+    return {
+        name: (value[0], value[1])
+        for name, value in index.items()
+        if not name.startswith("_") and isinstance(value, list) and len(value) == 2
+    }
+
+
+def _saved_as_none(index: dict[str, Any]) -> list[str]:
+    """The components saved as ``None`` (``[null, null]``)."""
+    return [name for name, pair in _components(index).items() if pair == (None, None)]
+
+
+def _refuse_without_accelerate(diffusers: Any, index: dict[str, Any]) -> None:
+    """Raise if a diffusers model of ``index`` keeps modules in float32.
+
+    diffusers loads such a model only with ``low_cpu_mem_usage=True``, which needs
+    accelerate (``ModelMixin.from_pretrained``).
+
+    Raises:
+        ImportError: such a model is there; the message names it and the fix.
+    """
+    for library, name in _components(index).values():
+        if library != "diffusers" or not isinstance(name, str):
+            continue
+        if getattr(getattr(diffusers, name, None), "_keep_in_fp32_modules", None) is not None:
+            raise ImportError(
+                f"{index.get('_class_name', 'this pipeline')} needs accelerate to load"
+                f" ({name} keeps modules in float32): pip install accelerate",
+                name="accelerate",
+            )

@@ -88,8 +88,11 @@ def _called(kind: str, r: ot.GenerationRequest, call: Any) -> torch.Tensor:
             generator=generator,
             output_type="pt",
         )
-        images: torch.Tensor = out.images
-        return images
+        images: Any = out.images
+        if isinstance(images, torch.Tensor):
+            return images
+        # Before diffusers 0.41 DDIMPipeline gives NHWC arrays whatever output_type says.
+        return torch.from_numpy(images).permute(0, 3, 1, 2)
     scale = "true_cfg_scale" if kind == "qwen-image" else "guidance_scale"
     options: dict[str, Any] = {scale: r.guidance_scale}
     if r.num_frames is None:
