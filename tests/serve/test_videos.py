@@ -28,7 +28,8 @@ import pytest
 import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
 from omni_trio.serve import ServeConfig, Service, VideoConfig
-from omni_trio.serve._video_body import frames_for
+from omni_trio.serve._video_body import frames_for, parse_video_body
+from omni_trio.serve._video_jobs import VideoJob
 from omni_trio.testing import (
     FakeRunner,
     GatedRunner,
@@ -62,12 +63,17 @@ def make_service(
     max_jobs: int = 8,
     ttl_s: float = 60.0,
     grace: float = 0.0,
+    max_priority: int = 0,
     **video: Any,
 ) -> tuple[Service, FakeRunner]:
     """A video service on ``runner`` (an instant 4k + 1 FakeRunner by default), 16x16, 4 steps."""
     runner = runner if runner is not None else FakeRunner(frames=RULE)
     config = ServeConfig(
-        model_name="fake-video", default_width=SIZE, default_height=SIZE, default_steps=4
+        model_name="fake-video",
+        default_width=SIZE,
+        default_height=SIZE,
+        default_steps=4,
+        max_priority=max_priority,
     )
     videos = VideoConfig(fps=FPS, max_jobs=max_jobs, ttl_s=ttl_s, **video)
     service = Service(
@@ -165,6 +171,76 @@ async def test_a_job_is_queued_progresses_and_completes_with_an_mp4() -> None:
             assert metric(text, "omni_trio_video_jobs", status="completed") == 1
             assert metric(text, "omni_trio_video_bytes") == len(content.content)
             assert metric(text, "omni_trio_requests_total", outcome="completed") == 1
+
+
+async def test_a_suspended_job_stays_in_progress_and_its_progress_never_goes_back() -> None:
+    """L73 (amended): a job suspended early in its run by a higher-priority job (L61: one
+    step of 200 done, so its progress rounds to 0, and its handle reads WAITING again)
+    reads in_progress on GET, in the list and on its event stream, whose statuses and
+    progress only move forward; it resumes and completes.
+    """
+    runner = GatedRunner(frames=RULE, max_batch_size=1)  # the urgent job cannot join: it preempts
+    service, _ = make_service(runner, max_priority=1)
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            engine = service.engine
+            assert engine is not None
+            vid = (await create(client, num_frames=5, num_inference_steps=200))["id"]
+            stored = service.videos.get(vid)
+            watcher = events_call(vid)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watcher.run, service)
+                await runner.wait_arrived(1)  # its step 1 of 200 held at the gate
+                await create(client, num_frames=5, num_inference_steps=2, priority=1)
+                runner.release(1)  # at the boundary after step 1, the urgent job suspends it
+                await runner.wait_arrived(2)  # the urgent job's first step at the gate
+                await wait_until(lambda: engine.statistics().suspended == 1)
+                assert stored.handle is not None
+                assert stored.handle.status is ot.RequestStatus.WAITING
+                # Its step 1 reached the job (its task, then its stream), and stays counted.
+                await wait_until(
+                    lambda: (
+                        [d["status"] for _, d in parse_sse(watcher.body.decode())][-1:]
+                        == ["in_progress"]
+                    )
+                )
+                got = (await client.get(f"/v1/videos/{vid}")).json()
+                assert (got["status"], got["progress"]) == ("in_progress", 0)
+                listed = (await client.get("/v1/videos")).json()["data"]
+                assert [job["status"] for job in listed if job["id"] == vid] == ["in_progress"]
+                text = (await client.get("/metrics")).text
+                assert metric(text, "omni_trio_video_jobs", status="in_progress") == 2
+                assert metric(text, "omni_trio_video_jobs", status="queued") == 0
+                runner.open_gate()
+            done = await finished(client, vid)
+    assert done["status"] == "completed"
+    events = [data for _, data in parse_sse(watcher.body.decode())]
+    order = ["queued", "in_progress", "completed"]
+    ranks = [order.index(data["status"]) for data in events]
+    progress = [data["progress"] for data in events]
+    assert ranks == sorted(ranks) and progress == sorted(progress), events
+    assert ranks[-1] == 2 and progress[-1] == 100
+
+
+async def test_a_jobs_progress_never_decreases() -> None:
+    """L73 (amended): a step event behind the job's progress leaves it where it is, and the
+    first step starts the job even when it rounds to 0 %."""
+    service, _ = make_service()
+    spec = parse_video_body(
+        b'{"prompt": "a fox", "num_frames": 5}',
+        None,
+        service.config,
+        fps=FPS,
+        default_seconds=4.0,
+        rule=RULE,
+    )
+    job = VideoJob(job_id="video_1", seq=1, model="fake-video", spec=spec)
+    assert (job.status, job.progress) == ("queued", 0)
+    job.stepped(1, 200)
+    assert (job.status, job.progress) == ("in_progress", 0)
+    job.stepped(100, 200)
+    job.stepped(10, 200)
+    assert (job.status, job.progress) == ("in_progress", 50)
 
 
 async def test_delete_while_running_aborts_the_request_and_answers_at_once() -> None:
