@@ -14,8 +14,11 @@ are read into the same strict model (form text typed by ``_forms``, as for
 
 ``seconds`` becomes a frame count: ``seconds x fps`` rounded, then moved to the
 nearest count the runner's frame rule (``RunnerCapabilities.frames``: ``F % a ==
-b``) takes, ties upwards (Wan, 4k + 1 frames, 4 s at 16 fps: 64, so 65). A
-``num_frames`` is taken as it is, and refused (400 naming it) off the rule.
+b``) takes, ties upwards unless that is over ``MAX_NUM_FRAMES`` (Wan, 4k + 1
+frames, 4 s at 16 fps: 64, so 65; 270 s, the longest: 4320, so 4317). Its bound
+is checked on the value sent (an integer is never made a float to compare it), and
+its refusals name ``seconds``. A ``num_frames`` is taken as it is, and refused
+(400 naming it) off the rule.
 """
 
 from __future__ import annotations
@@ -103,43 +106,49 @@ class VideoSpec:
     fps: float
 
 
-def frames_for(seconds: float, fps: float, rule: tuple[int, int]) -> int:
+def frames_for(
+    seconds: float, fps: float, rule: tuple[int, int], *, most: int = MAX_NUM_FRAMES
+) -> int:
     """The frame count nearest ``seconds x fps`` that keeps ``rule`` (``F % a == b``), >= 1.
 
-    Ties go to the longer clip.
+    Ties go to the longer clip, unless it is over ``most``: so the longest length
+    ``/v1/videos`` states, ``MAX_NUM_FRAMES / fps`` seconds, is the longest count on
+    the rule, not one frame count too many.
     """
     period, remainder = rule
     wanted = round(seconds * fps)
     below = remainder + period * ((wanted - remainder) // period)
     above = below + period
-    if below < 1 or above - wanted <= wanted - below:
+    if below < 1 or (above - wanted <= wanted - below and above <= most):
         return above if above >= 1 else above + period
     return below
 
 
 def _seconds(value: object, fps: float) -> float:
     """``seconds`` as a number of seconds: positive, finite, at most ``MAX_NUM_FRAMES`` frames."""
+    number: int | float
     if isinstance(value, str):
         if len(value) > 40 or _NUMBER.fullmatch(value) is None:
             raise invalid(
                 f"seconds: must be a positive number of seconds (e.g. '4'), got {shown(value)}",
                 "seconds",
             )
-        number = float(value)
+        number = float(value)  # at most 40 digits: finite
     elif isinstance(value, int | float) and not isinstance(value, bool):
-        number = float(value)
+        # Compared as it is: float() of an integer over about 1.8e308 overflows.
+        number = value
     else:
         raise invalid(
             f"seconds: must be a string or a number, got {shown(value)}", "seconds", "invalid_type"
         )
     longest = MAX_NUM_FRAMES / fps
-    if not math.isfinite(number) or not 0 < number <= longest:
+    if (isinstance(number, float) and not math.isfinite(number)) or not 0 < number <= longest:
         raise invalid(
             f"seconds: must be > 0 and <= {longest:g} at {fps:g} frames per second,"
             f" got {shown(value)}",
             "seconds",
         )
-    return number
+    return float(number)
 
 
 def video_spec(

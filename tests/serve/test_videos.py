@@ -15,6 +15,7 @@ Determinism rules:
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -478,6 +479,73 @@ async def test_bad_input_gets_a_400_naming_the_field_and_changes_nothing() -> No
             assert engine.statistics().admitted == 0 and len(service.videos) == 0
             missing = await client.get("/v1/videos/video_00000001ffffffffffffffffffffffff")
             assert missing.status_code == 404 and error_of(missing)["code"] == "video_not_found"
+
+
+#: ``seconds`` as JSON literals that are no length this server makes (8 fps: 0 < s <= 540):
+#: integers past a float's range (``float()`` of them overflowed: a 500), past the digits
+#: Python converts, floats past the limit or not finite, text, other types.
+def video_form(**fields: str) -> dict[str, tuple[None, str]]:
+    """A ``multipart/form-data`` body of text fields, as the OpenAI SDK sends (``files=``)."""
+    return {name: (None, text) for name, text in {"prompt": "a fox", **fields}.items()}
+
+
+BAD_JSON_SECONDS = [
+    "0", "-1", "541", "540.0001", "-0.0", "1e308", "1e400", "-1e400", "Infinity", "NaN",
+    "2" + "0" * 308, "1" + "0" * 400, "-1" + "0" * 400, "9" * 5000, str(2**1024), "true",
+    '"541"', '"9' + "9" * 39 + '"', '"9' + "9" * 400 + '"', '"1e5"', '""', '" 4"', '"4."',
+    '"0x10"', '"inf"', '"nan"', '"\u0664"', "[4]", '{"s": 4}',
+]  # fmt: skip
+
+#: ``seconds`` as form text (what the OpenAI SDK sends) that is no length this server makes.
+BAD_FORM_SECONDS = [
+    "0", "-1", "541", "540.0001", "1e308", "1e400", "inf", "nan", "Infinity",
+    "2" + "0" * 308, "9" * 40, "9" * 5000, "", " 4", "4.", "0x10", "\u0664", "4s",
+]  # fmt: skip
+
+
+async def test_seconds_out_of_range_get_a_400_naming_seconds_in_json_and_in_a_form() -> None:
+    """L73, L52: ``seconds`` past what the server makes (an integer over 1.8e308 too, which
+    made ``float()`` overflow: a 500), not finite, or not a number get a 400 naming
+    ``seconds``, in one line, as JSON and as form text; the longest stated length, 540 s
+    at 8 fps, is taken (4317 frames: the longest count on the rule, not one over the
+    limit), and nothing refused reaches the engine.
+    """
+    runner = GatedRunner(frames=RULE)
+    service, _ = make_service(runner)
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            answers = [
+                await client.post(
+                    "/v1/videos",
+                    content=b'{"prompt": "a fox", "seconds": ' + literal.encode() + b"}",
+                    headers={"content-type": "application/json"},
+                )
+                for literal in BAD_JSON_SECONDS
+            ]
+            answers += [
+                await client.post("/v1/videos", files=video_form(seconds=text))
+                for text in BAD_FORM_SECONDS
+            ]
+            for answer in answers:
+                assert answer.status_code == 400, answer.text
+                error = error_of(answer)
+                assert error["param"] == "seconds" and "\n" not in error["message"], error
+                assert len(answer.content) < 1000
+            engine = service.engine
+            assert engine is not None
+            assert engine.statistics().admitted == 0
+            longest = await client.post("/v1/videos", files=video_form(seconds="540"))
+            assert longest.status_code == 200, longest.text
+            job = longest.json()
+            assert (job["seconds"], job["omni_trio"]["num_frames"]) == ("540", 4317)
+            await client.delete(f"/v1/videos/{job['id']}")
+            runner.open_gate()
+            await wait_until(lambda: engine.statistics().aborted == 1)
+    for seconds in (540, 540.0, "540", "539.9"):
+        body = json.dumps({"prompt": "a fox", "seconds": seconds}).encode()
+        spec = parse_video_body(body, None, service.config, fps=FPS, default_seconds=4.0, rule=RULE)
+        assert spec.request.num_frames == 4317  # MAX_NUM_FRAMES (4320) is not 4k + 1
+    assert frames_for(270, 16, RULE) == 4317 and frames_for(4, 16, RULE) == 65
 
 
 async def test_a_failed_job_reports_a_generic_error_and_has_no_content() -> None:
