@@ -1,13 +1,19 @@
-"""ServeConfig: what the HTTP layer adds to an engine's configuration."""
+"""ServeConfig: what the HTTP layer adds to an engine's configuration; Admission: what it admits."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .._request import MAX_PRIORITY
 
-__all__ = ["ServeConfig"]
+if TYPE_CHECKING:
+    from .._config import EngineConfig
+    from .._request import GenerationRequest
+    from .._runner import RunnerCapabilities
+
+__all__ = ["Admission", "ServeConfig"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,3 +80,36 @@ class ServeConfig:
             or not math.isfinite(scale)
         ):
             raise ValueError(f"default_guidance_scale: must be a finite number, got {scale!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Admission:
+    """The engine's limits and its runner's rules, to refuse a request before any work on it.
+
+    ``Engine.submit`` checks the same (L4); a route checks them first where a body
+    would cost work to turn into a request (an edit's upload is decoded, resized
+    and copied), so that a request the engine refuses costs none (L4, amended).
+
+    Args:
+        engine: the engine's configuration (steps, sizes, ``n``, prompt lengths).
+        capabilities: the runner's (size rules, a fixed size, images taken);
+            ``None`` for a runner that declares none.
+    """
+
+    engine: EngineConfig
+    capabilities: RunnerCapabilities | None = None
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether the runner takes an input image (``RunnerCapabilities.image_input``)."""
+        return self.capabilities is not None and self.capabilities.image_input
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raise ``InvalidRequestError`` naming the field, as ``Engine.submit`` would.
+
+        Raises:
+            InvalidRequestError: a field over the engine's limits or off the runner's rules.
+        """
+        self.engine.check_request(request)
+        if self.capabilities is not None:
+            self.capabilities.check_request(request)

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .._errors import InvalidRequestError
 from .._request import MAX_DEADLINE_S, MAX_NUM_FRAMES, MAX_PRIORITY, GenerationRequest
-from ._config import ServeConfig
+from ._config import Admission, ServeConfig
 from ._errors import api_error_from, invalid
 from ._forms import check_known, form_value
 from ._schema import (
@@ -159,6 +159,7 @@ def video_spec(
     default_seconds: float,
     rule: tuple[int, int],
     deadline_header: str | None = None,
+    admission: Admission | None = None,
 ) -> VideoSpec:
     """Stage 3: a checked body to the engine's request and what the job reports.
 
@@ -170,9 +171,12 @@ def video_spec(
             ``num_frames``.
         rule: the runner's frame rule (``RunnerCapabilities.frames``).
         deadline_header: the ``X-Request-Deadline-Ms`` header's text, if sent.
+        admission: the engine's limits, checked here, before the job takes a
+            place in the store; ``None``: left to ``Engine.submit``.
 
     Raises:
-        ApiError: 400 naming the field at fault.
+        ApiError: 400 naming the field at fault: ``seconds`` (not ``num_frames``)
+            for a frame count made from the ``seconds`` sent.
     """
     if parsed.input_reference is not None:
         raise invalid(
@@ -207,7 +211,15 @@ def video_spec(
             priority=checked_priority(parsed.priority, config),
             deadline_s=deadline_seconds(parsed.deadline_ms, deadline_header),
         )
+        if admission is not None:
+            admission.check(request)
     except InvalidRequestError as exc:
+        if exc.field == "num_frames" and parsed.seconds is not None:
+            # The client sent seconds: name what it sent.
+            raise invalid(
+                f"seconds: {seconds} s at {fps:g} frames per second is {frames} frames, and {exc}",
+                "seconds",
+            ) from None
         raise api_error_from(exc) from None
     return VideoSpec(request=request, size=f"{width}x{height}", seconds=seconds, fps=fps)
 
@@ -243,6 +255,7 @@ def parse_video_body(
     default_seconds: float,
     rule: tuple[int, int],
     deadline_header: str | None = None,
+    admission: Admission | None = None,
 ) -> VideoSpec:
     """Read, check and turn a video body into a ``VideoSpec``.
 
@@ -254,6 +267,7 @@ def parse_video_body(
         default_seconds: see ``video_spec``.
         rule: the runner's frame rule.
         deadline_header: the ``X-Request-Deadline-Ms`` header's text, if sent.
+        admission: see ``video_spec``.
 
     Raises:
         ApiError: 400 naming the field at fault.
@@ -266,4 +280,5 @@ def parse_video_body(
         default_seconds=default_seconds,
         rule=rule,
         deadline_header=deadline_header,
+        admission=admission,
     )

@@ -24,11 +24,13 @@ import anyio
 import httpx
 import httpx2
 import openai
+import PIL.Image
 import pytest
 
 import omni_trio as ot
-from omni_trio.runners import DiffusersRunner, tiny_pipeline
-from omni_trio.serve import ServeConfig, Service, VideoConfig
+from omni_trio.runners import DiffusersRunner, RunnerCapabilities, tiny_pipeline
+from omni_trio.serve import ApiError, ServeConfig, Service, VideoConfig
+from omni_trio.serve._config import Admission
 from omni_trio.serve._video_body import frames_for, parse_video_body
 from omni_trio.serve._video_jobs import VideoJob
 from omni_trio.testing import (
@@ -39,7 +41,7 @@ from omni_trio.testing import (
     wait_until,
 )
 from tests.support.core import BUDGET
-from tests.support.serve import AsgiCall, metric, parse_sse
+from tests.support.serve import AsgiCall, PixelWork, metric, parse_sse
 
 pytestmark = pytest.mark.anyio
 
@@ -546,6 +548,81 @@ async def test_seconds_out_of_range_get_a_400_naming_seconds_in_json_and_in_a_fo
         spec = parse_video_body(body, None, service.config, fps=FPS, default_seconds=4.0, rule=RULE)
         assert spec.request.num_frames == 4317  # MAX_NUM_FRAMES (4320) is not 4k + 1
     assert frames_for(270, 16, RULE) == 4317 and frames_for(4, 16, RULE) == 65
+
+
+async def test_a_video_the_engine_refuses_never_takes_a_place_nor_decodes_a_file(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """L4 (amended), L73: a size over the engine's limits (64 px here) or off the runner's
+    rule is a 400 naming ``size`` even when the store is full (checked before the job takes
+    a place: a 429 would say to retry what can never run), and an ``input_reference`` file
+    (an image) is refused by name, never decoded.
+    """
+    runner = GatedRunner(frames=RULE)
+    service, _ = make_service(runner, max_jobs=1)
+    picture = io.BytesIO()
+    PIL.Image.new("RGB", (16, 16)).save(picture, format="PNG")
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            vid = (await create(client, num_frames=5))["id"]  # the store is full
+            work = PixelWork(monkeypatch)
+            for size, words in (("128x16", "<= 64"), ("12x16", "multiple of 8")):
+                response = await client.post("/v1/videos", json={"prompt": "a fox", "size": size})
+                assert response.status_code == 400, response.text
+                error = error_of(response)
+                assert error["param"] == "size" and words in error["message"], error
+            reference = await client.post(
+                "/v1/videos",
+                files={**video_form(), "input_reference": ("a.png", picture.getvalue())},
+            )
+            assert error_of(reference)["param"] == "input_reference"
+            assert work.done == (0, 0)
+            full = await client.post("/v1/videos", json={"prompt": "a fox"})
+            assert (full.status_code, error_of(full)["code"]) == (429, "video_jobs_full")
+            engine = service.engine
+            assert engine is not None and engine.statistics().admitted == 1
+            await client.delete(f"/v1/videos/{vid}")
+            runner.open_gate()
+
+
+class AtMostNineFrames(RunnerCapabilities):
+    """A video runner's rules that also refuse more than 9 frames, as an engine limit would."""
+
+    __slots__ = ()
+
+    def check_request(self, request: ot.GenerationRequest) -> None:
+        super().check_request(request)
+        if request.num_frames is not None and request.num_frames > 9:
+            raise ot.InvalidRequestError(
+                f"must be <= 9 here, got {request.num_frames}", field="num_frames"
+            )
+
+
+def test_a_frame_count_refused_for_the_seconds_sent_names_seconds() -> None:
+    """L73: when the engine's limits refuse the frame count made from the ``seconds`` sent,
+    the 400 names ``seconds`` (the client never sent ``num_frames``) and says how many
+    frames they made; a ``num_frames`` sent is named as it is."""
+    admission = Admission(
+        engine=ot.EngineConfig(), capabilities=AtMostNineFrames(size_multiple=8, frames=RULE)
+    )
+    config = ServeConfig(model_name="fake-video", default_width=SIZE, default_height=SIZE)
+
+    def refusal(body: dict[str, Any]) -> ApiError:
+        data = json.dumps({"prompt": "a fox", **body}).encode()
+        with pytest.raises(ApiError) as caught:
+            parse_video_body(
+                data, None, config, fps=FPS, default_seconds=2.0, rule=RULE, admission=admission
+            )
+        return caught.value
+
+    error = refusal({"seconds": "2"})
+    assert (error.status, error.param) == (400, "seconds")
+    assert error.message == (
+        "seconds: 2 s at 8 frames per second is 17 frames, and num_frames: must be <= 9 here,"
+        " got 17"
+    )
+    assert refusal({"num_frames": 13}).param == "num_frames"
+    assert refusal({}).param == "num_frames"  # the default length: no seconds were sent
 
 
 async def test_a_failed_job_reports_a_generic_error_and_has_no_content() -> None:
