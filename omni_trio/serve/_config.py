@@ -29,7 +29,8 @@ class ServeConfig:
         model_name: the model id shown by ``/v1/models``; a request's ``model``
             must be this (or absent).
         default_width: the width of an image or a video when the request has no
-            ``size`` (or ``"auto"``); an edit without one keeps its image's size.
+            ``size`` (or ``"auto"``); an edit without one keeps its image's size
+            (each side rounded to the model's multiple).
         default_height: the height, likewise.
         default_steps: ``num_inference_steps`` when the request has none.
         default_guidance_scale: ``guidance_scale`` when the request has none.

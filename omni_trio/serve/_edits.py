@@ -18,8 +18,11 @@ Images:
   OpenAI uses an image's transparency as its mask); any other image is varied
   whole (image-to-image, ``strength`` of it);
 - ``size`` (``WxH``) resizes the image and the mask (Lanczos, as diffusers
-  resizes); without it (or ``auto``) the image's own size is the output's, which
-  must suit the model (a multiple of 8 pixels for Stable Diffusion).
+  resizes); without it (or ``auto``) the output keeps the image's size, each side
+  rounded to the nearest multiple the model takes (a 100x100 image makes 104x104
+  on Stable Diffusion, whose sides are multiples of 8), or the model's fixed size.
+  (OpenAI's ``auto`` lets the model choose; keeping the image's size is what an
+  edit of a photo wants, and costs no upscale.)
 
 Nothing is decoded before everything that can refuse the edit without its pixels
 has: the fields, each upload's header (its format, its declared size against
@@ -55,6 +58,7 @@ from ._upload import UploadLimits, decode, read_header
 if TYPE_CHECKING:
     from PIL import Image
 
+    from .._runner import RunnerCapabilities
     from ._config import Admission, ServeConfig
 
 __all__ = ["EDIT_FIELDS", "parse_edit_form"]
@@ -96,6 +100,27 @@ def _transparent(image: Image.Image) -> Image.Image | None:
         return None
     alpha = image.convert("RGBA").getchannel("A")
     return alpha.point(lambda level: 255 if level == 0 else 0)
+
+
+def _output_size(
+    size: str | None, image: tuple[int, int], capabilities: RunnerCapabilities | None
+) -> tuple[int, int]:
+    """The output's ``(width, height)``: ``size``, or without one the image's, fitted.
+
+    Fitted: each side of the image rounded to the nearest multiple of the
+    runner's ``size_multiple`` (ties up; one multiple at least), or the runner's
+    fixed size if it has one.
+    """
+    if size is not None and size != "auto":
+        return parse_size(size)
+    if capabilities is None:
+        return image
+    if capabilities.fixed_size is not None:
+        height, width = capabilities.fixed_size
+        return width, height
+    step = capabilities.size_multiple
+    width, height = (max(step, (side + step // 2) // step * step) for side in image)
+    return width, height
 
 
 def _admit(
@@ -147,8 +172,8 @@ def _build(
             f" {image.size[0]}x{image.size[1]}: they must be the same size",
             "mask",
         )
+    width, height = _output_size(parsed.size, image.size, admission.capabilities)
     sized = parsed.size not in (None, "auto")
-    width, height = parse_size(parsed.size) if parsed.size is not None and sized else image.size
     if sized and (width, height) != image.size and width * height > limits.max_pixels:
         raise ApiError(
             413,

@@ -289,3 +289,29 @@ async def test_an_edit_the_engine_refuses_decodes_resizes_and_copies_nothing(
                 good = await client.post(PATH, **form(png(picture()), size="32x32"))
                 assert good.status_code == 200, good.text
                 assert work.decodes >= 1 and work.resizes >= 1
+
+
+async def test_an_edit_without_a_size_keeps_its_images_size_fitted_to_the_model() -> None:
+    """L76: without ``size`` (or ``auto``) the output is the image's size, each side rounded
+    to the nearest multiple the model takes: a 100x60 image makes 104x64 on SD (multiples
+    of 8; it was refused naming ``size``, which the client never sent); one too large for
+    the engine is refused naming ``image``, and says to send a size.
+    """
+    odd = png(Image.new("RGB", (100, 60), (200, 30, 90)))
+    with anyio.fail_after(BUDGET):
+        async with serving() as service:
+            transport = httpx.ASGITransport(app=service.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                kept = await client.post(PATH, **form(odd, num_inference_steps="2"))
+                auto = await client.post(PATH, **form(odd, num_inference_steps="2", size="auto"))
+                large = await client.post(
+                    PATH, **form(png(Image.new("RGB", (512, 64))), num_inference_steps="2")
+                )
+    for answer in (kept, auto):
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["size"] == "104x64"
+        assert decoded(answer.json()["data"][0]["b64_json"]).shape == (64, 104, 3)
+    assert large.status_code == 400
+    error = large.json()["error"]
+    assert error["param"] == "image" and "send a size" in error["message"], error
+    assert "width: must be <= 256" in error["message"] and "\n" not in error["message"]
