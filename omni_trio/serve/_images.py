@@ -193,6 +193,8 @@ class ImagesEndpoint:
             if event.preview is None:
                 continue
             previews = await encode_images(event.preview, job.output_format, job.output_compression)
+            # A preview is at the latents' size (64x64 makes 8x8), not the image's.
+            height, width = event.preview.shape[-2:]
             for index, data in enumerate(previews):
                 partial = {
                     "type": f"{job.events}.partial_image",
@@ -203,6 +205,7 @@ class ImagesEndpoint:
                     "total": event.total,
                     "created_at": now,
                     **common,
+                    "size": f"{width}x{height}",
                 }
                 await client.chunk(sse_event(f"{job.events}.partial_image", partial))
             partial_index += 1

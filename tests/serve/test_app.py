@@ -92,6 +92,8 @@ async def test_stream_sends_progress_previews_then_the_image() -> None:
             assert progress == [1, 2, 3, 4]
             assert [d["step"] for d in partial] == [2, 4]
             assert [d["partial_image_index"] for d in partial] == [0, 1]
+            # A preview is at the latents' size: what it says is what its PNG is.
+            assert [(d["size"], png_size(d["b64_json"])) for d in partial] == [("8x8", (8, 8))] * 2
             assert all(d["total"] == 4 for e, d in events if e == "image_generation.progress")
             assert len(completed) == 1 and png_size(completed[0]["b64_json"]) == (64, 64)
             assert events[-1][0] == "image_generation.completed"
