@@ -184,6 +184,25 @@ async def test_bad_input_gets_400_naming_the_field(
             assert metric(text, "omni_trio_requests_total", outcome="invalid") == 1
 
 
+async def test_a_form_sent_to_generations_is_told_to_send_json() -> None:
+    """L52: a ``multipart/form-data`` body (as ``curl -F`` or an edit call sends) to
+    /v1/images/generations is a 400 ``invalid_content_type`` naming application/json, not
+    "not valid JSON"; a JSON body without its content type is still read as JSON."""
+    service, runner = make_service()
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            form = await client.post(PATH, files={"prompt": (None, "x")})
+            await assert_refused_and_serving(
+                client, service, runner, form, None, "invalid_content_type"
+            )
+            message = form.json()["error"]["message"]
+            assert "application/json" in message and "multipart/form-data" in message
+            untyped = await client.post(
+                PATH, content=b'{"prompt": "x"}', headers={"content-type": "text/plain"}
+            )
+            assert untyped.status_code == 200, untyped.text
+
+
 class Chunks(httpx.AsyncByteStream):
     """``count`` chunks of ``size`` spaces, as a request body without a length."""
 
