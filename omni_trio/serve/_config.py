@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .._request import MAX_PRIORITY
 
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
     from .._request import GenerationRequest
     from .._runner import RunnerCapabilities
 
-__all__ = ["Admission", "ServeConfig"]
+__all__ = ["Admission", "ServeConfig", "with_defaults"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,6 +82,42 @@ class ServeConfig:
             or not math.isfinite(scale)
         ):
             raise ValueError(f"default_guidance_scale: must be a finite number, got {scale!r}")
+
+
+def with_defaults(
+    fields: Mapping[str, Any], config: ServeConfig, *, num_frames: int | None = None
+) -> dict[str, Any]:
+    """A request's fields, with the server's defaults where one is absent or ``None``.
+
+    The one place a request's defaults are filled: the HTTP bodies (images, edits,
+    videos) and the Ray handle's ``generate`` call it, so a request that leaves a
+    field out gets the same whichever way it came (the model's defaults, as
+    ``build_service`` made ``config``, not ``GenerationRequest``'s own).
+
+    Args:
+        fields: ``GenerationRequest`` fields, by name.
+        config: the defaults: ``width`` and ``height`` (``default_width``,
+            ``default_height``), ``num_steps`` (``default_steps``) and
+            ``guidance_scale`` (``default_guidance_scale``).
+        num_frames: a video model's default frame count (its default length at
+            its frames per second), ``None`` for an image model.
+
+    Returns:
+        A new dict: ``fields`` with every default it lacked.
+    """
+    defaults: dict[str, Any] = {
+        "width": config.default_width,
+        "height": config.default_height,
+        "num_steps": config.default_steps,
+        "guidance_scale": config.default_guidance_scale,
+    }
+    if num_frames is not None:
+        defaults["num_frames"] = num_frames
+    filled = dict(fields)
+    for name, value in defaults.items():
+        if filled.get(name) is None:
+            filled[name] = value
+    return filled
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

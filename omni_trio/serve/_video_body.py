@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .._errors import InvalidRequestError
 from .._request import MAX_DEADLINE_S, MAX_NUM_FRAMES, MAX_PRIORITY, GenerationRequest
-from ._config import Admission, ServeConfig
+from ._config import Admission, ServeConfig, with_defaults
 from ._errors import api_error_from, invalid
 from ._forms import check_known, form_value
 from ._schema import (
@@ -44,7 +44,7 @@ from ._schema import (
     deadline_seconds,
     load_json,
     shown,
-    size_of,
+    size_given,
     validate,
 )
 
@@ -52,6 +52,7 @@ __all__ = [
     "VIDEO_FIELDS",
     "VideoBody",
     "VideoSpec",
+    "default_frames",
     "frames_for",
     "parse_video_body",
     "video_body",
@@ -124,6 +125,17 @@ def frames_for(
     return below
 
 
+def default_frames(fps: float, default_seconds: float, rule: tuple[int, int] | None) -> int | None:
+    """A video model's frame count for a request that gives no length; ``None`` for images.
+
+    Args:
+        fps: the frames per second of its clips.
+        default_seconds: the length of a request that gives none.
+        rule: the runner's frame rule, ``None`` for an image model.
+    """
+    return None if rule is None else frames_for(default_seconds, fps, rule)
+
+
 def _seconds(value: object, fps: float) -> float:
     """``seconds`` as a number of seconds: positive, finite, at most ``MAX_NUM_FRAMES`` frames."""
     number: int | float
@@ -187,26 +199,32 @@ def video_spec(
     check_model(parsed.model, config)
     if parsed.seconds is not None and parsed.num_frames is not None:
         raise invalid("num_frames: give seconds or num_frames, not both", "num_frames")
-    if parsed.num_frames is not None:
-        frames = parsed.num_frames
+    frames = parsed.num_frames
+    if frames is not None:
         seconds = f"{frames / fps:g}"
+    elif parsed.seconds is not None:
+        given = _seconds(parsed.seconds, fps)
+        frames = frames_for(given, fps, rule)
+        seconds = f"{given:g}"
     else:
-        given = None if parsed.seconds is None else _seconds(parsed.seconds, fps)
-        length = default_seconds if given is None else given
-        frames = frames_for(length, fps, rule)
-        seconds = f"{length:g}"
-    width, height = size_of(parsed.size, config)
-    steps = parsed.num_inference_steps
-    guidance = parsed.guidance_scale
+        seconds = f"{default_seconds:g}"
+    width, height = size_given(parsed.size)
+    fields = with_defaults(
+        {
+            "width": width,
+            "height": height,
+            "num_steps": parsed.num_inference_steps,
+            "guidance_scale": parsed.guidance_scale,
+            "num_frames": frames,
+        },
+        config,
+        num_frames=default_frames(fps, default_seconds, rule),
+    )
     try:
         request = GenerationRequest(
             prompt=parsed.prompt,
             negative_prompt=parsed.negative_prompt,
-            num_steps=config.default_steps if steps is None else steps,
-            height=height,
-            width=width,
-            num_frames=frames,
-            guidance_scale=config.default_guidance_scale if guidance is None else guidance,
+            **fields,
             seed=parsed.seed,
             priority=checked_priority(parsed.priority, config),
             deadline_s=deadline_seconds(parsed.deadline_ms, deadline_header),
@@ -217,11 +235,14 @@ def video_spec(
         if exc.field == "num_frames" and parsed.seconds is not None:
             # The client sent seconds: name what it sent.
             raise invalid(
-                f"seconds: {seconds} s at {fps:g} frames per second is {frames} frames, and {exc}",
+                f"seconds: {seconds} s at {fps:g} frames per second is {fields['num_frames']}"
+                f" frames, and {exc}",
                 "seconds",
             ) from None
         raise api_error_from(exc) from None
-    return VideoSpec(request=request, size=f"{width}x{height}", seconds=seconds, fps=fps)
+    return VideoSpec(
+        request=request, size=f"{request.width}x{request.height}", seconds=seconds, fps=fps
+    )
 
 
 def video_body(body: bytes, form: list[tuple[str, str | bytes]] | None) -> VideoBody:
