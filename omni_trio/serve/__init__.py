@@ -24,7 +24,10 @@ body within its limit, JSON and server-sent events, the watched client),
 ``_forms`` (multipart parts and their typed values), ``_schema`` (a body's
 checks), ``_errors`` (OpenAI-style errors, the engine's mapped to them),
 ``_metrics`` (the Prometheus registry and each request's outcome), ``_encode``
-(images to files), ``_upload`` (uploaded images within limits) and ``_config``.
+(images to files), ``_upload`` (uploaded images within limits, their headers read
+before their pixels) and ``_config`` (``ServeConfig``; ``with_defaults``, the one
+filling of a request's defaults, which the Ray handle shares; ``Admission``, the
+engine's limits checked before a body costs work).
 An endpoint imports the plumbing, never another endpoint nor ``_app``
 (tests/test_exports.py checks it).
 """

@@ -23,9 +23,9 @@ from starlette.routing import Route
 from .._config import EngineConfig
 from .._engine import Engine, open_engine
 from .._outputs import EngineStatistics
-from .._runner import Runner
+from .._runner import Runner, RunnerCapabilities
 from ._asgi import Asgi, Scope, error_response
-from ._config import ServeConfig
+from ._config import Admission, ServeConfig
 from ._edits import parse_edit_form
 from ._errors import ApiError, unexpected_error
 from ._images import ImagesEndpoint
@@ -95,8 +95,12 @@ class Service:
         self.metrics = ServeMetrics(self._statistics, lambda: self.is_draining)
         first = runner if not isinstance(runner, Sequence) else (runner[0] if runner else None)
         capabilities = getattr(first, "capabilities", None)
+        if not isinstance(capabilities, RunnerCapabilities):
+            capabilities = None  # the engine refuses such a runner as it opens
         #: The runner's frame rule (L70): ``None`` for an image model.
         self.frames: tuple[int, int] | None = getattr(capabilities, "frames", None)
+        # What the engine admits, checked where a body costs work to become a request.
+        self._admission = Admission(engine=self.engine_config, capabilities=capabilities)
         self.videos = VideoJobs(
             video_config if video_config is not None else VideoConfig(),
             self.metrics,
@@ -109,6 +113,7 @@ class Service:
             jobs=self.videos,
             admitting_engine=self._engine_for_videos,
             rule=self.frames,
+            admission=self._admission,
         )
         self.app = Starlette(
             routes=[
@@ -300,7 +305,7 @@ class Service:
     # -- routes --------------------------------------------------------------
 
     async def _parse_edit(self, scope: Scope, body: bytes) -> ImageJob:
-        return await parse_edit_form(scope, body, self.config, self.upload_limits)
+        return await parse_edit_form(scope, body, self.config, self.upload_limits, self._admission)
 
     def _model_card(self) -> dict[str, object]:
         config = self.config

@@ -1,13 +1,20 @@
-"""ServeConfig: what the HTTP layer adds to an engine's configuration."""
+"""ServeConfig: what the HTTP layer adds to an engine's configuration; Admission: what it admits."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from .._request import MAX_PRIORITY
 
-__all__ = ["ServeConfig"]
+if TYPE_CHECKING:
+    from .._config import EngineConfig
+    from .._request import GenerationRequest
+    from .._runner import RunnerCapabilities
+
+__all__ = ["Admission", "ServeConfig", "with_defaults"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -23,7 +30,8 @@ class ServeConfig:
         model_name: the model id shown by ``/v1/models``; a request's ``model``
             must be this (or absent).
         default_width: the width of an image or a video when the request has no
-            ``size`` (or ``"auto"``); an edit without one keeps its image's size.
+            ``size`` (or ``"auto"``); an edit without one keeps its image's size
+            (each side rounded to the model's multiple).
         default_height: the height, likewise.
         default_steps: ``num_inference_steps`` when the request has none.
         default_guidance_scale: ``guidance_scale`` when the request has none.
@@ -74,3 +82,72 @@ class ServeConfig:
             or not math.isfinite(scale)
         ):
             raise ValueError(f"default_guidance_scale: must be a finite number, got {scale!r}")
+
+
+def with_defaults(
+    fields: Mapping[str, Any], config: ServeConfig, *, num_frames: int | None = None
+) -> dict[str, Any]:
+    """A request's fields, with the server's defaults where one is absent or ``None``.
+
+    The one place a request's defaults are filled: the HTTP bodies (images, edits,
+    videos) and the Ray handle's ``generate`` call it, so a request that leaves a
+    field out gets the same whichever way it came (the model's defaults, as
+    ``build_service`` made ``config``, not ``GenerationRequest``'s own).
+
+    Args:
+        fields: ``GenerationRequest`` fields, by name.
+        config: the defaults: ``width`` and ``height`` (``default_width``,
+            ``default_height``), ``num_steps`` (``default_steps``) and
+            ``guidance_scale`` (``default_guidance_scale``).
+        num_frames: a video model's default frame count (its default length at
+            its frames per second), ``None`` for an image model.
+
+    Returns:
+        A new dict: ``fields`` with every default it lacked.
+    """
+    defaults: dict[str, Any] = {
+        "width": config.default_width,
+        "height": config.default_height,
+        "num_steps": config.default_steps,
+        "guidance_scale": config.default_guidance_scale,
+    }
+    if num_frames is not None:
+        defaults["num_frames"] = num_frames
+    filled = dict(fields)
+    for name, value in defaults.items():
+        if filled.get(name) is None:
+            filled[name] = value
+    return filled
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Admission:
+    """The engine's limits and its runner's rules, to refuse a request before any work on it.
+
+    ``Engine.submit`` checks the same (L4); a route checks them first where a body
+    would cost work to turn into a request (an edit's upload is decoded, resized
+    and copied), so that a request the engine refuses costs none (L4, amended).
+
+    Args:
+        engine: the engine's configuration (steps, sizes, ``n``, prompt lengths).
+        capabilities: the runner's (size rules, a fixed size, images taken);
+            ``None`` for a runner that declares none.
+    """
+
+    engine: EngineConfig
+    capabilities: RunnerCapabilities | None = None
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether the runner takes an input image (``RunnerCapabilities.image_input``)."""
+        return self.capabilities is not None and self.capabilities.image_input
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raise ``InvalidRequestError`` naming the field, as ``Engine.submit`` would.
+
+        Raises:
+            InvalidRequestError: a field over the engine's limits or off the runner's rules.
+        """
+        self.engine.check_request(request)
+        if self.capabilities is not None:
+            self.capabilities.check_request(request)

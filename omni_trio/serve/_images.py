@@ -33,7 +33,7 @@ import anyio
 from .._errors import OmniTrioError
 from ._asgi import Client, Receive, Scope, Send, header, read_body, send_error, send_json, sse_event
 from ._encode import b64, encode_images
-from ._errors import ApiError, api_error_from
+from ._errors import ApiError, api_error_from, invalid
 from ._schema import DEADLINE_HEADER, ImageJob, parse_generation_body
 
 if TYPE_CHECKING:
@@ -85,6 +85,15 @@ class ImagesEndpoint:
         self._max_body_bytes = config.max_body_bytes if max_body_bytes is None else max_body_bytes
 
     async def _parse_generation(self, scope: Scope, body: bytes) -> ImageJob:
+        content_type = header(scope, "content-type") or ""
+        if content_type.lower().startswith("multipart/form-data"):
+            # A form (an SDK's edit call, or curl -F) is no JSON to report "not valid" in.
+            raise invalid(
+                "the body is multipart/form-data: this route takes JSON, send it as"
+                " application/json (an image to edit goes to POST /v1/images/edits)",
+                None,
+                "invalid_content_type",
+            )
         return parse_generation_body(
             body, self._config, deadline_header=header(scope, DEADLINE_HEADER)
         )
@@ -193,6 +202,8 @@ class ImagesEndpoint:
             if event.preview is None:
                 continue
             previews = await encode_images(event.preview, job.output_format, job.output_compression)
+            # A preview is at the latents' size (64x64 makes 8x8), not the image's.
+            height, width = event.preview.shape[-2:]
             for index, data in enumerate(previews):
                 partial = {
                     "type": f"{job.events}.partial_image",
@@ -203,6 +214,7 @@ class ImagesEndpoint:
                     "total": event.total,
                     "created_at": now,
                     **common,
+                    "size": f"{width}x{height}",
                 }
                 await client.chunk(sse_event(f"{job.events}.partial_image", partial))
             partial_index += 1

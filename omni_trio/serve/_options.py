@@ -23,10 +23,10 @@ from .._config import EngineConfig
 from .._errors import InvalidRequestError
 from .._request import GenerationRequest
 from ._app import Service
-from ._config import ServeConfig
+from ._config import ServeConfig, with_defaults
 from ._models import FALLBACK_FPS, LoadedModel, load_model
 from ._upload import UploadLimits
-from ._video_body import frames_for
+from ._video_body import default_frames
 from ._video_jobs import VideoConfig
 
 __all__ = ["OptionError", "ServiceOptions", "build_service"]
@@ -203,18 +203,9 @@ def _check_defaults(
         OptionError: the engine or the model refuses one; ``option`` names its field.
     """
     capabilities = model.runners[0].capabilities
-    frames = capabilities.frames
+    frames = default_frames(videos.fps, videos.default_seconds, capabilities.frames)
     try:
-        probe = GenerationRequest(
-            prompt="-",
-            width=config.default_width,
-            height=config.default_height,
-            num_steps=config.default_steps,
-            guidance_scale=config.default_guidance_scale,
-            num_frames=(
-                None if frames is None else frames_for(videos.default_seconds, videos.fps, frames)
-            ),
-        )
+        probe = GenerationRequest(prompt="-", **with_defaults({}, config, num_frames=frames))
         engine_config.check_request(probe)
         capabilities.check_request(probe)
     except InvalidRequestError as exc:

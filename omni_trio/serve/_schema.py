@@ -51,7 +51,7 @@ from .._request import (
     GenerationRequest,
     denoise_steps,
 )
-from ._config import ServeConfig
+from ._config import ServeConfig, with_defaults
 from ._errors import ApiError, api_error_from, invalid
 
 __all__ = [
@@ -69,7 +69,7 @@ __all__ = [
     "parse_int",
     "parse_size",
     "shown",
-    "size_of",
+    "size_given",
     "validate",
     "validate_body",
 ]
@@ -346,10 +346,10 @@ def check_model(model: str | None, config: ServeConfig) -> None:
         )
 
 
-def size_of(size: str | None, config: ServeConfig) -> tuple[int, int]:
-    """``(width, height)`` of a body's ``size``: the default when absent or ``"auto"``."""
+def size_given(size: str | None) -> tuple[int | None, int | None]:
+    """``(width, height)`` of a body's ``size``; ``None`` (a default) when absent or ``"auto"``."""
     if size is None or size == "auto":
-        return config.default_width, config.default_height
+        return None, None
     return parse_size(size)
 
 
@@ -479,25 +479,28 @@ def job_from_body(
         ApiError: 400 naming the field at fault (``param``).
     """
     check_model(parsed.model, config)
-    width, height = size if size is not None else size_of(parsed.size, config)
-    steps = (
-        config.default_steps if parsed.num_inference_steps is None else parsed.num_inference_steps
+    width, height = size if size is not None else size_given(parsed.size)
+    fields = with_defaults(
+        {
+            "width": width,
+            "height": height,
+            "num_steps": parsed.num_inference_steps,
+            "guidance_scale": parsed.guidance_scale,
+        },
+        config,
     )
+    steps: int = fields["num_steps"]
     runs = steps
     if edit is not None:
         kind = "inpaint" if edit.get("mask") is not None else "image-to-image"
         runs = denoise_steps(steps, edit.get("strength") or DEFAULT_STRENGTH[kind])
-    guidance = parsed.guidance_scale
     priority = checked_priority(parsed.priority, config)
     deadline_s = deadline_seconds(parsed.deadline_ms, deadline_header)
     try:
         request = GenerationRequest(
             prompt=parsed.prompt,
             negative_prompt=parsed.negative_prompt,
-            num_steps=steps,
-            height=height,
-            width=width,
-            guidance_scale=config.default_guidance_scale if guidance is None else guidance,
+            **fields,
             seed=parsed.seed,
             num_images=1 if parsed.n is None else parsed.n,
             preview_every=_preview_every(parsed, max(runs, 1)),
@@ -513,7 +516,7 @@ def job_from_body(
         stream=bool(parsed.stream),
         output_format=parsed.output_format or "png",
         output_compression=parsed.output_compression,
-        size=f"{width}x{height}",
+        size=f"{request.width}x{request.height}",
         quality=quality if quality in _QUALITIES else "auto",
         events=events,
     )

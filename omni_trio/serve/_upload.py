@@ -1,6 +1,10 @@
 """Uploaded images: their limits, and files decoded only once sized.
 
-Two limits, both checked before anything is allocated for them:
+``read_header`` reads a file's header (its format, width and height) and checks
+it; ``decode`` decodes the pixels. In between, the caller checks what the
+header says against the engine's limits (``_edits``), so a request the engine
+would refuse decodes, resizes and copies nothing (L4). Two limits of the upload's
+own, both checked before anything is allocated for them:
 
 - ``UploadLimits.max_bytes``: the whole multipart body, refused (413) from its
   ``Content-Length`` or as soon as the bytes read pass it, before parsing (the
@@ -27,7 +31,7 @@ from ._errors import ApiError, invalid
 if TYPE_CHECKING:
     from PIL import Image
 
-__all__ = ["UploadLimits", "open_image"]
+__all__ = ["UploadLimits", "decode", "read_header"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,6 +61,10 @@ class UploadLimits:
                 raise ValueError(f"{name}: must be an int >= 1, got {value!r}")
 
 
+#: How messages name a format Pillow calls otherwise.
+_NAMES = {"WEBP": "WebP"}
+
+
 def _plugin(data: bytes) -> tuple[str, Any] | None:
     """The format of ``data`` by its magic bytes, and Pillow's class for it."""
     if data.startswith(b"\x89PNG\r\n\x1a\n"):
@@ -76,17 +84,21 @@ def _plugin(data: bytes) -> tuple[str, Any] | None:
     return None
 
 
-def open_image(data: bytes, param: str, limits: UploadLimits) -> Image.Image:
-    """Decode an uploaded image, its declared size checked before any pixel is decoded.
+def read_header(data: bytes, param: str, limits: UploadLimits) -> Image.Image:
+    """Read an uploaded image's header and check its declared size; decode nothing.
 
     Args:
         data: the file's bytes.
         param: the form field it came in, for the error.
         limits: the upload limits.
 
+    Returns:
+        The image, lazily opened: its ``size``, ``mode`` and ``info`` are the
+        header's, and no pixel is decoded until ``decode``.
+
     Raises:
-        ApiError: 400 ``invalid_image`` (not a PNG, JPEG or WebP file, or cut short
-            or corrupt), 413 ``image_too_large`` (more than ``max_pixels``).
+        ApiError: 400 ``invalid_image`` (not a PNG, JPEG or WebP file, or a header
+            Pillow cannot parse), 413 ``image_too_large`` (more than ``max_pixels``).
     """
     found = _plugin(data)
     if found is None:
@@ -107,11 +119,21 @@ def open_image(data: bytes, param: str, limits: UploadLimits) -> Image.Image:
             param=param,
             code="image_too_large",
         )
+    return image
+
+
+def decode(image: Image.Image, param: str) -> Image.Image:
+    """Decode the pixels of an image ``read_header`` opened.
+
+    Raises:
+        ApiError: 400 ``invalid_image``: the data is cut short or corrupt.
+    """
     try:
         image.load()
     except Exception:  # truncated data, a corrupt stream, a decoder's own limits
         raise invalid(
-            f"{param}: the {name} data could not be decoded (cut short or corrupt)",
+            f"{param}: the {_NAMES.get(image.format or '', image.format)} data could not be"
+            " decoded (cut short or corrupt)",
             param,
             "invalid_image",
         ) from None

@@ -14,8 +14,11 @@ are read into the same strict model (form text typed by ``_forms``, as for
 
 ``seconds`` becomes a frame count: ``seconds x fps`` rounded, then moved to the
 nearest count the runner's frame rule (``RunnerCapabilities.frames``: ``F % a ==
-b``) takes, ties upwards (Wan, 4k + 1 frames, 4 s at 16 fps: 64, so 65). A
-``num_frames`` is taken as it is, and refused (400 naming it) off the rule.
+b``) takes, ties upwards unless that is over ``MAX_NUM_FRAMES`` (Wan, 4k + 1
+frames, 4 s at 16 fps: 64, so 65; 270 s, the longest: 4320, so 4317). Its bound
+is checked on the value sent (an integer is never made a float to compare it), and
+its refusals name ``seconds``. A ``num_frames`` is taken as it is, and refused
+(400 naming it) off the rule.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .._errors import InvalidRequestError
 from .._request import MAX_DEADLINE_S, MAX_NUM_FRAMES, MAX_PRIORITY, GenerationRequest
-from ._config import ServeConfig
+from ._config import Admission, ServeConfig, with_defaults
 from ._errors import api_error_from, invalid
 from ._forms import check_known, form_value
 from ._schema import (
@@ -41,7 +44,7 @@ from ._schema import (
     deadline_seconds,
     load_json,
     shown,
-    size_of,
+    size_given,
     validate,
 )
 
@@ -49,6 +52,7 @@ __all__ = [
     "VIDEO_FIELDS",
     "VideoBody",
     "VideoSpec",
+    "default_frames",
     "frames_for",
     "parse_video_body",
     "video_body",
@@ -103,43 +107,60 @@ class VideoSpec:
     fps: float
 
 
-def frames_for(seconds: float, fps: float, rule: tuple[int, int]) -> int:
+def frames_for(
+    seconds: float, fps: float, rule: tuple[int, int], *, most: int = MAX_NUM_FRAMES
+) -> int:
     """The frame count nearest ``seconds x fps`` that keeps ``rule`` (``F % a == b``), >= 1.
 
-    Ties go to the longer clip.
+    Ties go to the longer clip, unless it is over ``most``: so the longest length
+    ``/v1/videos`` states, ``MAX_NUM_FRAMES / fps`` seconds, is the longest count on
+    the rule, not one frame count too many.
     """
     period, remainder = rule
     wanted = round(seconds * fps)
     below = remainder + period * ((wanted - remainder) // period)
     above = below + period
-    if below < 1 or above - wanted <= wanted - below:
+    if below < 1 or (above - wanted <= wanted - below and above <= most):
         return above if above >= 1 else above + period
     return below
 
 
+def default_frames(fps: float, default_seconds: float, rule: tuple[int, int] | None) -> int | None:
+    """A video model's frame count for a request that gives no length; ``None`` for images.
+
+    Args:
+        fps: the frames per second of its clips.
+        default_seconds: the length of a request that gives none.
+        rule: the runner's frame rule, ``None`` for an image model.
+    """
+    return None if rule is None else frames_for(default_seconds, fps, rule)
+
+
 def _seconds(value: object, fps: float) -> float:
     """``seconds`` as a number of seconds: positive, finite, at most ``MAX_NUM_FRAMES`` frames."""
+    number: int | float
     if isinstance(value, str):
         if len(value) > 40 or _NUMBER.fullmatch(value) is None:
             raise invalid(
                 f"seconds: must be a positive number of seconds (e.g. '4'), got {shown(value)}",
                 "seconds",
             )
-        number = float(value)
+        number = float(value)  # at most 40 digits: finite
     elif isinstance(value, int | float) and not isinstance(value, bool):
-        number = float(value)
+        # Compared as it is: float() of an integer over about 1.8e308 overflows.
+        number = value
     else:
         raise invalid(
             f"seconds: must be a string or a number, got {shown(value)}", "seconds", "invalid_type"
         )
     longest = MAX_NUM_FRAMES / fps
-    if not math.isfinite(number) or not 0 < number <= longest:
+    if (isinstance(number, float) and not math.isfinite(number)) or not 0 < number <= longest:
         raise invalid(
             f"seconds: must be > 0 and <= {longest:g} at {fps:g} frames per second,"
             f" got {shown(value)}",
             "seconds",
         )
-    return number
+    return float(number)
 
 
 def video_spec(
@@ -150,6 +171,7 @@ def video_spec(
     default_seconds: float,
     rule: tuple[int, int],
     deadline_header: str | None = None,
+    admission: Admission | None = None,
 ) -> VideoSpec:
     """Stage 3: a checked body to the engine's request and what the job reports.
 
@@ -161,9 +183,12 @@ def video_spec(
             ``num_frames``.
         rule: the runner's frame rule (``RunnerCapabilities.frames``).
         deadline_header: the ``X-Request-Deadline-Ms`` header's text, if sent.
+        admission: the engine's limits, checked here, before the job takes a
+            place in the store; ``None``: left to ``Engine.submit``.
 
     Raises:
-        ApiError: 400 naming the field at fault.
+        ApiError: 400 naming the field at fault: ``seconds`` (not ``num_frames``)
+            for a frame count made from the ``seconds`` sent.
     """
     if parsed.input_reference is not None:
         raise invalid(
@@ -174,33 +199,50 @@ def video_spec(
     check_model(parsed.model, config)
     if parsed.seconds is not None and parsed.num_frames is not None:
         raise invalid("num_frames: give seconds or num_frames, not both", "num_frames")
-    if parsed.num_frames is not None:
-        frames = parsed.num_frames
+    frames = parsed.num_frames
+    if frames is not None:
         seconds = f"{frames / fps:g}"
+    elif parsed.seconds is not None:
+        given = _seconds(parsed.seconds, fps)
+        frames = frames_for(given, fps, rule)
+        seconds = f"{given:g}"
     else:
-        given = None if parsed.seconds is None else _seconds(parsed.seconds, fps)
-        length = default_seconds if given is None else given
-        frames = frames_for(length, fps, rule)
-        seconds = f"{length:g}"
-    width, height = size_of(parsed.size, config)
-    steps = parsed.num_inference_steps
-    guidance = parsed.guidance_scale
+        seconds = f"{default_seconds:g}"
+    width, height = size_given(parsed.size)
+    fields = with_defaults(
+        {
+            "width": width,
+            "height": height,
+            "num_steps": parsed.num_inference_steps,
+            "guidance_scale": parsed.guidance_scale,
+            "num_frames": frames,
+        },
+        config,
+        num_frames=default_frames(fps, default_seconds, rule),
+    )
     try:
         request = GenerationRequest(
             prompt=parsed.prompt,
             negative_prompt=parsed.negative_prompt,
-            num_steps=config.default_steps if steps is None else steps,
-            height=height,
-            width=width,
-            num_frames=frames,
-            guidance_scale=config.default_guidance_scale if guidance is None else guidance,
+            **fields,
             seed=parsed.seed,
             priority=checked_priority(parsed.priority, config),
             deadline_s=deadline_seconds(parsed.deadline_ms, deadline_header),
         )
+        if admission is not None:
+            admission.check(request)
     except InvalidRequestError as exc:
+        if exc.field == "num_frames" and parsed.seconds is not None:
+            # The client sent seconds: name what it sent.
+            raise invalid(
+                f"seconds: {seconds} s at {fps:g} frames per second is {fields['num_frames']}"
+                f" frames, and {exc}",
+                "seconds",
+            ) from None
         raise api_error_from(exc) from None
-    return VideoSpec(request=request, size=f"{width}x{height}", seconds=seconds, fps=fps)
+    return VideoSpec(
+        request=request, size=f"{request.width}x{request.height}", seconds=seconds, fps=fps
+    )
 
 
 def video_body(body: bytes, form: list[tuple[str, str | bytes]] | None) -> VideoBody:
@@ -234,6 +276,7 @@ def parse_video_body(
     default_seconds: float,
     rule: tuple[int, int],
     deadline_header: str | None = None,
+    admission: Admission | None = None,
 ) -> VideoSpec:
     """Read, check and turn a video body into a ``VideoSpec``.
 
@@ -245,6 +288,7 @@ def parse_video_body(
         default_seconds: see ``video_spec``.
         rule: the runner's frame rule.
         deadline_header: the ``X-Request-Deadline-Ms`` header's text, if sent.
+        admission: see ``video_spec``.
 
     Raises:
         ApiError: 400 naming the field at fault.
@@ -257,4 +301,5 @@ def parse_video_body(
         default_seconds=default_seconds,
         rule=rule,
         deadline_header=deadline_header,
+        admission=admission,
     )

@@ -107,11 +107,16 @@ class VideoJob:
     ``failed`` (with ``error``: a code and a message that carry none of a
     model's exception text). ``progress`` is the percentage of denoise steps
     done, 100 only once completed. ``mp4`` is the encoded video, once completed.
+
+    Both only move forward (L73): once started, a job reads ``in_progress`` even
+    while a higher-priority request has it suspended (its handle then reads
+    WAITING again), and ``progress`` never decreases.
     """
 
     __slots__ = (
         "_changed",
         "_ended",
+        "_started",
         "completed_at",
         "created_at",
         "error",
@@ -142,6 +147,9 @@ class VideoJob:
         self.scope = anyio.CancelScope()
         self.removed = False
         self._ended: str | None = None  # "completed" or "failed"
+        # Latched: a suspended (L61) request reads WAITING again, and its first
+        # steps may round to 0 %, so neither the handle nor ``progress`` says it.
+        self._started = False
         self._changed = anyio.Event()
 
     @property
@@ -149,9 +157,10 @@ class VideoJob:
         """``queued``, ``in_progress``, ``completed`` or ``failed``."""
         if self._ended is not None:
             return self._ended
-        handle = self.handle
-        started = handle is not None and handle.status is not RequestStatus.WAITING
-        return "in_progress" if started or self.progress > 0 else "queued"
+        if not self._started:
+            handle = self.handle
+            self._started = handle is not None and handle.status is not RequestStatus.WAITING
+        return "in_progress" if self._started else "queued"
 
     @property
     def is_finished(self) -> bool:
@@ -199,9 +208,10 @@ class VideoJob:
         await self._changed.wait()
 
     def stepped(self, step: int, total: int) -> None:
-        """A denoise step is done: ``progress`` from it, below 100 until encoded."""
-        progress = min(99, 100 * step // max(total, 1))
-        if progress != self.progress:
+        """A denoise step is done: the job started; ``progress`` from it, < 100 until encoded."""
+        progress = max(self.progress, min(99, 100 * step // max(total, 1)))
+        if progress != self.progress or not self._started:
+            self._started = True
             self.progress = progress
             self.changed()
 

@@ -42,7 +42,7 @@ from ._video_body import parse_video_body
 
 if TYPE_CHECKING:
     from .._engine import Engine
-    from ._config import ServeConfig
+    from ._config import Admission, ServeConfig
     from ._metrics import ServeMetrics
     from ._video_jobs import VideoJob, VideoJobs
 
@@ -64,6 +64,7 @@ class VideosApi:
             raises ``ApiError`` (400 for an image model, 503 while starting,
             draining or dead).
         rule: the runner's frame rule, ``None`` for an image model.
+        admission: the engine's limits, checked before a job takes a place.
     """
 
     def __init__(
@@ -74,7 +75,9 @@ class VideosApi:
         jobs: VideoJobs,
         admitting_engine: Callable[[], Engine],
         rule: tuple[int, int] | None,
+        admission: Admission,
     ) -> None:
+        self._admission = admission
         self._config = config
         self._metrics = metrics
         self._jobs = jobs
@@ -125,6 +128,7 @@ class VideosApi:
             default_seconds=video.default_seconds,
             rule=self._rule,
             deadline_header=header(scope, DEADLINE_HEADER),
+            admission=self._admission,
         )
         self._jobs.check_room()
         job_id = self._jobs.new_id()

@@ -34,9 +34,10 @@ from .._outputs import EngineStatistics, GenerationOutput
 from .._request import GenerationRequest
 from .._runner import Runner
 from ._app import Service
-from ._config import ServeConfig
+from ._config import ServeConfig, with_defaults
 from ._options import ServiceOptions, build_service
 from ._ray_ingress import REPLICA_HEADER, App, ReplicaIngress
+from ._video_body import default_frames
 
 __all__ = [
     "DEFAULT_MAX_QUEUED_REQUESTS",
@@ -79,7 +80,11 @@ class _ImageReplica:
         """Generate ``request`` on this replica's engine; return its output.
 
         Args:
-            request: a ``GenerationRequest``, or a dict of its fields.
+            request: a ``GenerationRequest``, taken as it is, or a dict of its
+                fields, the fields it leaves out (or ``None``) filled with the
+                service's defaults exactly as the HTTP routes fill them (the
+                model's size, steps and guidance scale, a video model's default
+                length): ``with_defaults``.
             request_id: the engine's id for it (default: a fresh one).
 
         Raises:
@@ -93,7 +98,7 @@ class _ImageReplica:
             the call returns only once the worker released it (L11).
         """
         if not isinstance(request, GenerationRequest):
-            request = GenerationRequest(**request)
+            request = GenerationRequest(**_filled(request, self._service))
         engine = self._service.engine
         if engine is None or not self._service.is_ready:
             raise EngineClosedError(f"replica {self.replica_id} is not serving")
@@ -103,6 +108,13 @@ class _ImageReplica:
         """This replica's id and its engine's statistics (``None`` before it opened)."""
         engine = self._service.engine
         return self.replica_id, engine.statistics() if engine is not None else None
+
+
+def _filled(fields: Mapping[str, Any], service: Service) -> dict[str, Any]:
+    """``fields`` with ``service``'s defaults, as its HTTP routes fill a body's."""
+    videos = service.videos.config
+    frames = default_frames(videos.fps, videos.default_seconds, service.frames)
+    return with_defaults(fields, service.config, num_frames=frames)
 
 
 ImageDeployment = serve.deployment(name="omni_trio")(serve.ingress()(_ImageReplica))

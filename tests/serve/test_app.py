@@ -22,7 +22,8 @@ import anyio
 import httpx
 import pytest
 
-from omni_trio.serve import ServeConfig, create_app
+from omni_trio.serve import ServeConfig, Service, create_app
+from omni_trio.serve._config import with_defaults
 from omni_trio.testing import FakeRunner, GatedRunner, assert_engine_idle, wait_until
 from tests.support.core import BUDGET
 from tests.support.serve import (
@@ -92,6 +93,8 @@ async def test_stream_sends_progress_previews_then_the_image() -> None:
             assert progress == [1, 2, 3, 4]
             assert [d["step"] for d in partial] == [2, 4]
             assert [d["partial_image_index"] for d in partial] == [0, 1]
+            # A preview is at the latents' size: what it says is what its PNG is.
+            assert [(d["size"], png_size(d["b64_json"])) for d in partial] == [("8x8", (8, 8))] * 2
             assert all(d["total"] == 4 for e, d in events if e == "image_generation.progress")
             assert len(completed) == 1 and png_size(completed[0]["b64_json"]) == (64, 64)
             assert events[-1][0] == "image_generation.completed"
@@ -180,6 +183,25 @@ async def test_bad_input_gets_400_naming_the_field(
             await assert_refused_and_serving(client, service, runner, response, param, code)
             text = (await client.get("/metrics")).text
             assert metric(text, "omni_trio_requests_total", outcome="invalid") == 1
+
+
+async def test_a_form_sent_to_generations_is_told_to_send_json() -> None:
+    """L52: a ``multipart/form-data`` body (as ``curl -F`` or an edit call sends) to
+    /v1/images/generations is a 400 ``invalid_content_type`` naming application/json, not
+    "not valid JSON"; a JSON body without its content type is still read as JSON."""
+    service, runner = make_service()
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            form = await client.post(PATH, files={"prompt": (None, "x")})
+            await assert_refused_and_serving(
+                client, service, runner, form, None, "invalid_content_type"
+            )
+            message = form.json()["error"]["message"]
+            assert "application/json" in message and "multipart/form-data" in message
+            untyped = await client.post(
+                PATH, content=b'{"prompt": "x"}', headers={"content-type": "text/plain"}
+            )
+            assert untyped.status_code == 200, untyped.text
 
 
 class Chunks(httpx.AsyncByteStream):
@@ -359,6 +381,31 @@ async def test_drain_turns_health_503_and_cuts_requests() -> None:
             assert metric(text, "omni_trio_requests_total", outcome="shutdown") == 2
             assert metric(text, "omni_trio_requests_total", outcome="unavailable") == 1
             assert metric(text, "omni_trio_draining") == 1
+
+
+async def test_a_request_that_leaves_fields_out_gets_the_servers_defaults() -> None:
+    """L50: ``with_defaults``, the one place defaults are filled (the HTTP bodies and the
+    Ray handle's ``generate``): a field absent or ``None`` gets the server's (the model's)
+    default, never ``GenerationRequest``'s own (512x512, 30 steps); a field given is kept;
+    a video model's frames are filled only when given a default. A body that leaves them
+    out over HTTP gets the same."""
+    config = ServeConfig(
+        model_name="fake", default_width=64, default_height=32, default_steps=3,
+        default_guidance_scale=2.5,
+    )  # fmt: skip
+    filled = with_defaults({"prompt": "x", "num_steps": None, "width": 16}, config)
+    assert filled == {
+        "prompt": "x", "num_steps": 3, "width": 16, "height": 32, "guidance_scale": 2.5
+    }  # fmt: skip
+    assert with_defaults({}, config, num_frames=9)["num_frames"] == 9
+    assert with_defaults({"num_frames": 5}, config, num_frames=9)["num_frames"] == 5
+    assert "num_frames" not in with_defaults({}, config)
+    service = Service(FakeRunner(), config=config)
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            answer = (await client.post(PATH, json={"prompt": "x"})).json()
+    assert (answer["size"], answer["omni_trio"]["steps"]) == ("64x32", 3)
+    assert png_size(answer["data"][0]["b64_json"]) == (64, 32)
 
 
 def test_serve_config_is_validated() -> None:

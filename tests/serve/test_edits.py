@@ -31,6 +31,7 @@ import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
 from omni_trio.serve import ServeConfig, Service, UploadLimits
 from tests.support.core import BUDGET
+from tests.support.serve import PixelWork
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -245,3 +246,72 @@ async def test_a_body_over_the_byte_limit_is_refused_before_parsing() -> None:
     assert big.json()["error"]["code"] == "request_too_large"
     assert json_body.status_code == 400
     assert json_body.json()["error"]["code"] == "invalid_content_type"
+
+
+#: Edits the engine refuses (256 px, n <= 2, 1000 steps; SD's sides multiples of 8):
+#: (form, the field named). The first is the issue's: a small PNG asking for 4096x4096,
+#: which was upscaled and copied in float before the engine refused it.
+OVER_THE_ENGINES_LIMITS: list[tuple[dict[str, Any], str]] = [
+    (form(png(picture()), size="4096x4096"), "size"),
+    (form(png(picture()), size="264x256"), "size"),
+    (form(png(picture()), size="100x64"), "size"),
+    (form(png(picture()), n="3"), "n"),
+    (form(png(picture()), num_inference_steps="1001"), "num_inference_steps"),
+    (form(png_header(1024, 1024)), "image"),  # no size: the image's own, over 256
+    (form(png_header(1024, 1024), size="auto"), "image"),
+    (form(png(picture()), png_header(32, 32)), "mask"),  # another size, from its header
+]
+
+
+async def test_an_edit_the_engine_refuses_decodes_resizes_and_copies_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """L4 (amended), L76: a requested size, ``n`` or step count over the engine's limits or
+    off the runner's rules, an image whose own size (no ``size`` sent) is over them, and a
+    mask of another size are refused with a 400 naming the field before any pixel is
+    decoded or resized (the image's header says its size); nothing reaches the engine. A
+    good edit after them decodes (the count counts) and succeeds.
+    """
+    with anyio.fail_after(BUDGET):
+        async with serving() as service:
+            transport = httpx.ASGITransport(app=service.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                work = PixelWork(monkeypatch)
+                for request_form, param in OVER_THE_ENGINES_LIMITS:
+                    response = await client.post(PATH, **request_form)
+                    assert response.status_code == 400, response.text
+                    error = response.json()["error"]
+                    assert (error["param"], error["code"]) == (param, "invalid_value"), error
+                    assert work.done == (0, 0), (param, error)
+                    assert param != "image" or "send a size" in error["message"], error
+                engine = service.engine
+                assert engine is not None and engine.statistics().admitted == 0
+                good = await client.post(PATH, **form(png(picture()), size="32x32"))
+                assert good.status_code == 200, good.text
+                assert work.decodes >= 1 and work.resizes >= 1
+
+
+async def test_an_edit_without_a_size_keeps_its_images_size_fitted_to_the_model() -> None:
+    """L76: without ``size`` (or ``auto``) the output is the image's size, each side rounded
+    to the nearest multiple the model takes: a 100x60 image makes 104x64 on SD (multiples
+    of 8; it was refused naming ``size``, which the client never sent); one too large for
+    the engine is refused naming ``image``, and says to send a size.
+    """
+    odd = png(Image.new("RGB", (100, 60), (200, 30, 90)))
+    with anyio.fail_after(BUDGET):
+        async with serving() as service:
+            transport = httpx.ASGITransport(app=service.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                kept = await client.post(PATH, **form(odd, num_inference_steps="2"))
+                auto = await client.post(PATH, **form(odd, num_inference_steps="2", size="auto"))
+                large = await client.post(
+                    PATH, **form(png(Image.new("RGB", (512, 64))), num_inference_steps="2")
+                )
+    for answer in (kept, auto):
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["size"] == "104x64"
+        assert decoded(answer.json()["data"][0]["b64_json"]).shape == (64, 104, 3)
+    assert large.status_code == 400
+    error = large.json()["error"]
+    assert error["param"] == "image" and "send a size" in error["message"], error
+    assert "width: must be <= 256" in error["message"] and "\n" not in error["message"]

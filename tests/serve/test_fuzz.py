@@ -20,8 +20,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from omni_trio.serve import Service
+from omni_trio.serve import ServeConfig, Service
+from omni_trio.serve._errors import ApiError
 from omni_trio.serve._schema import KNOWN_FIELDS
+from omni_trio.serve._video_body import parse_video_body
 from omni_trio.testing import assert_engine_idle
 from tests.support.core import BUDGET
 from tests.support.serve import PATH, make_service, parse_sse, serving
@@ -206,3 +208,46 @@ async def test_any_fields_get_a_4xx_json_error_or_a_success(
         response = await client.post(PATH, content=encode(body).encode())
         check_answer(response, body.get("stream") is True)
         await after_each(service, client)
+
+
+#: ``seconds`` of a video body: any number or text, hostile ones among them.
+seconds_values = st.one_of(
+    st.integers(),
+    st.integers(-(10**400), 10**400),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.floats(0, 600),
+    st.sampled_from(HOSTILE),
+    odd_text,
+    st.from_regex(r"[0-9]{0,4}(\.[0-9]{0,3})?", fullmatch=True),
+)
+
+
+@FUZZ
+@given(seconds=seconds_values, as_form=st.booleans())
+def test_any_seconds_make_a_clip_on_the_rule_or_a_400_naming_seconds(
+    seconds: object, as_form: bool
+) -> None:
+    """L73, L52: a video body's ``seconds`` of any value, as JSON or as form text, is a
+    clip of 1 to 4320 frames on the runner's rule (4k + 1) or a 400 naming ``seconds``;
+    nothing else is raised (an integer past a float's range made ``float()`` overflow)."""
+    config = ServeConfig(model_name="fake-video", default_width=16, default_height=16)
+    form: list[tuple[str, str | bytes]] | None = None
+    body = b""
+    if as_form:
+        text = seconds if isinstance(seconds, str) else encode(seconds)
+        form = [("prompt", "a fox"), ("seconds", text)]
+    else:
+        body = ('{"prompt": "a fox", "seconds": ' + encode(seconds) + "}").encode()
+    refused: ApiError | None = None
+    try:
+        spec = parse_video_body(body, form, config, fps=16.0, default_seconds=4.0, rule=(4, 1))
+    except ApiError as error:
+        refused = error
+    if refused is not None:
+        event(f"{refused.status} {refused.param}")
+        assert (refused.status, refused.param) == (400, "seconds"), refused.message
+        assert "\n" not in refused.message and len(refused.message) < 300
+        return
+    event("200")
+    frames = spec.request.num_frames
+    assert frames is not None and 1 <= frames <= 4320 and frames % 4 == 1

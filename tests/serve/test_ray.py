@@ -154,7 +154,11 @@ def apps() -> Iterator[tuple[Cluster, Cluster]]:
                 # The engine's own queue holds what Ray may send it (2 at a time, and
                 # Ray's count of them lags), so its 429 never races Ray's bound.
                 engine_config=ot.EngineConfig(max_batch_size=1, max_waiting=4, max_steps=ENDLESS),
-                serve_config=ot.serve.ServeConfig(model_name="fake", default_steps=4),
+                # Defaults unlike GenerationRequest's (512x512, 30 steps): a handle call
+                # that leaves them out must get these, as HTTP does.
+                serve_config=ot.serve.ServeConfig(
+                    model_name="fake", default_width=64, default_height=32, default_steps=4
+                ),
                 max_ongoing_requests=2,
                 max_queued_requests=6,
                 graceful_shutdown_timeout_s=5.0,
@@ -249,7 +253,8 @@ def test_a_disconnect_aborts_within_one_step(solo: Cluster) -> None:
 @pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
 def test_a_cancelled_handle_call_aborts_and_releases(solo: Cluster) -> None:
     """L46, L11 through a handle: ``DeploymentResponse.cancel()`` aborts the running request at
-    its next step boundary; its replica then holds nothing and runs no more steps for it."""
+    its next step boundary; its replica then holds nothing and runs no more steps for it. A
+    dict that leaves fields out gets the service's defaults, as HTTP (64x32, 4 steps)."""
     from ray.serve.exceptions import RequestCancelledError
 
     cluster = solo
@@ -257,6 +262,9 @@ def test_a_cancelled_handle_call_aborts_and_releases(solo: Cluster) -> None:
         {"prompt": "a flower", "num_steps": 3, "width": 64, "height": 64}
     ).result(timeout_s=30)
     assert isinstance(output, ot.GenerationOutput) and tuple(output.images.shape) == (1, 3, 64, 64)
+    defaults = cluster.handle.generate.remote({"prompt": "a flower"}).result(timeout_s=30)
+    assert tuple(defaults.images.shape) == (1, 3, 32, 64)
+    assert defaults.metrics.steps_done == 4
     after = cluster.total("omni_trio_steps_after_abort_total")
     steps = cluster.total("omni_trio_engine_steps_total")
     response = cluster.handle.generate.remote(

@@ -15,6 +15,7 @@ Determinism rules:
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -23,12 +24,15 @@ import anyio
 import httpx
 import httpx2
 import openai
+import PIL.Image
 import pytest
 
 import omni_trio as ot
-from omni_trio.runners import DiffusersRunner, tiny_pipeline
-from omni_trio.serve import ServeConfig, Service, VideoConfig
-from omni_trio.serve._video_body import frames_for
+from omni_trio.runners import DiffusersRunner, RunnerCapabilities, tiny_pipeline
+from omni_trio.serve import ApiError, ServeConfig, Service, VideoConfig
+from omni_trio.serve._config import Admission
+from omni_trio.serve._video_body import frames_for, parse_video_body
+from omni_trio.serve._video_jobs import VideoJob
 from omni_trio.testing import (
     FakeRunner,
     GatedRunner,
@@ -37,7 +41,7 @@ from omni_trio.testing import (
     wait_until,
 )
 from tests.support.core import BUDGET
-from tests.support.serve import AsgiCall, metric, parse_sse
+from tests.support.serve import AsgiCall, PixelWork, metric, parse_sse
 
 pytestmark = pytest.mark.anyio
 
@@ -62,12 +66,17 @@ def make_service(
     max_jobs: int = 8,
     ttl_s: float = 60.0,
     grace: float = 0.0,
+    max_priority: int = 0,
     **video: Any,
 ) -> tuple[Service, FakeRunner]:
     """A video service on ``runner`` (an instant 4k + 1 FakeRunner by default), 16x16, 4 steps."""
     runner = runner if runner is not None else FakeRunner(frames=RULE)
     config = ServeConfig(
-        model_name="fake-video", default_width=SIZE, default_height=SIZE, default_steps=4
+        model_name="fake-video",
+        default_width=SIZE,
+        default_height=SIZE,
+        default_steps=4,
+        max_priority=max_priority,
     )
     videos = VideoConfig(fps=FPS, max_jobs=max_jobs, ttl_s=ttl_s, **video)
     service = Service(
@@ -165,6 +174,76 @@ async def test_a_job_is_queued_progresses_and_completes_with_an_mp4() -> None:
             assert metric(text, "omni_trio_video_jobs", status="completed") == 1
             assert metric(text, "omni_trio_video_bytes") == len(content.content)
             assert metric(text, "omni_trio_requests_total", outcome="completed") == 1
+
+
+async def test_a_suspended_job_stays_in_progress_and_its_progress_never_goes_back() -> None:
+    """L73 (amended): a job suspended early in its run by a higher-priority job (L61: one
+    step of 200 done, so its progress rounds to 0, and its handle reads WAITING again)
+    reads in_progress on GET, in the list and on its event stream, whose statuses and
+    progress only move forward; it resumes and completes.
+    """
+    runner = GatedRunner(frames=RULE, max_batch_size=1)  # the urgent job cannot join: it preempts
+    service, _ = make_service(runner, max_priority=1)
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            engine = service.engine
+            assert engine is not None
+            vid = (await create(client, num_frames=5, num_inference_steps=200))["id"]
+            stored = service.videos.get(vid)
+            watcher = events_call(vid)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watcher.run, service)
+                await runner.wait_arrived(1)  # its step 1 of 200 held at the gate
+                await create(client, num_frames=5, num_inference_steps=2, priority=1)
+                runner.release(1)  # at the boundary after step 1, the urgent job suspends it
+                await runner.wait_arrived(2)  # the urgent job's first step at the gate
+                await wait_until(lambda: engine.statistics().suspended == 1)
+                assert stored.handle is not None
+                assert stored.handle.status is ot.RequestStatus.WAITING
+                # Its step 1 reached the job (its task, then its stream), and stays counted.
+                await wait_until(
+                    lambda: (
+                        [d["status"] for _, d in parse_sse(watcher.body.decode())][-1:]
+                        == ["in_progress"]
+                    )
+                )
+                got = (await client.get(f"/v1/videos/{vid}")).json()
+                assert (got["status"], got["progress"]) == ("in_progress", 0)
+                listed = (await client.get("/v1/videos")).json()["data"]
+                assert [job["status"] for job in listed if job["id"] == vid] == ["in_progress"]
+                text = (await client.get("/metrics")).text
+                assert metric(text, "omni_trio_video_jobs", status="in_progress") == 2
+                assert metric(text, "omni_trio_video_jobs", status="queued") == 0
+                runner.open_gate()
+            done = await finished(client, vid)
+    assert done["status"] == "completed"
+    events = [data for _, data in parse_sse(watcher.body.decode())]
+    order = ["queued", "in_progress", "completed"]
+    ranks = [order.index(data["status"]) for data in events]
+    progress = [data["progress"] for data in events]
+    assert ranks == sorted(ranks) and progress == sorted(progress), events
+    assert ranks[-1] == 2 and progress[-1] == 100
+
+
+async def test_a_jobs_progress_never_decreases() -> None:
+    """L73 (amended): a step event behind the job's progress leaves it where it is, and the
+    first step starts the job even when it rounds to 0 %."""
+    service, _ = make_service()
+    spec = parse_video_body(
+        b'{"prompt": "a fox", "num_frames": 5}',
+        None,
+        service.config,
+        fps=FPS,
+        default_seconds=4.0,
+        rule=RULE,
+    )
+    job = VideoJob(job_id="video_1", seq=1, model="fake-video", spec=spec)
+    assert (job.status, job.progress) == ("queued", 0)
+    job.stepped(1, 200)
+    assert (job.status, job.progress) == ("in_progress", 0)
+    job.stepped(100, 200)
+    job.stepped(10, 200)
+    assert (job.status, job.progress) == ("in_progress", 50)
 
 
 async def test_delete_while_running_aborts_the_request_and_answers_at_once() -> None:
@@ -402,6 +481,148 @@ async def test_bad_input_gets_a_400_naming_the_field_and_changes_nothing() -> No
             assert engine.statistics().admitted == 0 and len(service.videos) == 0
             missing = await client.get("/v1/videos/video_00000001ffffffffffffffffffffffff")
             assert missing.status_code == 404 and error_of(missing)["code"] == "video_not_found"
+
+
+#: ``seconds`` as JSON literals that are no length this server makes (8 fps: 0 < s <= 540):
+#: integers past a float's range (``float()`` of them overflowed: a 500), past the digits
+#: Python converts, floats past the limit or not finite, text, other types.
+def video_form(**fields: str) -> dict[str, tuple[None, str]]:
+    """A ``multipart/form-data`` body of text fields, as the OpenAI SDK sends (``files=``)."""
+    return {name: (None, text) for name, text in {"prompt": "a fox", **fields}.items()}
+
+
+BAD_JSON_SECONDS = [
+    "0", "-1", "541", "540.0001", "-0.0", "1e308", "1e400", "-1e400", "Infinity", "NaN",
+    "2" + "0" * 308, "1" + "0" * 400, "-1" + "0" * 400, "9" * 5000, str(2**1024), "true",
+    '"541"', '"9' + "9" * 39 + '"', '"9' + "9" * 400 + '"', '"1e5"', '""', '" 4"', '"4."',
+    '"0x10"', '"inf"', '"nan"', '"\u0664"', "[4]", '{"s": 4}',
+]  # fmt: skip
+
+#: ``seconds`` as form text (what the OpenAI SDK sends) that is no length this server makes.
+BAD_FORM_SECONDS = [
+    "0", "-1", "541", "540.0001", "1e308", "1e400", "inf", "nan", "Infinity",
+    "2" + "0" * 308, "9" * 40, "9" * 5000, "", " 4", "4.", "0x10", "\u0664", "4s",
+]  # fmt: skip
+
+
+async def test_seconds_out_of_range_get_a_400_naming_seconds_in_json_and_in_a_form() -> None:
+    """L73, L52: ``seconds`` past what the server makes (an integer over 1.8e308 too, which
+    made ``float()`` overflow: a 500), not finite, or not a number get a 400 naming
+    ``seconds``, in one line, as JSON and as form text; the longest stated length, 540 s
+    at 8 fps, is taken (4317 frames: the longest count on the rule, not one over the
+    limit), and nothing refused reaches the engine.
+    """
+    runner = GatedRunner(frames=RULE)
+    service, _ = make_service(runner)
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            answers = [
+                await client.post(
+                    "/v1/videos",
+                    content=b'{"prompt": "a fox", "seconds": ' + literal.encode() + b"}",
+                    headers={"content-type": "application/json"},
+                )
+                for literal in BAD_JSON_SECONDS
+            ]
+            answers += [
+                await client.post("/v1/videos", files=video_form(seconds=text))
+                for text in BAD_FORM_SECONDS
+            ]
+            for answer in answers:
+                assert answer.status_code == 400, answer.text
+                error = error_of(answer)
+                assert error["param"] == "seconds" and "\n" not in error["message"], error
+                assert len(answer.content) < 1000
+            engine = service.engine
+            assert engine is not None
+            assert engine.statistics().admitted == 0
+            longest = await client.post("/v1/videos", files=video_form(seconds="540"))
+            assert longest.status_code == 200, longest.text
+            job = longest.json()
+            assert (job["seconds"], job["omni_trio"]["num_frames"]) == ("540", 4317)
+            await client.delete(f"/v1/videos/{job['id']}")
+            runner.open_gate()
+            await wait_until(lambda: engine.statistics().aborted == 1)
+    for seconds in (540, 540.0, "540", "539.9"):
+        body = json.dumps({"prompt": "a fox", "seconds": seconds}).encode()
+        spec = parse_video_body(body, None, service.config, fps=FPS, default_seconds=4.0, rule=RULE)
+        assert spec.request.num_frames == 4317  # MAX_NUM_FRAMES (4320) is not 4k + 1
+    assert frames_for(270, 16, RULE) == 4317 and frames_for(4, 16, RULE) == 65
+
+
+async def test_a_video_the_engine_refuses_never_takes_a_place_nor_decodes_a_file(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """L4 (amended), L73: a size over the engine's limits (64 px here) or off the runner's
+    rule is a 400 naming ``size`` even when the store is full (checked before the job takes
+    a place: a 429 would say to retry what can never run), and an ``input_reference`` file
+    (an image) is refused by name, never decoded.
+    """
+    runner = GatedRunner(frames=RULE)
+    service, _ = make_service(runner, max_jobs=1)
+    picture = io.BytesIO()
+    PIL.Image.new("RGB", (16, 16)).save(picture, format="PNG")
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            vid = (await create(client, num_frames=5))["id"]  # the store is full
+            work = PixelWork(monkeypatch)
+            for size, words in (("128x16", "<= 64"), ("12x16", "multiple of 8")):
+                response = await client.post("/v1/videos", json={"prompt": "a fox", "size": size})
+                assert response.status_code == 400, response.text
+                error = error_of(response)
+                assert error["param"] == "size" and words in error["message"], error
+            reference = await client.post(
+                "/v1/videos",
+                files={**video_form(), "input_reference": ("a.png", picture.getvalue())},
+            )
+            assert error_of(reference)["param"] == "input_reference"
+            assert work.done == (0, 0)
+            full = await client.post("/v1/videos", json={"prompt": "a fox"})
+            assert (full.status_code, error_of(full)["code"]) == (429, "video_jobs_full")
+            engine = service.engine
+            assert engine is not None and engine.statistics().admitted == 1
+            await client.delete(f"/v1/videos/{vid}")
+            runner.open_gate()
+
+
+class AtMostNineFrames(RunnerCapabilities):
+    """A video runner's rules that also refuse more than 9 frames, as an engine limit would."""
+
+    __slots__ = ()
+
+    def check_request(self, request: ot.GenerationRequest) -> None:
+        super().check_request(request)
+        if request.num_frames is not None and request.num_frames > 9:
+            raise ot.InvalidRequestError(
+                f"must be <= 9 here, got {request.num_frames}", field="num_frames"
+            )
+
+
+def test_a_frame_count_refused_for_the_seconds_sent_names_seconds() -> None:
+    """L73: when the engine's limits refuse the frame count made from the ``seconds`` sent,
+    the 400 names ``seconds`` (the client never sent ``num_frames``) and says how many
+    frames they made; a ``num_frames`` sent is named as it is."""
+    admission = Admission(
+        engine=ot.EngineConfig(), capabilities=AtMostNineFrames(size_multiple=8, frames=RULE)
+    )
+    config = ServeConfig(model_name="fake-video", default_width=SIZE, default_height=SIZE)
+
+    def refusal(body: dict[str, Any]) -> ApiError:
+        data = json.dumps({"prompt": "a fox", **body}).encode()
+        with pytest.raises(ApiError) as caught:
+            parse_video_body(
+                data, None, config, fps=FPS, default_seconds=2.0, rule=RULE, admission=admission
+            )
+        return caught.value
+
+    error = refusal({"seconds": "2"})
+    assert (error.status, error.param) == (400, "seconds")
+    assert error.message == (
+        "seconds: 2 s at 8 frames per second is 17 frames, and num_frames: must be <= 9 here,"
+        " got 17"
+    )
+    assert refusal({"num_frames": 13}).param == "num_frames"
+    assert refusal({}).param == "num_frames"  # the default length: no seconds were sent
 
 
 async def test_a_failed_job_reports_a_generic_error_and_has_no_content() -> None:

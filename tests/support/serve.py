@@ -7,7 +7,8 @@
   subprocess, killed whatever happens), ``Server``, ``poll_until``, ``free_port``;
 - reading answers: ``png_size``, ``parse_sse``, ``parse_sse_lines``, ``metric``;
 - bodies: ``BAD_BODIES`` (each a 400 naming its field), ``HOSTILE_BODIES``
-  (numbers, encodings and nesting that must still be a 400), ``nested``.
+  (numbers, encodings and nesting that must still be a 400), ``nested``;
+- uploads: ``PixelWork`` (counts what Pillow decodes and resizes, in any thread).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from PIL import Image
+from PIL import Image, ImageFile
 from prometheus_client.parser import text_string_to_metric_families
 
 import omni_trio as ot
@@ -43,6 +44,7 @@ __all__ = [
     "ROOT",
     "SERVERS",
     "AsgiCall",
+    "PixelWork",
     "Server",
     "assert_refused_and_serving",
     "free_port",
@@ -462,3 +464,37 @@ HOSTILE_BODIES: list[tuple[str, bytes, str | None, str]] = [
         "unknown_parameter",
     ),
 ]
+
+
+# -- uploads ---------------------------------------------------------------------
+
+
+class PixelWork:
+    """Count what Pillow does with pixels from now on: files decoded, images resized.
+
+    A lazily opened file (``PngImageFile`` ...) reads its header only; its pixels are
+    decoded by ``ImageFile.load`` (``convert`` and ``resize`` call it too). Counts in
+    any thread (uploads are decoded in a worker thread); ``monkeypatch`` undoes it.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.decodes = 0
+        self.resizes = 0
+        load = ImageFile.ImageFile.load
+        resize = Image.Image.resize
+
+        def counted_load(image: ImageFile.ImageFile) -> Any:
+            self.decodes += 1
+            return load(image)
+
+        def counted_resize(image: Image.Image, *args: Any, **kwargs: Any) -> Image.Image:
+            self.resizes += 1
+            return resize(image, *args, **kwargs)
+
+        monkeypatch.setattr(ImageFile.ImageFile, "load", counted_load)
+        monkeypatch.setattr(Image.Image, "resize", counted_resize)
+
+    @property
+    def done(self) -> tuple[int, int]:
+        """``(decodes, resizes)`` so far."""
+        return self.decodes, self.resizes
