@@ -5,9 +5,11 @@
 - ``ServeConfig``: the HTTP layer's own settings (model name, defaults, body limit);
 - ``UploadLimits``: how large an edit's upload may be (bytes, pixels);
 - ``VideoConfig``: a video model's jobs (``/v1/videos``): fps, how many, how long;
-- ``_options``: ``ServiceOptions`` and ``build_service``, the one way a service is
+- ``ServiceOptions`` and ``build_service`` (``_options``): the one way a service is
   built from a model's name and settings: ``python -m omni_trio serve`` (the
-  command line, ``omni_trio.cli``), ``serve --ray`` and a Ray replica use it.
+  command line, ``omni_trio.cli``), ``serve --ray`` and a Ray replica use it, and so
+  can an application; ``load_model`` (``_models``: ``MODELS``, ``LoadedModel``,
+  ``ModelError``) builds the runners of a named model or a diffusers folder.
 
 See docs/serving.md.
 
@@ -44,18 +46,32 @@ from ._asgi import CLIENT_GONE as CLIENT_GONE
 from ._config import ServeConfig as ServeConfig
 from ._errors import ApiError as ApiError
 from ._metrics import OUTCOMES as OUTCOMES
+from ._models import MODELS as MODELS
+from ._models import LoadedModel as LoadedModel
+from ._models import ModelError as ModelError
+from ._models import load_model as load_model
+from ._options import OptionError as OptionError
+from ._options import ServiceOptions as ServiceOptions
+from ._options import build_service as build_service
 from ._upload import UploadLimits as UploadLimits
 from ._video_jobs import VideoConfig as VideoConfig
 
 __all__ = [
     "CLIENT_GONE",
+    "MODELS",
     "OUTCOMES",
     "ApiError",
+    "LoadedModel",
+    "ModelError",
+    "OptionError",
     "ServeConfig",
     "Service",
+    "ServiceOptions",
     "UploadLimits",
     "VideoConfig",
+    "build_service",
     "create_app",
+    "load_model",
 ]
 
 if typing.TYPE_CHECKING:
