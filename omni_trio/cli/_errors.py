@@ -14,6 +14,7 @@ __all__ = [
     "PROG",
     "CommandError",
     "UsageError",
+    "exit_status_for",
     "summary",
 ]
 
@@ -28,6 +29,14 @@ EXIT_USAGE = 2
 
 EXIT_INTERRUPTED = 130
 """Stopped by Ctrl-C (128 + SIGINT, as shells report it)."""
+
+
+def exit_status_for(signum: int) -> int:
+    """The exit status of a command stopped by signal ``signum``: 128 + it, as shells report.
+
+    ``EXIT_INTERRUPTED`` for SIGINT, 143 for SIGTERM.
+    """
+    return 128 + signum
 
 
 class CommandError(Exception):
