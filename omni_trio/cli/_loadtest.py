@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONNECT_CHECK_S",
+    "MAX_MESSAGE_CHARS",
     "PATH",
     "LoadConfig",
     "LoadResult",
@@ -281,7 +282,8 @@ async def _send(
     if response is None:
         return record("gave_up")
     if response.status_code != 200:
-        return record("refused", status=response.status_code, code=_error_code(response))
+        code, message = _error(response)
+        return record("refused", status=response.status_code, code=code, message=message)
     try:
         data = response.json()["data"]
         images = len(data) if isinstance(data, list) else 0
@@ -292,13 +294,27 @@ async def _send(
     return record("completed", status=200, images=images)
 
 
-def _error_code(response: httpx.Response) -> str | None:
-    """The ``{"error": {"code": ...}}`` of an error answer, if it has a string one."""
+#: The most characters of a refusal's message a record keeps.
+MAX_MESSAGE_CHARS = 200
+
+
+def _error(response: httpx.Response) -> tuple[str | None, str | None]:
+    """The ``{"error": {"code": ..., "message": ...}}`` of an error answer, each if a string.
+
+    The message is kept to its first line and ``MAX_MESSAGE_CHARS``.
+    """
     try:
-        code = response.json()["error"]["code"]
+        error = response.json()["error"]
     except (ValueError, KeyError, TypeError):
-        return None
-    return code if isinstance(code, str) and code else None
+        return None, None
+    if not isinstance(error, dict):
+        return None, None
+    code, message = error.get("code"), error.get("message")
+    if isinstance(message, str) and message.strip():
+        message = message.strip().splitlines()[0][:MAX_MESSAGE_CHARS]
+    else:
+        message = None
+    return (code if isinstance(code, str) and code else None), message
 
 
 def _reason(exc: OSError) -> str:

@@ -204,28 +204,34 @@ def test_the_summary_splits_by_priority_and_refusals_by_code() -> None:
         rec(1, "completed", 3.0, priority=1),  # late
         rec(2, "completed", 0.2),
         rec(3, "refused", 0.01, status=429, code="deadline_unmeetable"),
-        rec(4, "refused", 0.01, status=429, code="deadline_unmeetable", priority=1),
-        rec(5, "refused", 0.01, status=503, code="request_aborted"),
+        rec(4, "refused", 0.01, status=429, code="deadline_unmeetable", priority=1, message="late"),
+        rec(5, "refused", 0.01, status=503, code="request_aborted", message="shutting down"),
         rec(6, "refused", 0.01, status=502),
+        rec(7, "refused", 0.01, status=429, code="deadline_unmeetable", message="later"),
     ]
     s = summarize(records, duration_s=2.0, slo_s=1.0)
-    assert s["refused_by_status"] == {"429": 2, "502": 1, "503": 1}
+    assert s["refused_by_status"] == {"429": 3, "502": 1, "503": 1}
     assert s["refused_by_reason"] == {
-        "429 deadline_unmeetable": 2,
+        "429 deadline_unmeetable": 3,
         "502": 1,
         "503 request_aborted": 1,
+    }
+    # The server's message of the first refusal of each reason that had one.
+    assert s["refusal_messages"] == {
+        "429 deadline_unmeetable": "late",
+        "503 request_aborted": "shutting down",
     }
     assert set(s["by_priority"]) == {"1", DEFAULT_CLASS}
     high, default = s["by_priority"]["1"], s["by_priority"][DEFAULT_CLASS]
     assert (high["requests"], high["completed"], high["good_images"]) == (3, 2, 1)
     assert (high["goodput_per_s"], high["throughput_per_s"]) == (0.5, 1.0)
     assert (high["p50_latency_s"], high["p99_latency_s"]) == (1.75, pytest.approx(2.975))
-    assert (default["requests"], default["completed"], default["good_images"]) == (4, 1, 1)
+    assert (default["requests"], default["completed"], default["good_images"]) == (5, 1, 1)
     assert default["p99_latency_s"] == 0.2
     table = format_summary(s)
-    assert "  refused (429 deadline_unmeetable)      2\n" in table
+    assert "  refused (429 deadline_unmeetable)      3\n    late\n  refused (502)" in table
     assert "  priority 1     0.500 images/s goodput (1 of 3 requests), p99 2.975 s\n" in table
-    assert "  no priority    0.500 images/s goodput (1 of 4 requests), p99 0.200 s\n" in table
+    assert "  no priority    0.500 images/s goodput (1 of 5 requests), p99 0.200 s\n" in table
     # Without priorities, no class lines.
     assert "no priority" not in format_summary(summarize(records[2:3], duration_s=1, slo_s=1))
 
@@ -315,6 +321,15 @@ def test_a_config_out_of_range_names_the_field(fields: dict[str, Any], message: 
         (
             ["load", "http://:80"],
             "URL: expected http://HOST[:PORT][/PATH], e.g. http://127.0.0.1:8000, got 'http://:80'",
+        ),
+        # A rate is not seconds (it used to say "expected a number of seconds >= 0").
+        (
+            ["load", "http://h", "--rate", "-1"],
+            "argument --rate: expected a number > 0, got '-1' (see 'omni-trio load --help')",
+        ),
+        (
+            ["load", "http://h", "--duration", "0"],
+            "argument --duration: expected a number > 0, got '0' (see 'omni-trio load --help')",
         ),
         (
             ["load", "http://h", "--give-up-fraction", "2"],
@@ -616,6 +631,8 @@ async def test_a_priority_over_the_servers_bound_is_refused_for_that_class_only(
             result = await run_load(dataclasses.replace(config, url=endpoint_url(url)))
     summary = result.summary()
     assert summary["refused_by_reason"] == {"400 invalid_value": high}
+    # The server's own words, not only its code.
+    assert "priority" in summary["refusal_messages"]["400 invalid_value"]
     assert summary["by_priority"]["1"]["requests"] == high
     assert summary["by_priority"]["1"]["completed"] == 0
     assert summary["by_priority"][DEFAULT_CLASS]["completed"] == low
