@@ -82,6 +82,15 @@ def test_console_script_is_main(capsys: pytest.CaptureFixture[str]) -> None:
             "unrecognized arguments: --frobnicate (see 'omni-trio demo --help')",
         ),
         (["demo", "--model", "no-such-folder"], "--model: no such folder: 'no-such-folder'"),
+        # Checked before the model loads, not once the image is made.
+        (
+            ["demo", "--out", "no-such-folder/demo.png"],
+            "--out: cannot write 'no-such-folder/demo.png': No such file or directory",
+        ),
+        (
+            ["demo", "--out", "demo.text"],
+            "--out: 'demo.text' does not end with an image extension (.png, .jpg, ...)",
+        ),
         (
             ["demo", "--model", "."],
             "--model: '.' is not a diffusers folder (it has no model_index.json)",
