@@ -27,7 +27,7 @@ from .._outputs import RequestMetrics
 from .._request import GenerationRequest
 from .._runner import Runner, RunnerCapabilities
 from ._errors import CommandError, UsageError, summary
-from ._types import seconds
+from ._types import count, seconds
 
 __all__ = ["KINDS", "add_demo_arguments", "run_demo"]
 
@@ -98,13 +98,20 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         help="simulated compute per step of the fake model (default 0.05)",
     )
     parser.add_argument(
+        "--torch-threads",
+        type=count(1, 4096),
+        default=None,
+        metavar="N",
+        help="torch's intra-op threads (default: torch's own)",
+    )
+    parser.add_argument(
         "--backend", choices=["trio", "asyncio"], default="trio", help="event loop (default trio)"
     )
 
 
 def _config(args: argparse.Namespace) -> EngineConfig:
-    """The engine's configuration: its default limits."""
-    return EngineConfig()
+    """The engine's configuration: its default limits, and ``--torch-threads``."""
+    return EngineConfig(torch_threads=args.torch_threads)
 
 
 def _request(

@@ -81,6 +81,7 @@ def service_options(args: argparse.Namespace) -> ServiceOptions:
             max_height=args.max_size,
             max_width=args.max_size,
             max_num_images=args.max_n,
+            torch_threads=args.torch_threads,
         )
         uploads = UploadLimits(max_bytes=args.max_upload_bytes, max_pixels=args.max_upload_pixels)
     except ValueError as exc:

@@ -100,6 +100,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         " connections still open then are aborted (default 5)",
     )
     limits.add_argument(
+        "--torch-threads",
+        type=count(1, 4096),
+        default=None,
+        metavar="N",
+        help="torch's intra-op threads for the process, shared by every worker (default:"
+        " torch's own with one worker; the cores shared out among CPU workers)",
+    )
+    limits.add_argument(
         "--max-steps", type=count(1), default=200, help="largest num_inference_steps (default 200)"
     )
     limits.add_argument(

@@ -92,6 +92,11 @@ def test_console_script_is_main(capsys: pytest.CaptureFixture[str]) -> None:
             "--out: 'demo.text' does not end with an image extension (.png, .jpg, ...)",
         ),
         (
+            ["demo", "--torch-threads", "0"],
+            "argument --torch-threads: expected an integer from 1 to 4096, got '0'"
+            " (see 'omni-trio demo --help')",
+        ),
+        (
             ["demo", "--model", "."],
             "--model: '.' is not a diffusers folder (it has no model_index.json)",
         ),
