@@ -179,7 +179,8 @@ def run_ray(args: argparse.Namespace) -> int:
             deployment fails.
     """
     options = _options(args)
-    configure_logging(args.log_level, args.log_format)
+    # The fake model needs no model library (nor torch).
+    configure_logging(args.log_level, args.log_format, model_libraries=args.model != "fake")
     if args.model in MODELS:
         # The built-in models load in a moment: check the defaults against one here,
         # so a bad option is a usage error now, not a failed deployment.

@@ -242,7 +242,8 @@ def run_serve(args: argparse.Namespace) -> int:
     options = service_options(args)
     check_port(args.host, args.port)
     # Only now: a command that stops at a usage error leaves the logging alone.
-    configure_logging(args.log_level, args.log_format)
+    # The fake model needs no model library (nor torch).
+    configure_logging(args.log_level, args.log_format, model_libraries=args.model != "fake")
     model = load(options)
     service = make_service(options, model)
     run: Callable[..., None] = run_hypercorn if args.server == "hypercorn" else run_uvicorn

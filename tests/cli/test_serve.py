@@ -8,6 +8,7 @@ binds first.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 
 from omni_trio.cli._loadtest import PATH
 from tests.support.cli import ROOT, busy_port, free_port, one_line_error, serve
+from tests.support.serve import run_server
 
 SERVERS = ["hypercorn", "uvicorn"]
 
@@ -127,3 +129,45 @@ def test_json_logs_are_one_object_per_line_with_one_access_line_per_request(
     messages = [e["message"] for e in entries if e["logger"] == "omni_trio.serve"]
     assert any(m.startswith("draining: ") for m in messages)
     assert any(m.startswith("drained: 3 completed") for m in messages)
+
+
+#: A line of the text log (``cli._logs``'s format).
+TEXT_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR) [\w.]+: ")
+
+
+@pytest.fixture(scope="module")
+def tiny_sd_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny SD pipeline saved with ``save_pretrained``, as a user's model folder is."""
+    from omni_trio.runners import tiny_pipeline
+
+    folder = tmp_path_factory.mktemp("models") / "tiny-sd"
+    tiny_pipeline("sd").save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("model", "log_format", "extra"),
+    [("folder", "json", ["--workers", "2"]), ("tiny-sd", "json", []), ("folder", "text", [])],
+)
+def test_every_log_line_is_a_record_with_a_real_model(
+    tmp_path: Path, tiny_sd_folder: Path, model: str, log_format: str, extra: list[str]
+) -> None:
+    """With a model folder (loaded once per worker) or a tiny model, every line on stderr
+    is a JSON object (--log-format json) or a text record: diffusers' "Loading pipeline
+    components" and transformers' "Loading weights" bars, and their notices, used to be
+    printed raw among them."""
+    spec = str(tiny_sd_folder) if model == "folder" else model
+    args = ["--model", spec, "--log-format", log_format, *extra]
+    with run_server(*args, server="hypercorn", log_dir=tmp_path) as server:
+        assert server.post({"prompt": "x", "num_inference_steps": 2}).status_code == 200
+        server.process.send_signal(signal.SIGINT)
+        assert server.process.wait(timeout=60) == 0
+    lines = server.log_text().splitlines()
+    if log_format == "json":
+        messages = [json.loads(line)["message"] for line in lines]
+    else:
+        assert [line for line in lines if not TEXT_LINE.match(line)] == []
+        messages = lines
+    assert any("serving tiny-sd (" in m for m in messages), messages
+    assert any("stopped; engine threads left: none" in m for m in messages), messages
+
