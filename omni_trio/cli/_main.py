@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import sys
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -19,6 +20,7 @@ from typing import NoReturn
 from .. import __version__
 from ._demo import add_demo_arguments, run_demo
 from ._errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, PROG, CommandError, summary
+from ._logs import logs_json
 
 __all__ = ["LOAD_MODULES", "SERVE_EXTRA_MODULES", "main"]
 
@@ -190,12 +192,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _fail(exc: Exception, *, debug: bool) -> int:
-    """Print ``exc`` as one line (after its traceback with ``debug``); return the exit status."""
+    """Print ``exc`` as one line (after its traceback with ``debug``); return the exit status.
+
+    Once ``serve`` made its log JSON lines, the line is a log record instead (its
+    traceback in ``exc``), so that stderr stays JSON to its end.
+    """
+    if isinstance(exc, CommandError):
+        message, status = str(exc), exc.exit_status
+    else:
+        hint = "" if debug else " (run with --debug for the traceback)"
+        message, status = f"{summary(exc)}{hint}", EXIT_ERROR
+    if logs_json():
+        failure = exc if debug else None
+        logging.getLogger("omni_trio.cli").error("%s: error: %s", PROG, message, exc_info=failure)
+        return status
     if debug:
         traceback.print_exception(exc)
-    if isinstance(exc, CommandError):
-        sys.stderr.write(f"{PROG}: error: {exc}\n")
-        return exc.exit_status
-    hint = "" if debug else " (run with --debug for the traceback)"
-    sys.stderr.write(f"{PROG}: error: {summary(exc)}{hint}\n")
-    return EXIT_ERROR
+    sys.stderr.write(f"{PROG}: error: {message}\n")
+    return status

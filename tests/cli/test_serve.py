@@ -171,3 +171,15 @@ def test_every_log_line_is_a_record_with_a_real_model(
     assert any("serving tiny-sd (" in m for m in messages), messages
     assert any("stopped; engine threads left: none" in m for m in messages), messages
 
+
+def test_an_error_after_the_log_began_is_a_json_record_too(tmp_path: Path) -> None:
+    """--log-format json: a model that does not load (found once the log began) is an ERROR
+    record, not a raw 'omni-trio: error:' line; exit 1 all the same."""
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    (folder / "model_index.json").write_text("{not json")
+    result = serve("--model", str(folder), "--port", "0", "--log-format", "json")
+    assert result.returncode == 1, result.stderr
+    entries = [json.loads(line) for line in result.stderr.splitlines()]
+    assert entries[-1]["level"] == "ERROR" and entries[-1]["logger"] == "omni_trio.cli"
+    assert entries[-1]["message"].startswith(f"omni-trio: error: --model: cannot load '{folder}'")
