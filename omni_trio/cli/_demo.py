@@ -27,6 +27,7 @@ from .._outputs import RequestMetrics
 from .._request import GenerationRequest
 from .._runner import Runner, RunnerCapabilities
 from ._errors import CommandError, UsageError, summary
+from ._given import Unused, refuse_unused
 from ._types import count, seconds
 
 __all__ = ["KINDS", "add_demo_arguments", "run_demo"]
@@ -86,7 +87,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--abort-after",
-        type=int,
+        type=count(1),
         default=None,
         metavar="K",
         help="abort after step K, to show the abort landing at the next step with no decode",
@@ -107,6 +108,20 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend", choices=["trio", "asyncio"], default="trio", help="event loop (default trio)"
     )
+
+
+def _unused(args: argparse.Namespace) -> list[Unused]:
+    """The options this run leaves without effect."""
+    if args.model is not None:
+        reason = "does not apply with --model (the folder's pipeline is the model)"
+        return [
+            Unused(dest="kind", option="--kind", reason=reason),
+            Unused(dest="step_seconds", option="--step-seconds", reason=reason),
+        ]
+    if args.kind != "fake":
+        reason = "applies to --kind fake only"
+        return [Unused(dest="step_seconds", option="--step-seconds", reason=reason)]
+    return []
 
 
 def _config(args: argparse.Namespace) -> EngineConfig:
@@ -140,6 +155,11 @@ def _request(
     except InvalidRequestError as exc:
         option = _OPTIONS.get(exc.field, exc.field)
         raise UsageError(f"{option}: {str(exc).removeprefix(f'{exc.field}: ')}") from exc
+    if args.abort_after is not None and args.abort_after >= request.denoise_steps:
+        raise UsageError(
+            f"--abort-after: must be below the {request.denoise_steps} denoise steps:"
+            f" the run ends before step {args.abort_after}"
+        )
     return request
 
 
@@ -281,6 +301,7 @@ def run_demo(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
             but for one the model refuses).
         CommandError: the model did not load or the request failed.
     """
+    refuse_unused(args, _unused(args), from_environment=())
     _request(args, None)  # refuses a bad step count or size before the model loads
     _check_out(args.out)
     folder = _model_folder(args)

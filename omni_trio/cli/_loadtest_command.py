@@ -26,6 +26,7 @@ from typing import Any, TextIO
 import anyio
 
 from ._errors import PROG, CommandError, UsageError, exit_status_for
+from ._given import Unused, refuse_unused
 from ._loadtest import PATH, LoadConfig, LoadResult, check_reachable, endpoint_url, run_load
 from ._loadtest_math import format_summary, priority_class
 from ._types import count, fraction, header, integer, positive, span
@@ -136,6 +137,13 @@ def _config(args: argparse.Namespace) -> LoadConfig:
         rate = args.requests / args.duration
     if args.priority_share is not None and args.priority is None:
         raise UsageError("--priority-share: give --priority too (the priority that share sends)")
+    if args.give_up_fraction == 0:
+        reason = "applies when some clients give up (--give-up-fraction above 0)"
+        refuse_unused(
+            args,
+            [Unused(dest="give_up_after", option="--give-up-after", reason=reason)],
+            from_environment=(),
+        )
     try:
         return LoadConfig(
             url=endpoint_url(args.url),

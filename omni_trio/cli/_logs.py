@@ -17,9 +17,10 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["LOG_FORMATS", "JsonFormatter", "configure_logging", "logs_json"]
+__all__ = ["LOG_FORMATS", "JsonFormatter", "configure_logging", "log_notes", "logs_json"]
 
 #: The model libraries that log through a stderr handler of their own, by default,
 #: and draw progress bars while a pipeline loads.
@@ -107,3 +108,9 @@ def _route_model_libraries() -> None:
 def logs_json() -> bool:
     """Whether ``configure_logging`` made the log JSON lines: then errors are records too."""
     return any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers)
+
+
+def log_notes(notes: Iterable[str]) -> None:
+    """Log each of ``notes`` (what the command ignored, and why) at INFO."""
+    for note in notes:
+        logging.getLogger("omni_trio.cli").info("%s", note)

@@ -20,6 +20,7 @@ from typing import NoReturn
 from .. import __version__
 from ._demo import add_demo_arguments, run_demo
 from ._errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, PROG, CommandError, summary
+from ._given import record_given
 from ._logs import logs_json
 
 __all__ = ["LOAD_MODULES", "SERVE_EXTRA_MODULES", "main"]
@@ -127,6 +128,7 @@ def _parser(extras: Mapping[str, _Command]) -> _Parser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_demo_arguments(demo)
+    record_given(demo)
     _add_debug(demo)
     for name, command in extras.items():
         about = _EXTRA_ABOUT[name]
@@ -142,6 +144,7 @@ def _parser(extras: Mapping[str, _Command]) -> _Parser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         command[0](command_parser)
+        record_given(command_parser)
         _add_debug(command_parser)
     return parser
 

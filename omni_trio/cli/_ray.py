@@ -23,15 +23,16 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
 
 from ..serve._models import MODELS
 from ..serve._options import ServiceOptions, build_service
 from ._errors import CommandError, UsageError, summary
-from ._logs import configure_logging
-from ._options import check_model, load, make_service, service_options
+from ._given import refuse_unused
+from ._logs import configure_logging, log_notes
+from ._options import check_model, load, make_service, service_options, unused_for_model
 from ._sockets import address, check_port
 from ._types import count, gpus
 
@@ -170,22 +171,33 @@ def _signals() -> Iterator[Callable[[], None]]:
             signal.signal(sig, handler)
 
 
-def run_ray(args: argparse.Namespace) -> int:
+def run_ray(
+    args: argparse.Namespace, *, from_environment: Collection[str], notes: Sequence[str]
+) -> int:
     """Serve ``args`` on Ray Serve until a signal; return the exit status.
 
+    Args:
+        args: ``serve``'s parsed arguments, their variables resolved.
+        from_environment: the ``dest`` of each option whose value came from its variable.
+        notes: what to log once the log is set up (the variables ignored so far).
+
     Raises:
-        UsageError: an option is wrong (``--port 0``, more GPUs than the cluster has).
+        UsageError: an option is wrong (``--port 0``, more GPUs than the cluster has),
+            or given and does not apply to the model (a built-in one: checked here).
         CommandError: the ray extra is missing, the port cannot be bound, or the
             deployment fails.
     """
     options = _options(args)
     # The fake model needs no model library (nor torch).
     configure_logging(args.log_level, args.log_format, model_libraries=args.model != "fake")
+    log_notes(notes)
     if args.model in MODELS:
-        # The built-in models load in a moment: check the defaults against one here,
-        # so a bad option is a usage error now, not a failed deployment.
+        # The built-in models load in a moment: check the options against one here,
+        # so a bad one is a usage error now, not a failed deployment.
         here = dataclasses.replace(options, devices=None)
-        make_service(here, load(here))
+        model = load(here)
+        log_notes(refuse_unused(args, unused_for_model(model), from_environment=from_environment))
+        make_service(here, model)
     local = args.ray_address is None
     _start_ray(args)
     import ray

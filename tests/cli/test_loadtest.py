@@ -362,6 +362,10 @@ def test_a_config_out_of_range_names_the_field(fields: dict[str, Any], message: 
             ["load", "http://h", "--requests", "5", "--rate", "2"],
             "--requests: give --rate or --requests, not both",
         ),
+        (
+            ["load", "http://h", "--give-up-fraction", "0", "--give-up-after", "5"],
+            "--give-up-after: applies when some clients give up (--give-up-fraction above 0)",
+        ),
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(

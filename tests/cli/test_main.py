@@ -82,6 +82,16 @@ def test_console_script_is_main(capsys: pytest.CaptureFixture[str]) -> None:
             "unrecognized arguments: --frobnicate (see 'omni-trio demo --help')",
         ),
         (["demo", "--model", "no-such-folder"], "--model: no such folder: 'no-such-folder'"),
+        # Options the run would ignore.
+        (["demo", "--step-seconds", "0.1"], "--step-seconds: applies to --kind fake only"),
+        (
+            ["demo", "--model", ".", "--kind", "sdxl"],
+            "--kind: does not apply with --model (the folder's pipeline is the model)",
+        ),
+        (
+            ["demo", "--kind", "fake", "--steps", "5", "--abort-after", "5"],
+            "--abort-after: must be below the 5 denoise steps: the run ends before step 5",
+        ),
         # Checked before the model loads, not once the image is made.
         (
             ["demo", "--out", "no-such-folder/demo.png"],

@@ -45,6 +45,53 @@ def test_a_bad_option_is_one_line_and_status_2(args: list[str], text: str) -> No
     one_line_error(serve("--model", "fake", "--port", "0", *args), 2, text)
 
 
+@pytest.mark.parametrize(
+    ("args", "text"),
+    [
+        (["--model", "fake", "--replicas", "2"], "--replicas: applies with --ray only"),
+        (["--model", "fake", "--replica-gpus", "1"], "--replica-gpus: applies with --ray only"),
+        (["--model", "fake", "--ray-address", "h:1"], "--ray-address: applies with --ray only"),
+        (
+            ["--model", "fake", "--ray", "--server", "uvicorn"],
+            "--server: does not apply with --ray",
+        ),
+        (["--model", "fake", "--ray", "--close-timeout", "1"], "--close-timeout: does not apply"),
+        (["--model", "fake", "--ray", "--no-access-log"], "--no-access-log: does not apply with"),
+        (
+            ["--model", "tiny-sd", "--step-seconds", "0.1"],
+            "--step-seconds: applies to --model fake",
+        ),
+        # Found once the model loaded: what it is decides.
+        (["--model", "fake", "--video-fps", "10"], "--video-fps: applies to video models only"),
+        (["--model", "fake", "--video-jobs", "2"], "--video-jobs: applies to video models only"),
+        (["--model", "fake", "--video-ttl", "2"], "--video-ttl: applies to video models only"),
+        (["--model", "fake", "--decode-tile-above", "never"], "--decode-tile-above: applies to"),
+        (
+            ["--model", "tiny-wan", "--decode-framewise-above", "8"],
+            "--decode-framewise-above: applies to LTX-Video models only",
+        ),
+    ],
+)
+def test_an_option_that_does_not_apply_is_refused(args: list[str], text: str) -> None:
+    """An option that the run would ignore (its mode, its model) is one line, status 2:
+    ``--replicas 2`` without ``--ray`` used to serve one replica without a word."""
+    one_line_error(serve("--port", "0", *args), 2, text)
+
+
+def test_a_variable_that_does_not_apply_is_ignored_and_logged() -> None:
+    """OMNI_TRIO_REPLICAS without --ray, OMNI_TRIO_VIDEO_FPS with an image model: one
+    environment may serve several servers, so a variable that does not apply is no error;
+    the log says it is ignored (here the run then stops at a default the model refuses)."""
+    env = {"OMNI_TRIO_MODEL": "fake", "OMNI_TRIO_REPLICAS": "2", "OMNI_TRIO_VIDEO_FPS": "10"}
+    result = serve("--port", "0", "--default-size", "60x64", env=env)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[-1].startswith("omni-trio: error: --default-size: the model refuses it")
+    assert "OMNI_TRIO_REPLICAS ignored: --replicas applies with --ray only" in lines[0]
+    assert "OMNI_TRIO_VIDEO_FPS ignored: --video-fps applies to video models only" in lines[1]
+    assert len(lines) == 3, lines
+
+
 def test_a_model_that_is_not_a_diffusers_folder_is_one_line(tmp_path: Path) -> None:
     """A path that does not exist, or a folder without model_index.json: one line, status 2."""
     one_line_error(serve("--model", str(tmp_path / "nope")), 2, "--model: no such folder")
