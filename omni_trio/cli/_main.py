@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import logging
 import sys
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
 
 from .. import __version__
 from ._demo import add_demo_arguments, run_demo
-from ._errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, PROG, CommandError, summary
+from ._errors import EXIT_USAGE, PROG, CommandError, report, reported
 from ._given import record_given
-from ._logs import logs_json
 
 __all__ = ["LOAD_MODULES", "SERVE_EXTRA_MODULES", "main"]
 
@@ -176,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     command = extras.get(args.command)
     if isinstance(command, str):
-        return _fail(
+        return report(
             CommandError(
                 f"{args.command} needs the 'serve' extra ({command} is missing): {SERVE_EXTRA_PIP}"
             ),
@@ -185,31 +182,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         _usage_error(f"{PROG} {args.command}", f"unrecognized arguments: {' '.join(unknown)}")
     run: Callable[[argparse.Namespace], int] = run_demo if command is None else command[1]
-    try:
-        return run(args)
-    except KeyboardInterrupt:
-        sys.stderr.write(f"\n{PROG}: interrupted\n")
-        return EXIT_INTERRUPTED
-    except Exception as exc:
-        return _fail(exc, debug=args.debug)
-
-
-def _fail(exc: Exception, *, debug: bool) -> int:
-    """Print ``exc`` as one line (after its traceback with ``debug``); return the exit status.
-
-    Once ``serve`` made its log JSON lines, the line is a log record instead (its
-    traceback in ``exc``), so that stderr stays JSON to its end.
-    """
-    if isinstance(exc, CommandError):
-        message, status = str(exc), exc.exit_status
-    else:
-        hint = "" if debug else " (run with --debug for the traceback)"
-        message, status = f"{summary(exc)}{hint}", EXIT_ERROR
-    if logs_json():
-        failure = exc if debug else None
-        logging.getLogger("omni_trio.cli").error("%s: error: %s", PROG, message, exc_info=failure)
-        return status
-    if debug:
-        traceback.print_exception(exc)
-    sys.stderr.write(f"{PROG}: error: {message}\n")
-    return status
+    return reported(lambda: run(args), debug=args.debug)
