@@ -1,6 +1,6 @@
 """Stream an image from an omni_trio server: a progress bar, then the PNG.
 
-    python examples/client.py http://127.0.0.1:8000 --prompt "a red flower" --out flower.png
+    .venv/bin/python examples/client.py http://127.0.0.1:8000 --prompt "a flower" --out flower.png
 
 Given no URL, it starts ``python -m omni_trio serve --model fake`` on a free
 loopback port for the run and stops it afterwards, so it runs anywhere as is.

@@ -1,6 +1,6 @@
 """Generate one image with a diffusers pipeline, driven step by step by the engine.
 
-Usage: python examples/generate.py [MODEL_DIR]   (default: a tiny random SD pipeline)
+Usage: .venv/bin/python examples/generate.py [MODEL_DIR]   (default: a tiny random SD pipeline)
 """
 
 import sys

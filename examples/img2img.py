@@ -4,7 +4,7 @@ Image-to-image with ``strength`` 0.6 runs the last 6 of 10 steps from the noised
 image (its step events count 6); inpainting repaints where the mask is white and
 keeps the rest. Writes img2img.png and inpaint.png.
 
-Usage: python examples/img2img.py [IMAGE]   (default: a generated gradient; tiny SD)
+Usage: .venv/bin/python examples/img2img.py [IMAGE]   (default: a generated gradient; tiny SD)
 """
 
 import sys

@@ -5,7 +5,7 @@ A video request is an image request with ``num_frames``: here 9 frames (Wan take
 machinery). Its output's ``video`` is ``[N, F, C, H, W]``; ``images`` its first
 frames. Writes video.mp4 (needs PyAV: ``pip install 'omni_trio[video]'``).
 
-Usage: python examples/video.py   (seconds on a CPU)
+Usage: .venv/bin/python examples/video.py   (seconds on a CPU)
 """
 
 import anyio

@@ -1,6 +1,6 @@
 """Make a video with the OpenAI SDK against an omni_trio server: a job, polled, downloaded.
 
-    python examples/video_client.py http://127.0.0.1:8000 --prompt "a boat" --seconds 2
+    .venv/bin/python examples/video_client.py http://127.0.0.1:8000 --prompt "a boat" --seconds 2
 
 Given no URL, it starts ``python -m omni_trio serve --model tiny-wan`` on a free
 loopback port for the run and stops it afterwards, so it runs anywhere as is (tiny

@@ -68,7 +68,8 @@ The command line (``omni-trio`` / ``python -m omni_trio``), the ``cli`` package,
 top of the library, which never imports it (``__main__`` only calls ``cli.main``):
 
 - ``cli._main``: the parser, one-line errors and exit statuses (``cli._errors``),
-  ``--version``, ``--debug``; ``cli._types``: the argparse value types.
+  ``--version``, ``--debug``; ``cli._types``: the argparse value types;
+  ``cli._given``: the options given that do not apply, refused.
 - ``cli._demo``: ``demo``, one image with a tiny model and a progress bar.
 - ``cli._serve``: ``serve``; its options become ``serve``'s ``ServiceOptions``
   (``cli._options``), run under Hypercorn or Uvicorn (``cli._servers``) or, with

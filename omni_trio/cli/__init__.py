@@ -5,15 +5,21 @@ server, the core for the demo). Its modules:
 
 - ``_main``: ``main()``: the parser, the commands that need the ``serve`` extra
   (imported only once it is there), one-line errors, ``--version``, ``--debug``.
-- ``_errors``: ``UsageError`` and ``CommandError``, the exit statuses, ``summary``.
+- ``_errors``: ``UsageError`` and ``CommandError``, the exit statuses, ``summary``,
+  and ``reported``: a command run with its errors printed as one line each.
 - ``_demo``: ``demo``: one image with a tiny model, a progress bar.
 - ``_types``: the argparse value types of every command.
+- ``_given``: which options the command line gave, and the refusal of those that
+  do not apply (``--replicas`` without ``--ray``), or, from their variable, the
+  note that they are ignored.
 - ``_serve``: ``serve``: its options, checked before it serves, then the service.
 - ``_options``: ``serve``'s options as the serve package's ``ServiceOptions``, and
   the serve package's errors as the command's, named by their option.
 - ``_servers``: the service under Hypercorn (trio) or Uvicorn (asyncio), drained on
   SIGTERM or SIGINT.
-- ``_ray``: ``serve --ray``: the same service, N replicas on Ray Serve.
+- ``_ray``: ``serve --ray``: the same service, N replicas on Ray Serve, Ray in a
+  child process of a session of its own (a SIGTERM to the process group reaches
+  the command only, which relays it).
 - ``_env``: every ``serve`` option from its ``OMNI_TRIO_<OPTION>`` variable.
 - ``_logs``: the server's log on stderr, as text or JSON lines.
 - ``_access``: Hypercorn's access log without its phantom lines.

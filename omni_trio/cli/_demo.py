@@ -2,14 +2,15 @@
 
 The report goes to ``out`` (stdout), the progress bar to stderr. Arguments the
 demo cannot use (a size or step count the model refuses, a ``--model`` that is not
-a diffusers folder) raise ``UsageError``, checked before the model loads where
-the model is not needed to tell; a model that does not load or a request that
-fails raises ``CommandError``.
+a diffusers folder, an ``--out`` that cannot be written) raise ``UsageError``,
+checked before the model loads where the model is not needed to tell; a model
+that does not load or a request that fails raises ``CommandError``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -26,7 +27,8 @@ from .._outputs import RequestMetrics
 from .._request import GenerationRequest
 from .._runner import Runner, RunnerCapabilities
 from ._errors import CommandError, UsageError, summary
-from ._types import seconds
+from ._given import Unused, refuse_unused
+from ._types import count, seconds
 
 __all__ = ["KINDS", "add_demo_arguments", "run_demo"]
 
@@ -34,8 +36,6 @@ KINDS = ("sd", "sdxl", "sd3", "flux", "qwen-image", "unet", "fake")
 
 DEFAULT_SIZE = 64
 """Image side when ``--size`` is not given and the model makes any size."""
-
-_CONFIG = EngineConfig()
 
 # The option that sets each request field, to name it in an error.
 _OPTIONS = {
@@ -82,10 +82,12 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="with --image: how much of the schedule runs, in (0, 1] (default 0.8)",
     )
-    parser.add_argument("--out", default="demo.png", help="where to write the PNG")
+    parser.add_argument(
+        "--out", default="demo.png", help="where to write the image (default demo.png)"
+    )
     parser.add_argument(
         "--abort-after",
-        type=int,
+        type=count(1),
         default=None,
         metavar="K",
         help="abort after step K, to show the abort landing at the next step with no decode",
@@ -97,8 +99,34 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         help="simulated compute per step of the fake model (default 0.05)",
     )
     parser.add_argument(
+        "--torch-threads",
+        type=count(1, 4096),
+        default=None,
+        metavar="N",
+        help="torch's intra-op threads (default: torch's own)",
+    )
+    parser.add_argument(
         "--backend", choices=["trio", "asyncio"], default="trio", help="event loop (default trio)"
     )
+
+
+def _unused(args: argparse.Namespace) -> list[Unused]:
+    """The options this run leaves without effect."""
+    if args.model is not None:
+        reason = "does not apply with --model (the folder's pipeline is the model)"
+        return [
+            Unused(dest="kind", option="--kind", reason=reason),
+            Unused(dest="step_seconds", option="--step-seconds", reason=reason),
+        ]
+    if args.kind != "fake":
+        reason = "applies to --kind fake only"
+        return [Unused(dest="step_seconds", option="--step-seconds", reason=reason)]
+    return []
+
+
+def _config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's configuration: its default limits, and ``--torch-threads``."""
+    return EngineConfig(torch_threads=args.torch_threads)
 
 
 def _request(
@@ -121,12 +149,17 @@ def _request(
             image=_image(args.image, size),
             strength=args.strength,
         )
-        _CONFIG.check_request(request)
+        _config(args).check_request(request)
         if capabilities is not None:
             capabilities.check_request(request)
     except InvalidRequestError as exc:
         option = _OPTIONS.get(exc.field, exc.field)
         raise UsageError(f"{option}: {str(exc).removeprefix(f'{exc.field}: ')}") from exc
+    if args.abort_after is not None and args.abort_after >= request.denoise_steps:
+        raise UsageError(
+            f"--abort-after: must be below the {request.denoise_steps} denoise steps:"
+            f" the run ends before step {args.abort_after}"
+        )
     return request
 
 
@@ -145,6 +178,28 @@ def _image(path: str | None, size: int) -> Any:
             return image.convert("RGB").resize((size, size), Image.Resampling.LANCZOS)
     except (OSError, UnidentifiedImageError, ValueError) as exc:
         raise UsageError(f"--image: cannot read {path!r} as an image ({exc})") from exc
+
+
+def _check_out(path: str) -> None:
+    """Check that an image can be written to ``path``, before the model loads and generates.
+
+    Raises:
+        UsageError: its extension names no format PIL writes, or the file cannot be
+            written (no such folder, a folder, no permission).
+    """
+    from PIL import Image
+
+    extension = os.path.splitext(path)[1].lower()
+    if Image.registered_extensions().get(extension) not in Image.SAVE:
+        raise UsageError(f"--out: {path!r} does not end with an image extension (.png, .jpg, ...)")
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--out: cannot write {path!r}: {exc.strerror}") from None
+    if not existed:
+        os.unlink(path)  # only the check made it
 
 
 def _model_folder(args: argparse.Namespace) -> Path | None:
@@ -195,7 +250,7 @@ def _print_metrics(metrics: RequestMetrics, out: TextIO) -> None:
 async def _demo(
     args: argparse.Namespace, runner: Runner[Any], request: GenerationRequest, out: TextIO
 ) -> int:
-    async with open_engine(runner, _CONFIG) as engine:
+    async with open_engine(runner, _config(args)) as engine:
         async with engine.submit(request, request_id="demo") as handle:
             aborted_at = None
             # tqdm draws on stderr: it redraws in place on a terminal and keeps to
@@ -242,10 +297,13 @@ def run_demo(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         0: the image was written, or the abort that ``--abort-after`` asked for landed.
 
     Raises:
-        UsageError: an argument the demo cannot use.
+        UsageError: an argument the demo cannot use (checked before the model loads,
+            but for one the model refuses).
         CommandError: the model did not load or the request failed.
     """
+    refuse_unused(args, _unused(args), from_environment=())
     _request(args, None)  # refuses a bad step count or size before the model loads
+    _check_out(args.out)
     folder = _model_folder(args)
     runner, description = _runner(args, folder)
     request = _request(args, runner.capabilities)

@@ -64,16 +64,22 @@ def read_environment(
             action.required = False
 
 
-def resolve_environment(args: argparse.Namespace) -> None:
+def resolve_environment(args: argparse.Namespace) -> frozenset[str]:
     """Replace each default taken from a variable by its parsed value, in place.
+
+    Returns:
+        The ``dest`` of each option whose value came from its variable.
 
     Raises:
         UsageError: a variable's value is not one the option accepts; the
             message names the variable.
     """
+    resolved = set()
     for dest, value in vars(args).items():
         if isinstance(value, _FromEnv):
             setattr(args, dest, _parse(value))
+            resolved.add(dest)
+    return frozenset(resolved)
 
 
 def _parse(found: _FromEnv) -> Any:

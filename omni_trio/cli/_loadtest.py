@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONNECT_CHECK_S",
+    "MAX_MESSAGE_CHARS",
     "PATH",
     "LoadConfig",
     "LoadResult",
@@ -203,26 +204,45 @@ class LoadConfig:
 class LoadResult:
     """A finished run.
 
+    A run stopped early (``run_load``'s ``stop``) holds the requests that ended
+    before the stop; its figures are over the part of the window it ran.
+
     Args:
         config: what was run.
-        records: one per arrival, in arrival order.
-        elapsed_s: seconds from the first arrival's slot to the last answer.
+        records: one per request that ended (every arrival, unless stopped), in
+            arrival order.
+        elapsed_s: seconds from the first arrival's slot to the last answer (or
+            to the stop).
+        stopped_s: ``None`` for a run that went to its end; else when it was
+            stopped, in seconds after its start.
+        unanswered: requests sent but still unanswered at the stop: cut, and not
+            in ``records``.
     """
 
     config: LoadConfig
     records: tuple[RequestRecord, ...]
     elapsed_s: float
+    stopped_s: float | None = None
+    unanswered: int = 0
+
+    @property
+    def window_s(self) -> float:
+        """The seconds of the arrival window the run covered: all of it, unless stopped."""
+        duration = self.config.duration_s
+        return duration if self.stopped_s is None else min(self.stopped_s, duration) or duration
 
     def summary(self) -> dict[str, Any]:
-        """``summarize`` of the records, over the arrival window, at the config's SLO."""
-        return summarize(self.records, duration_s=self.config.duration_s, slo_s=self.config.slo_s)
+        """``summarize`` of the records, over the window covered, at the config's SLO."""
+        return summarize(self.records, duration_s=self.window_s, slo_s=self.config.slo_s)
 
     def as_json(self) -> dict[str, Any]:
-        """The config, the summary, the elapsed time and every record, as JSON values."""
+        """The config, the summary, the elapsed time, the stop and every record, as JSON values."""
         return {
             "config": self.config.as_json(),
             "summary": self.summary(),
             "elapsed_s": self.elapsed_s,
+            "stopped_s": self.stopped_s,
+            "unanswered": self.unanswered,
             "records": [asdict(record) for record in self.records],
         }
 
@@ -262,7 +282,8 @@ async def _send(
     if response is None:
         return record("gave_up")
     if response.status_code != 200:
-        return record("refused", status=response.status_code, code=_error_code(response))
+        code, message = _error(response)
+        return record("refused", status=response.status_code, code=code, message=message)
     try:
         data = response.json()["data"]
         images = len(data) if isinstance(data, list) else 0
@@ -273,13 +294,27 @@ async def _send(
     return record("completed", status=200, images=images)
 
 
-def _error_code(response: httpx.Response) -> str | None:
-    """The ``{"error": {"code": ...}}`` of an error answer, if it has a string one."""
+#: The most characters of a refusal's message a record keeps.
+MAX_MESSAGE_CHARS = 200
+
+
+def _error(response: httpx.Response) -> tuple[str | None, str | None]:
+    """The ``{"error": {"code": ..., "message": ...}}`` of an error answer, each if a string.
+
+    The message is kept to its first line and ``MAX_MESSAGE_CHARS``.
+    """
     try:
-        code = response.json()["error"]["code"]
+        error = response.json()["error"]
     except (ValueError, KeyError, TypeError):
-        return None
-    return code if isinstance(code, str) and code else None
+        return None, None
+    if not isinstance(error, dict):
+        return None, None
+    code, message = error.get("code"), error.get("message")
+    if isinstance(message, str) and message.strip():
+        message = message.strip().splitlines()[0][:MAX_MESSAGE_CHARS]
+    else:
+        message = None
+    return (code if isinstance(code, str) and code else None), message
 
 
 def _reason(exc: OSError) -> str:
@@ -320,7 +355,10 @@ async def check_reachable(url: str) -> None:
 
 
 async def run_load(
-    config: LoadConfig, *, on_record: Callable[[RequestRecord], None] | None = None
+    config: LoadConfig,
+    *,
+    on_record: Callable[[RequestRecord], None] | None = None,
+    stop: anyio.Event | None = None,
 ) -> LoadResult:
     """Run ``config``'s schedule against its URL; return every request's record.
 
@@ -331,13 +369,16 @@ async def run_load(
         config: the run.
         on_record: called with each record as its request ends, in the caller's
             event loop.
+        stop: when set, the run stops: nothing more is sent, the requests still
+            unanswered are cut (their connections closed), and the result holds
+            the records so far (``LoadResult.stopped_s``).
 
     Returns:
         The result, its records in arrival order.
 
     Cancellation:
         Cancelling stops sending and closes every open connection; nothing is
-        returned.
+        returned (``stop`` is the way to keep the records so far).
     """
     import httpx
 
@@ -352,6 +393,8 @@ async def run_load(
         config.url,
     )
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    sent = 0
+    stopped: float | None = None
     async with httpx.AsyncClient(
         timeout=httpx.Timeout(config.timeout_s), limits=limits, headers=dict(config.headers)
     ) as client:
@@ -363,12 +406,35 @@ async def run_load(
             if on_record is not None:
                 on_record(done)
 
-        async with anyio.create_task_group() as tg:
-            for arrival in arrivals:
-                await anyio.sleep_until(started + arrival.at_s)
-                tg.start_soon(one, arrival)
+        with anyio.CancelScope() as running:
+            async with anyio.create_task_group() as tg:
+                if stop is not None:
+
+                    async def watch(stop: anyio.Event) -> None:
+                        nonlocal stopped
+                        await stop.wait()
+                        stopped = anyio.current_time() - started
+                        running.cancel()  # the requests in flight too: their connections close
+
+                    tg.start_soon(watch, stop)
+                async with anyio.create_task_group() as requests:
+                    for arrival in arrivals:
+                        await anyio.sleep_until(started + arrival.at_s)
+                        requests.start_soon(one, arrival)
+                        sent += 1
+                tg.cancel_scope.cancel()  # every request ended: the watcher has nothing to stop
         elapsed = anyio.current_time() - started
     finished = tuple(record for record in records if record is not None)
-    assert len(finished) == len(arrivals)
-    _log.info("load: done in %.1f s: %s", elapsed, dict(Counter(r.outcome for r in finished)))
-    return LoadResult(config=config, records=finished, elapsed_s=elapsed)
+    assert stopped is not None or len(finished) == len(arrivals)
+    outcomes = dict(Counter(r.outcome for r in finished))
+    if stopped is None:
+        _log.info("load: done in %.1f s: %s", elapsed, outcomes)
+    else:
+        _log.info("load: stopped after %.1f s: %s, %d cut", stopped, outcomes, sent - len(finished))
+    return LoadResult(
+        config=config,
+        records=finished,
+        elapsed_s=elapsed,
+        stopped_s=stopped,
+        unanswered=sent - len(finished),
+    )

@@ -3,6 +3,12 @@
 The arguments become a ``LoadConfig`` (``_loadtest``); the run's summary
 (``_loadtest_math``) is written as a short table to the stream given (stdout),
 and with ``--json`` every record is saved too.
+
+The first SIGINT (Ctrl-C) or SIGTERM stops the run: nothing more is sent, the
+requests still unanswered are cut, and the summary of what ended so far is printed
+and saved as a whole run's is; the command then exits 130 (143 for SIGTERM), as
+shells report a death by that signal. A signal that this process was started
+ignoring (a background job's SIGINT) stays ignored.
 """
 
 from __future__ import annotations
@@ -11,14 +17,16 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
 import anyio
 
-from ._errors import CommandError, UsageError
+from ._errors import PROG, CommandError, UsageError, exit_status_for
+from ._given import Unused, refuse_unused
 from ._loadtest import PATH, LoadConfig, LoadResult, check_reachable, endpoint_url, run_load
 from ._loadtest_math import format_summary, priority_class
 from ._types import count, fraction, header, integer, positive, span
@@ -113,7 +121,11 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
         help="share of clients that send --priority, drawn per arrival (default 1: all)",
     )
     parser.add_argument(
-        "--json", type=Path, default=None, metavar="PATH", help="write every record and the summary"
+        "--json",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="write every record and the summary (also of a run Ctrl-C stopped)",
     )
 
 
@@ -125,6 +137,13 @@ def _config(args: argparse.Namespace) -> LoadConfig:
         rate = args.requests / args.duration
     if args.priority_share is not None and args.priority is None:
         raise UsageError("--priority-share: give --priority too (the priority that share sends)")
+    if args.give_up_fraction == 0:
+        reason = "applies when some clients give up (--give-up-fraction above 0)"
+        refuse_unused(
+            args,
+            [Unused(dest="give_up_after", option="--give-up-after", reason=reason)],
+            from_environment=(),
+        )
     try:
         return LoadConfig(
             url=endpoint_url(args.url),
@@ -149,19 +168,76 @@ def _config(args: argparse.Namespace) -> LoadConfig:
         raise UsageError(str(exc)) from None
 
 
-def _open_json(path: Path) -> TextIO:
+@contextlib.contextmanager
+def _open_json(path: Path) -> Iterator[TextIO]:
     """``path`` opened for writing now, so that a bad one fails before the run, not after.
 
-    Not truncated: a run that fails leaves an earlier file as it was. Truncate it
-    before writing.
+    Not truncated: a run that fails leaves an earlier file as it was (truncate it
+    before writing), and a file that did not exist before is removed again.
 
     Raises:
         UsageError: it cannot be opened.
     """
     try:
-        return open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666), "w")
+        try:
+            fd, created = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), True
+        except FileExistsError:
+            fd, created = os.open(path, os.O_WRONLY), False
     except OSError as exc:
         raise UsageError(f"--json: cannot write {str(path)!r}: {exc.strerror}") from None
+    written = False
+    try:
+        with open(fd, "w") as file:
+            yield file
+            written = file.tell() > 0
+    finally:
+        if created and not written:
+            path.unlink(missing_ok=True)
+
+
+def _signals() -> tuple[signal.Signals, ...]:
+    """SIGINT and SIGTERM, less SIGINT where this process was started ignoring it."""
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    return (signal.SIGTERM,) if ignored else (signal.SIGINT, signal.SIGTERM)
+
+
+async def _run(config: LoadConfig) -> tuple[LoadResult | None, signal.Signals | None]:
+    """Check that the server answers, then run the load; the first signal stops either.
+
+    Returns:
+        The result (``None`` when the signal came before the run began) and the
+        signal that stopped it, if one did.
+
+    Raises:
+        CommandError: the server cannot be reached.
+    """
+    stop = anyio.Event()
+    caught: list[signal.Signals] = []
+    reaching = anyio.CancelScope()
+    result: LoadResult | None = None
+    failure: CommandError | None = None
+    with anyio.open_signal_receiver(*_signals()) as signals:
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                async for signum in signals:
+                    caught.append(signal.Signals(signum))
+                    reaching.cancel()
+                    stop.set()
+                    return
+
+            tg.start_soon(watch)
+            try:
+                with reaching:
+                    await check_reachable(config.url)
+                if not caught:
+                    result = await run_load(config, stop=stop)
+            except CommandError as exc:  # raised here, not as a task group's exception group
+                failure = exc
+            tg.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    return result, caught[0] if caught else None
 
 
 def _scheduling(config: LoadConfig, summary: Mapping[str, Any]) -> str:
@@ -179,7 +255,8 @@ def run_load_command(args: argparse.Namespace, out: TextIO | None = None) -> int
     """``omni-trio load``: check the server answers, run the load, print and save the result.
 
     Returns:
-        0 once the run is done (whatever its outcomes).
+        0 once the run is done (whatever its outcomes); 130 (143) when SIGINT
+        (SIGTERM) stopped it, after the summary of what ended so far.
 
     Raises:
         UsageError: a bad URL or option, a ``--json`` path that cannot be written.
@@ -190,22 +267,29 @@ def run_load_command(args: argparse.Namespace, out: TextIO | None = None) -> int
     config = _config(args)
     with contextlib.ExitStack() as stack:
         saved = None if args.json is None else stack.enter_context(_open_json(args.json))
-
-        async def main() -> LoadResult:
-            await check_reachable(config.url)
-            return await run_load(config)
-
-        result = anyio.run(main, backend="trio")
+        result, stopped_by = anyio.run(_run, config, backend="trio")
+        if result is None:
+            assert stopped_by is not None
+            sys.stderr.write(f"{PROG}: interrupted ({stopped_by.name}) before the run began\n")
+            return exit_status_for(stopped_by)
         if saved is not None:
             saved.truncate(0)
             saved.write(json.dumps(result.as_json(), indent=2) + "\n")
     summary_ = result.summary()
     low, high = config.give_up_span
+    window = f"{config.duration_s:g} s"
+    if result.stopped_s is not None:
+        window = f"the first {result.window_s:.1f} s of {window}"
     out.write(
-        f"{summary_['requests']} requests at {config.rate:g}/s for {config.duration_s:g} s"
+        f"{summary_['requests']} requests at {config.rate:g}/s for {window}"
         f" (seed {config.seed}) to {config.url}; {summary_['impatient']} mean to give up"
         f" {low:g} to {high:g} s after sending" + _scheduling(config, summary_) + "\n"
     )
+    if stopped_by is not None:
+        out.write(
+            f"stopped by {stopped_by.name}: {result.unanswered} request(s) still unanswered"
+            " were cut and are not counted\n"
+        )
     out.write(format_summary(summary_))
     statuses = set(summary_["refused_by_status"])
     if summary_["counts"]["refused"] == summary_["requests"] > 0 and statuses <= {"404", "405"}:
@@ -213,4 +297,4 @@ def run_load_command(args: argparse.Namespace, out: TextIO | None = None) -> int
             f"URL: every request was answered {'/'.join(sorted(statuses))}: is {config.url}"
             " an images endpoint?"
         )
-    return 0
+    return 0 if stopped_by is None else exit_status_for(stopped_by)

@@ -146,6 +146,7 @@ class RequestRecord:
         error: what went wrong, for ``error``.
         priority: the ``priority`` its body carried (``Arrival.priority``).
         code: a refusal's error ``code`` (``{"error": {"code": ...}}``), if it had one.
+        message: a refusal's error ``message`` (its first line), if it had one.
     """
 
     index: int
@@ -158,6 +159,7 @@ class RequestRecord:
     error: str | None = None
     priority: int | None = None
     code: str | None = None
+    message: str | None = None
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -203,6 +205,11 @@ def _rates(records: Sequence[RequestRecord], *, duration_s: float, slo_s: float)
     }
 
 
+def _reason(record: RequestRecord) -> str:
+    """A refusal's ``refused_by_reason`` key: its status, and its code if it had one."""
+    return f"{record.status} {record.code}" if record.code else str(record.status)
+
+
 def summarize(
     records: Sequence[RequestRecord], *, duration_s: float, slo_s: float
 ) -> dict[str, Any]:
@@ -220,6 +227,8 @@ def summarize(
         ``refused_by_status`` (the status codes, as strings, and their counts);
         ``refused_by_reason`` (``"STATUS"`` or ``"STATUS CODE"`` with the
         answer's error code, e.g. ``"429 deadline_unmeetable"``, and counts);
+        ``refusal_messages`` (per reason, the server's message of its first
+        refusal that had one);
         ``images`` and ``good_images`` (within the SLO); ``good_requests``;
         ``goodput_per_s`` and ``throughput_per_s`` (images per second of the
         window); ``p50_latency_s`` and ``p99_latency_s`` of the completed
@@ -231,7 +240,11 @@ def summarize(
     counts = Counter(record.outcome for record in records)
     refused_records = [r for r in records if r.outcome == "refused"]
     refused = Counter(str(r.status) for r in refused_records)
-    reasons = Counter(f"{r.status} {r.code}" if r.code else str(r.status) for r in refused_records)
+    reasons = Counter(_reason(r) for r in refused_records)
+    messages: dict[str, str] = {}
+    for r in refused_records:
+        if r.message is not None:
+            messages.setdefault(_reason(r), r.message)
     classes: dict[str, list[RequestRecord]] = {}
     for record in records:
         classes.setdefault(priority_class(record.priority), []).append(record)
@@ -241,6 +254,7 @@ def summarize(
         "counts": {outcome: counts[outcome] for outcome in OUTCOMES},
         "refused_by_status": dict(sorted(refused.items())),
         "refused_by_reason": dict(sorted(reasons.items())),
+        "refusal_messages": dict(sorted(messages.items())),
         "by_priority": {
             name: _rates(members, duration_s=duration_s, slo_s=slo_s)
             for name, members in sorted(classes.items())
@@ -257,15 +271,19 @@ def _seconds(value: float | None) -> str:
 def format_summary(summary: Mapping[str, Any]) -> str:
     """The short table ``omni-trio load`` prints: outcomes, then the figures.
 
-    With more than one priority class (or any priority sent), a line per class
-    follows: its goodput and p99 latency.
+    Each kind of refusal has its line, and under it the server's message (of its
+    first refusal). With more than one priority class (or any priority sent), a
+    line per class follows: its goodput and p99 latency.
     """
     counts = summary["counts"]
+    messages = summary["refusal_messages"]
     lines = ["outcome          requests"]
     for outcome in OUTCOMES:
         if outcome == "refused" and summary["refused_by_reason"]:
             for reason, count in summary["refused_by_reason"].items():
                 lines.append(f"  {f'refused ({reason})':<16}{count:>7}")
+                if reason in messages:
+                    lines.append(f"    {messages[reason]}")
         else:
             lines.append(f"  {outcome:<16}{counts[outcome]:>7}")
     lines += [

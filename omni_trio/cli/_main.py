@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
 
 from .. import __version__
 from ._demo import add_demo_arguments, run_demo
-from ._errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, PROG, CommandError, summary
+from ._errors import EXIT_USAGE, PROG, CommandError, report, reported
+from ._given import record_given
 
 __all__ = ["LOAD_MODULES", "SERVE_EXTRA_MODULES", "main"]
 
@@ -125,6 +125,7 @@ def _parser(extras: Mapping[str, _Command]) -> _Parser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_demo_arguments(demo)
+    record_given(demo)
     _add_debug(demo)
     for name, command in extras.items():
         about = _EXTRA_ABOUT[name]
@@ -140,6 +141,7 @@ def _parser(extras: Mapping[str, _Command]) -> _Parser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         command[0](command_parser)
+        record_given(command_parser)
         _add_debug(command_parser)
     return parser
 
@@ -171,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     command = extras.get(args.command)
     if isinstance(command, str):
-        return _fail(
+        return report(
             CommandError(
                 f"{args.command} needs the 'serve' extra ({command} is missing): {SERVE_EXTRA_PIP}"
             ),
@@ -180,22 +182,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         _usage_error(f"{PROG} {args.command}", f"unrecognized arguments: {' '.join(unknown)}")
     run: Callable[[argparse.Namespace], int] = run_demo if command is None else command[1]
-    try:
-        return run(args)
-    except KeyboardInterrupt:
-        sys.stderr.write(f"\n{PROG}: interrupted\n")
-        return EXIT_INTERRUPTED
-    except Exception as exc:
-        return _fail(exc, debug=args.debug)
-
-
-def _fail(exc: Exception, *, debug: bool) -> int:
-    """Print ``exc`` as one line (after its traceback with ``debug``); return the exit status."""
-    if debug:
-        traceback.print_exception(exc)
-    if isinstance(exc, CommandError):
-        sys.stderr.write(f"{PROG}: error: {exc}\n")
-        return exc.exit_status
-    hint = "" if debug else " (run with --debug for the traceback)"
-    sys.stderr.write(f"{PROG}: error: {summary(exc)}{hint}\n")
-    return EXIT_ERROR
+    return reported(lambda: run(args), debug=args.debug)

@@ -6,6 +6,10 @@ without naming an option (a ``ValueError`` for a spec that names no model, a
 ``ModelError`` for one that does not load, an ``OptionError`` naming the field of
 a default the model refuses); here those become the command's usage errors and
 errors, named by the option that set them.
+
+Which options do not apply (``_given`` refuses them): ``unused_options`` from the
+arguments alone, before anything loads; ``unused_for_model`` once the model
+loaded, from what it is (a video model, its family).
 """
 
 from __future__ import annotations
@@ -18,11 +22,19 @@ from ..serve._models import MODELS, LoadedModel, ModelError, model_folder
 from ..serve._options import OptionError, ServiceOptions, build_service
 from ..serve._upload import UploadLimits
 from ._errors import CommandError, UsageError, summary
+from ._given import Unused
 
 if TYPE_CHECKING:
     from ..serve._app import Service
 
-__all__ = ["check_model", "load", "make_service", "service_options"]
+__all__ = [
+    "check_model",
+    "load",
+    "make_service",
+    "service_options",
+    "unused_for_model",
+    "unused_options",
+]
 
 #: The option that sets each field of ``ServiceOptions`` the model can refuse.
 _OPTIONS = {
@@ -81,6 +93,7 @@ def service_options(args: argparse.Namespace) -> ServiceOptions:
             max_height=args.max_size,
             max_width=args.max_size,
             max_num_images=args.max_n,
+            torch_threads=args.torch_threads,
         )
         uploads = UploadLimits(max_bytes=args.max_upload_bytes, max_pixels=args.max_upload_pixels)
     except ValueError as exc:
@@ -134,3 +147,70 @@ def make_service(options: ServiceOptions, model: LoadedModel) -> Service:
         raise UsageError(f"{_OPTIONS[exc.option]}: {exc.detail}") from None
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+#: What an option that only ``--ray`` reads, or that ``--ray`` does not read, says.
+_RAY_ONLY = "applies with --ray only"
+_NOT_RAY = "does not apply with --ray (Ray Serve's proxy serves HTTP)"
+
+
+def unused_options(args: argparse.Namespace) -> list[Unused]:
+    """The options ``serve``'s own arguments leave without effect (the model not loaded)."""
+    unused = []
+    if args.ray:
+        unused += [
+            Unused(dest="server", option="--server", reason=_NOT_RAY),
+            Unused(dest="close_timeout", option="--close-timeout", reason=_NOT_RAY),
+            Unused(dest="access_log", option="--no-access-log", reason=_NOT_RAY),
+        ]
+    else:
+        unused += [
+            Unused(dest="replicas", option="--replicas", reason=_RAY_ONLY),
+            Unused(dest="replica_gpus", option="--replica-gpus", reason=_RAY_ONLY),
+            Unused(dest="ray_address", option="--ray-address", reason=_RAY_ONLY),
+        ]
+    if args.model != "fake":
+        unused.append(
+            Unused(
+                dest="step_seconds", option="--step-seconds", reason="applies to --model fake only"
+            )
+        )
+    return unused
+
+
+def unused_for_model(model: LoadedModel) -> list[Unused]:
+    """The options that ``model`` leaves without effect: what it is decides.
+
+    A video model's options need a video model; the decode chunks (L72) need a
+    ``DiffusersRunner`` (other runners decode as they like) with a VAE (the
+    unconditional UNets have none), framewise decoding an LTX-Video one.
+    """
+    runner = model.runners[0]
+    unused = []
+    if runner.capabilities.frames is None:
+        video = "applies to video models only (Wan, LTX-Video)"
+        unused += [
+            Unused(dest="video_fps", option="--video-fps", reason=video),
+            Unused(dest="video_jobs", option="--video-jobs", reason=video),
+            Unused(dest="video_ttl", option="--video-ttl", reason=video),
+        ]
+    # DiffusersRunner.family; the fake model and a pipeline served by its own call have none.
+    family = getattr(runner, "family", None)
+    if family is None or family == "unet":
+        unused.append(
+            Unused(
+                dest="decode_tile_above",
+                option="--decode-tile-above",
+                reason="applies to models whose VAE omni_trio drives (not fake, an"
+                " unconditional UNet or a pipeline served by its own call)",
+            )
+        )
+    if family != "ltx":
+        unused.append(
+            Unused(
+                dest="decode_framewise_above",
+                option="--decode-framewise-above",
+                reason="applies to LTX-Video models only",
+            )
+        )
+    return unused

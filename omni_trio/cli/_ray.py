@@ -9,6 +9,14 @@ the engine's shutdown sequence runs), stops the local cluster, and exits 0 with 
 Ray process left. With ``--ray-address`` it joins that cluster and, on a signal,
 deletes only its own application.
 
+The shutdown needs Ray's own processes (the GCS, the raylet and its helpers) alive
+until it is done, and they share the command's process group: a SIGTERM sent to
+the whole group (``timeout``, ``kill -- -PGID``, a supervisor) killed them at once,
+and Ray Serve's controller then waited 30 s for them before giving up. So on Linux
+the command runs Ray in a child of its own session (``_in_own_session``): the
+command's process only relays SIGTERM and SIGINT to it, once per signal, and exits
+with its status; the child, and so Ray, dies with it if it is killed.
+
 Ray is imported only here, only with ``--ray``: the options exist without the extra,
 so that ``--ray`` without it is a one-line error.
 """
@@ -22,16 +30,18 @@ import importlib.util
 import logging
 import os
 import signal
+import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
 
 from ..serve._models import MODELS
 from ..serve._options import ServiceOptions, build_service
-from ._errors import CommandError, UsageError, summary
-from ._logs import configure_logging
-from ._options import check_model, load, make_service, service_options
+from ._errors import EXIT_ERROR, CommandError, UsageError, exit_status_for, reported, summary
+from ._given import refuse_unused
+from ._logs import configure_logging, log_notes
+from ._options import check_model, load, make_service, service_options, unused_for_model
 from ._sockets import address, check_port
 from ._types import count, gpus
 
@@ -146,15 +156,91 @@ def _deploy(args: argparse.Namespace, options: ServiceOptions) -> None:
         raise CommandError(f"--ray: the deployment failed: {summary(exc)}") from exc
 
 
+#: The signals that stop the server (and that ``_in_own_session`` relays).
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+#: ``prctl``'s option that sends the calling process a signal when its parent dies.
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with(parent: int) -> None:
+    """Have this process get SIGTERM (and so drain) when ``parent`` dies; Linux only.
+
+    Exits at once if ``parent`` died already (the child's parent is then another).
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        _log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    if os.getppid() != parent:
+        os._exit(EXIT_ERROR)
+
+
+def _in_own_session(run: Callable[[], int], *, debug: bool) -> int:
+    """Run ``run`` in a child process of a session of its own; return its exit status.
+
+    Signals sent to this process's group reach this process only; it relays each
+    SIGTERM and SIGINT to the child. The child reports an error as ``main`` does
+    and never returns here: it exits (``os._exit``) with ``run``'s status.
+
+    Where the child cannot be made that way (not Linux, or threads already running,
+    which a fork would not copy), ``run`` runs here, its errors raised.
+
+    Args:
+        run: what the child does.
+        debug: print an error's traceback too (``--debug``).
+    """
+    if not (sys.platform.startswith("linux") and threading.active_count() == 1):
+        return run()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # or the child writes what is buffered again
+    # Blocked until the relay is in place: a signal meanwhile is relayed, not lost.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    parent = os.getpid()
+    child = os.fork()
+    if child == 0:
+        status = EXIT_ERROR
+        try:
+            os.setsid()
+            _die_with(parent)
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            status = reported(run, debug=debug)
+        finally:
+            logging.shutdown()
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            os._exit(status)
+
+    def relay(signum: int, frame: FrameType | None) -> None:
+        os.kill(child, signum)
+
+    previous = {sig: signal.signal(sig, relay) for sig in _STOP_SIGNALS}
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    try:
+        _, status = os.waitpid(child, 0)  # retried after each relayed signal (PEP 475)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    code = os.waitstatus_to_exitcode(status)
+    return code if code >= 0 else exit_status_for(-code)
+
+
 @contextmanager
 def _signals() -> Iterator[Callable[[], None]]:
-    """Catch SIGTERM and SIGINT in the block; yield a function that waits for the first."""
+    """Catch SIGTERM and SIGINT in the block; yield a function that waits for the first.
+
+    A later signal is logged: Ray Serve's shutdown is not cut short.
+    """
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
+        if stop.is_set():
+            name = signal.Signals(signum).name
+            _log.warning("%s again: Ray Serve's shutdown goes on (the replicas drain)", name)
         stop.set()
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, on_signal) for sig in _STOP_SIGNALS}
 
     def wait() -> None:
         # Ray's core worker may install its own C-level SIGTERM handler after ours
@@ -170,21 +256,55 @@ def _signals() -> Iterator[Callable[[], None]]:
             signal.signal(sig, handler)
 
 
-def run_ray(args: argparse.Namespace) -> int:
+def run_ray(
+    args: argparse.Namespace, *, from_environment: Collection[str], notes: Sequence[str]
+) -> int:
     """Serve ``args`` on Ray Serve until a signal; return the exit status.
 
+    What can be checked in a moment is, here; the rest runs in a child of its own
+    session (``_in_own_session``), which reports its own errors.
+
+    Args:
+        args: ``serve``'s parsed arguments, their variables resolved.
+        from_environment: the ``dest`` of each option whose value came from its variable.
+        notes: what to log once the log is set up (the variables ignored so far).
+
     Raises:
-        UsageError: an option is wrong (``--port 0``, more GPUs than the cluster has).
-        CommandError: the ray extra is missing, the port cannot be bound, or the
-            deployment fails.
+        UsageError: an option is wrong (``--port 0``).
+        CommandError: the ray extra is missing, or the port cannot be bound.
     """
     options = _options(args)
-    configure_logging(args.log_level, args.log_format)
+
+    def serving() -> int:
+        return _serve(args, options, from_environment=from_environment, notes=notes)
+
+    return _in_own_session(serving, debug=getattr(args, "debug", False))
+
+
+def _serve(
+    args: argparse.Namespace,
+    options: ServiceOptions,
+    *,
+    from_environment: Collection[str],
+    notes: Sequence[str],
+) -> int:
+    """Start Ray, deploy, wait for a signal, shut down; return the exit status.
+
+    Raises:
+        UsageError: more GPUs than the cluster has, or an option given that does not
+            apply to the model (a built-in one: checked here).
+        CommandError: the deployment fails.
+    """
+    # The fake model needs no model library (nor torch).
+    configure_logging(args.log_level, args.log_format, model_libraries=args.model != "fake")
+    log_notes(notes)
     if args.model in MODELS:
-        # The built-in models load in a moment: check the defaults against one here,
-        # so a bad option is a usage error now, not a failed deployment.
+        # The built-in models load in a moment: check the options against one here,
+        # so a bad one is a usage error now, not a failed deployment.
         here = dataclasses.replace(options, devices=None)
-        make_service(here, load(here))
+        model = load(here)
+        log_notes(refuse_unused(args, unused_for_model(model), from_environment=from_environment))
+        make_service(here, model)
     local = args.ray_address is None
     _start_ray(args)
     import ray

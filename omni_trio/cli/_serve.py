@@ -20,8 +20,16 @@ from .._request import MAX_PRIORITY
 from ..serve._models import MODELS
 from ._env import read_environment, resolve_environment
 from ._errors import EXIT_ERROR, CommandError
-from ._logs import LOG_FORMATS, configure_logging
-from ._options import check_model, load, make_service, service_options
+from ._given import refuse_unused
+from ._logs import LOG_FORMATS, configure_logging, log_notes
+from ._options import (
+    check_model,
+    load,
+    make_service,
+    service_options,
+    unused_for_model,
+    unused_options,
+)
 from ._ray import add_ray_arguments, run_ray
 from ._servers import run_hypercorn, run_uvicorn
 from ._sockets import address, check_port
@@ -98,6 +106,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="seconds the last responses get to reach their clients after the drain;"
         " connections still open then are aborted (default 5)",
+    )
+    limits.add_argument(
+        "--torch-threads",
+        type=count(1, 4096),
+        default=None,
+        metavar="N",
+        help="torch's intra-op threads for the process, shared by every worker (default:"
+        " torch's own with one worker; the cores shared out among CPU workers)",
     )
     limits.add_argument(
         "--max-steps", type=count(1), default=200, help="largest num_inference_steps (default 200)"
@@ -223,19 +239,27 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server with parsed ``args`` until a signal drains it; return the exit status.
 
+    An option given that does not apply (``--replicas`` without ``--ray``,
+    ``--video-fps`` with an image model) is a usage error; from its variable, it is
+    ignored, and the log says so (``_given``).
+
     Raises:
-        UsageError: an option (or its variable) is wrong.
+        UsageError: an option (or its variable) is wrong, or given and does not apply.
         CommandError: the model does not load, or the port cannot be bound.
     """
-    resolve_environment(args)
+    from_environment = resolve_environment(args)
+    notes = refuse_unused(args, unused_options(args), from_environment=from_environment)
     if args.ray:
-        return run_ray(args)
+        return run_ray(args, from_environment=from_environment, notes=notes)
     check_model(args.model)
     options = service_options(args)
     check_port(args.host, args.port)
     # Only now: a command that stops at a usage error leaves the logging alone.
-    configure_logging(args.log_level, args.log_format)
+    # The fake model needs no model library (nor torch).
+    configure_logging(args.log_level, args.log_format, model_libraries=args.model != "fake")
+    log_notes(notes)
     model = load(options)
+    log_notes(refuse_unused(args, unused_for_model(model), from_environment=from_environment))
     service = make_service(options, model)
     run: Callable[..., None] = run_hypercorn if args.server == "hypercorn" else run_uvicorn
     config = service.config

@@ -6,7 +6,8 @@ are cut at their next step. Then the server stops listening and the last
 responses get ``--close-timeout`` seconds to reach their clients; connections
 still open after that are aborted (``_sockets``), whatever their clients do, so
 the lifespan closes the (already closed) engine and the server returns in
-bounded time. Each further signal ends the current stage at once.
+bounded time. Each further signal ends the current stage at once, and says so in
+the log; a drain cut short still logs what it ended with.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ import argparse
 import logging
 import math
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from ._sockets import address
 
 if TYPE_CHECKING:
     import socket
-    from collections.abc import Awaitable, Collection
+    from collections.abc import Collection
     from types import FrameType
 
     from ..serve._app import Service
@@ -37,26 +38,52 @@ _log = logging.getLogger("omni_trio.serve")
 BACKSTOP_S = 1.0
 
 
+#: Waits for the next SIGTERM or SIGINT; returns its number.
+NextSignal = Callable[[], Awaitable[int]]
+
+
 async def _cut_short_by(
-    next_signal: Callable[[], Awaitable[None]], stage: Callable[[], Awaitable[None]]
-) -> None:
-    """Run ``stage`` until it returns or the next signal arrives, whichever is first."""
+    next_signal: NextSignal, stage: Callable[[], Awaitable[None]], *, cut: str
+) -> bool:
+    """Run ``stage`` until it returns or the next signal arrives, whichever is first.
+
+    Returns:
+        Whether the signal cut it short; then ``cut`` (what that does) was logged.
+    """
     import anyio
 
+    signals: list[int] = []
     async with anyio.create_task_group() as tg:
 
         async def watch() -> None:
-            await next_signal()
+            signals.append(await next_signal())
+            _log.warning("%s again: %s", signal.Signals(signals[0]).name, cut)
             tg.cancel_scope.cancel()
 
         tg.start_soon(watch)
         await stage()
         tg.cancel_scope.cancel()
+    return bool(signals)
 
 
-async def _close_stage(
-    ports: Collection[int], close_s: float, next_signal: Callable[[], Awaitable[None]]
-) -> None:
+async def _drain(service: Service, next_signal: NextSignal) -> None:
+    """``service.drain()``, its grace period cut short by the next signal.
+
+    A drain cut short does not log its summary: the engine's statistics, final
+    once the cut drain returned, are logged here instead.
+    """
+    cut = "the grace period ends now; running requests stop at their next step"
+    if await _cut_short_by(next_signal, service.drain, cut=cut) and service.engine is not None:
+        stats = service.engine.statistics()
+        _log.info(
+            "drained, cut short: %d completed, %d aborted, %d failed in all",
+            stats.completed,
+            stats.aborted,
+            stats.failed,
+        )
+
+
+async def _close_stage(ports: Collection[int], close_s: float, next_signal: NextSignal) -> None:
     """After the drain: give the last responses ``close_s`` s, then abort what is still open.
 
     Cancellation:
@@ -67,7 +94,8 @@ async def _close_stage(
 
     from ._sockets import abort_connections
 
-    await _cut_short_by(next_signal, lambda: anyio.sleep(close_s))
+    cut = "the connections still open are aborted now"
+    await _cut_short_by(next_signal, lambda: anyio.sleep(close_s), cut=cut)
     aborted = abort_connections(ports)
     if aborted:
         _log.warning(
@@ -104,15 +132,16 @@ def run_hypercorn(service: Service, args: argparse.Namespace) -> None:
         # Open before serving, so no signal is missed once /health answers.
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
 
-            async def next_signal() -> None:
-                async for _ in signals:
-                    return
+            async def next_signal() -> int:
+                async for signum in signals:
+                    return signum
+                raise AssertionError("a signal receiver never ends")
 
             drained = trio.Event()
 
             async def shutdown_trigger() -> None:
                 await next_signal()
-                await _cut_short_by(next_signal, service.drain)
+                await _drain(service, next_signal)
                 drained.set()  # returning makes Hypercorn stop listening and close
 
             async with trio.open_nursery() as nursery:
@@ -147,21 +176,24 @@ def run_uvicorn(service: Service, args: argparse.Namespace) -> None:
         """
 
         signals = 0
+        last_signal = 0
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             self.signals += 1
+            self.last_signal = sig
 
-        async def next_signal(self) -> None:
+        async def next_signal(self) -> int:
             seen = self.signals
             while self.signals == seen:
                 await anyio.sleep(0.05)
+            return self.last_signal
 
         async def on_tick(self, counter: int) -> bool:
             if await super().on_tick(counter):
                 return True
             if not self.signals:
                 return False
-            await _cut_short_by(self.next_signal, service.drain)
+            await _drain(service, self.next_signal)
             return True
 
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:

@@ -74,3 +74,18 @@ def test_a_model_folder_loads_quietly_and_generates(tmp_path: Path) -> None:
     assert (tmp_path / "demo.png").read_bytes().startswith(b"\x89PNG")
     loading = ("Loading pipeline components...", "Loading weights", "\x1b[A")
     assert [piece for piece in bar_free(result.stderr) if not piece.startswith(loading)] == []
+
+
+def test_torch_threads_sets_the_process_count_and_out_picks_the_format(tmp_path: Path) -> None:
+    """--torch-threads N: the engine sets torch's intra-op threads to N (one worker keeps
+    torch's own count otherwise); --out writes the format its extension names."""
+    script = (
+        "import sys, torch; from omni_trio.cli import main; status = main(sys.argv[1:]);"
+        " print(torch.get_num_threads()); sys.exit(status)"
+    )
+    out = tmp_path / "demo.jpg"
+    demo = ["demo", "--kind", "fake", "--steps", "2", "--step-seconds", "0", "--out", str(out)]
+    result = python("-c", script, *demo, "--torch-threads", "5", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "5"
+    assert out.read_bytes().startswith(b"\xff\xd8")  # JPEG

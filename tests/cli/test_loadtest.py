@@ -1,6 +1,6 @@
 """``omni-trio load``: the Poisson schedule, the summary's arithmetic, the command's errors,
 and runs against the real app over a real socket (impatient clients, priorities,
-deadlines).
+deadlines), and a run stopped by Ctrl-C.
 
 The schedule and the summary are pure: exact values. The run serves the app with
 Hypercorn in the test's own event loop (trio or asyncio) on a loopback socket
@@ -9,7 +9,10 @@ impatient client has given up, so which clients complete and which give up is
 decided by the schedule alone, never by timing. The priority and deadline runs use
 ``FakeRunner`` and answers that do not depend on timing (a priority over the
 server's bound is a 400; a deadline is refused once the test has set the measured
-step time). Counts are asserted, not times.
+step time). Counts are asserted, not times. The Ctrl-C run is the command in a
+subprocess against a server of the test's own that answers the first requests and
+holds the rest: the signal is sent once those answers were read and more requests
+were sent.
 """
 
 from __future__ import annotations
@@ -17,11 +20,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +52,9 @@ from omni_trio.cli._loadtest_math import (
 )
 from omni_trio.serve import ServeConfig, Service
 from omni_trio.testing import FakeRunner, GatedRunner, assume_step_time, probe_engine, wait_until
-from tests.support.cli import free_port
+from tests.support.cli import BUDGET_S, ROOT, free_port
 from tests.support.core import BUDGET
-from tests.support.serve import metric
+from tests.support.serve import metric, poll_until
 
 # -- the schedule --------------------------------------------------------------------
 
@@ -196,28 +204,34 @@ def test_the_summary_splits_by_priority_and_refusals_by_code() -> None:
         rec(1, "completed", 3.0, priority=1),  # late
         rec(2, "completed", 0.2),
         rec(3, "refused", 0.01, status=429, code="deadline_unmeetable"),
-        rec(4, "refused", 0.01, status=429, code="deadline_unmeetable", priority=1),
-        rec(5, "refused", 0.01, status=503, code="request_aborted"),
+        rec(4, "refused", 0.01, status=429, code="deadline_unmeetable", priority=1, message="late"),
+        rec(5, "refused", 0.01, status=503, code="request_aborted", message="shutting down"),
         rec(6, "refused", 0.01, status=502),
+        rec(7, "refused", 0.01, status=429, code="deadline_unmeetable", message="later"),
     ]
     s = summarize(records, duration_s=2.0, slo_s=1.0)
-    assert s["refused_by_status"] == {"429": 2, "502": 1, "503": 1}
+    assert s["refused_by_status"] == {"429": 3, "502": 1, "503": 1}
     assert s["refused_by_reason"] == {
-        "429 deadline_unmeetable": 2,
+        "429 deadline_unmeetable": 3,
         "502": 1,
         "503 request_aborted": 1,
+    }
+    # The server's message of the first refusal of each reason that had one.
+    assert s["refusal_messages"] == {
+        "429 deadline_unmeetable": "late",
+        "503 request_aborted": "shutting down",
     }
     assert set(s["by_priority"]) == {"1", DEFAULT_CLASS}
     high, default = s["by_priority"]["1"], s["by_priority"][DEFAULT_CLASS]
     assert (high["requests"], high["completed"], high["good_images"]) == (3, 2, 1)
     assert (high["goodput_per_s"], high["throughput_per_s"]) == (0.5, 1.0)
     assert (high["p50_latency_s"], high["p99_latency_s"]) == (1.75, pytest.approx(2.975))
-    assert (default["requests"], default["completed"], default["good_images"]) == (4, 1, 1)
+    assert (default["requests"], default["completed"], default["good_images"]) == (5, 1, 1)
     assert default["p99_latency_s"] == 0.2
     table = format_summary(s)
-    assert "  refused (429 deadline_unmeetable)      2\n" in table
+    assert "  refused (429 deadline_unmeetable)      3\n    late\n  refused (502)" in table
     assert "  priority 1     0.500 images/s goodput (1 of 3 requests), p99 2.975 s\n" in table
-    assert "  no priority    0.500 images/s goodput (1 of 4 requests), p99 0.200 s\n" in table
+    assert "  no priority    0.500 images/s goodput (1 of 5 requests), p99 0.200 s\n" in table
     # Without priorities, no class lines.
     assert "no priority" not in format_summary(summarize(records[2:3], duration_s=1, slo_s=1))
 
@@ -308,6 +322,15 @@ def test_a_config_out_of_range_names_the_field(fields: dict[str, Any], message: 
             ["load", "http://:80"],
             "URL: expected http://HOST[:PORT][/PATH], e.g. http://127.0.0.1:8000, got 'http://:80'",
         ),
+        # A rate is not seconds (it used to say "expected a number of seconds >= 0").
+        (
+            ["load", "http://h", "--rate", "-1"],
+            "argument --rate: expected a number > 0, got '-1' (see 'omni-trio load --help')",
+        ),
+        (
+            ["load", "http://h", "--duration", "0"],
+            "argument --duration: expected a number > 0, got '0' (see 'omni-trio load --help')",
+        ),
         (
             ["load", "http://h", "--give-up-fraction", "2"],
             "argument --give-up-fraction: expected a number from 0 to 1, got '2'"
@@ -339,6 +362,10 @@ def test_a_config_out_of_range_names_the_field(fields: dict[str, Any], message: 
             ["load", "http://h", "--requests", "5", "--rate", "2"],
             "--requests: give --rate or --requests, not both",
         ),
+        (
+            ["load", "http://h", "--give-up-fraction", "0", "--give-up-after", "5"],
+            "--give-up-after: applies when some clients give up (--give-up-fraction above 0)",
+        ),
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(
@@ -352,16 +379,21 @@ def test_usage_errors_are_one_line_and_exit_2(
     assert (exited.value.code, err, out) == (2, f"omni-trio: error: {line}\n", "")
 
 
-def test_an_unreachable_server_is_one_line_and_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
-    """Nothing listens on the port: one line naming it, before any load; exit 1."""
+def test_an_unreachable_server_is_one_line_and_exit_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing listens on the port: one line naming it, before any load; exit 1. The
+    ``--json`` file opened before the check is removed again (it did not exist)."""
     port = free_port()
-    assert main(["load", f"http://127.0.0.1:{port}", "--duration", "1"]) == 1
+    saved = tmp_path / "load.json"
+    assert main(["load", f"http://127.0.0.1:{port}", "--duration", "1", "--json", str(saved)]) == 1
     out, err = capsys.readouterr()
     assert out == ""
     assert err == (
         f"omni-trio: error: cannot reach 127.0.0.1:{port}: Connection refused;"
         " is the server running?\n"
     )
+    assert not saved.exists()
 
 
 def test_a_json_path_that_cannot_be_written_fails_before_the_run(
@@ -603,6 +635,8 @@ async def test_a_priority_over_the_servers_bound_is_refused_for_that_class_only(
             result = await run_load(dataclasses.replace(config, url=endpoint_url(url)))
     summary = result.summary()
     assert summary["refused_by_reason"] == {"400 invalid_value": high}
+    # The server's own words, not only its code.
+    assert "priority" in summary["refusal_messages"]["400 invalid_value"]
     assert summary["by_priority"]["1"]["requests"] == high
     assert summary["by_priority"]["1"]["completed"] == 0
     assert summary["by_priority"][DEFAULT_CLASS]["completed"] == low
@@ -645,3 +679,112 @@ async def test_every_request_carries_the_deadline() -> None:
     summary = result.summary()
     assert summary["refused_by_reason"] == {"429 deadline_unmeetable": planned}
     assert metric(text, "omni_trio_requests_total", outcome="deadline_refused") == planned
+
+
+# -- a run stopped by Ctrl-C -------------------------------------------------------------
+
+
+class HoldingServer(ThreadingHTTPServer):
+    """Answers its first ``answered`` POSTs with one image, holds the others until closed.
+
+    ``received`` counts the POSTs; ``read`` the answers whose client then closed its
+    connection (it read the answer: the load client keeps no connection alive).
+    """
+
+    daemon_threads = True
+
+    def __init__(self, answered: int) -> None:
+        super().__init__(("127.0.0.1", 0), _HoldingHandler)
+        self.answered = answered
+        self.received = 0
+        self.read = 0
+        self.lock = threading.Lock()
+        self.released = threading.Event()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _HoldingHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: HoldingServer
+
+    def do_POST(self) -> None:
+        self.close_connection = True
+        self.rfile.read(int(self.headers["Content-Length"]))
+        with self.server.lock:
+            self.server.received += 1
+            held = self.server.received > self.server.answered
+        if held:
+            self.server.released.wait(BUDGET_S)
+            return
+        body = b'{"created": 0, "data": [{"b64_json": ""}]}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.wfile.flush()
+        self.rfile.read(1)  # the end of the stream: the client read the answer and closed
+        with self.server.lock:
+            self.server.read += 1
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # not on the test's stderr
+
+
+@contextmanager
+def holding_server(answered: int) -> Iterator[HoldingServer]:
+    server = HoldingServer(answered)
+    thread = threading.Thread(target=server.serve_forever)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.released.set()
+        server.shutdown()
+        server.server_close()
+        thread.join(BUDGET)
+
+
+def test_ctrl_c_stops_the_run_and_prints_and_saves_what_ended(tmp_path: Path) -> None:
+    """SIGINT during a run: no exception group, exit 130; the summary of the requests
+    that ended so far is printed and written to --json, the requests still unanswered
+    are cut and counted apart (it used to print a 55-line traceback, exit 1 and leave
+    an empty --json file)."""
+    saved = tmp_path / "load.json"
+    command = [sys.executable, "-m", "omni_trio", "load", "--give-up-fraction", "0"]
+    command += ["--rate", "20", "--duration", "600", "--json", str(saved)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with holding_server(answered=2) as server:
+        process = subprocess.Popen(
+            [*command, server.url],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+            env=env,
+        )
+        try:
+
+            def two_read_one_held() -> bool:
+                assert process.poll() is None, process.communicate()
+                with server.lock:
+                    return server.read == 2 and server.received >= 3
+
+            poll_until(two_read_one_held, timeout=BUDGET_S, what="two answers read, one held")
+            process.send_signal(signal.SIGINT)
+            out, err = process.communicate(timeout=BUDGET_S)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.communicate(timeout=BUDGET_S)
+    assert (process.returncode, err) == (130, ""), err
+    data = json.loads(saved.read_text())
+    assert data["summary"]["counts"] == dict.fromkeys(OUTCOMES, 0) | {"completed": 2}
+    assert [r["outcome"] for r in data["records"]] == ["completed", "completed"]
+    assert data["unanswered"] >= 1 and data["stopped_s"] > 0
+    assert out.startswith(f"2 requests at 20/s for the first {data['stopped_s']:.1f} s of 600 s")
+    assert f"stopped by SIGINT: {data['unanswered']} request(s) still unanswered were cut" in out
+    assert f"  {'completed':<16}{2:>7}\n" in out

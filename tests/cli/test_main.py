@@ -82,6 +82,30 @@ def test_console_script_is_main(capsys: pytest.CaptureFixture[str]) -> None:
             "unrecognized arguments: --frobnicate (see 'omni-trio demo --help')",
         ),
         (["demo", "--model", "no-such-folder"], "--model: no such folder: 'no-such-folder'"),
+        # Options the run would ignore.
+        (["demo", "--step-seconds", "0.1"], "--step-seconds: applies to --kind fake only"),
+        (
+            ["demo", "--model", ".", "--kind", "sdxl"],
+            "--kind: does not apply with --model (the folder's pipeline is the model)",
+        ),
+        (
+            ["demo", "--kind", "fake", "--steps", "5", "--abort-after", "5"],
+            "--abort-after: must be below the 5 denoise steps: the run ends before step 5",
+        ),
+        # Checked before the model loads, not once the image is made.
+        (
+            ["demo", "--out", "no-such-folder/demo.png"],
+            "--out: cannot write 'no-such-folder/demo.png': No such file or directory",
+        ),
+        (
+            ["demo", "--out", "demo.text"],
+            "--out: 'demo.text' does not end with an image extension (.png, .jpg, ...)",
+        ),
+        (
+            ["demo", "--torch-threads", "0"],
+            "argument --torch-threads: expected an integer from 1 to 4096, got '0'"
+            " (see 'omni-trio demo --help')",
+        ),
         (
             ["demo", "--model", "."],
             "--model: '.' is not a diffusers folder (it has no model_index.json)",

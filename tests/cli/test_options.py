@@ -91,6 +91,9 @@ def test_the_options_become_service_options() -> None:
     )
     options = service_options(parse("--model", "fake", "--workers", "2", "--default-size", "32x48"))
     assert (options.devices, options.default_size) == (("cpu", "cpu"), (32, 48))
+    assert options.engine_config.torch_threads is None
+    threads = service_options(parse("--model", "fake", "--torch-threads", "3"))
+    assert threads.engine_config.torch_threads == 3
     with pytest.raises(UsageError, match=r"^--devices: "):
         service_options(parse("--model", "fake", "--devices", "cpu,,"))
 

@@ -8,6 +8,7 @@ binds first.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 
 from omni_trio.cli._loadtest import PATH
 from tests.support.cli import ROOT, busy_port, free_port, one_line_error, serve
+from tests.support.serve import run_server
 
 SERVERS = ["hypercorn", "uvicorn"]
 
@@ -35,11 +37,59 @@ SERVERS = ["hypercorn", "uvicorn"]
         (["--shutdown-grace", "-1"], "argument --shutdown-grace: expected a number of seconds"),
         (["--default-guidance", "nan"], "argument --default-guidance: expected a finite number"),
         (["--max-priority", "-1"], "argument --max-priority: expected an integer from 0 to"),
+        (["--torch-threads", "0"], "argument --torch-threads: expected an integer from 1 to 4096"),
     ],
 )
 def test_a_bad_option_is_one_line_and_status_2(args: list[str], text: str) -> None:
     """Options are checked at start (defaults against the model too): one line, status 2."""
     one_line_error(serve("--model", "fake", "--port", "0", *args), 2, text)
+
+
+@pytest.mark.parametrize(
+    ("args", "text"),
+    [
+        (["--model", "fake", "--replicas", "2"], "--replicas: applies with --ray only"),
+        (["--model", "fake", "--replica-gpus", "1"], "--replica-gpus: applies with --ray only"),
+        (["--model", "fake", "--ray-address", "h:1"], "--ray-address: applies with --ray only"),
+        (
+            ["--model", "fake", "--ray", "--server", "uvicorn"],
+            "--server: does not apply with --ray",
+        ),
+        (["--model", "fake", "--ray", "--close-timeout", "1"], "--close-timeout: does not apply"),
+        (["--model", "fake", "--ray", "--no-access-log"], "--no-access-log: does not apply with"),
+        (
+            ["--model", "tiny-sd", "--step-seconds", "0.1"],
+            "--step-seconds: applies to --model fake",
+        ),
+        # Found once the model loaded: what it is decides.
+        (["--model", "fake", "--video-fps", "10"], "--video-fps: applies to video models only"),
+        (["--model", "fake", "--video-jobs", "2"], "--video-jobs: applies to video models only"),
+        (["--model", "fake", "--video-ttl", "2"], "--video-ttl: applies to video models only"),
+        (["--model", "fake", "--decode-tile-above", "never"], "--decode-tile-above: applies to"),
+        (
+            ["--model", "tiny-wan", "--decode-framewise-above", "8"],
+            "--decode-framewise-above: applies to LTX-Video models only",
+        ),
+    ],
+)
+def test_an_option_that_does_not_apply_is_refused(args: list[str], text: str) -> None:
+    """An option that the run would ignore (its mode, its model) is one line, status 2:
+    ``--replicas 2`` without ``--ray`` used to serve one replica without a word."""
+    one_line_error(serve("--port", "0", *args), 2, text)
+
+
+def test_a_variable_that_does_not_apply_is_ignored_and_logged() -> None:
+    """OMNI_TRIO_REPLICAS without --ray, OMNI_TRIO_VIDEO_FPS with an image model: one
+    environment may serve several servers, so a variable that does not apply is no error;
+    the log says it is ignored (here the run then stops at a default the model refuses)."""
+    env = {"OMNI_TRIO_MODEL": "fake", "OMNI_TRIO_REPLICAS": "2", "OMNI_TRIO_VIDEO_FPS": "10"}
+    result = serve("--port", "0", "--default-size", "60x64", env=env)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[-1].startswith("omni-trio: error: --default-size: the model refuses it")
+    assert "OMNI_TRIO_REPLICAS ignored: --replicas applies with --ray only" in lines[0]
+    assert "OMNI_TRIO_VIDEO_FPS ignored: --video-fps applies to video models only" in lines[1]
+    assert len(lines) == 3, lines
 
 
 def test_a_model_that_is_not_a_diffusers_folder_is_one_line(tmp_path: Path) -> None:
@@ -126,3 +176,57 @@ def test_json_logs_are_one_object_per_line_with_one_access_line_per_request(
     messages = [e["message"] for e in entries if e["logger"] == "omni_trio.serve"]
     assert any(m.startswith("draining: ") for m in messages)
     assert any(m.startswith("drained: 3 completed") for m in messages)
+
+
+#: A line of the text log (``cli._logs``'s format).
+TEXT_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR) [\w.]+: ")
+
+
+@pytest.fixture(scope="module")
+def tiny_sd_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny SD pipeline saved with ``save_pretrained``, as a user's model folder is."""
+    from omni_trio.runners import tiny_pipeline
+
+    folder = tmp_path_factory.mktemp("models") / "tiny-sd"
+    tiny_pipeline("sd").save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("model", "log_format", "extra"),
+    [("folder", "json", ["--workers", "2"]), ("tiny-sd", "json", []), ("folder", "text", [])],
+)
+def test_every_log_line_is_a_record_with_a_real_model(
+    tmp_path: Path, tiny_sd_folder: Path, model: str, log_format: str, extra: list[str]
+) -> None:
+    """With a model folder (loaded once per worker) or a tiny model, every line on stderr
+    is a JSON object (--log-format json) or a text record: diffusers' "Loading pipeline
+    components" and transformers' "Loading weights" bars, and their notices, used to be
+    printed raw among them."""
+    spec = str(tiny_sd_folder) if model == "folder" else model
+    args = ["--model", spec, "--log-format", log_format, *extra]
+    with run_server(*args, server="hypercorn", log_dir=tmp_path) as server:
+        assert server.post({"prompt": "x", "num_inference_steps": 2}).status_code == 200
+        server.process.send_signal(signal.SIGINT)
+        assert server.process.wait(timeout=60) == 0
+    lines = server.log_text().splitlines()
+    if log_format == "json":
+        messages = [json.loads(line)["message"] for line in lines]
+    else:
+        assert [line for line in lines if not TEXT_LINE.match(line)] == []
+        messages = lines
+    assert any("serving tiny-sd (" in m for m in messages), messages
+    assert any("stopped; engine threads left: none" in m for m in messages), messages
+
+
+def test_an_error_after_the_log_began_is_a_json_record_too(tmp_path: Path) -> None:
+    """--log-format json: a model that does not load (found once the log began) is an ERROR
+    record, not a raw 'omni-trio: error:' line; exit 1 all the same."""
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    (folder / "model_index.json").write_text("{not json")
+    result = serve("--model", str(folder), "--port", "0", "--log-format", "json")
+    assert result.returncode == 1, result.stderr
+    entries = [json.loads(line) for line in result.stderr.splitlines()]
+    assert entries[-1]["level"] == "ERROR" and entries[-1]["logger"] == "omni_trio.cli"
+    assert entries[-1]["message"].startswith(f"omni-trio: error: --model: cannot load '{folder}'")

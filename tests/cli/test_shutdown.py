@@ -115,7 +115,8 @@ def test_second_sigint_ends_the_grace_at_once(
     server_kind: str, tmp_path: Path, pool: ThreadPoolExecutor
 ) -> None:
     """L53: SIGINT drains like SIGTERM; a second SIGINT ends a long grace period at
-    once: the running request is cut at its next step and the process exits 0."""
+    once: the running request is cut at its next step and the process exits 0. The
+    second signal is logged, and so is the drain's summary (it used to skip both)."""
     args = [*FAKE, "--shutdown-grace", "60"]
     with run_server(*args, server=server_kind, log_dir=tmp_path) as server:
         long = start_long_stream(server, pool)
@@ -127,6 +128,9 @@ def test_second_sigint_ends_the_grace_at_once(
         assert (event, data["error"]["code"]) == ("error", "shutting_down")
         # Exiting within the budget (20 s) is exiting before the 60 s grace ran out.
         assert wait_exit(server, timeout=20) == 0
+        log = server.log_text()
+        assert "SIGINT again: the grace period ends now; running requests stop" in log
+        assert "drained, cut short: 0 completed, 1 aborted, 0 failed in all" in log
 
 
 def stalled_stream(server: Server) -> socket.socket:
