@@ -33,6 +33,7 @@ from .. import _exports
 from .._cancelpoint import cancel_point as cancel_point
 from .._runner import Runner as Runner
 from .._runner import RunnerCapabilities as RunnerCapabilities
+from .._runner import StepCacheRunner as StepCacheRunner
 from .._runner import StepCallback as StepCallback
 from .._runner import StopRun as StopRun
 from .._runner import SuspendableRunner as SuspendableRunner
@@ -53,6 +54,7 @@ __all__ = [
     "PipelineCallRunner",
     "Runner",
     "RunnerCapabilities",
+    "StepCacheRunner",
     "StepCallback",
     "StopRun",
     "SuspendableRunner",
