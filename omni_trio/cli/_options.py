@@ -30,6 +30,7 @@ _OPTIONS = {
     "default_size": "--default-size",
     "default_steps": "--default-steps",
     "default_guidance_scale": "--default-guidance",
+    "default_cache": "--cache",
 }
 
 
@@ -81,6 +82,7 @@ def service_options(args: argparse.Namespace) -> ServiceOptions:
             max_height=args.max_size,
             max_width=args.max_size,
             max_num_images=args.max_n,
+            default_cache=args.cache,
         )
         uploads = UploadLimits(max_bytes=args.max_upload_bytes, max_pixels=args.max_upload_pixels)
     except ValueError as exc:

@@ -42,6 +42,7 @@ _DEFAULT_FIELDS = {
     "height": "default_size",
     "num_steps": "default_steps",
     "guidance_scale": "default_guidance_scale",
+    "cache": "default_cache",  # engine_config.default_cache (L80)
 }
 
 
@@ -49,7 +50,8 @@ class OptionError(ValueError):
     """A default of ``ServiceOptions`` that the model refuses; ``option`` names the field.
 
     Args:
-        option: the field of ``ServiceOptions`` (``default_size``, ``video_fps``, ...).
+        option: the field of ``ServiceOptions`` (``default_size``, ``video_fps``, ...;
+            ``default_cache`` for ``engine_config``'s).
         detail: what is wrong with it.
     """
 
@@ -214,6 +216,7 @@ def _check_defaults(
             num_frames=(
                 None if frames is None else frames_for(videos.default_seconds, videos.fps, frames)
             ),
+            cache=engine_config.default_cache,
         )
         engine_config.check_request(probe)
         capabilities.check_request(probe)
