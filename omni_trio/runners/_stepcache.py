@@ -388,13 +388,19 @@ def expert_rows(mask: Sequence[bool]) -> Iterator[None]:
         call.active = saved
 
 
+#: What the tail does in a denoiser forward: every row computes (the blocks run as they
+#: are), no row does (they pass the head's outputs on), or some do (sliced, scattered).
+_ALL, _NONE, _SOME = "all", "none", "some"
+
+
 @dataclass(eq=False, slots=True)
 class _Forward:
-    """One denoiser forward with some rows skipping: what the tail blocks need."""
+    """One denoiser forward, from its head to its last block: what the tail blocks need."""
 
     rows: int
-    #: The rows that compute, as a device index (``None``: every row computes).
-    index: torch.Tensor | None
+    mode: str
+    #: The rows that compute, as a device index (``_SOME`` only).
+    index: torch.Tensor | None = None
     #: The final hidden states of the skipping rows, in row order (``None``: none skips).
     skip_index: torch.Tensor | None = None
     skip_hidden: torch.Tensor | None = None
@@ -404,10 +410,6 @@ class _Forward:
     tails: list[tuple[int, _Update]] = field(default_factory=list)
     #: Per-row arguments already sliced for the computing rows, by id.
     sliced: dict[int, tuple[Any, Any]] = field(default_factory=dict)
-
-    @property
-    def none_compute(self) -> bool:
-        return self.index is not None and self.index.numel() == 0
 
     def rows_of(self, name: str, value: Any) -> Any:
         """A per-row argument's computing rows (one slice per call, shared by the blocks)."""
@@ -486,14 +488,14 @@ def _block_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if role.head:
         return _head(call, role, args, kwargs)
     run = call.forward
-    if run is None or run.index is None:
+    if run is None or run.mode == _ALL:
         out = role.original(*args, **kwargs)
         if role.last and run is not None:
             _record_tails(role.spec, run, out)
             call.forward = None
         return out
     spec = role.spec
-    if run.none_compute:
+    if run.mode == _NONE:
         hidden = _argument(spec, "hidden_states", args, kwargs)
         encoder = _argument(spec, "encoder_hidden_states", args, kwargs)
         if role.last:
@@ -555,26 +557,29 @@ def _head(call: _Call, role: _Role, args: tuple[Any, ...], kwargs: dict[str, Any
     computing = [i for i, update in enumerate(updates) if update is None or update.computed]
     if len(computing) == len(slots):
         # Every row computes: the tail runs as it is; only the residuals are kept.
-        run = _Forward(rows=len(slots), index=None, head_hidden=hidden)
+        run = _Forward(rows=len(slots), mode=_ALL, head_hidden=hidden)
         run.tails = [(i, u) for i, u in enumerate(updates) if u is not None]
         call.forward = run
         return out
     computes = set(computing)
     skipping = [i for i in range(len(slots)) if i not in computes]
-    device = hidden.device
-    run = _Forward(
-        rows=len(slots),
-        index=torch.tensor(computing, device=device, dtype=torch.long),
-        skip_index=torch.tensor(skipping, device=device, dtype=torch.long),
-    )
-    run.skip_hidden = _skip_hidden(skipping, updates, hidden)
-    call.forward = run
+    skip_hidden = _skip_hidden(skipping, updates, hidden)
     if not computing:
         # Every row skips: the head's outputs are final, the tail passes them on.
-        return _packed(spec, run.skip_hidden, encoder)
-    assert run.index is not None
-    run.head_hidden = hidden.index_select(0, run.index)
-    head_encoder = None if encoder is None else encoder.index_select(0, run.index)
+        call.forward = _Forward(rows=len(slots), mode=_NONE)
+        return _packed(spec, skip_hidden, encoder)
+    device = hidden.device
+    index = torch.tensor(computing, device=device, dtype=torch.long)
+    run = _Forward(
+        rows=len(slots),
+        mode=_SOME,
+        index=index,
+        skip_index=torch.tensor(skipping, device=device, dtype=torch.long),
+        skip_hidden=skip_hidden,
+    )
+    call.forward = run
+    run.head_hidden = hidden.index_select(0, index)
+    head_encoder = None if encoder is None else encoder.index_select(0, index)
     run.tails = [
         (position, update)
         for position, i in enumerate(computing)
@@ -633,7 +638,9 @@ def _decide(
         ratios.append((residual - previous).abs().mean() / previous.abs().mean())
         pending.append(update)
     if pending:
-        for update, ratio in zip(pending, torch.stack(ratios).tolist(), strict=True):
+        # One host sync for every row of the call (``.item()`` for a lone one).
+        values = [ratios[0].item()] if len(ratios) == 1 else torch.stack(ratios).tolist()
+        for update, ratio in zip(pending, values, strict=True):
             threshold = update.cache.threshold
             assert threshold is not None
             # Skip when below: a NaN ratio (a zero residual) computes, and 0 never skips.
