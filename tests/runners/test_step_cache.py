@@ -37,7 +37,7 @@ import torch
 from diffusers.hooks.first_block_cache import FirstBlockCacheConfig
 
 import omni_trio as ot
-from benchmarks.cache import diffusers_decisions
+from benchmarks.cache import churned, company, diffusers_decisions, stepped
 from omni_trio._cancelpoint import armed
 from omni_trio.runners import DiffusersRunner, StopRun, tiny_pipeline
 from omni_trio.runners._family import RequestState
@@ -93,66 +93,16 @@ def metrics_of(runner: DiffusersRunner, state: RequestState) -> ot.CacheMetrics:
     return metrics
 
 
-def finished(runner: DiffusersRunner, state: RequestState) -> tuple[torch.Tensor, Any]:
-    """``state``'s decoded output and its cache metrics (``None`` without one); discarded."""
-    output, metrics = runner.decode(state), runner.cache_metrics(state)
-    runner.discard(state)
-    return output, metrics
-
-
 def alone(runner: DiffusersRunner, r: ot.GenerationRequest) -> tuple[torch.Tensor, Any]:
-    """``r`` stepped alone on ``runner``: its decoded output and its cache metrics."""
-    state = runner.prepare(r, "alone")
-    for _ in range(r.denoise_steps):
-        runner.step([state])
-    return finished(runner, state)
-
-
-def _company(kind: str, rng: random.Random, number: int) -> ot.GenerationRequest:
-    """Another request of ``kind``'s batch key: its own prompt, seed, steps, guidance, policy."""
-    policy = rng.choice(
-        [
-            None,
-            first_block(rng.choice([0.2, 0.5, 0.9])),
-            ot.StepCache(kind="taylorseer", interval=2),
-        ]
-    )
-    negative = {} if kind == "flux" else {"negative_prompt": rng.choice([None, "dull, grey"])}
-    return request(
-        kind,
-        prompt=f"company {number}" + ", longer" * rng.randint(0, 3),
-        num_steps=rng.randint(2, 8),
-        seed=100 + number,
-        guidance_scale=rng.choice([1.0, 4.0]),
-        num_images=rng.choice([1, 2]),
-        cache=policy,
-        **negative,
-    )
+    """``r`` stepped alone: its decoded output and its cache metrics (``None`` without)."""
+    return stepped(runner, r)
 
 
 def churning(
     runner: DiffusersRunner, kind: str, r: ot.GenerationRequest, rng: random.Random
 ) -> tuple[torch.Tensor, Any]:
-    """``r`` stepped in a batch of up to 4 whose other members join and leave at random steps."""
-    state = runner.prepare(r, "target")
-    company: list[tuple[RequestState, int]] = []  # (state, steps left)
-    joined = 0
-    for _ in range(r.denoise_steps):
-        for member in list(company):
-            if member[1] == 0 or rng.random() < 0.2:  # finished, or aborted here
-                runner.discard(member[0])
-                company.remove(member)
-        while len(company) < 3 and rng.random() < 0.6:
-            other = _company(kind, rng, joined)
-            joined += 1
-            company.append((runner.prepare(other, f"company-{joined}"), other.denoise_steps))
-        states = [member[0] for member in company]
-        states.insert(rng.randint(0, len(states)), state)  # anywhere in the batch
-        runner.step(states)
-        company = [(member, left - 1) for member, left in company]
-    for member_state, _ in company:
-        runner.discard(member_state)
-    return finished(runner, state)
+    """``r`` in a batch of up to 4 whose other members (``company``) join and leave."""
+    return churned(runner, r, rng, lambda g, n: company(kind, g, n))
 
 
 @pytest.mark.parametrize("kind", DIT_KINDS)
