@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .abort import plot_abort, run_abort, table_abort
+from .cache import plot_cache, run_cache, table_cache
 from .common import Options, machine
 from .deadline import plot_deadline, run_deadline, table_deadline
 from .devices import plot_devices, run_devices, table_devices
@@ -163,6 +164,16 @@ BENCHMARKS: dict[str, Benchmark] = {
             run=run_deadline,
             table=table_deadline,
             plot=plot_deadline,
+        ),
+        Benchmark(
+            name="cache",
+            what=(
+                "per-request step caching: block work, wall time and PSNR vs uncached, skip"
+                " decisions alone vs in a churning batch, diffusers' first-block cache beside it"
+            ),
+            run=run_cache,
+            table=table_cache,
+            plot=plot_cache,
         ),
         Benchmark(
             name="ray",

@@ -16,6 +16,8 @@ The data (no threads, no event loop):
 - ``_validate``: field checks shared by the validated dataclasses.
 - ``_config``: ``EngineConfig``.
 - ``_request``: ``GenerationRequest``.
+- ``_stepcache``: ``StepCache``, a request's step-cache policy, and ``CacheMetrics``,
+  what it did (L80-L84).
 - ``_outputs``: what the engine hands out: ``RequestStatus``, ``StepEvent``,
   ``GenerationOutput``, ``RequestMetrics``, ``EngineStatistics``, ``WorkerStatistics``.
 - ``_mp4``: the MP4 encoder behind ``GenerationOutput.save_video`` (PyAV, imported
@@ -63,6 +65,9 @@ The seam between them:
   ``engine_threads()``) and the process's torch thread count.
 - ``_cancelpoint``: ``cancel_point()``, which a runner calls inside a step or a decode,
   and the check an engine thread arms it with for one call (L71, L72).
+- ``_cacheplan``: the engine's side of step caching: loosening a threshold at a step
+  boundary when a deadline is at risk, and reading a request's cache metrics at its
+  release (L84).
 
 The command line (``omni-trio`` / ``python -m omni_trio``), the ``cli`` package, sits on
 top of the library, which never imports it (``__main__`` only calls ``cli.main``):
@@ -113,11 +118,14 @@ from ._outputs import StepEvent as StepEvent
 from ._outputs import WorkerStatistics as WorkerStatistics
 from ._reasons import AbortReason as AbortReason
 from ._request import GenerationRequest as GenerationRequest
+from ._stepcache import CacheMetrics as CacheMetrics
+from ._stepcache import StepCache as StepCache
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AbortReason",
+    "CacheMetrics",
     "DeadlineError",
     "DuplicateRequestError",
     "Engine",
@@ -137,6 +145,7 @@ __all__ = [
     "RequestHandle",
     "RequestMetrics",
     "RequestStatus",
+    "StepCache",
     "StepEvent",
     "WorkerStatistics",
     "open_engine",

@@ -8,10 +8,12 @@ a request at ``submit``.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ._stepcache import StepCache
 from ._validate import check_float, check_int, fail_config, fail_request
 
 if TYPE_CHECKING:
@@ -52,6 +54,10 @@ class EngineConfig:
         torch_threads: torch's intra-op thread count for the process (it is
             process-wide, one setting for every worker); ``None``: with several
             workers, the CPU cores divided among them, with one, left as it is.
+        default_cache: the step-cache policy (L80) of a request that gives none
+            (``GenerationRequest.cache`` is ``None``); ``None``: no caching. A
+            request opts out with ``StepCache(kind="none")``. ``open_engine``
+            refuses one its runners cannot apply.
     """
 
     max_batch_size: int = 4
@@ -68,6 +74,7 @@ class EngineConfig:
     park_on_host: bool = False
     max_parked_bytes: int | None = None
     torch_threads: int | None = None
+    default_cache: StepCache | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -108,6 +115,9 @@ class EngineConfig:
             object.__setattr__(self, "torch_threads", threads)
         grace = check_float(fail_config, "shutdown_grace", self.shutdown_grace, minimum=0.0)
         object.__setattr__(self, "shutdown_grace", grace)
+        if self.default_cache is not None and not isinstance(self.default_cache, StepCache):
+            kind = type(self.default_cache).__name__
+            fail_config("default_cache", f"must be a StepCache or None, got {kind}")
 
     def check_request(self, request: GenerationRequest) -> None:
         """Raise ``InvalidRequestError`` naming the first field over this config's limits."""
@@ -124,3 +134,9 @@ class EngineConfig:
             text: str | None = getattr(request, name)
             if text is not None and len(text) > self.max_prompt_chars:
                 fail_request(name, f"longer than {self.max_prompt_chars} characters")
+
+    def with_default_cache(self, request: GenerationRequest) -> GenerationRequest:
+        """``request`` as admitted: with ``default_cache`` when it gives no policy (L80)."""
+        if request.cache is not None or self.default_cache is None:
+            return request
+        return dataclasses.replace(request, cache=self.default_cache)

@@ -49,7 +49,7 @@ from ._pool import Pool, Withdrawal
 from ._reasons import AbortReason
 from ._record import Record, wait_shielded
 from ._request import GenerationRequest
-from ._runner import Runner, runner_sequence, shared_capabilities
+from ._runner import Runner, RunnerCapabilities, runner_sequence, shared_capabilities
 from ._threads import set_torch_threads, worker_name
 from ._validate import check_text, fail_request
 from ._worker import Worker
@@ -77,6 +77,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         self._capabilities = shared_capabilities(runners)
         self._config = config
+        _check_default_cache(config, self._capabilities)
         self._inbox: LoopInbox[Message[WorkItem]] = LoopInbox(self._dispatch)
         self._pool = Pool()
         number = next(_engine_numbers)
@@ -167,6 +168,8 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             raise DuplicateRequestError(
                 f"a live request has the id {request_id!r}", request_id=request_id
             )
+        # L80: the request as admitted carries the policy that applies to it.
+        request = self._config.with_default_cache(request)
         try:
             self._config.check_request(request)
             self._capabilities.check_request(request)
@@ -551,6 +554,17 @@ class _HandleOwner:
         self._engine._forget(record, handle)
 
 
+def _check_default_cache(config: EngineConfig, capabilities: RunnerCapabilities) -> None:
+    """Refuse a ``default_cache`` the runners cannot apply, before any request (L80)."""
+    default = config.default_cache
+    if default is None:
+        return
+    try:
+        capabilities.check_cache(default.kind)
+    except InvalidRequestError as exc:
+        raise ValueError(f"default_{exc}") from None  # "default_cache: this runner ..."
+
+
 @asynccontextmanager
 async def open_engine(
     runners: Runner[StateT] | Sequence[Runner[StateT]], config: EngineConfig | None = None
@@ -565,7 +579,8 @@ async def open_engine(
         config: the engine's configuration; defaults to ``EngineConfig()``.
 
     Raises:
-        ValueError: no runner, or runners that declare different capabilities.
+        ValueError: no runner, runners that declare different capabilities, or a
+            ``config.default_cache`` they cannot apply.
         EngineDeadError: on exit, if every worker died while the block ran and
             the block itself raised nothing.
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from ._cacheplan import read_cache_metrics
 from ._failure import Failure, describe, detach, failure, format_traceback
 from ._workitem import WorkItem
 
@@ -101,16 +102,21 @@ Post = Callable[[Any], None]
 
 
 def discard_state(runner: Runner[Any], item: WorkItem) -> Exception | None:
-    """Hand ``item``'s state back to the runner; return the runner's error, if any."""
+    """Hand ``item``'s state back to the runner; return the runner's error, if any.
+
+    Its step cache's metrics are read first (L84); an error there is reported as
+    the discard's, and the state is discarded all the same.
+    """
     state, item.state = item.state, None
     item.t_released = time.perf_counter()
     if state is None:
         return None
+    error = read_cache_metrics(runner, item, state)
     try:
         runner.discard(state)
     except Exception as exc:
         return exc
-    return None
+    return error
 
 
 def discard_quietly(runner: Runner[Any], item: WorkItem) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO
 
 from ._mp4 import write_mp4
+from ._stepcache import CacheMetrics
 
 if TYPE_CHECKING:
     import torch
@@ -68,6 +69,9 @@ class RequestMetrics:
     it after the abort was asked (0 or 1: a step in flight), for aborted requests
     only. ``preemptions`` counts the times it was suspended (L61) and
     ``suspended_s`` the time it spent so; ``exec_s`` includes that time.
+    ``cache`` says what its step cache did (L84: row-calls and row-blocks computed
+    and skipped, the threshold it ended with, whether it was loosened); ``None``
+    for a request without a policy (or one whose runner did not say).
     """
 
     queue_wait_s: float
@@ -80,6 +84,7 @@ class RequestMetrics:
     steps_after_abort: int | None = None
     preemptions: int = 0
     suspended_s: float = 0.0
+    cache: CacheMetrics | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, weakref_slot=True)

@@ -131,6 +131,7 @@ class Record(WorkItem):
             steps_after_abort=steps_after_abort,
             preemptions=self.preemptions,
             suspended_s=suspended_s,
+            cache=self.cache_metrics,
         )
 
 

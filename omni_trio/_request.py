@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
+from ._stepcache import StepCache
 from ._validate import check_float, check_image, check_int, check_text, fail_request, image_size
 
 if TYPE_CHECKING:
@@ -114,6 +115,9 @@ class GenerationRequest:
             to ``MAX_NUM_FRAMES`` (4320). A video runner takes only counts that
             keep its frame rule (``RunnerCapabilities.frames``) and needs one; an
             image runner refuses it (L70).
+        cache: the request's step-cache policy (``StepCache``, L80), or ``None``
+            for the engine's ``default_cache``; ``StepCache(kind="none")`` opts out
+            of that default. A runner that cannot apply it refuses it at ``submit``.
 
     Equality compares every field, images by value; ``repr`` leaves the images out.
 
@@ -137,6 +141,7 @@ class GenerationRequest:
     mask: ImageInput | None = field(default=None, repr=False)
     strength: float | None = None
     num_frames: int | None = None
+    cache: StepCache | None = None
 
     def __post_init__(self) -> None:
         fail = fail_request
@@ -184,6 +189,8 @@ class GenerationRequest:
                 "num_frames",
                 check_int(fail, "num_frames", self.num_frames, minimum=1, maximum=MAX_NUM_FRAMES),
             )
+        if self.cache is not None and not isinstance(self.cache, StepCache):
+            fail("cache", f"must be a StepCache or None, got {type(self.cache).__name__}")
         self._check_edit()
 
     def _check_edit(self) -> None:

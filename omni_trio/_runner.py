@@ -19,6 +19,10 @@ threads only, never from the event loop. The engine owns the denoise loop:
 - ``state_bytes(state)``, ``suspend(state, to_host=...)``, ``resume(state)``: only
   for runners that declare ``suspendable`` (L61): the engine parks a running
   request at a step boundary and later resumes it from the step it reached.
+- ``cache_metrics(state)`` and ``set_cache_threshold(state, threshold)``: only for
+  runners that declare ``step_cache`` (L80-L84): what a request's step cache did, read
+  before its ``discard``, and the engine loosening a request's threshold at a step
+  boundary when its deadline is at risk.
 - ``cancel_point()`` (a function, not a method): a runner that declares
   ``cancel_points`` calls it at every point inside ``step`` (between transformer
   blocks) and ``decode`` (between chunks) where the call may be left (L71, L72).
@@ -39,13 +43,17 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ._errors import InvalidRequestError
 from ._request import GenerationRequest
+from ._stepcache import CACHE_KINDS
 
 if TYPE_CHECKING:
     import torch
 
+    from ._stepcache import CacheMetrics
+
 __all__ = [
     "Runner",
     "RunnerCapabilities",
+    "StepCacheRunner",
     "StopRun",
     "SuspendableRunner",
     "WholeCallRunner",
@@ -107,6 +115,11 @@ class RunnerCapabilities:
             ``decode`` and lets its ``StopRun`` through with its model clean: a step
             whose every member stopped, or a decode whose request stopped, is left
             at the next cancel point (L71, L72). Never with ``whole_call``.
+        step_cache: the step-cache kinds (``StepCache.kind``) the runner applies
+            (L80): it implements ``StepCacheRunner``. A request whose policy is of
+            another kind is refused at ``submit``, naming ``cache``; ``"none"`` is
+            always taken. The policy is never part of a batch key: cached and
+            uncached requests share batches. Never with ``whole_call``.
     """
 
     max_batch_size: int = 1
@@ -123,6 +136,7 @@ class RunnerCapabilities:
     mask_input: bool = False
     frames: tuple[int, int] | None = None
     cancel_points: bool = False
+    step_cache: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.cancel_points and self.whole_call:
@@ -135,6 +149,7 @@ class RunnerCapabilities:
             raise ValueError(
                 "suspendable: a resumed state joins states at other steps; declare can_join"
             )
+        self._check_step_cache()
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size: must be >= 1")
         if self.size_multiple < 1:
@@ -155,6 +170,18 @@ class RunnerCapabilities:
                 f"batch_key_fields: {images} would compare images at every boundary;"
                 " use 'kind' to keep kinds of edits apart"
             )
+
+    def _check_step_cache(self) -> None:
+        if not isinstance(self.step_cache, frozenset):
+            raise ValueError("step_cache: must be a frozenset of cache kinds")
+        unknown = sorted(set(self.step_cache) - set(CACHE_KINDS) - {"none"})
+        if unknown or "none" in self.step_cache:
+            raise ValueError(
+                f"step_cache: the kinds a runner applies are {list(CACHE_KINDS[:-1])},"
+                f" got {sorted(self.step_cache)}"
+            )
+        if self.step_cache and self.whole_call:
+            raise ValueError("step_cache: a whole-call runner runs its pipeline's own loop")
 
     def check_request(self, request: GenerationRequest) -> None:
         """Raise ``InvalidRequestError`` naming the first field this runner cannot serve."""
@@ -184,6 +211,17 @@ class RunnerCapabilities:
         if request.mask is not None and not self.mask_input:
             raise InvalidRequestError("this runner does not inpaint", field="mask")
         self._check_frames(request.num_frames)
+        self.check_cache(None if request.cache is None else request.cache.kind)
+
+    def check_cache(self, kind: str | None) -> None:
+        """L80: refuse a step-cache kind this runner does not apply, naming ``cache``."""
+        if kind is None or kind == "none" or kind in self.step_cache:
+            return
+        applies = ", ".join(sorted(self.step_cache)) or "none"
+        raise InvalidRequestError(
+            f"this runner cannot apply a {kind!r} step cache (it applies: {applies})",
+            field="cache",
+        )
 
     def _check_frames(self, frames: int | None) -> None:
         """L70: a video runner needs ``num_frames`` that keep its rule; others refuse it."""
@@ -306,6 +344,30 @@ class SuspendableRunner(Runner[StateT], Protocol):
 
     def resume(self, state: StateT) -> None:
         """Bring a parked ``state`` back, so that the next ``step`` continues it exactly."""
+        ...
+
+
+class StepCacheRunner(Runner[StateT], Protocol):
+    """A runner that declares ``step_cache``: it applies requests' step-cache policies.
+
+    The policy is the request's ``cache`` (the engine puts its ``default_cache`` there
+    before ``prepare``); the cache state is part of the request's state, created by
+    ``prepare``, dropped by ``discard``, moved by ``suspend`` and ``resume`` (L82).
+    """
+
+    def cache_metrics(self, state: StateT) -> CacheMetrics | None:
+        """Return what ``state``'s step cache did so far; ``None`` without a policy.
+
+        The engine reads it once, just before it discards the state (L84).
+        """
+        ...
+
+    def set_cache_threshold(self, state: StateT, threshold: float) -> None:
+        """Use ``threshold`` for ``state``'s next model calls (first-block; L84).
+
+        The engine calls it between two steps, only for a request whose policy has a
+        ``max_threshold``, with a value from its ``threshold`` to that bound.
+        """
         ...
 
 

@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, cast
 
+from ._cacheplan import loosen_at_risk
 from ._cancelpoint import Leave, armed
 from ._imagecheck import checked_images
 from ._log import WORKER
@@ -105,6 +106,8 @@ class Worker:
         self._previews = capabilities.previews
         self._whole_call = capabilities.whole_call
         self._cancel_points = capabilities.cancel_points
+        # L84: a runner that applies step caches may have thresholds loosened.
+        self._loosens = bool(capabilities.step_cache)
         self._fatal: BaseException | None = None
         # L61: preemption, and this worker's suspended requests (their state is on
         # its device) with the bytes each parks, under the pool's lock. ``_closed``:
@@ -280,8 +283,16 @@ class Worker:
                 for rest in admitted[index:]:
                     discard_quietly(self._runner, rest)
                 raise
+        if self._loosens:
+            self._loosen(running)
         self._note_left(running)
         return plan.stop
+
+    def _loosen(self, running: list[WorkItem]) -> None:
+        """L84: loosen the step caches of members whose deadline is at risk."""
+        for item, exc in loosen_at_risk(self._runner, running, self.step_s):
+            running.remove(item)
+            release(self._runner, item, self._post, exc, call="set_cache_threshold")
 
     def _release_all(self, dropped: Sequence[WorkItem]) -> None:
         for index, item in enumerate(dropped):

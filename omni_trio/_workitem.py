@@ -9,11 +9,13 @@ timestamps). Threads never touch event-loop objects; they post messages
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ._request import GenerationRequest
+    from ._stepcache import CacheMetrics
 
 __all__ = ["CancelToken", "WorkItem"]
 
@@ -46,6 +48,8 @@ class WorkItem:
 
     __slots__ = (
         "batch_key",
+        "cache_metrics",
+        "cache_stage",
         "decode_s",
         "denoise_s",
         "preemptions",
@@ -59,6 +63,7 @@ class WorkItem:
         "steps_done",
         "steps_total",
         "suspended_s",
+        "t_deadline",
         "t_denoised",
         "t_released",
         "t_suspended",
@@ -103,6 +108,15 @@ class WorkItem:
         self.preemptions = 0
         self.suspended_s = 0.0
         self.t_suspended: float | None = None
+        # L84: the deadline on this process's perf_counter clock (the threads' own;
+        # the loop's clock is not theirs to read), the stages its step-cache
+        # threshold was loosened by, and what the runner said its cache did, read
+        # just before the release.
+        self.t_deadline = (
+            None if request.deadline_s is None else time.perf_counter() + request.deadline_s
+        )
+        self.cache_stage = 0
+        self.cache_metrics: CacheMetrics | None = None
 
     def rank(self) -> tuple[int, float, int]:
         """Its rank, as the queue compares them: the smallest is the best-ranked."""

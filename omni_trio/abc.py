@@ -9,6 +9,8 @@ framework (or a fake) is typed against these names alone:
   step.
 - ``RunnerCapabilities``: what a runner declares up front (batch size, joins,
   batch keys, previews, ...).
+- ``StepCacheRunner``: the two calls more of a runner that declares ``step_cache``
+  (L80-L84): a request's cache metrics, and a loosened threshold.
 - ``StopRun``: what the engine raises inside a runner call to stop it.
 - ``cancel_point()``: what a runner that declares ``cancel_points`` calls inside a
   step or a decode (L71, L72).
@@ -22,6 +24,7 @@ from . import _exports
 from ._cancelpoint import cancel_point as cancel_point
 from ._runner import Runner as Runner
 from ._runner import RunnerCapabilities as RunnerCapabilities
+from ._runner import StepCacheRunner as StepCacheRunner
 from ._runner import StepCallback as StepCallback
 from ._runner import StopRun as StopRun
 from ._runner import SuspendableRunner as SuspendableRunner
@@ -30,6 +33,7 @@ from ._runner import WholeCallRunner as WholeCallRunner
 __all__ = [
     "Runner",
     "RunnerCapabilities",
+    "StepCacheRunner",
     "StepCallback",
     "StopRun",
     "SuspendableRunner",

@@ -39,6 +39,7 @@ THREAD_SIDE = (
     "_workitem",
     "_messages",
     "_cancelpoint",
+    "_cacheplan",
 )
 
 #: What a runner may import of the core: the seam and the data it carries.
@@ -50,6 +51,9 @@ RUNNER_SEAM = frozenset(
         "omni_trio._request",
         "omni_trio._errors",
         "omni_trio._exports",
+        # The step-cache policy a request carries and the metrics a runner reports
+        # (L80, L84): data, torch-free, as the request is.
+        "omni_trio._stepcache",
     }
 )
 

@@ -42,6 +42,7 @@ _OPTIONS = {
     "default_size": "--default-size",
     "default_steps": "--default-steps",
     "default_guidance_scale": "--default-guidance",
+    "default_cache": "--cache",
 }
 
 
@@ -94,6 +95,7 @@ def service_options(args: argparse.Namespace) -> ServiceOptions:
             max_width=args.max_size,
             max_num_images=args.max_n,
             torch_threads=args.torch_threads,
+            default_cache=args.cache,
         )
         uploads = UploadLimits(max_bytes=args.max_upload_bytes, max_pixels=args.max_upload_pixels)
     except ValueError as exc:

@@ -33,7 +33,7 @@ from ._options import (
 from ._ray import add_ray_arguments, run_ray
 from ._servers import run_hypercorn, run_uvicorn
 from ._sockets import address, check_port
-from ._types import count, finite, positive, seconds, size, threshold
+from ._types import count, finite, positive, seconds, size, step_cache, threshold
 
 __all__ = ["add_serve_arguments", "run_serve"]
 
@@ -211,6 +211,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     defaults.add_argument(
         "--default-guidance", type=finite, default=None, help="guidance_scale when none is asked"
+    )
+    defaults.add_argument(
+        "--cache",
+        type=step_cache,
+        default=None,
+        metavar="KIND[:THRESHOLD]",
+        help="the step cache of a request that asks for none (L80): first-block[:THRESHOLD]"
+        " (default threshold 0.05), taylorseer[:INTERVAL] or none (default: none)",
     )
     parser.add_argument(
         "--step-seconds",

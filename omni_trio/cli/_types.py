@@ -12,6 +12,9 @@ import argparse
 import math
 from collections.abc import Callable
 
+from .._errors import InvalidRequestError
+from .._stepcache import StepCache, parse_step_cache
+
 __all__ = [
     "count",
     "finite",
@@ -23,6 +26,7 @@ __all__ = [
     "seconds",
     "size",
     "span",
+    "step_cache",
     "threshold",
 ]
 
@@ -137,3 +141,13 @@ def header(text: str) -> tuple[str, str]:
     if not sep or not name.strip():
         raise argparse.ArgumentTypeError(f"expected 'Name: value', got {text!r}")
     return name.strip(), value.strip()
+
+
+def step_cache(text: str) -> StepCache:
+    """A step-cache policy: ``KIND[:THRESHOLD]`` (``first-block:0.1``, ``taylorseer:5``)."""
+    try:
+        policy = parse_step_cache(text)
+    except InvalidRequestError as exc:
+        raise argparse.ArgumentTypeError(f"expected KIND[:THRESHOLD], {exc}") from None
+    assert policy is not None  # text is never None
+    return policy

@@ -1,7 +1,8 @@
 """Runners: the seam between the engine and a model.
 
 - ``Runner`` and ``RunnerCapabilities``: the protocol a model implements;
-  ``SuspendableRunner`` the three calls more that preemption needs;
+  ``SuspendableRunner`` the three calls more that preemption needs, ``StepCacheRunner``
+  the two that step caching needs (L80-L84);
   ``cancel_point()`` what a runner declaring ``cancel_points`` calls (L71, L72).
 - ``DiffusersRunner``: a diffusers pipeline driven one step at a time.
 - ``PipelineCallRunner``: any other pipeline, through its own ``__call__``.
@@ -13,7 +14,8 @@ Layout: the private modules, each importing only those below it:
 
 - ``_call``: ``PipelineCallRunner`` and ``runner_for``;
 - ``_diffusers``: ``DiffusersRunner``, the step loop all families share (with
-  ``_park``, suspension, and ``_cancel``, the cancel points' hooks);
+  ``_park``, suspension, ``_cancel``, the cancel points' hooks, and ``_stepcache``,
+  the per-request step caches inside the DiT blocks, L80-L83);
 - ``_registry``: which family drives which pipeline (``family_for``,
   ``is_supported``, ``supported_pipelines``); it imports every family module;
 - the families, which import the base (and ``_edit``, ``_chunks``), never the
@@ -22,6 +24,8 @@ Layout: the private modules, each importing only those below it:
 - ``_edit``: image-to-image and inpainting for SD and SDXL;
 - ``_family``: the base, ``Family`` and ``RequestState``, and the helpers that
   more than one family module uses (public names inside the private module);
+- ``_stepcache``: below ``_family`` (a state holds its request's cache) and imported
+  by ``_video`` too (Wan 2.2's experts each run a subset of a call's rows);
 - ``_chunks``: decodes in chunks (L72).
 
 Apart: ``_tiny`` (and ``_quiet``), ``_load`` and ``_devices`` import no family.
@@ -33,6 +37,7 @@ from .. import _exports
 from .._cancelpoint import cancel_point as cancel_point
 from .._runner import Runner as Runner
 from .._runner import RunnerCapabilities as RunnerCapabilities
+from .._runner import StepCacheRunner as StepCacheRunner
 from .._runner import StepCallback as StepCallback
 from .._runner import StopRun as StopRun
 from .._runner import SuspendableRunner as SuspendableRunner
@@ -53,6 +58,7 @@ __all__ = [
     "PipelineCallRunner",
     "Runner",
     "RunnerCapabilities",
+    "StepCacheRunner",
     "StepCallback",
     "StopRun",
     "SuspendableRunner",

@@ -10,6 +10,9 @@ Cancel points (L71, L72; see ``_cancel``): the runner declares ``cancel_points``
 a step can be left before any block of the denoiser, a decode before any call of
 the VAE's decoder: once per image of a batch, per tile of a large image, per latent
 frame for Wan, per temporal chunk of a long LTX-Video (see ``_chunks``).
+
+Step caching (L80-L84; see ``_stepcache``): for the DiT families the runner declares
+``step_cache`` and applies each request's policy row by row inside the model call.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ import torch
 
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities, StopRun
+from .._stepcache import CacheMetrics
 from ._cancel import CancelPoints, cancel_modules
 from ._chunks import DecodeChunks
 from ._edit import keep_unmasked
 from ._family import RequestState, joined
 from ._park import park_on_host, state_tensors, unpark
 from ._registry import family_for
+from ._stepcache import BlockCache, RequestCache
 
 __all__ = ["DiffusersRunner", "latent_preview"]
 
@@ -106,6 +111,7 @@ class DiffusersRunner:
         )
         self._family = family_for(pipeline, chunks)
         self._pipeline = pipeline
+        self._step_cache = BlockCache(pipeline)
         self._capabilities = RunnerCapabilities(
             max_batch_size=max_batch_size,
             can_join=True,
@@ -125,6 +131,7 @@ class DiffusersRunner:
             mask_input=self._family.edits,
             frames=self._family.frames,
             cancel_points=True,
+            step_cache=self._step_cache.kinds,
         )
         self._cancel_points = CancelPoints(cancel_modules(pipeline))
         device = torch.device(pipeline.device)
@@ -157,6 +164,9 @@ class DiffusersRunner:
         """Encode the prompt, make the initial latents and the request's scheduler."""
         with torch.no_grad():
             state = self._family.prepare(request, request_id)
+        assert state.latents is not None
+        rows = state.latents.shape[0] * (2 if state.cfg else 1)
+        state.cache = RequestCache.create(request, rows)
         self._count("live_states", 1)
         return state
 
@@ -190,9 +200,10 @@ class DiffusersRunner:
             rows = family.scale_input(state, rows, t)
             inputs.append(rows)
             steps.append(t.expand(rows.shape[0]).to(rows.device))
-        output = family.denoise(
-            joined(inputs), joined(steps), family.join_cond(states), states[0].shared
-        )
+        with self._step_cache.call(states, [rows.shape[0] for rows in inputs]):
+            output = family.denoise(
+                joined(inputs), joined(steps), family.join_cond(states), states[0].shared
+            )
         start = 0
         for state, rows in zip(states, inputs, strict=True):
             prediction = output[start : start + rows.shape[0]]
@@ -257,6 +268,7 @@ class DiffusersRunner:
         state.shared = {}
         state.edit = {}
         state.ready = None
+        state.cache = None
         self._count("live_states", -1)
 
     def state_bytes(self, state: RequestState) -> int:
@@ -280,9 +292,31 @@ class DiffusersRunner:
             unpark(state, state.parked_from)
             state.parked_from = None
 
+    def cache_metrics(self, state: RequestState) -> CacheMetrics | None:
+        """What the request's step cache did so far (L84); ``None`` without a policy."""
+        return None if state.cache is None else state.cache.metrics()
+
+    def set_cache_threshold(self, state: RequestState, threshold: float) -> None:
+        """Use ``threshold`` for the request's next model calls (first-block; L84)."""
+        cache = state.cache
+        if cache is None or cache.policy.kind != "first-block":
+            raise ValueError("set_cache_threshold: the request has no first-block cache")
+        if threshold != cache.threshold:
+            cache.threshold = threshold
+            cache.loosened = True
+
     def close(self) -> None:
-        """Remove the cancel points' hooks; the pipeline belongs to the caller and stays usable."""
+        """Remove the cancel points' hooks and the step cache's wrappers.
+
+        The pipeline belongs to the caller and stays usable.
+        """
         self._cancel_points.close()
+        self._step_cache.close()
+
+    @property
+    def step_cache_blocks(self) -> int:
+        """How many denoiser blocks carry the step cache's wrapper (L80); 0 once closed."""
+        return self._step_cache.count
 
     @property
     def cancel_point_count(self) -> int:

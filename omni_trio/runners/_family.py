@@ -20,6 +20,7 @@ import torch
 
 from .._request import GenerationRequest
 from ._chunks import DecodeChunks
+from ._stepcache import RequestCache
 
 __all__ = [
     "Family",
@@ -47,6 +48,8 @@ class RequestState:
     ``edit`` holds an inpainting request's own tensors (the image's latents, the
     noise, the mask; see ``_edit``); empty otherwise. ``timesteps`` are the ones
     that run: for an image with strength < 1, the last ``denoise_steps`` (L75).
+    ``cache`` is the request's step cache (``_stepcache.RequestCache``, L80-L82), or
+    ``None`` without a policy.
     """
 
     request_id: str
@@ -67,6 +70,7 @@ class RequestState:
     ready: Any = None
     #: Where the tensors that a suspension moved to host memory came from.
     parked_from: dict[int, torch.device] | None = None
+    cache: RequestCache | None = None
 
 
 def step_groups(calls: int, steps: int, order: int) -> list[int]:

@@ -27,6 +27,7 @@ from ._family import (
     unit_number,
     wan_denormalized,
 )
+from ._stepcache import expert_rows
 
 __all__ = ["LTXVideo", "Wan"]
 
@@ -169,8 +170,11 @@ class Wan(_Video):
         if not bool(high.any()):
             return self._call(self.pipe.transformer_2, rows, t, text)
         low = ~high
-        first = self._call(self.pipe.transformer, rows[high], t[high], text[high])
-        second = self._call(self.pipe.transformer_2, rows[low], t[low], text[low])
+        mask = high.tolist()  # known on the host already (the two syncs above)
+        with expert_rows(mask):  # the step cache's rows of each expert's call
+            first = self._call(self.pipe.transformer, rows[high], t[high], text[high])
+        with expert_rows([not row for row in mask]):
+            second = self._call(self.pipe.transformer_2, rows[low], t[low], text[low])
         out = first.new_empty((rows.shape[0], *first.shape[1:]))
         out[high] = first
         out[low] = second

@@ -21,6 +21,9 @@ omni_trio_workers_alive                   gauge      workers whose threads have 
 omni_trio_engine_steps_total              counter    member-steps the engine ran
 omni_trio_preemptions_total               counter    suspensions of running requests (L61)
 omni_trio_steps_after_abort_total         counter    member-steps run after an abort was asked
+omni_trio_cache_calls_total{decision}     counter    step-cached row-calls, computed or skipped
+omni_trio_cache_blocks_total{decision}    counter    step-cached row-blocks, computed or skipped
+omni_trio_cache_loosened_total            counter    requests whose threshold was loosened (L84)
 omni_trio_video_jobs{status}              gauge      video jobs held now by status (L73)
 omni_trio_video_bytes                     gauge      MP4 bytes the finished video jobs hold now
 ========================================  =========  ==========================================
@@ -211,6 +214,27 @@ class ServeMetrics:
             buckets=_FAST,
             registry=registry,
         )
+        # L84: what the requests' step caches did, summed when each ends.
+        self.cache_calls = Counter(
+            "omni_trio_cache_calls",
+            "Row-calls of step-cached requests, computed (every block) or skipped.",
+            ["decision"],
+            registry=registry,
+        )
+        self.cache_blocks = Counter(
+            "omni_trio_cache_blocks",
+            "Row-blocks of step-cached requests, computed or skipped.",
+            ["decision"],
+            registry=registry,
+        )
+        for decision in ("computed", "skipped"):
+            self.cache_calls.labels(decision=decision)
+            self.cache_blocks.labels(decision=decision)
+        self.cache_loosened = Counter(
+            "omni_trio_cache_loosened",
+            "Requests whose step-cache threshold was loosened to meet their deadline.",
+            registry=registry,
+        )
         self.abort_latency = Histogram(
             "omni_trio_abort_latency_seconds",
             "Time from an abort request to the worker releasing the request.",
@@ -289,7 +313,7 @@ class ServeMetrics:
             self.observe(handle.metrics)
 
     def observe(self, metrics: RequestMetrics) -> None:
-        """Record a terminal request's timings."""
+        """Record a terminal request's timings, and what its step cache did."""
         self.queue_wait.observe(metrics.queue_wait_s)
         if metrics.steps_done > 0:
             self.execution.observe(metrics.exec_s)
@@ -298,6 +322,14 @@ class ServeMetrics:
             self.output_ready.observe(metrics.output_ready_wait_s)
         if metrics.abort_latency_s is not None:
             self.abort_latency.observe(metrics.abort_latency_s)
+        cache = metrics.cache
+        if cache is not None:
+            self.cache_calls.labels(decision="computed").inc(cache.calls_computed)
+            self.cache_calls.labels(decision="skipped").inc(cache.calls_skipped)
+            self.cache_blocks.labels(decision="computed").inc(cache.blocks_computed)
+            self.cache_blocks.labels(decision="skipped").inc(cache.blocks_skipped)
+            if cache.loosened:
+                self.cache_loosened.inc()
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""

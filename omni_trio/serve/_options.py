@@ -42,6 +42,7 @@ _DEFAULT_FIELDS = {
     "height": "default_size",
     "num_steps": "default_steps",
     "guidance_scale": "default_guidance_scale",
+    "cache": "default_cache",  # engine_config.default_cache (L80)
 }
 
 
@@ -49,7 +50,8 @@ class OptionError(ValueError):
     """A default of ``ServiceOptions`` that the model refuses; ``option`` names the field.
 
     Args:
-        option: the field of ``ServiceOptions`` (``default_size``, ``video_fps``, ...).
+        option: the field of ``ServiceOptions`` (``default_size``, ``video_fps``, ...;
+            ``default_cache`` for ``engine_config``'s).
         detail: what is wrong with it.
     """
 
@@ -205,7 +207,11 @@ def _check_defaults(
     capabilities = model.runners[0].capabilities
     frames = default_frames(videos.fps, videos.default_seconds, capabilities.frames)
     try:
-        probe = GenerationRequest(prompt="-", **with_defaults({}, config, num_frames=frames))
+        probe = GenerationRequest(
+            prompt="-",
+            cache=engine_config.default_cache,
+            **with_defaults({}, config, num_frames=frames),
+        )
         engine_config.check_request(probe)
         capabilities.check_request(probe)
     except InvalidRequestError as exc:

@@ -5,9 +5,11 @@ honoured (``prompt``, ``n``, ``size``, ``response_format``, ``output_format``,
 ``output_compression``, ``partial_images``, ``stream``, ``model``), the rest are
 type-checked and ignored (``quality``, ``style``, ``user``, ``moderation``, ...).
 Diffusion fields extend it: ``num_inference_steps``, ``guidance_scale``, ``seed``,
-``negative_prompt``, ``preview_every``, and scheduling: ``priority`` (at most the
+``negative_prompt``, ``preview_every``, scheduling: ``priority`` (at most the
 server's ``max_priority``) and ``deadline_ms`` (milliseconds after submission; the
-``X-Request-Deadline-Ms`` header says the same, and the earlier of the two wins).
+``X-Request-Deadline-Ms`` header says the same, and the earlier of the two wins),
+and ``cache``, the request's step-cache policy (L84): ``"KIND[:THRESHOLD]"`` or an
+object of ``StepCache``'s fields (absent: the server's ``--cache`` default).
 Anything else is refused, naming the field.
 
 Three stages, each refusing with a 400 that says what is wrong:
@@ -51,6 +53,7 @@ from .._request import (
     GenerationRequest,
     denoise_steps,
 )
+from .._stepcache import parse_step_cache
 from ._config import ServeConfig, with_defaults
 from ._errors import ApiError, api_error_from, invalid
 
@@ -58,6 +61,7 @@ __all__ = [
     "DEADLINE_HEADER",
     "HUGE_DIGITS",
     "KNOWN_FIELDS",
+    "CachePolicy",
     "GenerationBody",
     "ImageJob",
     "check_model",
@@ -167,6 +171,9 @@ Text = Annotated[str, AfterValidator(_unicode)]
 Count = Annotated[int, Field(ge=1, le=INT64_MAX)]
 Every = Annotated[int, Field(ge=0, le=INT64_MAX)]
 Number = Annotated[float, Field(allow_inf_nan=False)]
+#: A step-cache policy (L84): ``"first-block:0.1"``, or ``{"kind": "first-block", ...}``;
+#: its fields are checked by ``StepCache`` (stage 3), naming ``cache``.
+CachePolicy = Text | dict[str, Any]
 
 
 class GenerationBody(BaseModel):
@@ -198,6 +205,7 @@ class GenerationBody(BaseModel):
     preview_every: Every | None = None
     priority: Annotated[int, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] | None = None
     deadline_ms: Annotated[int, Field(ge=1, le=MAX_DEADLINE_MS)] | None = None
+    cache: CachePolicy | None = None
     # OpenAI fields accepted and ignored.
     quality: Text | None = None
     style: Text | None = None
@@ -506,6 +514,7 @@ def job_from_body(
             preview_every=_preview_every(parsed, max(runs, 1)),
             priority=priority,
             deadline_s=deadline_s,
+            cache=parse_step_cache(parsed.cache),
             **(edit or {}),
         )
     except InvalidRequestError as exc:

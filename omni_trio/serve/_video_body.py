@@ -9,8 +9,9 @@ are read into the same strict model (form text typed by ``_forms``, as for
   ``seconds`` (a positive number, as text or a number), ``size`` (``"WxH"``);
   ``input_reference`` is refused (no image-to-video here);
 - the extensions: ``num_frames`` (instead of ``seconds``), ``num_inference_steps``,
-  ``guidance_scale``, ``seed``, ``negative_prompt``, ``priority`` and
-  ``deadline_ms`` (and the ``X-Request-Deadline-Ms`` header), as for images.
+  ``guidance_scale``, ``seed``, ``negative_prompt``, ``priority``,
+  ``deadline_ms`` (and the ``X-Request-Deadline-Ms`` header) and ``cache`` (the
+  step-cache policy, L84), as for images.
 
 ``seconds`` becomes a frame count: ``seconds x fps`` rounded, then moved to the
 nearest count the runner's frame rule (``RunnerCapabilities.frames``: ``F % a ==
@@ -32,10 +33,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .._errors import InvalidRequestError
 from .._request import MAX_DEADLINE_S, MAX_NUM_FRAMES, MAX_PRIORITY, GenerationRequest
+from .._stepcache import parse_step_cache
 from ._config import Admission, ServeConfig, with_defaults
 from ._errors import api_error_from, invalid
 from ._forms import check_known, form_value
 from ._schema import (
+    CachePolicy,
     Count,
     Number,
     Text,
@@ -83,6 +86,7 @@ class VideoBody(BaseModel):
     negative_prompt: Text | None = None
     priority: Annotated[int, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] | None = None
     deadline_ms: Annotated[int, Field(ge=1, le=int(MAX_DEADLINE_S * 1000))] | None = None
+    cache: CachePolicy | None = None
 
 
 #: Every field the body may have.
@@ -228,6 +232,7 @@ def video_spec(
             seed=parsed.seed,
             priority=checked_priority(parsed.priority, config),
             deadline_s=deadline_seconds(parsed.deadline_ms, deadline_header),
+            cache=parse_step_cache(parsed.cache),
         )
         if admission is not None:
             admission.check(request)

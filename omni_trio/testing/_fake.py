@@ -15,6 +15,7 @@ import torch
 from .._cancelpoint import cancel_point
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities
+from .._stepcache import CacheMetrics, StepCache
 
 __all__ = ["FakeRunner", "FakeState", "GatedRunner"]
 
@@ -39,6 +40,10 @@ class FakeState:
     on_host: bool = False
     #: The request's ``num_frames`` (a video runner's, L70), else ``None``.
     frames: int | None = None
+    #: The request's step-cache policy (with ``step_cache``, L80), else ``None``.
+    cache: StepCache | None = None
+    #: Every threshold ``set_cache_threshold`` set for it, in order (L84).
+    cache_thresholds: list[float] | None = None
 
 
 class FakeRunner:
@@ -64,6 +69,10 @@ class FakeRunner:
             ``cancel_point()`` before each; ``step_seconds`` is spread over
             the blocks. A step's states change only after its last block, so a
             step left mid-way changes nothing.
+        step_cache: it declares ``step_cache`` (L80-L84) for both kinds and keeps
+            each request's policy; it skips nothing (its images are those of no
+            policy), reports every row-call computed in ``cache_metrics``, and
+            records the thresholds the engine sets (``FakeState.cache_thresholds``).
 
     Counters (read them from any thread): ``live_states`` (states held now),
     ``prepares``, ``steps_run`` (member-steps), ``batch_steps`` (``step`` calls
@@ -83,6 +92,7 @@ class FakeRunner:
         suspendable: bool = True,
         frames: tuple[int, int] | None = None,
         blocks: int = 0,
+        step_cache: bool = False,
     ) -> None:
         if blocks < 0:
             raise ValueError(f"blocks: must be >= 0, got {blocks}")
@@ -99,6 +109,7 @@ class FakeRunner:
             suspendable=suspendable,
             frames=frames,
             cancel_points=blocks > 0,
+            step_cache=frozenset({"first-block", "taylorseer"}) if step_cache else frozenset(),
         )
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -140,7 +151,17 @@ class FakeRunner:
         )
         code = (zlib.crc32(request.prompt.encode()) % 1000) / 1000.0
         self._count(prepares=1, live_states=1)
-        return FakeState(request_id, latents, code, 0, request.num_steps, frames=request.num_frames)
+        cache = request.cache if request.cache is not None and request.cache.skips else None
+        return FakeState(
+            request_id,
+            latents,
+            code,
+            0,
+            request.num_steps,
+            frames=request.num_frames,
+            cache=cache,
+            cache_thresholds=[] if cache is not None else None,
+        )
 
     def step(self, states: Sequence[FakeState]) -> None:
         """Advance each state by one step; sleep ``step_seconds`` once.
@@ -222,6 +243,31 @@ class FakeRunner:
         else:
             self._count(live_states=-1)
 
+    def cache_metrics(self, state: FakeState) -> CacheMetrics | None:
+        """Every row-call computed (nothing skips); the last threshold set, if any."""
+        policy = state.cache
+        if policy is None:
+            return None
+        rows = state.latents.shape[0]
+        thresholds = state.cache_thresholds or []
+        return CacheMetrics(
+            kind=policy.kind,
+            calls_computed=state.steps_done * rows,
+            calls_skipped=0,
+            blocks_computed=state.steps_done * rows * max(self.blocks, 1),
+            blocks_skipped=0,
+            threshold=thresholds[-1] if thresholds else policy.threshold,
+            loosened=bool(thresholds),
+            pattern=("C" * state.steps_done,) * rows,
+        )
+
+    def set_cache_threshold(self, state: FakeState, threshold: float) -> None:
+        """Record ``threshold`` (L84)."""
+        self._check_usable(state, "set_cache_threshold")
+        if state.cache_thresholds is None:
+            raise RuntimeError(f"FakeRunner: {state.request_id} has no step cache")
+        state.cache_thresholds.append(threshold)
+
     def state_bytes(self, state: FakeState) -> int:
         """The bytes of the state's latents."""
         return state.latents.nbytes
@@ -281,6 +327,7 @@ class GatedRunner(FakeRunner):
         frames: tuple[int, int] | None = None,
         blocks: int = 0,
         gate_blocks: bool = False,
+        step_cache: bool = False,
     ) -> None:
         super().__init__(
             step_seconds=step_seconds,
@@ -289,6 +336,7 @@ class GatedRunner(FakeRunner):
             suspendable=suspendable,
             frames=frames,
             blocks=blocks,
+            step_cache=step_cache,
         )
         if gate_blocks and not blocks:
             raise ValueError("gate_blocks: needs blocks > 0")

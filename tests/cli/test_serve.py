@@ -38,6 +38,8 @@ SERVERS = ["hypercorn", "uvicorn"]
         (["--default-guidance", "nan"], "argument --default-guidance: expected a finite number"),
         (["--max-priority", "-1"], "argument --max-priority: expected an integer from 0 to"),
         (["--torch-threads", "0"], "argument --torch-threads: expected an integer from 1 to 4096"),
+        (["--cache", "fast"], "argument --cache: expected KIND[:THRESHOLD], cache: kind: must"),
+        (["--cache", "first-block:0.1"], "--cache: the model refuses it: cache: this runner"),
     ],
 )
 def test_a_bad_option_is_one_line_and_status_2(args: list[str], text: str) -> None:

@@ -14,7 +14,6 @@ Sizes: 32 x 32 px, 9 frames (it keeps both frame rules: Wan 4k + 1, LTX-Video 8k
 from __future__ import annotations
 
 import sys
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,15 @@ from omni_trio.runners import DiffusersRunner, RunnerCapabilities
 from omni_trio.runners._family import RequestState
 from omni_trio.testing import FakeRunner
 from tests.support.core import BUDGET
-from tests.support.runners import FRAMES, SIZE, GatedDiffusers, reference, request, tiny
+from tests.support.runners import (
+    FRAMES,
+    SIZE,
+    GatedDiffusers,
+    reference,
+    request,
+    tiny,
+    two_experts,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -172,19 +179,6 @@ async def test_a_bad_video_fails_the_request_naming_the_violation(how: str, mess
                 await engine.generate(request("wan", num_steps=1), request_id="bad")
     assert isinstance(info.value.__cause__, ot.InvalidOutputError)
     assert str(info.value) == f"request 'bad' failed: the runner's decode returned {message}"
-
-
-@cache
-def two_experts() -> Any:
-    """Tiny Wan 2.2: ``transformer`` above the boundary timestep, ``transformer_2`` below."""
-    import importlib
-
-    # Untyped: diffusers' constructors carry no annotations.
-    diffusers: Any = importlib.import_module("diffusers")
-    base = tiny("wan")
-    torch.manual_seed(1)
-    second = diffusers.WanTransformer3DModel(**base.transformer.config).eval()
-    return diffusers.WanPipeline(**{**base.components, "transformer_2": second}, boundary_ratio=0.5)
 
 
 async def test_wan_two_experts_alone_and_with_rows_of_both_in_one_step() -> None:

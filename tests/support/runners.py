@@ -39,6 +39,19 @@ def tiny(kind: str) -> Any:
     return tiny_pipeline(kind)
 
 
+@cache
+def two_experts() -> Any:
+    """Tiny Wan 2.2: ``transformer`` above the boundary timestep, ``transformer_2`` below."""
+    import importlib
+
+    # Untyped: diffusers' constructors carry no annotations.
+    diffusers: Any = importlib.import_module("diffusers")
+    base = tiny("wan")
+    torch.manual_seed(1)
+    second = diffusers.WanTransformer3DModel(**base.transformer.config).eval()
+    return diffusers.WanPipeline(**{**base.components, "transformer_2": second}, boundary_ratio=0.5)
+
+
 def request(kind: str, **fields: Any) -> ot.GenerationRequest:
     """A small guided request for ``kind``; ``fields`` override the defaults.
 

@@ -1,0 +1,756 @@
+"""Step caching inside ``DiffusersRunner``'s model calls, row by row (L80-L84).
+
+The runner owns the cache, never diffusers' global hooks. At construction it wraps
+the ``forward`` of every block of each DiT denoiser (``transformer``, and Wan 2.2's
+``transformer_2``, whose rows keep caches of their own) once: an instance attribute,
+counted per module as the cancel points' hooks are and removed by the last runner's
+``close``. A forward pre-hook runs before ``forward``, so the cancel point (L71)
+still comes first, on skipped blocks too (L83).
+
+During one model call the runner sets a per-call context (``BlockCache.call``): which
+rows of the call belong to which request, and each request's ``RequestCache`` (its
+policy, per-row state, counters). Then, in the blocks:
+
+- the head (the first block of the first block list) runs for every row. A
+  first-block row's change ratio is ``mean|r - r'| / mean|r'|``, ``r`` the head's
+  residual (output minus input hidden states) and ``r'`` that of the last call the
+  row computed, each on the row's own tensors, exactly as diffusers'
+  ``FirstBlockCache`` computes it for one row; every row's ratio is read with one
+  host sync per model call (``.tolist()`` of a stacked tensor), never per block. A
+  TaylorSeer row decides from its call count alone (no sync);
+- a row skips when its ratio is below its threshold (first-block) or the call is
+  not on its compute schedule (taylorseer), after its warm-up; a skipping row's
+  hidden states are the head's output plus its cached (or forecast) residual of the
+  other blocks. The encoder (text) stream's output after the last block is read by
+  none of the covered transformers (Flux, SD3 and Qwen-Image discard it; Wan's and
+  LTX-Video's blocks do not return it), so no residual of it is kept: Qwen-Image
+  pads each call's text to its longest prompt, and such a residual would not even
+  keep its shape from one batch to the next. The last block of a call where some
+  rows skip returns ``None`` for it;
+- the other blocks (the tail) run only on the rows that compute: the head returns
+  their subset; per-row arguments (a small table per block class: ``_SPECS``) are
+  sliced, shared ones (rotary embeddings, attention kwargs) passed as they are; the
+  last block scatters back into full-batch outputs. When every row computes there is
+  no slicing at all; when no row of the call has a policy, the wrappers read one
+  thread-local and call the block;
+- updates (new residuals, counters, forecasts' differences) are kept aside and
+  committed only when the model call returned: a call left at a cancel point
+  (``StopRun`` from a block's pre-hook) or failed leaves every cache as it was
+  before it (L83).
+
+A request's decisions read only its own rows: the same skip pattern alone or in any
+batch (L81), up to a ratio that lies within batching's float noise of the threshold.
+The per-row state lives in the request's ``RequestState.cache``: created by
+``prepare``, counted by ``state_bytes``, moved by ``suspend``/``resume`` and dropped by
+``discard`` (L82). UNet denoisers are not wrapped: their blocks pass skip
+connections from the down to the up blocks, so a residual of "the other blocks" is
+not one tensor; a runner over a UNet declares no ``step_cache``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._request import GenerationRequest
+from .._stepcache import CacheMetrics, StepCache
+
+__all__ = ["BlockCache", "RequestCache", "expert_rows"]
+
+#: The kinds the wrappers apply.
+KINDS = frozenset({"first-block", "taylorseer"})
+
+#: The attributes of a DiT denoiser that hold its blocks, read in module order.
+_BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")
+#: The pipeline attributes that hold a DiT denoiser (Wan 2.2 has two experts).
+_DENOISERS = ("transformer", "transformer_2")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSpec:
+    """How a block class is called and what it returns.
+
+    ``params``: its ``forward``'s parameters, in order (positional arguments are
+    named by them). ``hidden_out``/``encoder_out``: where the hidden and the encoder
+    hidden states are in the tuple it returns (``hidden_out`` ``None``: it returns
+    the hidden states alone, and the encoder hidden states, if it takes them, are an
+    input of every block, not carried). ``per_row``: the other arguments with one row
+    per row of the call (sliced for the rows that compute); the rest are shared.
+    ``unset``: arguments that must be ``None`` (a variant the table does not cover).
+    """
+
+    params: tuple[str, ...]
+    hidden_out: int | None
+    encoder_out: int | None
+    per_row: frozenset[str]
+    unset: frozenset[str] = frozenset()
+
+    @property
+    def carries_encoder(self) -> bool:
+        return self.encoder_out is not None
+
+
+_FLUX = BlockSpec(
+    (
+        "hidden_states",
+        "encoder_hidden_states",
+        "temb",
+        "image_rotary_emb",
+        "joint_attention_kwargs",
+    ),
+    hidden_out=1,
+    encoder_out=0,
+    per_row=frozenset({"temb"}),
+)
+
+#: Block classes by name, checked against the installed diffusers' signatures at
+#: construction (a class whose ``forward`` differs is not wrapped: no step cache).
+_SPECS: dict[str, BlockSpec] = {
+    # Flux: image rotary embeddings are [tokens, dim], shared by every row.
+    "FluxTransformerBlock": _FLUX,
+    "FluxSingleTransformerBlock": _FLUX,
+    # SD3's MMDiT; its last block (context_pre_only) returns None for the encoder.
+    "JointTransformerBlock": BlockSpec(
+        ("hidden_states", "encoder_hidden_states", "temb", "joint_attention_kwargs"),
+        hidden_out=1,
+        encoder_out=0,
+        per_row=frozenset({"temb"}),
+    ),
+    # Qwen-Image: the text mask is per row, the rotary embeddings shared; with
+    # ``zero_cond_t`` (modulate_index) temb has two rows per row: not covered.
+    "QwenImageTransformerBlock": BlockSpec(
+        (
+            "hidden_states",
+            "encoder_hidden_states",
+            "encoder_hidden_states_mask",
+            "temb",
+            "image_rotary_emb",
+            "joint_attention_kwargs",
+            "modulate_index",
+        ),
+        hidden_out=1,
+        encoder_out=0,
+        per_row=frozenset({"encoder_hidden_states_mask", "temb"}),
+        unset=frozenset({"modulate_index"}),
+    ),
+    # Wan: called positionally; the text is an input of every block; rotary [1, ...].
+    "WanTransformerBlock": BlockSpec(
+        ("hidden_states", "encoder_hidden_states", "temb", "rotary_emb"),
+        hidden_out=None,
+        encoder_out=None,
+        per_row=frozenset({"encoder_hidden_states", "temb"}),
+    ),
+    # LTX-Video: its rotary embeddings have a row per row ([rows, tokens, dim]).
+    "LTXVideoTransformerBlock": BlockSpec(
+        (
+            "hidden_states",
+            "encoder_hidden_states",
+            "temb",
+            "image_rotary_emb",
+            "encoder_attention_mask",
+        ),
+        hidden_out=None,
+        encoder_out=None,
+        per_row=frozenset(
+            {"encoder_hidden_states", "temb", "image_rotary_emb", "encoder_attention_mask"}
+        ),
+    ),
+}
+
+
+def _spec_of(block: torch.nn.Module) -> BlockSpec | None:
+    """The block's spec, if its class is known and its ``forward`` takes what it says."""
+    spec = _SPECS.get(type(block).__name__)
+    if spec is None:
+        return None
+    params = tuple(inspect.signature(type(block).forward).parameters)[1:]
+    return spec if params == spec.params else None
+
+
+def denoiser_blocks(pipe: Any) -> list[list[torch.nn.Module]] | None:
+    """Each DiT denoiser's blocks in call order; ``None`` if a denoiser cannot be cached.
+
+    A denoiser can be cached when every block is of a known class and it has at
+    least two blocks (a head and a tail to skip). Empty for a UNet pipeline.
+    """
+    found: list[list[torch.nn.Module]] = []
+    for name in _DENOISERS:
+        denoiser = getattr(pipe, name, None)
+        if not isinstance(denoiser, torch.nn.Module):
+            continue
+        if getattr(denoiser, "zero_cond_t", False):
+            return None  # Qwen-Image-Edit's doubled timestep rows: not covered
+        blocks = [
+            block
+            for child, module in denoiser.named_children()
+            if child in _BLOCK_LISTS and isinstance(module, torch.nn.ModuleList)
+            for block in module
+        ]
+        if len(blocks) < 2 or any(_spec_of(block) is None for block in blocks):
+            return None
+        found.append(blocks)
+    return found
+
+
+# -- per-request state ------------------------------------------------------------------
+
+
+class RowCache:
+    """One row's cache on one denoiser: tensors (parked with the state) and counters.
+
+    ``tensors``: ``residual`` (the head's residual of the last computed call,
+    first-block), ``tail`` (the other blocks' residual of the hidden states at the
+    last computed call), and for taylorseer its finite differences ``tail_1`` and
+    ``tail_2``.
+    ``calls``: model calls the row made on this denoiser; ``run``: skipped in a row;
+    ``computed_at``: the call index of the last computed call.
+    """
+
+    __slots__ = ("calls", "computed_at", "run", "tensors")
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.calls = 0
+        self.run = 0
+        self.computed_at = -1
+
+
+@dataclass(eq=False)
+class RequestCache:
+    """A request's step cache: its policy, each row's caches, what it did (L82, L84)."""
+
+    policy: StepCache
+    rows: int
+    threshold: float | None
+    loosened: bool = False
+    #: Denoiser index -> one ``RowCache`` per row.
+    experts: dict[int, list[RowCache]] = field(default_factory=dict)
+    calls_computed: int = 0
+    calls_skipped: int = 0
+    blocks_computed: int = 0
+    blocks_skipped: int = 0
+    #: Per row, one character per model call: C computed, S skipped.
+    pattern: list[list[str]] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, request: GenerationRequest, rows: int) -> RequestCache | None:
+        """The cache of a request with ``rows`` rows per model call; ``None`` without policy."""
+        policy = request.cache
+        if policy is None or not policy.skips:
+            return None
+        return cls(policy, rows, policy.threshold, pattern=[[] for _ in range(rows)])
+
+    def row(self, denoiser: int, row: int) -> RowCache:
+        rows = self.experts.get(denoiser)
+        if rows is None:
+            rows = self.experts[denoiser] = [RowCache() for _ in range(self.rows)]
+        return rows[row]
+
+    def holders(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The dictionaries of this cache's tensors (to count and to park them, L82)."""
+        for rows in self.experts.values():
+            for row in rows:
+                yield row.tensors
+
+    def metrics(self) -> CacheMetrics:
+        """What it did so far."""
+        return CacheMetrics(
+            kind=self.policy.kind,
+            calls_computed=self.calls_computed,
+            calls_skipped=self.calls_skipped,
+            blocks_computed=self.blocks_computed,
+            blocks_skipped=self.blocks_skipped,
+            threshold=self.threshold,
+            loosened=self.loosened,
+            pattern=tuple("".join(calls) for calls in self.pattern),
+        )
+
+
+# -- one model call ---------------------------------------------------------------------
+
+
+@dataclass(eq=False, slots=True)
+class _Slot:
+    """A row of a model call that has a policy: its request's cache and its row there."""
+
+    cache: RequestCache
+    row: int
+
+
+@dataclass(eq=False, slots=True)
+class _Update:
+    """What a model call changes in one row's cache, committed when the call returns."""
+
+    cache: RequestCache
+    row: int
+    rows: RowCache
+    computed: bool
+    blocks: int
+    residual: torch.Tensor | None = None
+    tail: torch.Tensor | None = None
+
+    def commit(self) -> None:
+        cache, rows = self.cache, self.rows
+        cache.pattern[self.row].append("C" if self.computed else "S")
+        if self.computed:
+            cache.calls_computed += 1
+            cache.blocks_computed += self.blocks
+            rows.run = 0
+            if self.residual is not None:
+                rows.tensors["residual"] = self.residual
+            assert self.tail is not None  # the last block ran
+            if cache.policy.kind == "taylorseer":
+                _advance_forecast(rows, self.tail, order=cache.policy.order or 1)
+            else:
+                rows.tensors["tail"] = self.tail
+            rows.computed_at = rows.calls
+        else:
+            cache.calls_skipped += 1
+            cache.blocks_computed += 1  # the head
+            cache.blocks_skipped += self.blocks - 1
+            rows.run += 1
+        rows.calls += 1
+
+
+def _advance_forecast(rows: RowCache, tail: torch.Tensor, *, order: int) -> None:
+    """TaylorSeer: fold a computed residual into its finite differences, up to ``order``."""
+    tensors = rows.tensors
+    previous = tensors.get("tail")
+    tensors["tail"] = tail
+    if previous is None:
+        return
+    gap = rows.calls - rows.computed_at
+    first = (tail - previous) / gap
+    if order >= 2 and "tail_1" in tensors:
+        tensors["tail_2"] = (first - tensors["tail_1"]) / gap
+    tensors["tail_1"] = first
+
+
+def _forecast(rows: RowCache) -> torch.Tensor:
+    """TaylorSeer's forecast of the other blocks' residual at the row's current call."""
+    tensors = rows.tensors
+    forecast = tensors["tail"]
+    distance = rows.calls - rows.computed_at
+    first = tensors.get("tail_1")
+    if first is not None:
+        forecast = forecast + first * distance
+        second = tensors.get("tail_2")
+        if second is not None:
+            forecast = forecast + second * (distance * distance / 2)
+    return forecast
+
+
+class _Call:
+    """One model call's rows (per row: its ``_Slot`` or ``None``) and its pending updates."""
+
+    __slots__ = ("active", "forward", "slots", "updates")
+
+    def __init__(self, slots: list[_Slot | None]) -> None:
+        self.slots = slots
+        #: The rows of the denoiser forward under way (a Wan 2.2 expert's subset).
+        self.active = slots
+        self.updates: list[_Update] = []
+        #: The denoiser forward under way, from its head to its last block.
+        self.forward: _Forward | None = None
+
+    def commit(self) -> None:
+        for update in self.updates:
+            update.commit()
+
+
+_local = threading.local()
+
+
+def _current() -> _Call | None:
+    call: _Call | None = getattr(_local, "call", None)
+    return call
+
+
+@contextmanager
+def expert_rows(mask: Sequence[bool]) -> Iterator[None]:
+    """Inside, the model call's forward runs on the rows where ``mask`` holds (Wan 2.2)."""
+    call = _current()
+    if call is None:
+        yield
+        return
+    saved = call.active
+    call.active = [slot for slot, keep in zip(call.slots, mask, strict=True) if keep]
+    try:
+        yield
+    finally:
+        call.active = saved
+
+
+#: What the tail does in a denoiser forward: every row computes (the blocks run as they
+#: are), no row does (they pass the head's outputs on), or some do (sliced, scattered).
+_ALL, _NONE, _SOME = "all", "none", "some"
+
+
+@dataclass(eq=False, slots=True)
+class _Forward:
+    """One denoiser forward, from its head to its last block: what the tail blocks need."""
+
+    rows: int
+    mode: str
+    #: The rows that compute, as a device index (``_SOME`` only).
+    index: torch.Tensor | None = None
+    #: The final hidden states of the skipping rows, in row order (``None``: none skips).
+    skip_index: torch.Tensor | None = None
+    skip_hidden: torch.Tensor | None = None
+    #: The head's hidden states of the computing rows (their subset, or every row).
+    head_hidden: torch.Tensor | None = None
+    #: The updates that take the tail's residual, by position among computing rows.
+    tails: list[tuple[int, _Update]] = field(default_factory=list)
+    #: Per-row arguments already sliced for the computing rows, by id.
+    sliced: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+
+    def rows_of(self, name: str, value: Any) -> Any:
+        """A per-row argument's computing rows (one slice per call, shared by the blocks)."""
+        if value is None:
+            return None
+        if isinstance(value, tuple):
+            return tuple(self.rows_of(name, item) for item in value)
+        if not isinstance(value, torch.Tensor):
+            return value
+        known = self.sliced.get(id(value))
+        if known is not None and known[0] is value:
+            return known[1]
+        if value.shape[0] != self.rows:
+            raise RuntimeError(
+                f"step cache: the argument {name} has {value.shape[0]} rows where the model"
+                f" call has {self.rows}"
+            )
+        assert self.index is not None
+        sliced = value.index_select(0, self.index)
+        self.sliced[id(value)] = (value, sliced)
+        return sliced
+
+
+# -- the blocks' forward ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Role:
+    """What a wrapped block is: its spec, its denoiser and place, what ran before it."""
+
+    spec: BlockSpec
+    denoiser: int
+    blocks: int
+    head: bool
+    last: bool
+    #: The forward to call: the one that was there (the class's, or an instance's).
+    original: Any
+    #: An instance ``forward`` that was there before ours (a library's), to put back.
+    instance_forward: Any = None
+
+
+_ROLE = "_omni_trio_step_cache"
+
+
+def _argument(spec: BlockSpec, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    position = spec.params.index(name)
+    return args[position] if position < len(args) else None
+
+
+def _split(spec: BlockSpec, out: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if spec.hidden_out is None:
+        return out, None
+    assert spec.encoder_out is not None
+    return out[spec.hidden_out], out[spec.encoder_out]
+
+
+def _packed(spec: BlockSpec, hidden: torch.Tensor, encoder: torch.Tensor | None) -> Any:
+    """Outputs in the block's own form: the hidden states, or the tuple."""
+    if spec.hidden_out is None:
+        return hidden
+    assert spec.encoder_out is not None
+    out: list[torch.Tensor | None] = [None, None]
+    out[spec.hidden_out] = hidden
+    out[spec.encoder_out] = encoder
+    return tuple(out)
+
+
+def _block_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A wrapped block's ``forward``: see the module doc."""
+    role: _Role = self.__dict__[_ROLE]
+    call = _current()
+    if call is None:
+        return role.original(*args, **kwargs)
+    if role.head:
+        return _head(call, role, args, kwargs)
+    run = call.forward
+    if run is None or run.mode == _ALL:
+        out = role.original(*args, **kwargs)
+        if role.last and run is not None:
+            _record_tails(role.spec, run, out)
+            call.forward = None
+        return out
+    spec = role.spec
+    if run.mode == _NONE:
+        hidden = _argument(spec, "hidden_states", args, kwargs)
+        encoder = _argument(spec, "encoder_hidden_states", args, kwargs)
+        if role.last:
+            call.forward = None
+        return _packed(spec, hidden, encoder if spec.carries_encoder else None)
+    sliced = list(args)
+    for position, value in enumerate(args):
+        name = spec.params[position]
+        if name in spec.per_row:
+            sliced[position] = run.rows_of(name, value)
+    for name in spec.per_row.intersection(kwargs):
+        kwargs[name] = run.rows_of(name, kwargs[name])
+    out = role.original(*sliced, **kwargs)
+    if not role.last:
+        return out
+    call.forward = None
+    _record_tails(spec, run, out)
+    return _scattered(spec, run, out)
+
+
+def _record_tails(spec: BlockSpec, run: _Forward, out: Any) -> None:
+    """The last block ran: each computing cached row's residual of the other blocks."""
+    hidden, _ = _split(spec, out)
+    head = run.head_hidden
+    assert head is not None
+    for position, update in run.tails:
+        rows = slice(position, position + 1)
+        update.tail = hidden[rows] - head[rows]
+
+
+def _scattered(spec: BlockSpec, run: _Forward, out: Any) -> Any:
+    """The last block's hidden states for every row, in row order (the encoder's: ``None``)."""
+    hidden, _ = _split(spec, out)
+    assert run.index is not None and run.skip_index is not None and run.skip_hidden is not None
+    full = hidden.new_empty((run.rows, *hidden.shape[1:]))
+    full.index_copy_(0, run.index, hidden)
+    full.index_copy_(0, run.skip_index, run.skip_hidden)
+    return _packed(spec, full, None)
+
+
+def _head(call: _Call, role: _Role, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The head block: run it for every row, decide per row, hand the tail its rows."""
+    spec = role.spec
+    slots = call.active
+    for name in spec.unset:
+        if _argument(spec, name, args, kwargs) is not None:
+            raise RuntimeError(f"step cache: a block called with {name} is not covered")
+    if not any(slot is not None for slot in slots):
+        return role.original(*args, **kwargs)
+    hidden_in = _argument(spec, "hidden_states", args, kwargs)
+    out = role.original(*args, **kwargs)
+    hidden, encoder = _split(spec, out)
+    if hidden.shape[0] != len(slots):
+        raise RuntimeError(
+            f"step cache: the model call has {hidden.shape[0]} rows, its requests {len(slots)}"
+        )
+    updates = _decide(role, slots, hidden_in, hidden)
+    call.updates.extend(update for update in updates if update is not None)
+    computing = [i for i, update in enumerate(updates) if update is None or update.computed]
+    if len(computing) == len(slots):
+        # Every row computes: the tail runs as it is; only the residuals are kept.
+        run = _Forward(rows=len(slots), mode=_ALL, head_hidden=hidden)
+        run.tails = [(i, u) for i, u in enumerate(updates) if u is not None]
+        call.forward = run
+        return out
+    computes = set(computing)
+    skipping = [i for i in range(len(slots)) if i not in computes]
+    skip_hidden = _skip_hidden(skipping, updates, hidden)
+    if not computing:
+        # Every row skips: the head's outputs are final, the tail passes them on.
+        call.forward = _Forward(rows=len(slots), mode=_NONE)
+        return _packed(spec, skip_hidden, encoder)
+    device = hidden.device
+    index = torch.tensor(computing, device=device, dtype=torch.long)
+    run = _Forward(
+        rows=len(slots),
+        mode=_SOME,
+        index=index,
+        skip_index=torch.tensor(skipping, device=device, dtype=torch.long),
+        skip_hidden=skip_hidden,
+    )
+    call.forward = run
+    run.head_hidden = hidden.index_select(0, index)
+    head_encoder = None if encoder is None else encoder.index_select(0, index)
+    run.tails = [
+        (position, update)
+        for position, i in enumerate(computing)
+        if (update := updates[i]) is not None
+    ]
+    return _packed(spec, run.head_hidden, head_encoder)
+
+
+def _skip_hidden(
+    skipping: list[int], updates: list[_Update | None], hidden: torch.Tensor
+) -> torch.Tensor:
+    """The skipping rows' final hidden states: the head's plus the rest's cached residual."""
+    finals: list[torch.Tensor] = []
+    for i in skipping:
+        update = updates[i]
+        assert update is not None
+        rows = update.rows
+        # A row skips only once it has computed: its tail is there.
+        taylor = update.cache.policy.kind == "taylorseer"
+        tail = _forecast(rows) if taylor else rows.tensors["tail"]
+        # ``tail + head``, as diffusers adds them (the same bits either way round).
+        finals.append(tail + hidden[i : i + 1])
+    return finals[0] if len(finals) == 1 else torch.cat(finals)
+
+
+def _decide(
+    role: _Role, slots: list[_Slot | None], hidden_in: torch.Tensor, hidden: torch.Tensor
+) -> list[_Update | None]:
+    """Each row's update (``None``: no policy), its decision made; one host sync at most."""
+    updates: list[_Update | None] = []
+    ratios: list[torch.Tensor] = []
+    pending: list[_Update] = []
+    for i, slot in enumerate(slots):
+        if slot is None:
+            updates.append(None)
+            continue
+        cache = slot.cache
+        rows = cache.row(role.denoiser, slot.row)
+        update = _Update(cache, slot.row, rows, computed=True, blocks=role.blocks)
+        updates.append(update)
+        policy = cache.policy
+        if policy.kind == "taylorseer":
+            update.computed = _taylor_computes(policy, rows)
+            continue
+        one = slice(i, i + 1)
+        update.residual = residual = hidden[one] - hidden_in[one]
+        previous = rows.tensors.get("residual")
+        if (
+            rows.calls < (policy.warmup or 1)
+            or previous is None
+            or "tail" not in rows.tensors
+            or (policy.max_consecutive is not None and rows.run >= policy.max_consecutive)
+        ):
+            continue
+        # As diffusers' FirstBlockCache for one row: the same operations, the same shapes.
+        ratios.append((residual - previous).abs().mean() / previous.abs().mean())
+        pending.append(update)
+    if pending:
+        # One host sync for every row of the call (``.item()`` for a lone one).
+        values = [ratios[0].item()] if len(ratios) == 1 else torch.stack(ratios).tolist()
+        for update, ratio in zip(pending, values, strict=True):
+            threshold = update.cache.threshold
+            assert threshold is not None
+            # Skip when below: a NaN ratio (a zero residual) computes, and 0 never skips.
+            update.computed = not ratio < threshold
+    return updates
+
+
+def _taylor_computes(policy: StepCache, rows: RowCache) -> bool:
+    """TaylorSeer's schedule: the warm-up, then one call in ``interval``."""
+    warmup, interval = policy.warmup or 1, policy.interval or 1
+    if rows.calls < warmup or "tail" not in rows.tensors:
+        return True
+    return (rows.calls - warmup + 1) % interval == 0
+
+
+# -- installing the wrappers ------------------------------------------------------------
+
+_lock = threading.Lock()
+# block -> how many BlockCaches hold its wrapper; under _lock.
+_holders: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+class BlockCache:
+    """A runner's step cache: the blocks' wrappers, and each model call's context."""
+
+    def __init__(self, pipe: Any) -> None:
+        found = denoiser_blocks(pipe)
+        #: The kinds the runner declares (``RunnerCapabilities.step_cache``).
+        self.kinds: frozenset[str] = frozenset() if not found else KINDS
+        self._blocks: list[torch.nn.Module] = []
+        if not found:
+            return
+        with _lock:
+            for denoiser, blocks in enumerate(found):
+                for index, block in enumerate(blocks):
+                    self._wrap(block, denoiser, index, len(blocks))
+
+    def _wrap(self, block: torch.nn.Module, denoiser: int, index: int, count: int) -> None:
+        self._blocks.append(block)
+        held = _holders.get(block)
+        if held is not None:
+            _holders[block] = held + 1
+            return
+        spec = _spec_of(block)
+        assert spec is not None
+        # The forward that was there: the class's, or one a library put on the instance.
+        role = _Role(
+            spec,
+            denoiser,
+            count,
+            head=index == 0,
+            last=index == count - 1,
+            original=block.forward,
+            instance_forward=block.__dict__.get("forward"),
+        )
+        block.__dict__[_ROLE] = role
+        # A bound method, so a deep copy of the module rebinds it to the copy.
+        block.__dict__["forward"] = _block_forward.__get__(block)
+        _holders[block] = 1
+
+    def close(self) -> None:
+        """Let go of the wrappers; the last holder of a block's puts its forward back."""
+        blocks, self._blocks = self._blocks, []
+        with _lock:
+            for block in blocks:
+                held = _holders.get(block, 0) - 1
+                if held > 0:
+                    _holders[block] = held
+                    continue
+                _holders.pop(block, None)
+                role: _Role | None = block.__dict__.pop(_ROLE, None)
+                del block.__dict__["forward"]
+                if role is not None and role.instance_forward is not None:
+                    block.__dict__["forward"] = role.instance_forward
+
+    @property
+    def count(self) -> int:
+        """How many blocks this runner holds wrapped (0 once closed)."""
+        return len(self._blocks)
+
+    @contextmanager
+    def call(self, states: Sequence[Any], rows: Sequence[int]) -> Iterator[None]:
+        """Inside, one model call over ``states``' rows (``rows`` each), cached where asked.
+
+        The cache updates of the call are committed when the block ends normally only.
+        """
+        slots: list[_Slot | None] = []
+        cached = False
+        for state, count in zip(states, rows, strict=True):
+            cache: RequestCache | None = state.cache
+            if cache is None:
+                slots.extend([None] * count)
+                continue
+            if cache.rows != count:
+                raise RuntimeError(f"step cache: {count} rows where the request has {cache.rows}")
+            cached = True
+            slots.extend(_Slot(cache, row) for row in range(count))
+        if not cached:
+            yield
+            return
+        call = _Call(slots)
+        _local.call = call
+        try:
+            yield
+        finally:
+            _local.call = None
+        call.commit()
+
+
+def wrapped(block: torch.nn.Module) -> bool:
+    """Whether ``block``'s forward is the step cache's now."""
+    with _lock:
+        return block in _holders
