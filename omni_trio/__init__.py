@@ -47,8 +47,9 @@ The thread side (runs in the engine's own threads only):
 - ``_imagecheck``: the output contract, checked on every image and preview.
 - ``_failure``: a runner's exception made into a request's failure, formatted once
   and defensively, its frames cleared.
-- ``_scheduler``: the waiting queue, ranked by priority and deadline, batch formation
-  and the boundary policy (``plan_boundary``: pure, synchronous).
+- ``_queue``: the waiting queue, ranked by priority and deadline, and batch
+  formation (pure, synchronous).
+- ``_scheduler``: the boundary policy (``plan_boundary``: pure, synchronous).
 
 The seam between them:
 

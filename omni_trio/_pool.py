@@ -21,7 +21,7 @@ import enum
 import threading
 from typing import TYPE_CHECKING
 
-from ._scheduler import WaitingQueue
+from ._queue import WaitingQueue
 
 if TYPE_CHECKING:
     from ._worker import Worker

@@ -54,6 +54,7 @@ from ._imagecheck import checked_images
 from ._log import WORKER
 from ._materialize import Materializer
 from ._messages import Exited, Post, Stepped, died, discard_quietly, release
+from ._queue import WaitingQueue
 from ._reasons import AbortReason
 from ._runner import Runner, StopRun, SuspendableRunner, WholeCallRunner
 from ._scheduler import (
@@ -61,7 +62,6 @@ from ._scheduler import (
     BoundaryRules,
     Member,
     Preemption,
-    WaitingQueue,
     plan_boundary,
     plan_preemption,
     sources,

@@ -18,8 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import omni_trio as ot
-from omni_trio import _scheduler
-from omni_trio._scheduler import BoundaryRules, Member, Preemption, WaitingQueue, plan_boundary
+from omni_trio import _queue as queue_module
+from omni_trio._queue import WaitingQueue
+from omni_trio._scheduler import BoundaryRules, Member, Preemption, plan_boundary
 from tests.lifecycle.sched import Job, WorkerModel
 
 
@@ -158,7 +159,7 @@ def expected_take(
 
 
 @settings(max_examples=500)
-@given(ranked_ops, st.sampled_from([0, _scheduler._MIN_REBUILD]))
+@given(ranked_ops, st.sampled_from([0, queue_module._MIN_REBUILD]))
 def test_queue_matches_ranked_model(operations: list[tuple[str, object]], rebuild: int) -> None:
     """L60, L62: take returns the best-ranked items (priority, deadline, admission), one key.
 
@@ -172,7 +173,7 @@ def test_queue_matches_ranked_model(operations: list[tuple[str, object]], rebuil
     steps_of: dict[int, int] = {}
     created: list[Ranked] = []
     sequence = 0
-    with mock.patch.object(_scheduler, "_MIN_REBUILD", rebuild):
+    with mock.patch.object(queue_module, "_MIN_REBUILD", rebuild):
         for op, arg in operations:
             waiting = [item for _, item in model]
             if op == "push":
@@ -239,7 +240,7 @@ def test_withdrawn_entries_are_skipped_and_memory_stays_bounded() -> None:
         assert queue.remove(item)
     assert not queue.remove(items[0])
     assert len(queue) == 100
-    assert len(queue._heap) <= 2 * len(queue) + _scheduler._MIN_REBUILD
+    assert len(queue._heap) <= 2 * len(queue) + queue_module._MIN_REBUILD
     # Priority index % 3, highest first; then admission order.
     best_first = [item for _, _, item in sorted((-(i % 3), i, items[i]) for i in range(900, 1000))]
     assert queue.take(batch_key=None, free=1000, can_join=True) == best_first
@@ -262,7 +263,7 @@ def test_an_item_pushed_again_ranks_by_its_new_admission() -> None:
 def test_a_take_that_leaves_withdrawn_entries_behind_compacts_the_heap() -> None:
     """Takes, not only withdrawals, keep withdrawn entries from outnumbering waiting ones."""
     queue: WaitingQueue[Item] = WaitingQueue()
-    items = [Item(0) for _ in range(4 * _scheduler._MIN_REBUILD)]
+    items = [Item(0) for _ in range(4 * queue_module._MIN_REBUILD)]
     for item in items:
         queue.push(item, 0)
     half = len(items) // 2
@@ -270,7 +271,7 @@ def test_a_take_that_leaves_withdrawn_entries_behind_compacts_the_heap() -> None
         assert queue.remove(item)  # as many withdrawn as waiting: no rebuild yet
     assert queue.take(batch_key=None, free=half // 2, can_join=True) == items[: half // 2]
     assert len(queue) == half - half // 2
-    assert len(queue._heap) - len(queue) <= max(_scheduler._MIN_REBUILD, len(queue))
+    assert len(queue._heap) - len(queue) <= max(queue_module._MIN_REBUILD, len(queue))
 
 
 # -- the boundary policy -------------------------------------------------------
