@@ -260,6 +260,17 @@ TARGETS: tuple[Target, ...] = (
         met=lambda r: _s(r)["steps_wasted_per_missed"] <= 1.0,
     ),
     Target(
+        bench="deadline",
+        label="requests refused that the engine would have started at once (L62)",
+        target="0",
+        figure=lambda r: (
+            f"{_s(r)['refused_startable']:.0f} of {_s(r)['refused']:.0f} refused"
+            if "refused_startable" in _s(r)
+            else "not measured"
+        ),
+        met=lambda r: _s(r).get("refused_startable") == 0,
+    ),
+    Target(
         bench="ray",
         label="disconnect through Ray Serve: steps after the abort, max",
         target="≤ 1 step",
