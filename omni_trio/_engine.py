@@ -173,15 +173,18 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         except InvalidRequestError as exc:
             exc.request_id = request_id
             raise
+        key = self._capabilities.batch_key(request)
         deadline = None
         if request.deadline_s is not None:
-            workers = [self._workers[index] for index in self._alive]
-            check_deadline(request, request_id, workers=workers, pool=self._pool)
             deadline = anyio.current_time() + request.deadline_s
+            workers = [self._workers[index] for index in self._alive]
+            check_deadline(
+                request, request_id, key=key, deadline=deadline, workers=workers, pool=self._pool
+            )
         record = Record(
             request,
             request_id,
-            self._capabilities.batch_key(request),
+            key,
             event_buffer=self._config.event_buffer,
             deadline=deadline,
         )

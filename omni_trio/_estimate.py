@@ -2,12 +2,33 @@
 
 The timer that aborts a request once its deadline passed is ``_deadlines``; this is
 the check before it: ``submit`` asks whether the request could finish in time, from
-what the workers measured. Runs in the event loop's thread.
+what the workers measured and what waits. Runs in the event loop's thread.
+
+The estimate counts only the work that would run before the request:
+
+- the waiting work ranked ahead of it, on every queue (new requests and every
+  worker's suspended ones): requests of a higher priority, and of its priority
+  those whose deadline is earlier or equal (a newcomer is admitted after
+  everyone). That is ``WaitingQueue.steps_ahead``: a sum per priority above, a
+  prefix sum by deadline at its own (``_stepsums``);
+- per worker, its running batch's steps, and only when the request could neither
+  join that batch nor preempt it: the boundary policy's own rule
+  (``RunningBatch.steps_before``, ``_scheduler.make_room``), applied to the batch
+  the worker last published;
+- its own steps.
+
+A request that the engine would start at the next boundary (nothing ranked ahead
+of it, and an idle worker or a batch it can join or preempt) is never refused,
+whatever its own steps: refusing it would only turn away work that starts now.
+
+Cost, with n requests waiting, k distinct priorities among them, w workers of
+batches of at most b: O(k + log n) for the steps ahead, O(w b) for the batches,
+under the pool's lock (microseconds); never a scan of a queue.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
 from ._errors import DeadlineError
@@ -21,38 +42,62 @@ __all__ = ["check_deadline"]
 
 
 def check_deadline(
-    request: GenerationRequest, request_id: str, *, workers: Sequence[Worker], pool: Pool
+    request: GenerationRequest,
+    request_id: str,
+    *,
+    key: Hashable,
+    deadline: float,
+    workers: Sequence[Worker],
+    pool: Pool,
 ) -> None:
     """Refuse ``request`` if the estimate of its completion misses its deadline (L62).
 
-    The estimate, on the best of the live ``workers``, is its measured step time
-    (its moving average) times the steps ahead: those left of its running batch,
-    those of the waiting requests of equal or higher priority shared out over full
-    batches on every live worker, and the request's own. It errs towards admitting
-    (it assumes full batches; the timer aborts what still misses); while a live
-    worker has measured no step yet it admits. Cost: O(k + w), k the distinct
-    priorities waiting and w the workers, never a scan of the queue.
+    On the best of the live ``workers``: its measured step time (a moving
+    average) times the steps that would run before the request (see the module's
+    docstring), the ranked-ahead ones shared out over full batches on every live
+    worker, plus the request's own. It errs towards admitting (full batches; the
+    timer aborts what still misses); while a live worker has measured no step
+    yet, it admits.
+
+    Args:
+        request: the request, with its ``deadline_s``.
+        request_id: its id, for the error.
+        key: its batch key.
+        deadline: its absolute deadline on the queue's clock, as it would be ranked.
+        workers: the live workers.
+        pool: their queues.
 
     Raises:
         DeadlineError: the estimate exceeds ``request.deadline_s``.
     """
     deadline_s = request.deadline_s
-    measured = [(worker.step_s, worker.steps_left) for worker in workers]
-    if deadline_s is None or not measured:
+    if deadline_s is None or not workers:
         return
-    timed = [(step_s, left) for step_s, left in measured if step_s is not None]
-    if len(timed) < len(measured):
-        return
-    waiting = pool.steps_ahead(request.priority)
-    shared = -(-waiting // (workers[0].max_batch * len(workers)))
-    estimate, left, step_s = min(
-        ((left + shared + request.denoise_steps) * step_s, left, step_s) for step_s, left in timed
+    priority = request.priority
+    with pool.cond:
+        # One moment: the queues, and the batches the workers publish under this
+        # lock whenever a request moves between a queue and a batch.
+        ahead = pool.steps_ahead(priority, deadline)
+        batches = [worker.batch for worker in workers]
+    timed: list[tuple[int, float]] = []
+    for worker, batch in zip(workers, batches, strict=True):
+        if batch.step_s is None:
+            return
+        wait = batch.steps_before(key=key, priority=priority, rules=worker.rules)
+        timed.append((wait, batch.step_s))
+    if not ahead and any(wait == 0 for wait, _ in timed):
+        return  # it starts at the next boundary
+    shared = -(-ahead // (workers[0].max_batch * len(workers)))
+    own = request.denoise_steps
+    estimate, wait, step_s = min(
+        ((wait + shared + own) * step_s, wait, step_s) for wait, step_s in timed
     )
     if estimate > deadline_s:
-        steps = left + shared + request.denoise_steps
         raise DeadlineError(
             f"the deadline of {deadline_s:g} s cannot be met: the estimate is "
-            f"{estimate:.3f} s ({steps} steps of {step_s * 1e3:.1f} ms)",
+            f"{estimate:.3f} s ({wait + shared + own} steps of {step_s * 1e3:.1f} ms: "
+            f"{wait} of a running batch, {shared} for the {ahead} steps ranked ahead"
+            f" shared over full batches, {own} its own)",
             estimate_s=estimate,
             deadline_s=deadline_s,
             request_id=request_id,

@@ -81,11 +81,17 @@ class Pool:
             suspended = sum(len(worker.parked) for worker in self.workers)
             return len(self.fresh) + suspended, suspended
 
-    def steps_ahead(self, priority: int) -> int:
-        """The steps of the waiting requests of ``priority`` or higher, on every worker."""
+    def steps_ahead(self, priority: int, deadline: float) -> int:
+        """The steps of the waiting requests ranked ahead of a newcomer, on every queue.
+
+        The newcomer has ``priority`` and the absolute ``deadline`` (see
+        ``WaitingQueue.steps_ahead``): new requests and every worker's suspended ones.
+        """
         with self.cond:
-            steps = self.fresh.steps_ahead(priority)
-            return steps + sum(worker.parked.steps_ahead(priority) for worker in self.workers)
+            steps = self.fresh.steps_ahead(priority, deadline)
+            return steps + sum(
+                worker.parked.steps_ahead(priority, deadline) for worker in self.workers
+            )
 
     def withdraw(self, item: WorkItem) -> Withdrawal:
         """Remove ``item`` if it still waits; say what became of it.

@@ -22,9 +22,15 @@ amortised (the entry is forgotten at once and skipped when it reaches the top of
 the heap; the heap is rebuilt, in O(n), only once it holds more withdrawn entries
 than waiting ones, so it stays O(n) in size); ``take`` is O(log n) per heap entry
 it pops (each request taken, and each withdrawn entry it skips, once); ``drain``
-is O(n log n) (it sorts); ``len`` and membership are O(1) and exact;
-``steps_ahead`` is O(k), k the number of distinct priorities waiting (not a scan
-of the queue: a running sum of steps is kept per priority).
+is O(n log n) (it sorts); ``len`` and membership are O(1) and exact.
+
+Admission's estimate (L62) asks ``steps_ahead``: the steps of the items ranked
+ahead of a newcomer. A running sum of steps is kept per priority, and per
+priority the steps of the items with a deadline in a ``DeadlineSums`` (prefix
+sums by deadline, ``_stepsums``): ``steps_ahead`` is O(k + log n), k the number of
+distinct priorities waiting, never a scan of the queue. Keeping them adds
+O(log n) to ``push``, to ``remove`` and to each item ``take`` pops, for items
+with a deadline only.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ import heapq
 import math
 from collections.abc import Hashable, Sequence
 from typing import Generic, TypeVar
+
+from ._stepsums import DeadlineSums
 
 __all__ = ["Rank", "WaitingQueue", "best_of", "take"]
 
@@ -57,7 +65,7 @@ class WaitingQueue(Generic[T]):
     Items are compared by identity (the admission), never by request id.
     """
 
-    __slots__ = ("_entries", "_heap", "_sequence", "_steps")
+    __slots__ = ("_by_deadline", "_entries", "_heap", "_sequence", "_steps")
 
     def __init__(self) -> None:
         # The waiting items and their live heap entries: the exact count and
@@ -68,6 +76,9 @@ class WaitingQueue(Generic[T]):
         # The steps of the waiting items, summed per priority (for admission's
         # estimate, ``steps_ahead``); a priority whose sum reaches 0 is removed.
         self._steps: dict[int, int] = {}
+        # Those with a deadline, per priority, by deadline: what a newcomer of
+        # that priority waits behind (``steps_ahead``). An emptied one is removed.
+        self._by_deadline: dict[int, DeadlineSums] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -117,6 +128,11 @@ class WaitingQueue(Generic[T]):
         heapq.heappush(self._heap, entry)
         if steps:
             self._steps[priority] = self._steps.get(priority, 0) + steps
+            if deadline != math.inf:
+                sums = self._by_deadline.get(priority)
+                if sums is None:
+                    sums = self._by_deadline[priority] = DeadlineSums()
+                sums.add(deadline, sequence, steps)
         return sequence
 
     def best(self) -> tuple[T, Hashable, int] | None:
@@ -127,16 +143,21 @@ class WaitingQueue(Generic[T]):
         entry = self._best()
         return None if entry is None else (entry[3], entry[4], -entry[0])
 
-    def steps_ahead(self, priority: int) -> int:
-        """The steps of the waiting items of ``priority`` or higher.
+    def steps_ahead(self, priority: int, deadline: float) -> int:
+        """The steps of the waiting items ranked ahead of a newcomer (L62).
 
-        What a newcomer of ``priority`` waits behind, at most: it counts those of
-        equal priority whose deadline is later too (O(k), k the distinct priorities).
+        A newcomer of ``priority`` with the absolute ``deadline`` (finite) is
+        admitted after every waiting item, so those ranked ahead of it are the
+        items of a higher priority and those of its priority whose deadline is
+        ``deadline`` or earlier. O(k + log n): a sum per priority, k the distinct
+        priorities waiting, and a prefix sum by deadline at its own.
         """
-        return sum(steps for level, steps in self._steps.items() if level >= priority)
+        ahead = sum(steps for level, steps in self._steps.items() if level > priority)
+        sums = self._by_deadline.get(priority)
+        return ahead if sums is None else ahead + sums.through(deadline)
 
     def _forget_steps(self, entry: _Entry[T]) -> None:
-        priority, steps = -entry[0], entry[5]
+        priority, deadline, sequence, steps = -entry[0], entry[1], entry[2], entry[5]
         if not steps:
             return
         left = self._steps[priority] - steps
@@ -144,6 +165,11 @@ class WaitingQueue(Generic[T]):
             self._steps[priority] = left
         else:
             del self._steps[priority]
+        if deadline != math.inf:
+            sums = self._by_deadline[priority]
+            sums.remove(deadline, sequence)
+            if not sums:
+                del self._by_deadline[priority]
 
     def remove(self, item: T) -> bool:
         """Withdraw ``item``; return whether it was waiting."""
@@ -194,6 +220,7 @@ class WaitingQueue(Generic[T]):
         self._entries.clear()
         self._heap.clear()
         self._steps.clear()
+        self._by_deadline.clear()
         return [entry[3] for entry in entries]
 
 

@@ -28,6 +28,10 @@ to suspend for which newcomer (L61), whether to stop, whether to wait. The rules
 
 It costs O(b) for a batch of b members plus ``take``'s O(log n) per request taken:
 never a scan of a queue.
+
+Admission's estimate (L62) asks the same rule of a worker's published batch
+(``RunningBatch.steps_before``, through ``make_room``): whether a newcomer could
+start in it at the next boundary, and if not, how many steps it waits.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ __all__ = [
     "BoundaryRules",
     "Member",
     "Preemption",
+    "RunningBatch",
+    "make_room",
     "plan_boundary",
     "plan_preemption",
     "sources",
@@ -127,25 +133,28 @@ def sources(
     return (parked,) if busy and idle else (fresh, parked)
 
 
-def plan_preemption(
-    members: Sequence[Member[T]], queues: Sequence[WaitingQueue[T]], rules: BoundaryRules
-) -> Preemption[T] | None:
-    """The members to suspend so that the best-ranked waiting request starts (L61).
+def make_room(
+    members: Sequence[Member[T]], *, key: Hashable, priority: int, rules: BoundaryRules
+) -> tuple[T, ...] | None:
+    """What a newcomer with batch ``key`` and ``priority`` needs to start in this batch now.
 
-    Only members of strictly lower priority that were suspended fewer than
-    ``max_preemptions`` times qualify. When the newcomer could join the batch but
-    it is full, the lowest-ranked qualifying member makes room; when only an empty
-    batch lets it start (another batch key, or a runner that takes no joins),
-    every member must qualify, or none is suspended. Reads the queues, changes
-    nothing; ``None`` when nobody is suspended.
+    ``()`` when nothing: the batch is empty, or the newcomer may join it as it is
+    (its key, a free place, a runner that takes joins). Else, with preemption on
+    (L61), the members to suspend: only members of strictly lower priority that
+    were suspended fewer than ``max_preemptions`` times qualify; when the newcomer
+    could join the batch but it is full, the lowest-ranked qualifying member makes
+    room; when only an empty batch lets it start (another batch key, or a runner
+    that takes no joins), every member must qualify. ``None`` when it cannot start
+    at this boundary. The one rule both the boundary policy (``plan_preemption``)
+    and admission's estimate (``RunningBatch.steps_before``) apply.
     """
-    best = best_of(queues) if members else None
-    if best is None:
-        return None
-    newcomer, key, priority, _ = best
+    if not members:
+        return ()
     joinable = rules.can_join and key == members[0].key
     if joinable and len(members) < rules.max_batch:
-        return None  # it joins at this boundary anyway
+        return ()
+    if not rules.preempting:
+        return None
     eligible = [
         member
         for member in members
@@ -154,11 +163,64 @@ def plan_preemption(
     if not eligible:
         return None
     if joinable:
-        victim = max(eligible, key=lambda member: member.rank)
-        return Preemption(victims=(victim.item,), newcomer=newcomer)
+        return (max(eligible, key=lambda member: member.rank).item,)
     if len(eligible) < len(members):
         return None
-    return Preemption(victims=tuple(member.item for member in eligible), newcomer=newcomer)
+    return tuple(member.item for member in eligible)
+
+
+def plan_preemption(
+    members: Sequence[Member[T]], queues: Sequence[WaitingQueue[T]], rules: BoundaryRules
+) -> Preemption[T] | None:
+    """The members to suspend so that the best-ranked waiting request starts (L61).
+
+    The victims are ``make_room``'s for that request. Reads the queues, changes
+    nothing; ``None`` when nobody is suspended (it joins at this boundary anyway,
+    or it cannot start).
+    """
+    best = best_of(queues) if members else None
+    if best is None:
+        return None
+    newcomer, key, priority, _ = best
+    victims = make_room(members, key=key, priority=priority, rules=rules)
+    return Preemption(victims=victims, newcomer=newcomer) if victims else None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunningBatch:
+    """A worker's running batch as admission and statistics read it: one immutable view.
+
+    The worker publishes a new one whenever its batch changes (a boundary that
+    drops, admits or suspends; a step), by swapping one reference: a reader in
+    another thread sees one boundary's figures, never half of an update (L62).
+    """
+
+    #: The members, as the boundary policy sees them; their items are request ids.
+    members: tuple[Member[str], ...] = ()
+    #: Each member's steps done and steps in all, in the members' order.
+    steps: tuple[tuple[int, int], ...] = ()
+    #: The worker's measured step time (a moving average); ``None`` before its first.
+    step_s: float | None = None
+
+    @property
+    def steps_left(self) -> int:
+        """The steps until the batch is empty: its longest member's steps left."""
+        return max((total - done for done, total in self.steps), default=0)
+
+    def steps_before(self, *, key: Hashable, priority: int, rules: BoundaryRules) -> int:
+        """The steps this batch runs before a newcomer could start in it (L62).
+
+        0 when it could start at the next boundary (``make_room``: an empty
+        batch, a place to join, or members it preempts). Else, when it could join
+        but the batch is full, until the first member ends (the fewest steps
+        left); otherwise until the batch is empty (the most).
+        """
+        if make_room(self.members, key=key, priority=priority, rules=rules) is not None:
+            return 0
+        left = [total - done for done, total in self.steps]
+        if rules.can_join and key == self.members[0].key:
+            return min(left)
+        return max(left)
 
 
 def plan_boundary(

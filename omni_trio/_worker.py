@@ -62,6 +62,7 @@ from ._scheduler import (
     BoundaryRules,
     Member,
     Preemption,
+    RunningBatch,
     plan_boundary,
     plan_preemption,
     sources,
@@ -134,12 +135,14 @@ class Worker:
         # (reading one reference is atomic; a stale value is one step old).
         self.steps_run = 0
         self.batch_steps = 0
-        self.running = 0
-        # For admission's deadline estimate (L62): an exponential moving average
-        # of step durations (None until the first step), and the steps left of
-        # the running batch (its longest member's).
-        self.step_s: float | None = None
-        self.steps_left = 0
+        # The running batch as admission's estimate (L62) and statistics read it:
+        # one immutable view, swapped whole (``_publish``). It carries the moving
+        # average of step durations (None until the first step).
+        self.batch = RunningBatch()
+        self._step_s: float | None = None
+        # The items behind ``batch.members``, by identity: the members are rebuilt
+        # only when the batch's composition changes, not at every step.
+        self._view: tuple[WorkItem, ...] = ()
         self._materializer = Materializer(runner, post, self._die, name=f"{name}-materializer")
         self._thread = threading.Thread(target=self._run, name=f"{name}-worker", daemon=False)
 
@@ -157,6 +160,25 @@ class Worker:
     def max_batch(self) -> int:
         """The most requests one step runs together (the engine's and the runner's limit)."""
         return self._max_batch
+
+    @property
+    def rules(self) -> BoundaryRules:
+        """The rules its boundaries obey (admission's estimate applies them too, L62)."""
+        return self._rules
+
+    @property
+    def running(self) -> int:
+        """The members of its batch now (statistics)."""
+        return len(self.batch.members)
+
+    def assume_step_time(self, step_s: float) -> None:
+        """Read ``step_s`` as the measured step time until the next step is measured.
+
+        For ``omni_trio.testing.assume_step_time``: call it while this worker is
+        held in a step or idle, so that nothing publishes meanwhile.
+        """
+        self._step_s = step_s
+        self.batch = dataclasses.replace(self.batch, step_s=step_s)
 
     def let_go(self, item: WorkItem) -> bool:
         """Withdraw ``item`` if it is suspended here: its release follows. Under the lock."""
@@ -233,7 +255,7 @@ class Worker:
             self._post(died(exc, f"the engine's worker {self.name} died", worker=self.index))
         finally:
             running.clear()
-            self.running = 0
+            self._publish(running)
             self._materializer.stop(abandon=dead or self._fatal is not None)
             self._materializer.thread.join()
             with self._cond:
@@ -274,13 +296,12 @@ class Worker:
             admitted = self._preempt(running, plan.preempt)
         for index, item in enumerate(admitted):
             try:
-                self._prepare(item, running)
+                self._prepare(item, running, admitted[index + 1 :])
             except BaseException:
                 # The worker dies (L23): these states are in no list it discards.
                 for rest in admitted[index:]:
                     discard_quietly(self._runner, rest)
                 raise
-        self._note_left(running)
         return plan.stop
 
     def _release_all(self, dropped: Sequence[WorkItem]) -> None:
@@ -294,18 +315,43 @@ class Worker:
                     discard_quietly(self._runner, rest)
                 raise
 
-    def _note_left(self, running: list[WorkItem]) -> None:
-        self.running = len(running)
-        self.steps_left = max((item.steps_total - item.steps_done for item in running), default=0)
+    def _publish(self, items: Sequence[WorkItem]) -> None:
+        """Swap in the view of the batch ``items``, which admission reads (L62).
+
+        Called whenever the batch changes, and always before the release of a
+        member that left it is posted: whoever hears of that release (an
+        ``await engine.abort()`` that returned) reads a batch without it.
+        """
+        view = tuple(items)
+        members = self.batch.members
+        if len(view) != len(self._view) or any(
+            new is not old for new, old in zip(view, self._view, strict=True)
+        ):
+            members = tuple(
+                Member(
+                    item=item.request_id,
+                    key=item.batch_key,
+                    rank=item.rank(),
+                    preemptions=item.preemptions,
+                    stopped=False,
+                )
+                for item in view
+            )
+            self._view = view
+        self.batch = RunningBatch(
+            members=members,
+            steps=tuple((item.steps_done, item.steps_total) for item in view),
+            step_s=self._step_s,
+        )
 
     def _measured(self, elapsed: float) -> None:
         """Fold one batch step's duration into the moving average.
 
         One average per worker, not one per batch key: admission's estimate is
-        coarse anyway, and one float needs no lock (a dict of them would, to be read).
+        coarse anyway. The next ``_publish`` hands it to admission.
         """
-        average = self.step_s
-        self.step_s = elapsed if average is None else average + _STEP_WEIGHT * (elapsed - average)
+        average = self._step_s
+        self._step_s = elapsed if average is None else average + _STEP_WEIGHT * (elapsed - average)
 
     def _members(self, running: list[WorkItem]) -> list[Member[WorkItem]]:
         """The running batch as the boundary policy sees it; under the lock."""
@@ -349,10 +395,14 @@ class Worker:
                         item.token.cancel(AbortReason.SHUTDOWN)
                 if not plan.wait:
                     self._taken(plan.admit)
+                    if plan.drop or plan.admit:
+                        # Under the lock, as the queues change, and before any
+                        # release is posted: the batch about to step (L62).
+                        self._publish([*running, *plan.admit])
                     return plan
-                # Idle from here: whatever left the batch (a failed step, a whole
-                # call), statistics() must not count it while the worker waits.
-                self._note_left(running)
+                # Idle from here: nothing is left in the batch to count or estimate.
+                if self.batch.members:
+                    self._publish(running)
                 pool.idle += 1
                 try:
                     self._cond.wait()
@@ -389,6 +439,7 @@ class Worker:
                 sizes.append(runner.state_bytes(item.state))
             except Exception as exc:
                 running.remove(item)
+                self._publish(running)
                 release(self._runner, item, self._post, exc, call="state_bytes")
                 return self._no_preemption(running)
         limit = self._max_parked_bytes
@@ -400,6 +451,7 @@ class Worker:
                 if not self._pool.fresh.remove(newcomer):
                     self.parked.remove(newcomer)
                 self._taken([newcomer])
+                self._publish([*running, newcomer])
         if not stands:
             return self._no_preemption(running)
         for item, size in zip(victims, sizes, strict=True):
@@ -407,12 +459,14 @@ class Worker:
             try:
                 runner.suspend(item.state, to_host=self._park_on_host)
             except Exception as exc:
+                self._publish([*running, newcomer])
                 release(self._runner, item, self._post, exc, call="suspend")
                 continue
             with self._cond:
                 cut = item.token.reason is not None
                 if not cut:
                     self._park(item, size)
+                self._publish([*running, newcomer])
             if cut:
                 release(self._runner, item, self._post, None)
         return [newcomer]
@@ -445,24 +499,29 @@ class Worker:
         item.t_suspended = time.perf_counter()
         item.taken = False
 
-    def _prepare(self, item: WorkItem, running: list[WorkItem]) -> None:
+    def _prepare(
+        self, item: WorkItem, running: list[WorkItem], pending: Sequence[WorkItem]
+    ) -> None:
+        """Prepare (or resume) an admitted ``item`` into ``running``; ``pending`` come next."""
         if item.state is not None:
-            self._resume(item, running)
+            self._resume(item, running, pending)
             return
         item.t_taken = started = time.perf_counter()
         try:
             item.state = self._runner.prepare(item.request, item.request_id)
         except Exception as exc:
+            self._publish([*running, *pending])
             release(self._runner, item, self._post, exc, call="prepare")
             return
         item.prepare_s = time.perf_counter() - started
         running.append(item)
 
-    def _resume(self, item: WorkItem, running: list[WorkItem]) -> None:
+    def _resume(self, item: WorkItem, running: list[WorkItem], pending: Sequence[WorkItem]) -> None:
         """A suspended request is back: the runner brings its state back (L61)."""
         try:
             cast("SuspendableRunner[Any]", self._runner).resume(item.state)
         except Exception as exc:
+            self._publish([*running, *pending])
             release(self._runner, item, self._post, exc, call="resume")
             return
         suspended = item.t_suspended
@@ -474,9 +533,8 @@ class Worker:
     def _step(self, running: list[WorkItem]) -> None:
         if self._whole_call:
             for item in running:
-                self._run_whole(item)
+                self._run_whole(item)  # it publishes an empty batch before its release
             running.clear()
-            self.steps_left = 0
             return
         started = time.perf_counter()
         # L71: leave the step only when nobody is left to want it.
@@ -492,7 +550,7 @@ class Worker:
             # Left mid-step: no step counted, none measured; each keeps its own reason.
             dropped = running[:]
             running.clear()
-            self._note_left(running)
+            self._publish(running)
             self._release_all(dropped)
             return
         except Exception as exc:
@@ -501,21 +559,21 @@ class Worker:
         elapsed = time.perf_counter() - started
         self.batch_steps += 1
         self._measured(elapsed)
-        keep: list[WorkItem] = []
-        for item in running:
-            error = self._stepped(item, elapsed)
+        stepped = [(item, self._stepped(item, elapsed)) for item in running]
+        running[:] = [
+            item for item, error in stepped if error is None and item.steps_done < item.steps_total
+        ]
+        self._publish(running)
+        for item, error in stepped:
             if error is not None:
                 release(self._runner, item, self._post, error, call="preview")
             elif item.steps_done >= item.steps_total:
                 self._denoised(item)
-            else:
-                keep.append(item)
-        running[:] = keep
-        self._note_left(running)
 
     def _fail_batch(self, running: list[WorkItem], exc: Exception) -> None:
         """L22: the whole batch of this step fails; the engine goes on."""
         batch = tuple(item.request_id for item in running)
+        self._publish(())
         for item in running:
             release(self._runner, item, self._post, exc, call="step", batch=batch)
         running.clear()
@@ -555,7 +613,7 @@ class Worker:
             self.batch_steps += 1
             self._measured(now - last)
             error = self._stepped(item, now - last)
-            self.steps_left = item.steps_total - item.steps_done
+            self._publish((item,))
             last = now
             # L7, L21: the boundary check; raising stops the loop before any decode.
             if error is not None or item.token.reason is not None:
@@ -563,7 +621,11 @@ class Worker:
 
         runner = cast("WholeCallRunner[Any]", self._runner)
         try:
-            runner.run(item.state, on_step)
+            try:
+                runner.run(item.state, on_step)
+            finally:
+                # Out of the batch before its release is posted (L62).
+                self._publish(())
         except StopRun as stop:
             if error is None and item.token.reason is None:
                 # Not ours: the runner stopped itself. A failure, not a cancellation.

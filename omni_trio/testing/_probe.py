@@ -151,12 +151,12 @@ class WorkerProbe:
     @property
     def step_s(self) -> float | None:
         """The moving average of its batch steps' durations (L62); ``None`` before one."""
-        return self._worker.step_s
+        return self._worker.batch.step_s
 
     @property
     def steps_left(self) -> int:
         """The steps left of its running batch (its longest member's), for the estimate."""
-        return self._worker.steps_left
+        return self._worker.batch.steps_left
 
     @property
     def parked_bytes(self) -> int:
@@ -230,7 +230,7 @@ def assume_step_time(engine: Engine, step_s: float, *, worker: int = 0) -> None:
     next step: call it while the worker is held in a step (a ``GatedRunner`` at its
     gate) or idle, so that the estimate is exact.
     """
-    engine._workers[worker].step_s = step_s
+    engine._workers[worker].assume_step_time(step_s)
 
 
 class _CancelOnDelivery:
