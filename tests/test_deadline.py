@@ -180,7 +180,7 @@ async def test_unmeetable_deadline_is_refused_at_admission() -> None:
 
     The estimate is the step time times (the steps of a running batch it can
     neither join nor preempt + the steps ranked ahead of it, over full batches +
-    its own). Here the batch is full and of equal priority: until its member ends.
+    its own). Here the batch is full and of equal priority: its member's steps left.
     Nothing is admitted on refusal.
     """
     runner = GatedRunner()

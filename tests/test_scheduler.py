@@ -554,8 +554,8 @@ def test_a_published_batch_says_how_long_a_newcomer_waits() -> None:
     """L61, L62: admission reads a batch by the boundary policy's own rule (``make_room``).
 
     0 steps when the newcomer would start at the next boundary (an empty batch, a
-    free place of its key, members it may preempt); else until a place frees (a
-    full batch of its key: the fewest steps left) or the batch is empty (the most).
+    free place of its key, members it may preempt); else the batch's steps left
+    (its longest member's).
     """
     rules = BoundaryRules(max_batch=2, can_join=True, preempting=True, max_preemptions=1)
     assert _batch().steps_before(key=0, priority=0, rules=rules) == 0
@@ -564,11 +564,11 @@ def test_a_published_batch_says_how_long_a_newcomer_waits() -> None:
     assert one.steps_before(key=1, priority=0, rules=rules) == 8  # waits for the batch
     assert one.steps_before(key=1, priority=1, rules=rules) == 0  # suspends the batch
     full = _batch((0, 0, 0, 8), (0, 0, 1, 3))
-    assert full.steps_before(key=0, priority=0, rules=rules) == 3  # a place frees
+    assert full.steps_before(key=0, priority=0, rules=rules) == 8  # full: waits
     assert full.steps_before(key=0, priority=1, rules=rules) == 0  # suspends one member
     assert full.steps_before(key=1, priority=1, rules=rules) == 8  # not every member may go
     assert full.steps_left == 8
     off = dataclasses.replace(rules, preempting=False)
-    assert full.steps_before(key=0, priority=1, rules=off) == 3
+    assert full.steps_before(key=0, priority=1, rules=off) == 8
     alone = BoundaryRules(max_batch=1, can_join=False, preempting=False, max_preemptions=0)
     assert _batch((0, 0, 0, 5)).steps_before(key=0, priority=9, rules=alone) == 5
