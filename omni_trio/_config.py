@@ -37,6 +37,14 @@ class EngineConfig:
         max_height: largest ``height`` accepted, in pixels.
         max_width: largest ``width`` accepted, in pixels.
         max_num_images: largest ``num_images`` accepted.
+        max_frame_pixels: most frame pixels of a video request, ``num_images x
+            num_frames x height x width`` (L4): what its decode hands over, 12 bytes
+            each (float32 RGB). The default, 2**27 (134,217,728), is 1.5 GiB of
+            frames: 121 frames at 1024 x 1024, or 129 at 1280 x 720 (Wan's 720p)
+            times one video; a few GB of memory with the MP4 written from it, on a
+            CPU box. It counts every video of the request because one decode makes
+            them all (the chunks of a chunked decode land in one output). Without
+            it the other limits admit 4,320 frames at 2048 x 2048: 217 GB.
         max_prompt_chars: longest prompt (and negative prompt) accepted.
         preemption: whether a waiting request of strictly higher priority may
             suspend a running one at a step boundary when it cannot start
@@ -62,6 +70,7 @@ class EngineConfig:
     max_height: int = 2048
     max_width: int = 2048
     max_num_images: int = 16
+    max_frame_pixels: int = 2**27
     max_prompt_chars: int = 16_384
     preemption: bool = True
     max_preemptions: int = 2
@@ -78,6 +87,7 @@ class EngineConfig:
             "max_height",
             "max_width",
             "max_num_images",
+            "max_frame_pixels",
             "max_prompt_chars",
         ):
             # sys.maxsize: the sizes bound buffers and queues, which are C-sized.
@@ -124,3 +134,14 @@ class EngineConfig:
             text: str | None = getattr(request, name)
             if text is not None and len(text) > self.max_prompt_chars:
                 fail_request(name, f"longer than {self.max_prompt_chars} characters")
+        frames = request.num_frames
+        if frames is not None:
+            pixels = request.num_images * frames * request.height * request.width
+            if pixels > self.max_frame_pixels:
+                fail_request(
+                    "num_frames",
+                    f"num_images x num_frames x height x width = {request.num_images} x"
+                    f" {frames} x {request.height} x {request.width} = {pixels:,} frame"
+                    f" pixels, over the engine's max_frame_pixels of"
+                    f" {self.max_frame_pixels:,}",
+                )
