@@ -33,6 +33,13 @@ class EngineConfig:
             events replace older ones.
         shutdown_grace: seconds running requests get to finish when the engine
             closes; 0 stops them at the next step boundary.
+        stop_timeout_s: seconds the engine waits for its workers, once shutdown
+            cut the running requests (after the grace), before it logs at ERROR
+            each worker that has not exited, with the requests it holds (L37). It
+            keeps waiting: a thread cannot be killed, and ``aclose`` returns only
+            once they exited (L35). The default, 10 s, is far longer than a step
+            with cancel points takes to stop (a block), and shorter than what a
+            service manager waits before it kills a process (systemd: 90 s).
         max_steps: largest ``num_steps`` accepted.
         max_height: largest ``height`` accepted, in pixels.
         max_width: largest ``width`` accepted, in pixels.
@@ -46,6 +53,17 @@ class EngineConfig:
             them all (the chunks of a chunked decode land in one output). Without
             it the other limits admit 4,320 frames at 2048 x 2048: 217 GB.
         max_prompt_chars: longest prompt (and negative prompt) accepted.
+        max_step_s: the longest one denoise step of a request alone may take, by
+            the worker's measured cost per pixel (a moving average of its batch
+            steps' seconds over ``num_images x height x width x max(1,
+            num_frames)``): a request whose own step would take longer is refused
+            at ``submit`` naming its size (L4); before a step is measured, it
+            admits. An abort, a deadline and shutdown land at a step boundary or
+            a cancel point, so this bounds how long one request can hold a
+            worker past them. The default, 30 s, is what an orchestrator waits
+            for a process to stop (Kubernetes' default grace period): a longer
+            step could not be stopped before the process is killed. ``None``: no
+            bound.
         preemption: whether a waiting request of strictly higher priority may
             suspend a running one at a step boundary when it cannot start
             otherwise (L61; only with a runner that declares ``suspendable``).
@@ -72,6 +90,8 @@ class EngineConfig:
     max_num_images: int = 16
     max_frame_pixels: int = 2**27
     max_prompt_chars: int = 16_384
+    max_step_s: float | None = 30.0
+    stop_timeout_s: float = 10.0
     preemption: bool = True
     max_preemptions: int = 2
     park_on_host: bool = False
@@ -118,6 +138,13 @@ class EngineConfig:
             object.__setattr__(self, "torch_threads", threads)
         grace = check_float(fail_config, "shutdown_grace", self.shutdown_grace, minimum=0.0)
         object.__setattr__(self, "shutdown_grace", grace)
+        stop = check_float(fail_config, "stop_timeout_s", self.stop_timeout_s, minimum=0.0)
+        object.__setattr__(self, "stop_timeout_s", stop)
+        if self.max_step_s is not None:
+            step = check_float(fail_config, "max_step_s", self.max_step_s, minimum=0.0)
+            if step == 0.0:
+                fail_config("max_step_s", "must be > 0 (None: no bound), got 0.0")
+            object.__setattr__(self, "max_step_s", step)
 
     def check_request(self, request: GenerationRequest) -> None:
         """Raise ``InvalidRequestError`` naming the first field over this config's limits."""

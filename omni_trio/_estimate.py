@@ -1,4 +1,5 @@
-"""Admission's deadline estimate (L62): refuse a request whose deadline cannot be met.
+"""Admission's estimates: refuse a request whose deadline cannot be met (L62), or
+whose one step would hold a worker too long (L4).
 
 The timer that aborts a request once its deadline passed is ``_deadlines``; this is
 the check before it: ``submit`` asks whether the request could finish in time, from
@@ -24,6 +25,12 @@ whatever its own steps: refusing it would only turn away work that starts now.
 Cost, with n requests waiting, k distinct priorities among them, w workers of
 batches of at most b: O(k + log n) for the steps ahead, O(w b) for the batches,
 under the pool's lock (microseconds); never a scan of a queue.
+
+The step-time estimate (``check_step_time``, ``EngineConfig.max_step_s``) is the
+best worker's measured cost of a step per pixel times the request's own
+``step_pixels``: a step is left only at its end or at a cancel point, so a request
+whose one step alone would outlast the bound could hold its worker past any abort,
+deadline or shutdown. O(w).
 """
 
 from __future__ import annotations
@@ -31,14 +38,15 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
-from ._errors import DeadlineError
+from ._errors import DeadlineError, InvalidRequestError
+from ._workitem import step_pixels
 
 if TYPE_CHECKING:
     from ._pool import Pool
     from ._request import GenerationRequest
     from ._worker import Worker
 
-__all__ = ["check_deadline"]
+__all__ = ["check_deadline", "check_step_time"]
 
 
 def check_deadline(
@@ -102,3 +110,43 @@ def check_deadline(
             deadline_s=deadline_s,
             request_id=request_id,
         )
+
+
+def check_step_time(
+    request: GenerationRequest, *, workers: Sequence[Worker], limit: float | None
+) -> None:
+    """Refuse ``request`` if one step of it alone would take longer than ``limit`` (L4).
+
+    The estimate is the best live worker's measured cost per pixel times the
+    request's ``step_pixels``; while a live worker has measured no step yet, or
+    with no ``limit``, it admits.
+
+    Raises:
+        InvalidRequestError: the estimate exceeds ``limit``, naming the field to
+            make smaller: ``num_images`` when it is over 1, else ``num_frames`` for
+            a video, else ``height``.
+    """
+    costs = [worker.batch.pixel_s for worker in workers]
+    if limit is None or not costs:
+        return
+    measured = [cost for cost in costs if cost is not None]
+    if len(measured) < len(costs):
+        return
+    pixels = step_pixels(request)
+    estimate = min(measured) * pixels
+    if estimate <= limit:
+        return
+    if request.num_images > 1:
+        field = "num_images"
+    elif request.num_frames is not None:
+        field = "num_frames"
+    else:
+        field = "height"
+    frames = "" if request.num_frames is None else f" x {request.num_frames} frames"
+    raise InvalidRequestError(
+        f"one step of {request.num_images} x {request.height} x {request.width}{frames}"
+        f" ({pixels:,} pixels) would take about {estimate:.1f} s by the measured"
+        f" {min(measured) * 1e9:.1f} ns per pixel, over the engine's max_step_s of"
+        f" {limit:g} s: ask for fewer or smaller images",
+        field=field,
+    )

@@ -201,6 +201,9 @@ class RunningBatch:
     steps: tuple[tuple[int, int], ...] = ()
     #: The worker's measured step time (a moving average); ``None`` before its first.
     step_s: float | None = None
+    #: Its measured cost of a step per pixel (a moving average of a batch step's
+    #: seconds over its members' ``step_pixels``, L4); ``None`` before its first.
+    pixel_s: float | None = None
 
     @property
     def steps_left(self) -> int:

@@ -80,6 +80,11 @@ __all__ = ["Worker"]
 _STEP_WEIGHT = 0.2
 
 
+def _averaged(average: float | None, value: float) -> float:
+    """``average`` moved towards ``value`` by ``_STEP_WEIGHT``; ``value`` if there is none."""
+    return value if average is None else average + _STEP_WEIGHT * (value - average)
+
+
 class Worker:
     """Owns one runner, its step-loop thread, its materializer and its parked requests."""
 
@@ -137,9 +142,14 @@ class Worker:
         self.batch_steps = 0
         # The running batch as admission's estimate (L62) and statistics read it:
         # one immutable view, swapped whole (``_publish``). It carries the moving
-        # average of step durations (None until the first step).
+        # averages of step durations and of their cost per pixel (None until the
+        # first step).
         self.batch = RunningBatch()
         self._step_s: float | None = None
+        self._pixel_s: float | None = None
+        # When the step running now began (``time.perf_counter``), None between
+        # steps: what a stuck worker is doing, for statistics and shutdown's log.
+        self._step_started: float | None = None
         # The items behind ``batch.members``, by identity: the members are rebuilt
         # only when the batch's composition changes, not at every step.
         self._view: tuple[WorkItem, ...] = ()
@@ -171,14 +181,34 @@ class Worker:
         """The members of its batch now (statistics)."""
         return len(self.batch.members)
 
-    def assume_step_time(self, step_s: float) -> None:
-        """Read ``step_s`` as the measured step time until the next step is measured.
+    @property
+    def holding(self) -> tuple[str, ...]:
+        """The ids of the requests its threads hold now: its batch, and what it decodes."""
+        ids = tuple(member.item for member in self.batch.members)
+        decoding = self._materializer.decoding
+        return ids if decoding is None or decoding in ids else (*ids, decoding)
+
+    @property
+    def in_step_s(self) -> float | None:
+        """How long the step running now has run, in seconds; ``None`` between steps."""
+        started = self._step_started
+        return None if started is None else time.perf_counter() - started
+
+    @property
+    def thread_names(self) -> tuple[str, ...]:
+        """The names of its threads that are still alive."""
+        return tuple(thread.name for thread in self.threads if thread.is_alive())
+
+    def assume_step_time(self, step_s: float, *, pixel_s: float | None = None) -> None:
+        """Read ``step_s`` (and ``pixel_s``) as measured until the next step is measured.
 
         For ``omni_trio.testing.assume_step_time``: call it while this worker is
         held in a step or idle, so that nothing publishes meanwhile.
         """
         self._step_s = step_s
-        self.batch = dataclasses.replace(self.batch, step_s=step_s)
+        if pixel_s is not None:
+            self._pixel_s = pixel_s
+        self.batch = dataclasses.replace(self.batch, step_s=step_s, pixel_s=self._pixel_s)
 
     def let_go(self, item: WorkItem) -> bool:
         """Withdraw ``item`` if it is suspended here: its release follows. Under the lock."""
@@ -342,16 +372,17 @@ class Worker:
             members=members,
             steps=tuple((item.steps_done, item.steps_total) for item in view),
             step_s=self._step_s,
+            pixel_s=self._pixel_s,
         )
 
-    def _measured(self, elapsed: float) -> None:
-        """Fold one batch step's duration into the moving average.
+    def _measured(self, elapsed: float, pixels: int) -> None:
+        """Fold one batch step's duration, over ``pixels`` in all, into the moving averages.
 
-        One average per worker, not one per batch key: admission's estimate is
-        coarse anyway. The next ``_publish`` hands it to admission.
+        One average per worker, not one per batch key: admission's estimates are
+        coarse anyway. The next ``_publish`` hands them to admission.
         """
-        average = self._step_s
-        self._step_s = elapsed if average is None else average + _STEP_WEIGHT * (elapsed - average)
+        self._step_s = _averaged(self._step_s, elapsed)
+        self._pixel_s = _averaged(self._pixel_s, elapsed / max(1, pixels))
 
     def _members(self, running: list[WorkItem]) -> list[Member[WorkItem]]:
         """The running batch as the boundary policy sees it; under the lock."""
@@ -536,13 +567,16 @@ class Worker:
                 self._run_whole(item)  # it publishes an empty batch before its release
             running.clear()
             return
-        started = time.perf_counter()
+        self._step_started = started = time.perf_counter()
         # L71: leave the step only when nobody is left to want it.
         leave = Leave(lambda: all(item.token.reason is not None for item in running))
         try:
             # No local holds the states: a failure's traceback keeps this frame (L22).
             with armed(leave) if self._cancel_points else nullcontext():
-                self._runner.step([item.state for item in running])
+                try:
+                    self._runner.step([item.state for item in running])
+                finally:
+                    self._step_started = None
         except StopRun as stop:
             if not leave.left:
                 self._fail_batch(running, stop)
@@ -558,7 +592,7 @@ class Worker:
             return
         elapsed = time.perf_counter() - started
         self.batch_steps += 1
-        self._measured(elapsed)
+        self._measured(elapsed, sum(item.step_pixels for item in running))
         stepped = [(item, self._stepped(item, elapsed)) for item in running]
         running[:] = [
             item for item, error in stepped if error is None and item.steps_done < item.steps_total
@@ -611,20 +645,22 @@ class Worker:
                 item.steps_total = total
             now = time.perf_counter()
             self.batch_steps += 1
-            self._measured(now - last)
+            self._measured(now - last, item.step_pixels)
             error = self._stepped(item, now - last)
             self._publish((item,))
-            last = now
+            last = self._step_started = now
             # L7, L21: the boundary check; raising stops the loop before any decode.
             if error is not None or item.token.reason is not None:
                 raise StopRun
 
         runner = cast("WholeCallRunner[Any]", self._runner)
+        self._step_started = last
         try:
             try:
                 runner.run(item.state, on_step)
             finally:
                 # Out of the batch before its release is posted (L62).
+                self._step_started = None
                 self._publish(())
         except StopRun as stop:
             if error is None and item.token.reason is None:

@@ -17,7 +17,13 @@ import torch
 
 import omni_trio as ot
 from omni_trio.abc import RunnerCapabilities
-from omni_trio.testing import FakeRunner, GatedRunner, assert_engine_idle
+from omni_trio.testing import (
+    FakeRunner,
+    GatedRunner,
+    assert_engine_idle,
+    assume_step_time,
+    probe_engine,
+)
 from tests.support.core import BUDGET, req, solo_images
 
 pytestmark = pytest.mark.anyio
@@ -274,3 +280,42 @@ async def test_a_video_over_max_frame_pixels_is_refused_naming_the_bound() -> No
     images = ot.EngineConfig(max_frame_pixels=1)
     images.check_request(req())  # no num_frames: an image, not bounded by it
     assert ot.EngineConfig().max_frame_pixels == 2**27
+
+
+async def test_a_request_whose_one_step_would_outlast_max_step_s_is_refused() -> None:
+    """L4 (amended): by the measured cost per pixel, a request whose own step alone would
+    take longer than ``max_step_s`` is refused at ``submit``, naming its size field
+    and stating the estimate and the bound; before any step is measured, it admits.
+
+    With 1 ms per pixel and a bound of 30 s: 2 images of 128 x 128 (32,768 pixels,
+    32.8 s) are refused naming ``num_images``; one of 176 x 176 (31.0 s) naming
+    ``height``; 16 x 16 is admitted.
+    """
+    runner = GatedRunner()
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner, ot.EngineConfig(max_step_s=30)) as engine:
+            # Before any step is measured, what is refused below is admitted.
+            first = engine.submit(req(num_images=2, height=128, width=128), request_id="first")
+            await runner.wait_arrived(1)
+            assume_step_time(engine, 1.0, pixel_s=1e-3)
+            for fields, name, estimate in (
+                ({"num_images": 2, "height": 128, "width": 128}, "num_images", "32.8 s"),
+                ({"height": 176, "width": 176}, "height", "31.0 s"),
+            ):
+                with pytest.raises(ot.InvalidRequestError) as info:
+                    engine.submit(req(**fields), request_id="big")
+                assert info.value.field == name and info.value.request_id == "big"
+                assert estimate in str(info.value) and "max_step_s of 30 s" in str(info.value)
+            small = engine.submit(req(), request_id="small")
+            assert engine.statistics().admitted == 2
+            runner.open_gate()
+            for handle in (first, small):
+                async with handle:
+                    await handle.result()
+            [worker] = probe_engine(engine).workers
+            measured = worker.pixel_s
+            assert measured is not None and 0.0 < measured < math.inf
+        async with ot.open_engine(FakeRunner(), ot.EngineConfig(max_step_s=None)) as engine:
+            await engine.generate(req())
+            assume_step_time(engine, 1.0, pixel_s=1.0)  # idle: nothing overwrites it
+            await engine.generate(req(height=64, width=64))  # no bound
