@@ -82,24 +82,21 @@ def check_deadline(
     if deadline_s is None or not workers:
         return
     priority = request.priority
-    with pool.cond:
-        # One moment: the queues, and the batches the workers publish under this
-        # lock whenever a request moves between a queue and a batch.
-        ahead = pool.steps_ahead(priority, deadline)
-        batches = [worker.batch for worker in workers]
+    # One moment: the queues, and the batches the workers publish under this lock
+    # whenever a request moves between a queue and a batch.
+    ahead, batches = pool.admission_view(priority, deadline, workers)
     timed: list[tuple[int, float]] = []
     for worker, batch in zip(workers, batches, strict=True):
-        if batch.step_s is None:
+        step_s = batch.step_s
+        if step_s is None:
             return
-        wait = batch.steps_before(key=key, priority=priority, rules=worker.rules)
-        timed.append((wait, batch.step_s))
+        timed.append((batch.steps_before(key=key, priority=priority, rules=worker.rules), step_s))
     if not ahead and any(wait == 0 for wait, _ in timed):
         return  # it starts at the next boundary
     shared = -(-ahead // (workers[0].max_batch * len(workers)))
     own = request.denoise_steps
-    estimate, wait, step_s = min(
-        ((wait + shared + own) * step_s, wait, step_s) for wait, step_s in timed
-    )
+    wait, step_s = min(timed, key=lambda timing: (timing[0] + shared + own) * timing[1])
+    estimate = (wait + shared + own) * step_s
     if estimate > deadline_s:
         raise DeadlineError(
             f"the deadline of {deadline_s:g} s cannot be met: the estimate is "
