@@ -39,7 +39,8 @@ The loop side (runs in the event loop's thread only):
 - ``_channel``: the per-request coalescing channel.
 - ``_deadlines``: ``DeadlineTimer``, the one timer task that aborts requests whose
   deadline passed.
-- ``_estimate``: admission's deadline estimate, which refuses what cannot be met.
+- ``_estimate``: admission's estimates, which refuse what cannot be met: a deadline
+  (the work that would run before the request, L62) and one step's time (L4).
 
 The thread side (runs in the engine's own threads only):
 
@@ -49,8 +50,11 @@ The thread side (runs in the engine's own threads only):
 - ``_imagecheck``: the output contract, checked on every image and preview.
 - ``_failure``: a runner's exception made into a request's failure, formatted once
   and defensively, its frames cleared.
-- ``_scheduler``: the waiting queue, ranked by priority and deadline, batch formation
-  and the boundary policy (``plan_boundary``: pure, synchronous).
+- ``_queue``: the waiting queue, ranked by priority and deadline, and batch
+  formation (pure, synchronous); ``_stepsums`` keeps its steps by deadline, with
+  prefix sums, for admission's steps ahead.
+- ``_scheduler``: the boundary policy (``plan_boundary``: pure, synchronous), and
+  ``RunningBatch``, the view of its batch a worker publishes for admission.
 
 The seam between them:
 

@@ -35,11 +35,37 @@ class EngineConfig:
             events replace older ones.
         shutdown_grace: seconds running requests get to finish when the engine
             closes; 0 stops them at the next step boundary.
+        stop_timeout_s: seconds the engine waits for its workers, once shutdown
+            cut the running requests (after the grace), before it logs at ERROR
+            each worker that has not exited, with the requests it holds (L37). It
+            keeps waiting: a thread cannot be killed, and ``aclose`` returns only
+            once they exited (L35). The default, 10 s, is far longer than a step
+            with cancel points takes to stop (a block), and shorter than what a
+            service manager waits before it kills a process (systemd: 90 s).
         max_steps: largest ``num_steps`` accepted.
         max_height: largest ``height`` accepted, in pixels.
         max_width: largest ``width`` accepted, in pixels.
         max_num_images: largest ``num_images`` accepted.
+        max_frame_pixels: most frame pixels of a video request, ``num_images x
+            num_frames x height x width`` (L4): what its decode hands over, 12 bytes
+            each (float32 RGB). The default, 2**27 (134,217,728), is 1.5 GiB of
+            frames: 121 frames at 1024 x 1024, or 129 at 1280 x 720 (Wan's 720p)
+            times one video; a few GB of memory with the MP4 written from it, on a
+            CPU box. It counts every video of the request because one decode makes
+            them all (the chunks of a chunked decode land in one output). Without
+            it the other limits admit 4,320 frames at 2048 x 2048: 217 GB.
         max_prompt_chars: longest prompt (and negative prompt) accepted.
+        max_step_s: the longest one denoise step of a request alone may take, by
+            the worker's measured cost per pixel (a moving average of its batch
+            steps' seconds over ``num_images x height x width x max(1,
+            num_frames)``): a request whose own step would take longer is refused
+            at ``submit`` naming its size (L4); before a step is measured, it
+            admits. An abort, a deadline and shutdown land at a step boundary or
+            a cancel point, so this bounds how long one request can hold a
+            worker past them. The default, 30 s, is what an orchestrator waits
+            for a process to stop (Kubernetes' default grace period): a longer
+            step could not be stopped before the process is killed. ``None``: no
+            bound.
         preemption: whether a waiting request of strictly higher priority may
             suspend a running one at a step boundary when it cannot start
             otherwise (L61; only with a runner that declares ``suspendable``).
@@ -68,7 +94,10 @@ class EngineConfig:
     max_height: int = 2048
     max_width: int = 2048
     max_num_images: int = 16
+    max_frame_pixels: int = 2**27
     max_prompt_chars: int = 16_384
+    max_step_s: float | None = 30.0
+    stop_timeout_s: float = 10.0
     preemption: bool = True
     max_preemptions: int = 2
     park_on_host: bool = False
@@ -85,6 +114,7 @@ class EngineConfig:
             "max_height",
             "max_width",
             "max_num_images",
+            "max_frame_pixels",
             "max_prompt_chars",
         ):
             # sys.maxsize: the sizes bound buffers and queues, which are C-sized.
@@ -118,6 +148,13 @@ class EngineConfig:
         if self.default_cache is not None and not isinstance(self.default_cache, StepCache):
             kind = type(self.default_cache).__name__
             fail_config("default_cache", f"must be a StepCache or None, got {kind}")
+        stop = check_float(fail_config, "stop_timeout_s", self.stop_timeout_s, minimum=0.0)
+        object.__setattr__(self, "stop_timeout_s", stop)
+        if self.max_step_s is not None:
+            step = check_float(fail_config, "max_step_s", self.max_step_s, minimum=0.0)
+            if step == 0.0:
+                fail_config("max_step_s", "must be > 0 (None: no bound), got 0.0")
+            object.__setattr__(self, "max_step_s", step)
 
     def check_request(self, request: GenerationRequest) -> None:
         """Raise ``InvalidRequestError`` naming the first field over this config's limits."""
@@ -134,6 +171,17 @@ class EngineConfig:
             text: str | None = getattr(request, name)
             if text is not None and len(text) > self.max_prompt_chars:
                 fail_request(name, f"longer than {self.max_prompt_chars} characters")
+        frames = request.num_frames
+        if frames is not None:
+            pixels = request.num_images * frames * request.height * request.width
+            if pixels > self.max_frame_pixels:
+                fail_request(
+                    "num_frames",
+                    f"num_images x num_frames x height x width = {request.num_images} x"
+                    f" {frames} x {request.height} x {request.width} = {pixels:,} frame"
+                    f" pixels, over the engine's max_frame_pixels of"
+                    f" {self.max_frame_pixels:,}",
+                )
 
     def with_default_cache(self, request: GenerationRequest) -> GenerationRequest:
         """``request`` as admitted: with ``default_cache`` when it gives no policy (L80)."""

@@ -23,7 +23,7 @@ __all__ = ["DeadlineTimer"]
 
 R = TypeVar("R")
 
-#: Below this many ended entries the heap is never rebuilt (as in ``_scheduler``).
+#: Below this many ended entries the heap is never rebuilt (as in ``_queue``).
 _MIN_REBUILD = 64
 
 

@@ -32,7 +32,7 @@ from ._errors import (
     RequestAbortedError,
     RequestFailedError,
 )
-from ._estimate import check_deadline
+from ._estimate import check_deadline, check_step_time
 from ._failure import format_traceback
 from ._handle import RequestHandle
 from ._inbox import LoopInbox
@@ -97,7 +97,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         self._pool.workers = self._workers
         # L43: the workers whose threads have not died, and those that exited.
         self._alive = set(range(len(self._workers)))
-        self._exited_workers = 0
+        self._exited_workers: set[int] = set()
         # Non-terminal requests by id: the engine drives them, so it holds them.
         self._live: dict[str, Record] = {}
         # Terminal requests whose handle is open keep their id (L2); held weakly,
@@ -173,18 +173,26 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         try:
             self._config.check_request(request)
             self._capabilities.check_request(request)
+            check_step_time(
+                request,
+                workers=[self._workers[index] for index in self._alive],
+                limit=self._config.max_step_s,
+            )
         except InvalidRequestError as exc:
             exc.request_id = request_id
             raise
+        key = self._capabilities.batch_key(request)
         deadline = None
         if request.deadline_s is not None:
-            workers = [self._workers[index] for index in self._alive]
-            check_deadline(request, request_id, workers=workers, pool=self._pool)
             deadline = anyio.current_time() + request.deadline_s
+            workers = [self._workers[index] for index in self._alive]
+            check_deadline(
+                request, request_id, key=key, deadline=deadline, workers=workers, pool=self._pool
+            )
         record = Record(
             request,
             request_id,
-            self._capabilities.batch_key(request),
+            key,
             event_buffer=self._config.event_buffer,
             deadline=deadline,
         )
@@ -303,6 +311,8 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
                 steps_run=worker.steps_run,
                 batch_steps=worker.batch_steps,
                 preemptions=worker.preemptions,
+                holding=worker.holding,
+                in_step_s=worker.in_step_s,
             )
             for worker in self._workers
         )
@@ -340,6 +350,9 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
            at the next step boundary with ``EngineClosedError`` (L32); finished
            results stay readable (L33).
         4. The worker exits, the runner is closed, the threads are joined (L35).
+           A worker still running ``stop_timeout_s`` after the cut (a step that
+           does not return) is logged at ERROR, with the requests it holds; the
+           wait goes on.
 
         Idempotent; several tasks may call it at once (L36).
 
@@ -358,9 +371,37 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             for record in list(self._live.values()):
                 self._cut(record)
             self._pool.stop()
-            await wait_shielded(self._exited)
+            await wait_shielded(
+                self._exited, late_s=self._config.stop_timeout_s, on_late=self._log_stuck
+            )
             for worker in self._workers:
                 worker.join()
+
+    def _log_stuck(self) -> None:
+        """Log, at ERROR, each worker that has not exited ``stop_timeout_s`` after the cut."""
+        stuck = [w for w in self._workers if w.index not in self._exited_workers]
+        for worker in stuck:
+            batch = worker.batch
+            steps = {
+                member.item: f"step {done + 1} of {total}"
+                for member, (done, total) in zip(batch.members, batch.steps, strict=True)
+            }
+            in_step = worker.in_step_s
+            held = [
+                f"{request_id} ({steps.get(request_id, 'decoding')}"
+                + (f", {in_step:.1f} s in this step)" if in_step is not None else ")")
+                for request_id in worker.holding
+            ]
+            ENGINE.error(
+                "the engine's worker %s has not exited %g s after shutdown cut its requests"
+                " (threads alive: %s); it holds %s; still waiting for it: a runner call"
+                " without a cancel point cannot be stopped",
+                worker.name,
+                self._config.stop_timeout_s,
+                ", ".join(worker.thread_names) or "none",
+                ", ".join(held) or "no request",
+                extra={"request_ids": worker.holding, "worker": worker.name},
+            )
 
     def _begin_shutdown(self) -> None:
         if self._closing:
@@ -431,9 +472,9 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
                 self._lose_worker(message, worker)
             case Died():
                 self._die(message)
-            case Exited():
-                self._exited_workers += 1
-                if self._exited_workers == len(self._workers):
+            case Exited(worker):
+                self._exited_workers.add(worker)
+                if len(self._exited_workers) == len(self._workers):
                     self._exited.set()
             case _:
                 assert_never(message)

@@ -1,59 +1,149 @@
-"""Admission's deadline estimate (L62): refuse a request whose deadline cannot be met.
+"""Admission's estimates: refuse a request whose deadline cannot be met (L62), or
+whose one step would hold a worker too long (L4).
 
 The timer that aborts a request once its deadline passed is ``_deadlines``; this is
 the check before it: ``submit`` asks whether the request could finish in time, from
-what the workers measured. Runs in the event loop's thread.
+what the workers measured and what waits. Runs in the event loop's thread.
+
+The estimate counts only the work that would run before the request:
+
+- the waiting work ranked ahead of it, on every queue (new requests and every
+  worker's suspended ones): requests of a higher priority, and of its priority
+  those whose deadline is earlier or equal (a newcomer is admitted after
+  everyone). That is ``WaitingQueue.steps_ahead``: a sum per priority above, a
+  prefix sum by deadline at its own (``_stepsums``);
+- per worker, its running batch's steps, and only when the request could neither
+  join that batch nor preempt it: the boundary policy's own rule
+  (``RunningBatch.steps_before``, ``_scheduler.make_room``), applied to the batch
+  the worker last published;
+- its own steps.
+
+A request that the engine would start at the next boundary (nothing ranked ahead
+of it, and an idle worker or a batch it can join or preempt) is never refused,
+whatever its own steps: refusing it would only turn away work that starts now.
+
+Cost, with n requests waiting, k distinct priorities among them, w workers of
+batches of at most b: O(k + log n) for the steps ahead, O(w b) for the batches,
+under the pool's lock (microseconds); never a scan of a queue.
+
+The step-time estimate (``check_step_time``, ``EngineConfig.max_step_s``) is the
+best worker's measured cost of a step per pixel times the request's own
+``step_pixels``: a step is left only at its end or at a cancel point, so a request
+whose one step alone would outlast the bound could hold its worker past any abort,
+deadline or shutdown. O(w).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
-from ._errors import DeadlineError
+from ._errors import DeadlineError, InvalidRequestError
+from ._workitem import step_pixels
 
 if TYPE_CHECKING:
     from ._pool import Pool
     from ._request import GenerationRequest
     from ._worker import Worker
 
-__all__ = ["check_deadline"]
+__all__ = ["check_deadline", "check_step_time"]
 
 
 def check_deadline(
-    request: GenerationRequest, request_id: str, *, workers: Sequence[Worker], pool: Pool
+    request: GenerationRequest,
+    request_id: str,
+    *,
+    key: Hashable,
+    deadline: float,
+    workers: Sequence[Worker],
+    pool: Pool,
 ) -> None:
     """Refuse ``request`` if the estimate of its completion misses its deadline (L62).
 
-    The estimate, on the best of the live ``workers``, is its measured step time
-    (its moving average) times the steps ahead: those left of its running batch,
-    those of the waiting requests of equal or higher priority shared out over full
-    batches on every live worker, and the request's own. It errs towards admitting
-    (it assumes full batches; the timer aborts what still misses); while a live
-    worker has measured no step yet it admits. Cost: O(k + w), k the distinct
-    priorities waiting and w the workers, never a scan of the queue.
+    On the best of the live ``workers``: its measured step time (a moving
+    average) times the steps that would run before the request (see the module's
+    docstring), the ranked-ahead ones shared out over full batches on every live
+    worker, plus the request's own. It errs towards admitting (full batches; the
+    timer aborts what still misses); while a live worker has measured no step
+    yet, it admits.
+
+    Args:
+        request: the request, with its ``deadline_s``.
+        request_id: its id, for the error.
+        key: its batch key.
+        deadline: its absolute deadline on the queue's clock, as it would be ranked.
+        workers: the live workers.
+        pool: their queues.
 
     Raises:
         DeadlineError: the estimate exceeds ``request.deadline_s``.
     """
     deadline_s = request.deadline_s
-    measured = [(worker.step_s, worker.steps_left) for worker in workers]
-    if deadline_s is None or not measured:
+    if deadline_s is None or not workers:
         return
-    timed = [(step_s, left) for step_s, left in measured if step_s is not None]
-    if len(timed) < len(measured):
-        return
-    waiting = pool.steps_ahead(request.priority)
-    shared = -(-waiting // (workers[0].max_batch * len(workers)))
-    estimate, left, step_s = min(
-        ((left + shared + request.denoise_steps) * step_s, left, step_s) for step_s, left in timed
-    )
+    priority = request.priority
+    # One moment: the queues, and the batches the workers publish under this lock
+    # whenever a request moves between a queue and a batch.
+    ahead, batches = pool.admission_view(priority, deadline, workers)
+    timed: list[tuple[int, float]] = []
+    for worker, batch in zip(workers, batches, strict=True):
+        step_s = batch.step_s
+        if step_s is None:
+            return
+        timed.append((batch.steps_before(key=key, priority=priority, rules=worker.rules), step_s))
+    if not ahead and any(wait == 0 for wait, _ in timed):
+        return  # it starts at the next boundary
+    shared = -(-ahead // (workers[0].max_batch * len(workers)))
+    own = request.denoise_steps
+    wait, step_s = min(timed, key=lambda timing: (timing[0] + shared + own) * timing[1])
+    estimate = (wait + shared + own) * step_s
     if estimate > deadline_s:
-        steps = left + shared + request.denoise_steps
         raise DeadlineError(
             f"the deadline of {deadline_s:g} s cannot be met: the estimate is "
-            f"{estimate:.3f} s ({steps} steps of {step_s * 1e3:.1f} ms)",
+            f"{estimate:.3f} s ({wait + shared + own} steps of {step_s * 1e3:.1f} ms: "
+            f"{wait} of a running batch, {shared} for the {ahead} steps ranked ahead"
+            f" shared over full batches, {own} its own)",
             estimate_s=estimate,
             deadline_s=deadline_s,
             request_id=request_id,
         )
+
+
+def check_step_time(
+    request: GenerationRequest, *, workers: Sequence[Worker], limit: float | None
+) -> None:
+    """Refuse ``request`` if one step of it alone would take longer than ``limit`` (L4).
+
+    The estimate is the best live worker's measured cost per pixel times the
+    request's ``step_pixels``; while a live worker has measured no step yet, or
+    with no ``limit``, it admits.
+
+    Raises:
+        InvalidRequestError: the estimate exceeds ``limit``, naming the field to
+            make smaller: ``num_images`` when it is over 1, else ``num_frames`` for
+            a video, else ``height``.
+    """
+    costs = [worker.batch.pixel_s for worker in workers]
+    if limit is None or not costs:
+        return
+    measured = [cost for cost in costs if cost is not None]
+    if len(measured) < len(costs):
+        return
+    pixels = step_pixels(request)
+    estimate = min(measured) * pixels
+    if estimate <= limit:
+        return
+    if request.num_images > 1:
+        field = "num_images"
+    elif request.num_frames is not None:
+        field = "num_frames"
+    else:
+        field = "height"
+    frames = "" if request.num_frames is None else f" x {request.num_frames} frames"
+    raise InvalidRequestError(
+        f"one step of {request.num_images} x {request.height} x {request.width}{frames}"
+        f" ({pixels:,} pixels) would take about {estimate:.1f} s by the measured"
+        f" {min(measured) * 1e9:.1f} ns per pixel, over the engine's max_step_s of"
+        f" {limit:g} s: ask for fewer or smaller images",
+        field=field,
+    )

@@ -67,6 +67,8 @@ class Materializer:
         self._stopped = False
         self._abandon = False
         self._cancel_points = runner.capabilities.cancel_points
+        # The id of the request whose decode runs now (statistics, shutdown's log).
+        self.decoding: str | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=False)
 
     @property
@@ -194,15 +196,19 @@ class Materializer:
             _LeftDecode: our check stopped the decode (a ``StopRun`` that the
                 runner raised on its own is a failure, as any other exception).
         """
-        if not self._cancel_points:
-            return self._runner.decode(item.state)
-        # L72: left only for an abort or a dying engine; shutdown lets a finished request
-        # be decoded.
-        leave = Leave(lambda: self._abandon or _cut(item))
+        self.decoding = item.request_id
         try:
-            with armed(leave):
+            if not self._cancel_points:
                 return self._runner.decode(item.state)
-        except StopRun:
-            if leave.left:
-                raise _LeftDecode from None
-            raise
+            # L72: left only for an abort or a dying engine; shutdown lets a finished
+            # request be decoded.
+            leave = Leave(lambda: self._abandon or _cut(item))
+            try:
+                with armed(leave):
+                    return self._runner.decode(item.state)
+            except StopRun:
+                if leave.left:
+                    raise _LeftDecode from None
+                raise
+        finally:
+            self.decoding = None

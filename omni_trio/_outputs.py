@@ -143,7 +143,13 @@ class GenerationOutput:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerStatistics:
-    """One worker's counts at one moment (L43): ``running`` members in its batch now."""
+    """One worker's counts at one moment (L43): ``running`` members in its batch now.
+
+    ``holding`` names the requests its threads hold now (its batch's members, and the
+    one it decodes) and ``in_step_s`` how long its current denoise step has run
+    (``None`` between steps): what a server that must leave while a step does not
+    return says it leaves behind.
+    """
 
     name: str
     alive: bool
@@ -151,6 +157,8 @@ class WorkerStatistics:
     steps_run: int
     batch_steps: int
     preemptions: int
+    holding: tuple[str, ...] = ()
+    in_step_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ._scheduler import WaitingQueue
+from ._queue import WaitingQueue
 
 if TYPE_CHECKING:
+    from ._scheduler import RunningBatch
     from ._worker import Worker
     from ._workitem import WorkItem
 
@@ -81,11 +83,22 @@ class Pool:
             suspended = sum(len(worker.parked) for worker in self.workers)
             return len(self.fresh) + suspended, suspended
 
-    def steps_ahead(self, priority: int) -> int:
-        """The steps of the waiting requests of ``priority`` or higher, on every worker."""
+    def admission_view(
+        self, priority: int, deadline: float, workers: Sequence[Worker]
+    ) -> tuple[int, list[RunningBatch]]:
+        """What admission's estimate reads, at one moment (L62): the steps ranked ahead
+        of a newcomer on every queue, and the batches ``workers`` last published.
+
+        The newcomer has ``priority`` and the absolute ``deadline`` (see
+        ``WaitingQueue.steps_ahead``); the queues are the new requests and every
+        worker's suspended ones. Under the lock, where the workers publish the batch
+        whenever a request moves between a queue and a batch.
+        """
         with self.cond:
-            steps = self.fresh.steps_ahead(priority)
-            return steps + sum(worker.parked.steps_ahead(priority) for worker in self.workers)
+            steps = self.fresh.steps_ahead(priority, deadline)
+            for worker in self.workers:
+                steps += worker.parked.steps_ahead(priority, deadline)
+            return steps, [worker.batch for worker in workers]
 
     def withdraw(self, item: WorkItem) -> Withdrawal:
         """Remove ``item`` if it still waits; say what became of it.

@@ -19,9 +19,10 @@ exactly when the engine's threads hold nothing of it any more, so waiting for
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
 import anyio
@@ -135,22 +136,39 @@ class Record(WorkItem):
         )
 
 
-async def wait_shielded(event: anyio.Event) -> None:
+async def wait_shielded(
+    event: anyio.Event,
+    *,
+    late_s: float | None = None,
+    on_late: Callable[[], None] | None = None,
+) -> None:
     """Wait for ``event`` even while the caller is being cancelled.
 
     An anyio shield does not stop a native asyncio ``Task.cancel()`` (Ray Serve and
     Starlette use it): it raises ``CancelledError`` inside the shield. Such a
     cancellation is held until the event is set, then re-raised, never dropped.
 
+    Args:
+        event: what to wait for.
+        late_s: with ``on_late``, call ``on_late()`` once if ``event`` is still not
+            set after this many seconds, and go on waiting.
+        on_late: see ``late_s``.
+
     Cancellation:
         Deferred until ``event`` is set, then propagated.
     """
     pending: BaseException | None = None
+    late = math.inf if late_s is None or on_late is None else anyio.current_time() + late_s
     with anyio.CancelScope(shield=True):
         while not event.is_set():
             try:
-                await event.wait()
+                with anyio.move_on_at(late):
+                    await event.wait()
             except anyio.get_cancelled_exc_class() as exc:
                 pending = exc
+                continue
+            if not event.is_set() and on_late is not None and anyio.current_time() >= late:
+                late = math.inf
+                on_late()
     if pending is not None:
         raise pending

@@ -120,6 +120,14 @@ class RunnerCapabilities:
             another kind is refused at ``submit``, naming ``cache``; ``"none"`` is
             always taken. The policy is never part of a batch key: cached and
             uncached requests share batches. Never with ``whole_call``.
+        min_steps: the fewest steps the model runs (L4): a request whose
+            ``num_steps`` is below it is refused at admission, and so is an edit
+            whose ``denoise_steps`` (``num_steps x strength``) is, naming
+            ``strength``. A scheduler may need more than one (diffusers'
+            flow-matching Euler with a terminal shift divides by zero at one).
+        max_steps: the most ``num_steps`` the model runs, or ``None`` for no bound
+            of its own (L4): a scheduler that steps through its training timesteps
+            has no more than it was trained with.
     """
 
     max_batch_size: int = 1
@@ -137,6 +145,8 @@ class RunnerCapabilities:
     frames: tuple[int, int] | None = None
     cancel_points: bool = False
     step_cache: frozenset[str] = frozenset()
+    min_steps: int = 1
+    max_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.cancel_points and self.whole_call:
@@ -152,6 +162,12 @@ class RunnerCapabilities:
         self._check_step_cache()
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size: must be >= 1")
+        if self.min_steps < 1:
+            raise ValueError(f"min_steps: must be >= 1, got {self.min_steps}")
+        if self.max_steps is not None and self.max_steps < self.min_steps:
+            raise ValueError(
+                f"max_steps: must be >= min_steps ({self.min_steps}), got {self.max_steps}"
+            )
         if self.size_multiple < 1:
             raise ValueError("size_multiple: must be >= 1")
         if self.mask_input and not self.image_input:
@@ -210,6 +226,7 @@ class RunnerCapabilities:
             raise InvalidRequestError("this runner does not take an input image", field="image")
         if request.mask is not None and not self.mask_input:
             raise InvalidRequestError("this runner does not inpaint", field="mask")
+        self._check_steps(request)
         self._check_frames(request.num_frames)
         self.check_cache(None if request.cache is None else request.cache.kind)
 
@@ -222,6 +239,24 @@ class RunnerCapabilities:
             f"this runner cannot apply a {kind!r} step cache (it applies: {applies})",
             field="cache",
         )
+
+    def _check_steps(self, request: GenerationRequest) -> None:
+        """L4: the steps the model can run, refused before any work rather than failed."""
+        steps, low, high = request.num_steps, self.min_steps, self.max_steps
+        if steps < low:
+            raise InvalidRequestError(
+                f"this model runs at least {low} steps, got {steps}", field="num_steps"
+            )
+        if high is not None and steps > high:
+            raise InvalidRequestError(
+                f"this model runs at most {high} steps, got {steps}", field="num_steps"
+            )
+        if request.denoise_steps < low:
+            raise InvalidRequestError(
+                f"this model runs at least {low} steps: strength {request.strength:g} x"
+                f" num_steps {steps} runs {request.denoise_steps}",
+                field="strength",
+            )
 
     def _check_frames(self, frames: int | None) -> None:
         """L70: a video runner needs ``num_frames`` that keep its rule; others refuse it."""

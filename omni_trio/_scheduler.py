@@ -1,32 +1,10 @@
-"""The waiting queue, batch formation and the boundary policy: pure, synchronous.
+"""The boundary policy: what a worker does at a step boundary; pure, synchronous.
 
-No I/O, no threads, no locks: the worker calls these under its pool's lock and
-applies what they return (see ``_worker``).
+No I/O, no threads, no locks: the worker calls ``plan_boundary`` under its pool's
+lock and applies what it returns (see ``_worker``). The queue it takes from, its
+ranking and batch formation are ``_queue``'s.
 
-Ranking (L60): every waiting request has a rank, ``(-priority, deadline,
-admission sequence)``, compared as a tuple; the smallest is the best-ranked.
-Higher priority goes first; among equal priorities the earliest deadline (L62;
-``+inf`` for a request without one), then the earlier admission. The deadline is
-an absolute time on any one clock the caller picks (the engine uses its event
-loop's): the queue only compares the numbers.
-
-Batch formation: a request joins a running batch only when its batch key equals
-the batch's key and it is the best-ranked waiting request, so a stream of
-compatible newcomers never starves a better-ranked request with another key (the
-batch drains, then that request starts the next one). An idle worker takes the
-best-ranked request, then the next best-ranked ones while they have its key.
-With all priorities equal this is admission order (FIFO).
-
-Complexity, with n requests waiting: ``push`` is O(log n); ``remove`` is O(1)
-amortised (the entry is forgotten at once and skipped when it reaches the top of
-the heap; the heap is rebuilt, in O(n), only once it holds more withdrawn entries
-than waiting ones, so it stays O(n) in size); ``take`` is O(log n) per heap entry
-it pops (each request taken, and each withdrawn entry it skips, once); ``drain``
-is O(n log n) (it sorts); ``len`` and membership are O(1) and exact;
-``steps_ahead`` is O(k), k the number of distinct priorities waiting (not a scan
-of the queue: a running sum of steps is kept per priority).
-
-The boundary policy (``plan_boundary``): at every step boundary a worker hands over
+At every step boundary a worker hands over
 what it runs (``Member``: each member's batch key, rank, suspensions and whether
 its token is set), its queues and the pool's facts (stopping, idle workers), and
 gets back a ``BoundaryPlan``: what leaves the batch, what joins it, which members
@@ -50,248 +28,33 @@ to suspend for which newcomer (L61), whether to stop, whether to wait. The rules
 
 It costs O(b) for a batch of b members plus ``take``'s O(log n) per request taken:
 never a scan of a queue.
+
+Admission's estimate (L62) asks the same rule of a worker's published batch
+(``RunningBatch.steps_before``, through ``make_room``): whether a newcomer could
+start in it at the next boundary, and if not, how many steps it waits.
 """
 
 from __future__ import annotations
 
-import heapq
-import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+from ._queue import Rank, WaitingQueue, best_of, take
 
 __all__ = [
     "BoundaryPlan",
     "BoundaryRules",
     "Member",
     "Preemption",
-    "WaitingQueue",
-    "best_of",
+    "RunningBatch",
+    "make_room",
     "plan_boundary",
     "plan_preemption",
     "sources",
-    "take",
 ]
 
 T = TypeVar("T", bound=Hashable)
-
-#: A rank as the queue compares them: ``(-priority, deadline, sequence)``.
-Rank = tuple[int, float, int]
-
-# The heap entry: (-priority, deadline, sequence, item, batch key, steps). The
-# sequence is unique, so tuple comparison never reaches the item or the key (which
-# need not be orderable).
-_Entry = tuple[int, float, int, T, Hashable, int]
-
-#: Below this many withdrawn entries the heap is never rebuilt, so a short queue
-#: with a few aborts does not rebuild at every one (picked without measurement).
-_MIN_REBUILD = 64
-
-
-class WaitingQueue(Generic[T]):
-    """Admitted requests waiting for the worker, best-ranked first.
-
-    Items are compared by identity (the admission), never by request id.
-    """
-
-    __slots__ = ("_entries", "_heap", "_sequence", "_steps")
-
-    def __init__(self) -> None:
-        # The waiting items and their live heap entries: the exact count and
-        # O(1) membership. The heap may also hold entries of withdrawn items.
-        self._entries: dict[T, _Entry[T]] = {}
-        self._heap: list[_Entry[T]] = []
-        self._sequence = 0
-        # The steps of the waiting items, summed per priority (for admission's
-        # estimate, ``steps_ahead``); a priority whose sum reaches 0 is removed.
-        self._steps: dict[int, int] = {}
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, item: object) -> bool:
-        return item in self._entries
-
-    def push(
-        self,
-        item: T,
-        key: Hashable,
-        *,
-        priority: int = 0,
-        deadline: float = math.inf,
-        steps: int = 0,
-        sequence: int | None = None,
-    ) -> int:
-        """Admit ``item`` with its batch ``key``, ``priority`` (higher first) and ``deadline``.
-
-        Args:
-            item: what waits.
-            key: its batch key.
-            priority: higher ranks first.
-            deadline: an absolute time; among equal priorities the earliest ranks
-                first (``math.inf``: none).
-            steps: its step count, summed for ``steps_ahead``.
-            sequence: the admission sequence a queue's ``push`` returned when
-                ``item`` was first admitted, for an item that comes back (a
-                suspended request, L61), possibly into another queue: it keeps its
-                place among equals. ``None``: a new one, numbered by this queue.
-
-        Returns:
-            The item's admission sequence.
-
-        Raises:
-            ValueError: ``item`` is already waiting (an item may wait only once).
-        """
-        if item in self._entries:
-            raise ValueError("item is already waiting")
-        if sequence is None:
-            sequence = self._sequence
-            self._sequence += 1
-        # A returning item's old entry left its heap when it was taken, so its
-        # sequence is unique among the heaps' entries again.
-        entry: _Entry[T] = (-priority, deadline, sequence, item, key, steps)
-        self._entries[item] = entry
-        heapq.heappush(self._heap, entry)
-        if steps:
-            self._steps[priority] = self._steps.get(priority, 0) + steps
-        return sequence
-
-    def best(self) -> tuple[T, Hashable, int] | None:
-        """The best-ranked waiting item, its batch key and its priority; ``None`` if none.
-
-        O(1) amortised (it pops the withdrawn entries it finds on top).
-        """
-        entry = self._best()
-        return None if entry is None else (entry[3], entry[4], -entry[0])
-
-    def steps_ahead(self, priority: int) -> int:
-        """The steps of the waiting items of ``priority`` or higher.
-
-        What a newcomer of ``priority`` waits behind, at most: it counts those of
-        equal priority whose deadline is later too (O(k), k the distinct priorities).
-        """
-        return sum(steps for level, steps in self._steps.items() if level >= priority)
-
-    def _forget_steps(self, entry: _Entry[T]) -> None:
-        priority, steps = -entry[0], entry[5]
-        if not steps:
-            return
-        left = self._steps[priority] - steps
-        if left:
-            self._steps[priority] = left
-        else:
-            del self._steps[priority]
-
-    def remove(self, item: T) -> bool:
-        """Withdraw ``item``; return whether it was waiting."""
-        entry = self._entries.pop(item, None)
-        if entry is None:
-            return False
-        self._forget_steps(entry)
-        # Lazy deletion: the entry stays in the heap until it is popped.
-        self._compact()
-        return True
-
-    def _compact(self) -> None:
-        """Rebuild the heap once withdrawn entries outnumber the waiting ones.
-
-        Called after every withdrawal and take, so the heap never holds more
-        than ``max(_MIN_REBUILD, n)`` withdrawn entries (memory stays O(n)). A
-        rebuild costs O(n) and follows more than n withdrawals: O(1) amortised.
-        """
-        withdrawn = len(self._heap) - len(self._entries)
-        if withdrawn > _MIN_REBUILD and withdrawn > len(self._entries):
-            self._heap = list(self._entries.values())
-            heapq.heapify(self._heap)
-
-    def _best(self) -> _Entry[T] | None:
-        """The best-ranked waiting entry, after popping withdrawn ones off the top."""
-        heap = self._heap
-        while heap:
-            entry = heap[0]
-            # ``is``: an item withdrawn and pushed again has a new entry.
-            if self._entries.get(entry[3]) is entry:
-                return entry
-            heapq.heappop(heap)
-        return None
-
-    def take(self, *, batch_key: Hashable | None, free: int, can_join: bool) -> list[T]:
-        """Remove and return the requests that may enter the batch now (see ``take``)."""
-        return take((self,), batch_key=batch_key, free=free, can_join=can_join)
-
-    def _pop(self, entry: _Entry[T]) -> None:
-        """Remove the best entry, which ``_best`` just returned."""
-        heapq.heappop(self._heap)
-        del self._entries[entry[3]]
-        self._forget_steps(entry)
-
-    def drain(self) -> list[T]:
-        """Remove and return every waiting item, best-ranked first (rank order)."""
-        entries = sorted(self._entries.values())
-        self._entries.clear()
-        self._heap.clear()
-        self._steps.clear()
-        return [entry[3] for entry in entries]
-
-
-def best_of(
-    queues: Sequence[WaitingQueue[T]],
-) -> tuple[T, Hashable, int, WaitingQueue[T]] | None:
-    """The best-ranked waiting item of several queues: item, key, priority and its queue.
-
-    The queues' items must have ranks from one numbering (distinct sequences).
-    """
-    found: tuple[_Entry[T], WaitingQueue[T]] | None = None
-    for queue in queues:
-        entry = queue._best()
-        if entry is not None and (found is None or entry[:3] < found[0][:3]):
-            found = (entry, queue)
-    if found is None:
-        return None
-    entry, queue = found
-    return entry[3], entry[4], -entry[0], queue
-
-
-def take(
-    queues: Sequence[WaitingQueue[T]], *, batch_key: Hashable | None, free: int, can_join: bool
-) -> list[T]:
-    """Remove and return the requests that may enter the batch now, from several queues.
-
-    The queues are taken from as if they were one (a worker's own suspended
-    requests beside the shared queue): each item taken is the best-ranked of all.
-
-    Args:
-        queues: where to take from; their ranks share one numbering.
-        batch_key: the key of the running batch, ``None`` when none runs.
-        free: places left in the batch.
-        can_join: whether requests may join a batch that is already running.
-
-    Returns:
-        Up to ``free`` items, best-ranked first, all with one key: each was
-        the best-ranked waiting item when taken.
-    """
-    if free <= 0 or (batch_key is not None and not can_join):
-        return []
-    taken: list[T] = []
-    key = batch_key
-    while len(taken) < free:
-        found = best_of(queues)
-        if found is None:
-            break
-        item, item_key, _, queue = found
-        if key is None:
-            key = item_key
-        elif item_key != key:
-            break
-        entry = queue._entries[item]
-        queue._pop(entry)
-        taken.append(item)
-    for queue in queues:
-        queue._compact()
-    return taken
-
-
-# -- the boundary policy -------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -370,25 +133,28 @@ def sources(
     return (parked,) if busy and idle else (fresh, parked)
 
 
-def plan_preemption(
-    members: Sequence[Member[T]], queues: Sequence[WaitingQueue[T]], rules: BoundaryRules
-) -> Preemption[T] | None:
-    """The members to suspend so that the best-ranked waiting request starts (L61).
+def make_room(
+    members: Sequence[Member[T]], *, key: Hashable, priority: int, rules: BoundaryRules
+) -> tuple[T, ...] | None:
+    """What a newcomer with batch ``key`` and ``priority`` needs to start in this batch now.
 
-    Only members of strictly lower priority that were suspended fewer than
-    ``max_preemptions`` times qualify. When the newcomer could join the batch but
-    it is full, the lowest-ranked qualifying member makes room; when only an empty
-    batch lets it start (another batch key, or a runner that takes no joins),
-    every member must qualify, or none is suspended. Reads the queues, changes
-    nothing; ``None`` when nobody is suspended.
+    ``()`` when nothing: the batch is empty, or the newcomer may join it as it is
+    (its key, a free place, a runner that takes joins). Else, with preemption on
+    (L61), the members to suspend: only members of strictly lower priority that
+    were suspended fewer than ``max_preemptions`` times qualify; when the newcomer
+    could join the batch but it is full, the lowest-ranked qualifying member makes
+    room; when only an empty batch lets it start (another batch key, or a runner
+    that takes no joins), every member must qualify. ``None`` when it cannot start
+    at this boundary. The one rule both the boundary policy (``plan_preemption``)
+    and admission's estimate (``RunningBatch.steps_before``) apply.
     """
-    best = best_of(queues) if members else None
-    if best is None:
-        return None
-    newcomer, key, priority, _ = best
+    if not members:
+        return ()
     joinable = rules.can_join and key == members[0].key
     if joinable and len(members) < rules.max_batch:
-        return None  # it joins at this boundary anyway
+        return ()
+    if not rules.preempting:
+        return None
     eligible = [
         member
         for member in members
@@ -397,11 +163,67 @@ def plan_preemption(
     if not eligible:
         return None
     if joinable:
-        victim = max(eligible, key=lambda member: member.rank)
-        return Preemption(victims=(victim.item,), newcomer=newcomer)
+        return (max(eligible, key=lambda member: member.rank).item,)
     if len(eligible) < len(members):
         return None
-    return Preemption(victims=tuple(member.item for member in eligible), newcomer=newcomer)
+    return tuple(member.item for member in eligible)
+
+
+def plan_preemption(
+    members: Sequence[Member[T]], queues: Sequence[WaitingQueue[T]], rules: BoundaryRules
+) -> Preemption[T] | None:
+    """The members to suspend so that the best-ranked waiting request starts (L61).
+
+    The victims are ``make_room``'s for that request. Reads the queues, changes
+    nothing; ``None`` when nobody is suspended (it joins at this boundary anyway,
+    or it cannot start).
+    """
+    best = best_of(queues) if members else None
+    if best is None:
+        return None
+    newcomer, key, priority, _ = best
+    victims = make_room(members, key=key, priority=priority, rules=rules)
+    return Preemption(victims=victims, newcomer=newcomer) if victims else None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunningBatch:
+    """A worker's running batch as admission and statistics read it: one immutable view.
+
+    The worker publishes a new one whenever its batch changes (a boundary that
+    drops, admits or suspends; a step), by swapping one reference: a reader in
+    another thread sees one boundary's figures, never half of an update (L62).
+    """
+
+    #: The members, as the boundary policy sees them; their items are request ids.
+    members: tuple[Member[str], ...] = ()
+    #: Each member's steps done and steps in all, in the members' order.
+    steps: tuple[tuple[int, int], ...] = ()
+    #: The worker's measured step time (a moving average); ``None`` before its first.
+    step_s: float | None = None
+    #: Its measured cost of a step per pixel (a moving average of a batch step's
+    #: seconds over its members' ``step_pixels``, L4); ``None`` before its first.
+    pixel_s: float | None = None
+
+    @property
+    def steps_left(self) -> int:
+        """The steps until the batch is empty: its longest member's steps left."""
+        return max((total - done for done, total in self.steps), default=0)
+
+    def steps_before(self, *, key: Hashable, priority: int, rules: BoundaryRules) -> int:
+        """The steps this batch runs before a newcomer could start in it (L62).
+
+        0 when it could start at the next boundary (``make_room``: an empty
+        batch, a place to join, or members it preempts); else the batch's steps
+        left (its longest member's). A full batch of the newcomer's key frees a
+        place sooner, when its first member ends, but that figure made admission
+        take requests on the edge of their deadline which the decode and the
+        steps' jitter then pushed past it (``python -m benchmarks deadline``: 63
+        deadline aborts of 900 against 4), so the longer wait stays as a margin.
+        """
+        if make_room(self.members, key=key, priority=priority, rules=rules) is not None:
+            return 0
+        return self.steps_left
 
 
 def plan_boundary(

@@ -55,6 +55,7 @@ from ._imagecheck import checked_images
 from ._log import WORKER
 from ._materialize import Materializer
 from ._messages import Exited, Post, Stepped, died, discard_quietly, release
+from ._queue import WaitingQueue
 from ._reasons import AbortReason
 from ._runner import Runner, StopRun, SuspendableRunner, WholeCallRunner
 from ._scheduler import (
@@ -62,7 +63,7 @@ from ._scheduler import (
     BoundaryRules,
     Member,
     Preemption,
-    WaitingQueue,
+    RunningBatch,
     plan_boundary,
     plan_preemption,
     sources,
@@ -78,6 +79,11 @@ __all__ = ["Worker"]
 #: The weight of the newest step in the moving average of step durations: about
 #: the last ten steps count (picked without measurement).
 _STEP_WEIGHT = 0.2
+
+
+def _averaged(average: float | None, value: float) -> float:
+    """``average`` moved towards ``value`` by ``_STEP_WEIGHT``; ``value`` if there is none."""
+    return value if average is None else average + _STEP_WEIGHT * (value - average)
 
 
 class Worker:
@@ -137,12 +143,19 @@ class Worker:
         # (reading one reference is atomic; a stale value is one step old).
         self.steps_run = 0
         self.batch_steps = 0
-        self.running = 0
-        # For admission's deadline estimate (L62): an exponential moving average
-        # of step durations (None until the first step), and the steps left of
-        # the running batch (its longest member's).
-        self.step_s: float | None = None
-        self.steps_left = 0
+        # The running batch as admission's estimate (L62) and statistics read it:
+        # one immutable view, swapped whole (``_publish``). It carries the moving
+        # averages of step durations and of their cost per pixel (None until the
+        # first step).
+        self.batch = RunningBatch()
+        self._step_s: float | None = None
+        self._pixel_s: float | None = None
+        # When the step running now began (``time.perf_counter``), None between
+        # steps: what a stuck worker is doing, for statistics and shutdown's log.
+        self._step_started: float | None = None
+        # The items behind ``batch.members``, by identity: the members are rebuilt
+        # only when the batch's composition changes, not at every step.
+        self._view: tuple[WorkItem, ...] = ()
         self._materializer = Materializer(runner, post, self._die, name=f"{name}-materializer")
         self._thread = threading.Thread(target=self._run, name=f"{name}-worker", daemon=False)
 
@@ -160,6 +173,45 @@ class Worker:
     def max_batch(self) -> int:
         """The most requests one step runs together (the engine's and the runner's limit)."""
         return self._max_batch
+
+    @property
+    def rules(self) -> BoundaryRules:
+        """The rules its boundaries obey (admission's estimate applies them too, L62)."""
+        return self._rules
+
+    @property
+    def running(self) -> int:
+        """The members of its batch now (statistics)."""
+        return len(self.batch.members)
+
+    @property
+    def holding(self) -> tuple[str, ...]:
+        """The ids of the requests its threads hold now: its batch, and what it decodes."""
+        ids = tuple(member.item for member in self.batch.members)
+        decoding = self._materializer.decoding
+        return ids if decoding is None or decoding in ids else (*ids, decoding)
+
+    @property
+    def in_step_s(self) -> float | None:
+        """How long the step running now has run, in seconds; ``None`` between steps."""
+        started = self._step_started
+        return None if started is None else time.perf_counter() - started
+
+    @property
+    def thread_names(self) -> tuple[str, ...]:
+        """The names of its threads that are still alive."""
+        return tuple(thread.name for thread in self.threads if thread.is_alive())
+
+    def assume_step_time(self, step_s: float, *, pixel_s: float | None = None) -> None:
+        """Read ``step_s`` (and ``pixel_s``) as measured until the next step is measured.
+
+        For ``omni_trio.testing.assume_step_time``: call it while this worker is
+        held in a step or idle, so that nothing publishes meanwhile.
+        """
+        self._step_s = step_s
+        if pixel_s is not None:
+            self._pixel_s = pixel_s
+        self.batch = dataclasses.replace(self.batch, step_s=step_s, pixel_s=self._pixel_s)
 
     def let_go(self, item: WorkItem) -> bool:
         """Withdraw ``item`` if it is suspended here: its release follows. Under the lock."""
@@ -236,7 +288,7 @@ class Worker:
             self._post(died(exc, f"the engine's worker {self.name} died", worker=self.index))
         finally:
             running.clear()
-            self.running = 0
+            self._publish(running)
             self._materializer.stop(abandon=dead or self._fatal is not None)
             self._materializer.thread.join()
             with self._cond:
@@ -277,7 +329,7 @@ class Worker:
             admitted = self._preempt(running, plan.preempt)
         for index, item in enumerate(admitted):
             try:
-                self._prepare(item, running)
+                self._prepare(item, running, admitted[index + 1 :])
             except BaseException:
                 # The worker dies (L23): these states are in no list it discards.
                 for rest in admitted[index:]:
@@ -285,13 +337,18 @@ class Worker:
                 raise
         if self._loosens:
             self._loosen(running)
-        self._note_left(running)
         return plan.stop
 
     def _loosen(self, running: list[WorkItem]) -> None:
         """L84: loosen the step caches of members whose deadline is at risk."""
-        for item, exc in loosen_at_risk(self._runner, running, self.step_s):
+        failed = loosen_at_risk(self._runner, running, self._step_s)
+        if not failed:
+            return
+        for item, _ in failed:
             running.remove(item)
+        # Published before any release is posted, as at every boundary (L62).
+        self._publish(running)
+        for item, exc in failed:
             release(self._runner, item, self._post, exc, call="set_cache_threshold")
 
     def _release_all(self, dropped: Sequence[WorkItem]) -> None:
@@ -305,18 +362,44 @@ class Worker:
                     discard_quietly(self._runner, rest)
                 raise
 
-    def _note_left(self, running: list[WorkItem]) -> None:
-        self.running = len(running)
-        self.steps_left = max((item.steps_total - item.steps_done for item in running), default=0)
+    def _publish(self, items: Sequence[WorkItem]) -> None:
+        """Swap in the view of the batch ``items``, which admission reads (L62).
 
-    def _measured(self, elapsed: float) -> None:
-        """Fold one batch step's duration into the moving average.
-
-        One average per worker, not one per batch key: admission's estimate is
-        coarse anyway, and one float needs no lock (a dict of them would, to be read).
+        Called whenever the batch changes, and always before the release of a
+        member that left it is posted: whoever hears of that release (an
+        ``await engine.abort()`` that returned) reads a batch without it.
         """
-        average = self.step_s
-        self.step_s = elapsed if average is None else average + _STEP_WEIGHT * (elapsed - average)
+        view = tuple(items)
+        members = self.batch.members
+        if len(view) != len(self._view) or any(
+            new is not old for new, old in zip(view, self._view, strict=True)
+        ):
+            members = tuple(
+                Member(
+                    item=item.request_id,
+                    key=item.batch_key,
+                    rank=item.rank(),
+                    preemptions=item.preemptions,
+                    stopped=False,
+                )
+                for item in view
+            )
+            self._view = view
+        self.batch = RunningBatch(
+            members=members,
+            steps=tuple((item.steps_done, item.steps_total) for item in view),
+            step_s=self._step_s,
+            pixel_s=self._pixel_s,
+        )
+
+    def _measured(self, elapsed: float, pixels: int) -> None:
+        """Fold one batch step's duration, over ``pixels`` in all, into the moving averages.
+
+        One average per worker, not one per batch key: admission's estimates are
+        coarse anyway. The next ``_publish`` hands them to admission.
+        """
+        self._step_s = _averaged(self._step_s, elapsed)
+        self._pixel_s = _averaged(self._pixel_s, elapsed / max(1, pixels))
 
     def _members(self, running: list[WorkItem]) -> list[Member[WorkItem]]:
         """The running batch as the boundary policy sees it; under the lock."""
@@ -360,10 +443,14 @@ class Worker:
                         item.token.cancel(AbortReason.SHUTDOWN)
                 if not plan.wait:
                     self._taken(plan.admit)
+                    if plan.drop or plan.admit:
+                        # Under the lock, as the queues change, and before any
+                        # release is posted: the batch about to step (L62).
+                        self._publish([*running, *plan.admit])
                     return plan
-                # Idle from here: whatever left the batch (a failed step, a whole
-                # call), statistics() must not count it while the worker waits.
-                self._note_left(running)
+                # Idle from here: nothing is left in the batch to count or estimate.
+                if self.batch.members:
+                    self._publish(running)
                 pool.idle += 1
                 try:
                     self._cond.wait()
@@ -400,6 +487,7 @@ class Worker:
                 sizes.append(runner.state_bytes(item.state))
             except Exception as exc:
                 running.remove(item)
+                self._publish(running)
                 release(self._runner, item, self._post, exc, call="state_bytes")
                 return self._no_preemption(running)
         limit = self._max_parked_bytes
@@ -411,6 +499,7 @@ class Worker:
                 if not self._pool.fresh.remove(newcomer):
                     self.parked.remove(newcomer)
                 self._taken([newcomer])
+                self._publish([*running, newcomer])
         if not stands:
             return self._no_preemption(running)
         for item, size in zip(victims, sizes, strict=True):
@@ -418,12 +507,14 @@ class Worker:
             try:
                 runner.suspend(item.state, to_host=self._park_on_host)
             except Exception as exc:
+                self._publish([*running, newcomer])
                 release(self._runner, item, self._post, exc, call="suspend")
                 continue
             with self._cond:
                 cut = item.token.reason is not None
                 if not cut:
                     self._park(item, size)
+                self._publish([*running, newcomer])
             if cut:
                 release(self._runner, item, self._post, None)
         return [newcomer]
@@ -456,24 +547,29 @@ class Worker:
         item.t_suspended = time.perf_counter()
         item.taken = False
 
-    def _prepare(self, item: WorkItem, running: list[WorkItem]) -> None:
+    def _prepare(
+        self, item: WorkItem, running: list[WorkItem], pending: Sequence[WorkItem]
+    ) -> None:
+        """Prepare (or resume) an admitted ``item`` into ``running``; ``pending`` come next."""
         if item.state is not None:
-            self._resume(item, running)
+            self._resume(item, running, pending)
             return
         item.t_taken = started = time.perf_counter()
         try:
             item.state = self._runner.prepare(item.request, item.request_id)
         except Exception as exc:
+            self._publish([*running, *pending])
             release(self._runner, item, self._post, exc, call="prepare")
             return
         item.prepare_s = time.perf_counter() - started
         running.append(item)
 
-    def _resume(self, item: WorkItem, running: list[WorkItem]) -> None:
+    def _resume(self, item: WorkItem, running: list[WorkItem], pending: Sequence[WorkItem]) -> None:
         """A suspended request is back: the runner brings its state back (L61)."""
         try:
             cast("SuspendableRunner[Any]", self._runner).resume(item.state)
         except Exception as exc:
+            self._publish([*running, *pending])
             release(self._runner, item, self._post, exc, call="resume")
             return
         suspended = item.t_suspended
@@ -485,17 +581,19 @@ class Worker:
     def _step(self, running: list[WorkItem]) -> None:
         if self._whole_call:
             for item in running:
-                self._run_whole(item)
+                self._run_whole(item)  # it publishes an empty batch before its release
             running.clear()
-            self.steps_left = 0
             return
-        started = time.perf_counter()
+        self._step_started = started = time.perf_counter()
         # L71: leave the step only when nobody is left to want it.
         leave = Leave(lambda: all(item.token.reason is not None for item in running))
         try:
             # No local holds the states: a failure's traceback keeps this frame (L22).
             with armed(leave) if self._cancel_points else nullcontext():
-                self._runner.step([item.state for item in running])
+                try:
+                    self._runner.step([item.state for item in running])
+                finally:
+                    self._step_started = None
         except StopRun as stop:
             if not leave.left:
                 self._fail_batch(running, stop)
@@ -503,7 +601,7 @@ class Worker:
             # Left mid-step: no step counted, none measured; each keeps its own reason.
             dropped = running[:]
             running.clear()
-            self._note_left(running)
+            self._publish(running)
             self._release_all(dropped)
             return
         except Exception as exc:
@@ -511,22 +609,22 @@ class Worker:
             return
         elapsed = time.perf_counter() - started
         self.batch_steps += 1
-        self._measured(elapsed)
-        keep: list[WorkItem] = []
-        for item in running:
-            error = self._stepped(item, elapsed)
+        self._measured(elapsed, sum(item.step_pixels for item in running))
+        stepped = [(item, self._stepped(item, elapsed)) for item in running]
+        running[:] = [
+            item for item, error in stepped if error is None and item.steps_done < item.steps_total
+        ]
+        self._publish(running)
+        for item, error in stepped:
             if error is not None:
                 release(self._runner, item, self._post, error, call="preview")
             elif item.steps_done >= item.steps_total:
                 self._denoised(item)
-            else:
-                keep.append(item)
-        running[:] = keep
-        self._note_left(running)
 
     def _fail_batch(self, running: list[WorkItem], exc: Exception) -> None:
         """L22: the whole batch of this step fails; the engine goes on."""
         batch = tuple(item.request_id for item in running)
+        self._publish(())
         for item in running:
             release(self._runner, item, self._post, exc, call="step", batch=batch)
         running.clear()
@@ -564,17 +662,23 @@ class Worker:
                 item.steps_total = total
             now = time.perf_counter()
             self.batch_steps += 1
-            self._measured(now - last)
+            self._measured(now - last, item.step_pixels)
             error = self._stepped(item, now - last)
-            self.steps_left = item.steps_total - item.steps_done
-            last = now
+            self._publish((item,))
+            last = self._step_started = now
             # L7, L21: the boundary check; raising stops the loop before any decode.
             if error is not None or item.token.reason is not None:
                 raise StopRun
 
         runner = cast("WholeCallRunner[Any]", self._runner)
+        self._step_started = last
         try:
-            runner.run(item.state, on_step)
+            try:
+                runner.run(item.state, on_step)
+            finally:
+                # Out of the batch before its release is posted (L62).
+                self._step_started = None
+                self._publish(())
         except StopRun as stop:
             if error is None and item.token.reason is None:
                 # Not ours: the runner stopped itself. A failure, not a cancellation.

@@ -17,7 +17,13 @@ if TYPE_CHECKING:
     from ._request import GenerationRequest
     from ._stepcache import CacheMetrics
 
-__all__ = ["CancelToken", "WorkItem"]
+__all__ = ["CancelToken", "WorkItem", "step_pixels"]
+
+
+def step_pixels(request: GenerationRequest) -> int:
+    """The pixels one denoise step of ``request`` works on: ``num_images x height x
+    width x max(1, num_frames)`` (what admission's step-time estimate scales by, L4)."""
+    return request.num_images * request.height * request.width * max(1, request.num_frames or 1)
 
 
 class CancelToken:
@@ -60,6 +66,7 @@ class WorkItem:
         "request_id",
         "sequence",
         "state",
+        "step_pixels",
         "steps_done",
         "steps_total",
         "suspended_s",
@@ -92,6 +99,7 @@ class WorkItem:
         # than ``num_steps`` for an image with strength < 1), unless a whole-call
         # runner's pipeline says otherwise.
         self.steps_total = request.denoise_steps
+        self.step_pixels = step_pixels(request)
         self.t_taken: float | None = None
         self.t_denoised: float | None = None
         self.t_released: float | None = None

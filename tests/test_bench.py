@@ -40,7 +40,7 @@ SUMMARY_KEYS = {
     "priority": {"high_priority_p99_wait_steps", "resume_max_abs_diff"},
     "devices": {"fake_throughput_ratio", "sd_throughput_ratio_2_over_1"},
     "serve": {"goodput_ratio_over_naive"},
-    "deadline": {"goodput_ratio_over_fifo", "steps_wasted_per_missed"},
+    "deadline": {"goodput_ratio_over_fifo", "steps_wasted_per_missed", "refused_startable"},
     "cache": {"differing_decisions", "best_wall_ratio", "bookkeeping_pct"},
 }
 SCALE_LENGTHS = {"10", "100", "1000", "10000"}

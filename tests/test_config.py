@@ -25,6 +25,11 @@ from omni_trio._request import MAX_GUIDANCE_SCALE
         ({"shutdown_grace": "1"}, "shutdown_grace"),
         ({"max_steps": True}, "max_steps"),
         ({"max_height": 0}, "max_height"),
+        ({"max_frame_pixels": 0}, "max_frame_pixels"),
+        ({"max_step_s": 0}, "max_step_s"),
+        ({"max_step_s": math.inf}, "max_step_s"),
+        ({"stop_timeout_s": -1}, "stop_timeout_s"),
+        ({"stop_timeout_s": None}, "stop_timeout_s"),
     ],
 )
 def test_bad_config_fields_raise_value_error_naming_them(fields: dict[str, Any], name: str) -> None:

@@ -7,6 +7,7 @@ synchronous ``submit`` nothing else has happened yet.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -15,7 +16,14 @@ import pytest
 import torch
 
 import omni_trio as ot
-from omni_trio.testing import FakeRunner, GatedRunner, assert_engine_idle
+from omni_trio.abc import RunnerCapabilities
+from omni_trio.testing import (
+    FakeRunner,
+    GatedRunner,
+    assert_engine_idle,
+    assume_step_time,
+    probe_engine,
+)
 from tests.support.core import BUDGET, req, solo_images
 
 pytestmark = pytest.mark.anyio
@@ -199,3 +207,115 @@ async def test_queue_full_raises_at_once() -> None:
                 await handle.aclose()
             # Room again: the bound is on waiting requests, not on history.
             await engine.generate(req(), request_id="overflow")
+
+
+class StepBoundRunner(FakeRunner):
+    """A ``FakeRunner`` that runs 4 to 20 steps, takes input images, and makes videos of 4k+1."""
+
+    def __init__(self, *, frames: tuple[int, int] | None = None) -> None:
+        super().__init__(frames=frames)
+        self._capabilities = dataclasses.replace(
+            self._capabilities, min_steps=4, max_steps=20, image_input=True
+        )
+
+
+@pytest.mark.parametrize(
+    ("fields", "name", "says"),
+    [
+        ({"num_steps": 3}, "num_steps", "at least 4 steps, got 3"),
+        ({"num_steps": 21}, "num_steps", "at most 20 steps, got 21"),
+        # 10 steps at strength 0.3 run 3: the edit, not its num_steps, falls short.
+        ({"num_steps": 10, "strength": 0.3}, "strength", "0.3 x num_steps 10 runs 3"),
+    ],
+)
+async def test_steps_the_runner_cannot_run_are_refused_at_admission(
+    fields: dict[str, Any], name: str, says: str
+) -> None:
+    """L4 (amended): a runner's min and max steps are checked at admission, naming the field.
+
+    Nothing is prepared for the refused request; the bounds themselves are admitted.
+    """
+    runner = StepBoundRunner()
+    if "strength" in fields:
+        fields = {**fields, "image": torch.rand(3, 16, 16)}
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner) as engine:
+            with pytest.raises(ot.InvalidRequestError) as info:
+                engine.submit(req(**fields), request_id="bad")
+            assert info.value.field == name and says in str(info.value)
+            assert engine.statistics().admitted == 0
+            for steps in (4, 20):
+                await engine.generate(req(num_steps=steps))
+    assert runner.prepares == 2
+
+
+def test_runner_step_bounds_are_validated() -> None:
+    """L4: ``min_steps`` is at least 1 and ``max_steps``, when set, at least ``min_steps``."""
+    with pytest.raises(ValueError, match="min_steps"):
+        RunnerCapabilities(min_steps=0)
+    with pytest.raises(ValueError, match="max_steps"):
+        RunnerCapabilities(min_steps=3, max_steps=2)
+    assert RunnerCapabilities().min_steps == 1
+
+
+async def test_a_video_over_max_frame_pixels_is_refused_naming_the_bound() -> None:
+    """L4 (amended): num_images x num_frames x height x width is bounded by max_frame_pixels.
+
+    The message names the field, the product and the bound; at the bound a video
+    runs. An image request is not bounded by it.
+    """
+    runner = FakeRunner(frames=(4, 1))
+    bound = 2 * 9 * 16 * 16
+    config = ot.EngineConfig(max_frame_pixels=bound)
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner, config) as engine:
+            with pytest.raises(ot.InvalidRequestError) as info:
+                engine.submit(req(num_frames=9, num_images=2, height=24), request_id="big")
+            assert info.value.field == "num_frames"
+            assert "2 x 9 x 24 x 16 = 6,912" in str(info.value)
+            assert "max_frame_pixels of 4,608" in str(info.value)
+            assert engine.statistics().admitted == 0
+            output = await engine.generate(req(num_frames=9, num_images=2))
+            assert output.video is not None and output.video.shape[:2] == (2, 9)
+    images = ot.EngineConfig(max_frame_pixels=1)
+    images.check_request(req())  # no num_frames: an image, not bounded by it
+    assert ot.EngineConfig().max_frame_pixels == 2**27
+
+
+async def test_a_request_whose_one_step_would_outlast_max_step_s_is_refused() -> None:
+    """L4 (amended): by the measured cost per pixel, a request whose own step alone would
+    take longer than ``max_step_s`` is refused at ``submit``, naming its size field
+    and stating the estimate and the bound; before any step is measured, it admits.
+
+    With 1 ms per pixel and a bound of 30 s: 2 images of 128 x 128 (32,768 pixels,
+    32.8 s) are refused naming ``num_images``; one of 176 x 176 (31.0 s) naming
+    ``height``; 16 x 16 is admitted.
+    """
+    runner = GatedRunner()
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner, ot.EngineConfig(max_step_s=30)) as engine:
+            # Before any step is measured, what is refused below is admitted.
+            first = engine.submit(req(num_images=2, height=128, width=128), request_id="first")
+            await runner.wait_arrived(1)
+            assume_step_time(engine, 1.0, pixel_s=1e-3)
+            for fields, name, estimate in (
+                ({"num_images": 2, "height": 128, "width": 128}, "num_images", "32.8 s"),
+                ({"height": 176, "width": 176}, "height", "31.0 s"),
+            ):
+                with pytest.raises(ot.InvalidRequestError) as info:
+                    engine.submit(req(**fields), request_id="big")
+                assert info.value.field == name and info.value.request_id == "big"
+                assert estimate in str(info.value) and "max_step_s of 30 s" in str(info.value)
+            small = engine.submit(req(), request_id="small")
+            assert engine.statistics().admitted == 2
+            runner.open_gate()
+            for handle in (first, small):
+                async with handle:
+                    await handle.result()
+            [worker] = probe_engine(engine).workers
+            measured = worker.pixel_s
+            assert measured is not None and 0.0 < measured < math.inf
+        async with ot.open_engine(FakeRunner(), ot.EngineConfig(max_step_s=None)) as engine:
+            await engine.generate(req())
+            assume_step_time(engine, 1.0, pixel_s=1.0)  # idle: nothing overwrites it
+            await engine.generate(req(height=64, width=64))  # no bound

@@ -228,3 +228,62 @@ async def test_aclose_is_idempotent_and_concurrent() -> None:
             async with handle:
                 await handle.result()
         await engine.aclose()
+
+
+@pytest.mark.trio
+async def test_a_worker_stuck_in_a_step_is_logged_after_stop_timeout(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """L37: a worker that has not exited ``stop_timeout_s`` after the cut is logged at
+    ERROR, naming its thread and the requests it holds; ``aclose`` waits on (L35).
+
+    The step is held at the gate past the cut (a step that does not return); the
+    clock jumps the stop timeout while every task waits. Released after the log,
+    the worker exits and ``aclose`` returns with every thread joined.
+    """
+    runner = GatedRunner(gate_timeout=BUDGET)
+    config = ot.EngineConfig(stop_timeout_s=10)
+    engine_log = "omni_trio.engine"
+    async with ot.open_engine(runner, config) as engine:
+        handle = engine.submit(req(num_steps=5), request_id="held")
+        await runner.wait_arrived(1)
+        name = engine.statistics().workers[0].name
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.aclose)
+            while not any(r.levelname == "ERROR" for r in caplog.records if r.name == engine_log):
+                await trio.sleep(1)  # virtual
+            assert trio.current_time() - start >= 10
+            assert any(thread.is_alive() for thread in engine.threads)  # still waiting
+            runner.open_gate()
+        assert not any(thread.is_alive() for thread in engine.threads)
+        await handle.aclose()
+    [record] = [r for r in caplog.records if r.name == engine_log and r.levelname == "ERROR"]
+    message = record.getMessage()
+    assert f"worker {name} has not exited 10 s after shutdown" in message
+    assert f"{name}-worker" in message and "held (step 1 of 5" in message
+    assert record.request_ids == ("held",)  # type: ignore[attr-defined]
+
+
+@pytest.mark.anyio
+async def test_statistics_name_what_each_worker_holds() -> None:
+    """L19, L37: ``WorkerStatistics.holding`` and ``in_step_s`` say what a worker holds now.
+
+    Held in a step, the worker holds its request and has been in the step some
+    time; once the request ended it holds nothing and is in no step.
+    """
+    runner = GatedRunner()
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner) as engine:
+            idle = engine.statistics().workers[0]
+            assert (idle.holding, idle.in_step_s) == ((), None)
+            handle = engine.submit(req(num_steps=2), request_id="r")
+            await runner.wait_arrived(1)
+            held = engine.statistics().workers[0]
+            assert held.holding == ("r",)
+            assert held.in_step_s is not None and held.in_step_s >= 0.0
+            runner.open_gate()
+            async with handle:
+                await handle.result()
+            await wait_until(lambda: engine.statistics().workers[0].holding == ())
+            assert engine.statistics().workers[0].in_step_s is None

@@ -18,8 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import omni_trio as ot
-from omni_trio import _scheduler
-from omni_trio._scheduler import BoundaryRules, Member, Preemption, WaitingQueue, plan_boundary
+from omni_trio import _queue as queue_module
+from omni_trio import _stepsums as stepsums_module
+from omni_trio._queue import WaitingQueue
+from omni_trio._scheduler import BoundaryRules, Member, Preemption, RunningBatch, plan_boundary
+from omni_trio._stepsums import DeadlineSums
 from tests.lifecycle.sched import Job, WorkerModel
 
 
@@ -158,12 +161,13 @@ def expected_take(
 
 
 @settings(max_examples=500)
-@given(ranked_ops, st.sampled_from([0, _scheduler._MIN_REBUILD]))
+@given(ranked_ops, st.sampled_from([0, queue_module._MIN_REBUILD]))
 def test_queue_matches_ranked_model(operations: list[tuple[str, object]], rebuild: int) -> None:
     """L60, L62: take returns the best-ranked items (priority, deadline, admission), one key.
 
     The reference model is a list sorted by (-priority, deadline, admission sequence)
-    at every take; ``steps_ahead`` is checked against it after every operation. With
+    at every take; ``steps_ahead`` (the steps ranked ahead of a newcomer with a
+    deadline) is checked against it after every operation. With
     ``rebuild`` 0 the heap is rebuilt at every withdrawal that leaves more withdrawn
     entries than waiting ones, so lazy deletion and rebuilding both run.
     """
@@ -172,7 +176,7 @@ def test_queue_matches_ranked_model(operations: list[tuple[str, object]], rebuil
     steps_of: dict[int, int] = {}
     created: list[Ranked] = []
     sequence = 0
-    with mock.patch.object(_scheduler, "_MIN_REBUILD", rebuild):
+    with mock.patch.object(queue_module, "_MIN_REBUILD", rebuild):
         for op, arg in operations:
             waiting = [item for _, item in model]
             if op == "push":
@@ -204,15 +208,57 @@ def test_queue_matches_ranked_model(operations: list[tuple[str, object]], rebuil
                 assert got == expected_take(model, batch_key, free, can_join)
                 model = [entry for entry in model if entry[1] not in got]
             assert len(queue) == len(model)
-            for level in range(-3, 4):
-                assert queue.steps_ahead(level) == sum(
-                    steps_of[id(item)] for rank, item in model if -rank[0] >= level
+            for level, deadline in itertools.product(range(-3, 4), (0.5, 1.0, 2.5, 3.0)):
+                # A newcomer ranks after every item of its priority and deadline.
+                newcomer = (-level, deadline, math.inf)
+                assert queue.steps_ahead(level, deadline) == sum(
+                    steps_of[id(item)] for rank, item in model if rank < newcomer
                 )
             assert all(item in queue for _, item in model)
             # Withdrawn entries never outnumber the waiting ones past the threshold.
             assert len(queue._heap) - len(queue) <= max(rebuild, len(queue))
         assert queue.drain() == [item for _, item in sorted(model, key=lambda entry: entry[0])]
     assert len(queue) == 0
+
+
+sums_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.sampled_from([1.0, 2.0, 2.5, 4.0]), st.integers(1, 9)),
+        st.tuples(st.just("remove"), st.integers(0, 200), st.just(0)),
+    ),
+    max_size=200,
+)
+
+
+@settings(max_examples=300)
+@given(sums_ops, st.sampled_from([1, 2, 128]))
+def test_deadline_sums_match_a_sorted_model(
+    operations: list[tuple[str, float, int]], load: int
+) -> None:
+    """L62: ``DeadlineSums.through(d)`` is the steps of the entries with a deadline <= d.
+
+    Small blocks (``load`` 1 or 2) make every add split blocks and removals empty
+    them, so the Fenwick tree is rebuilt often; 128 is the module's own.
+    """
+    sums = DeadlineSums()
+    model: dict[tuple[float, int], int] = {}
+    with mock.patch.object(stepsums_module, "_LOAD", load):
+        for sequence, (op, deadline, steps) in enumerate(operations):
+            if op == "add":
+                sums.add(deadline, sequence, steps)
+                model[deadline, sequence] = steps
+            elif model:
+                key = sorted(model)[int(deadline) % len(model)]
+                sums.remove(*key)
+                del model[key]
+            assert bool(sums) is bool(model)
+            for bound in (0.5, 1.0, 2.0, 2.5, 3.0, 4.0, math.inf):
+                expected = sum(steps for (d, _), steps in model.items() if d <= bound)
+                assert sums.through(bound) == expected
+    with pytest.raises(KeyError):
+        sums.remove(9.0, -1)
+    sums.clear()
+    assert not sums and sums.through(math.inf) == 0
 
 
 def test_better_ranked_request_with_other_key_is_not_starved() -> None:
@@ -239,7 +285,7 @@ def test_withdrawn_entries_are_skipped_and_memory_stays_bounded() -> None:
         assert queue.remove(item)
     assert not queue.remove(items[0])
     assert len(queue) == 100
-    assert len(queue._heap) <= 2 * len(queue) + _scheduler._MIN_REBUILD
+    assert len(queue._heap) <= 2 * len(queue) + queue_module._MIN_REBUILD
     # Priority index % 3, highest first; then admission order.
     best_first = [item for _, _, item in sorted((-(i % 3), i, items[i]) for i in range(900, 1000))]
     assert queue.take(batch_key=None, free=1000, can_join=True) == best_first
@@ -262,7 +308,7 @@ def test_an_item_pushed_again_ranks_by_its_new_admission() -> None:
 def test_a_take_that_leaves_withdrawn_entries_behind_compacts_the_heap() -> None:
     """Takes, not only withdrawals, keep withdrawn entries from outnumbering waiting ones."""
     queue: WaitingQueue[Item] = WaitingQueue()
-    items = [Item(0) for _ in range(4 * _scheduler._MIN_REBUILD)]
+    items = [Item(0) for _ in range(4 * queue_module._MIN_REBUILD)]
     for item in items:
         queue.push(item, 0)
     half = len(items) // 2
@@ -270,7 +316,7 @@ def test_a_take_that_leaves_withdrawn_entries_behind_compacts_the_heap() -> None
         assert queue.remove(item)  # as many withdrawn as waiting: no rebuild yet
     assert queue.take(batch_key=None, free=half // 2, can_join=True) == items[: half // 2]
     assert len(queue) == half - half // 2
-    assert len(queue._heap) - len(queue) <= max(_scheduler._MIN_REBUILD, len(queue))
+    assert len(queue._heap) - len(queue) <= max(queue_module._MIN_REBUILD, len(queue))
 
 
 # -- the boundary policy -------------------------------------------------------
@@ -488,3 +534,41 @@ def test_a_runner_without_joins_takes_only_into_an_empty_batch() -> None:
         idle=0,
     )
     assert plan.preempt == Preemption(victims=tuple(batch), newcomer=newcomer)
+
+
+def _batch(*members: tuple[int, int, int, int]) -> RunningBatch:
+    """A published batch of members ``(key, priority, preemptions, steps left of 10)``."""
+    return RunningBatch(
+        members=tuple(
+            Member(
+                item=f"m{i}", key=key, rank=(-priority, math.inf, i), preemptions=n, stopped=False
+            )
+            for i, (key, priority, n, _) in enumerate(members)
+        ),
+        steps=tuple((10 - left, 10) for *_, left in members),
+        step_s=1.0,
+    )
+
+
+def test_a_published_batch_says_how_long_a_newcomer_waits() -> None:
+    """L61, L62: admission reads a batch by the boundary policy's own rule (``make_room``).
+
+    0 steps when the newcomer would start at the next boundary (an empty batch, a
+    free place of its key, members it may preempt); else the batch's steps left
+    (its longest member's).
+    """
+    rules = BoundaryRules(max_batch=2, can_join=True, preempting=True, max_preemptions=1)
+    assert _batch().steps_before(key=0, priority=0, rules=rules) == 0
+    one = _batch((0, 0, 0, 8))
+    assert one.steps_before(key=0, priority=0, rules=rules) == 0  # joins
+    assert one.steps_before(key=1, priority=0, rules=rules) == 8  # waits for the batch
+    assert one.steps_before(key=1, priority=1, rules=rules) == 0  # suspends the batch
+    full = _batch((0, 0, 0, 8), (0, 0, 1, 3))
+    assert full.steps_before(key=0, priority=0, rules=rules) == 8  # full: waits
+    assert full.steps_before(key=0, priority=1, rules=rules) == 0  # suspends one member
+    assert full.steps_before(key=1, priority=1, rules=rules) == 8  # not every member may go
+    assert full.steps_left == 8
+    off = dataclasses.replace(rules, preempting=False)
+    assert full.steps_before(key=0, priority=1, rules=off) == 8
+    alone = BoundaryRules(max_batch=1, can_join=False, preempting=False, max_preemptions=0)
+    assert _batch((0, 0, 0, 5)).steps_before(key=0, priority=9, rules=alone) == 5

@@ -90,6 +90,7 @@ def service_options(args: argparse.Namespace) -> ServiceOptions:
             max_batch_size=args.max_batch_size,
             max_waiting=args.max_waiting,
             shutdown_grace=args.shutdown_grace,
+            stop_timeout_s=args.stop_timeout,
             max_steps=args.max_steps,
             max_height=args.max_size,
             max_width=args.max_size,

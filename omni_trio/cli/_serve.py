@@ -100,6 +100,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds running requests get to finish on shutdown (default 10)",
     )
     limits.add_argument(
+        "--stop-timeout",
+        type=seconds,
+        default=10.0,
+        metavar="S",
+        help="seconds past the grace after which the engine logs the workers a step still"
+        " holds; 2 s later a server whose engine still runs logs which request holds which"
+        " worker and exits with status 1: a hard bound from the first signal, whatever a"
+        " step does (default 10)",
+    )
+    limits.add_argument(
         "--close-timeout",
         type=seconds,
         default=5.0,

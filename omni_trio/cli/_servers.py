@@ -8,6 +8,14 @@ still open after that are aborted (``_sockets``), whatever their clients do, so
 the lifespan closes the (already closed) engine and the server returns in
 bounded time. Each further signal ends the current stage at once, and says so in
 the log; a drain cut short still logs what it ended with.
+
+A step that never returns (a model call with no cancel point, stuck inside one
+block) holds its worker thread, which nothing can kill, and with it the engine's
+shutdown. So the first signal also arms a hard bound (``arm_hard_exit``): if the
+engine's threads still run ``--shutdown-grace + --stop-timeout + EXIT_MARGIN_S``
+seconds later (the engine logged its stuck workers at ``--stop-timeout`` after the
+cut), the server logs which request holds which worker, flushes its logs and ends
+the process with status 1 (``os._exit``).
 """
 
 from __future__ import annotations
@@ -15,10 +23,15 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import signal
+import sys
+import threading
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from .._threads import engine_threads
+from ._errors import EXIT_ERROR
 from ._sockets import address
 
 if TYPE_CHECKING:
@@ -28,7 +41,7 @@ if TYPE_CHECKING:
 
     from ..serve._app import Service
 
-__all__ = ["BACKSTOP_S", "run_hypercorn", "run_uvicorn"]
+__all__ = ["BACKSTOP_S", "EXIT_MARGIN_S", "arm_hard_exit", "run_hypercorn", "run_uvicorn"]
 
 _log = logging.getLogger("omni_trio.serve")
 
@@ -36,6 +49,66 @@ _log = logging.getLogger("omni_trio.serve")
 #: Uvicorn's ``timeout_graceful_shutdown``) runs past ``--close-timeout``: a backstop
 #: that should never fire, since the connections are aborted at ``--close-timeout``.
 BACKSTOP_S = 1.0
+
+#: Seconds past ``--shutdown-grace + --stop-timeout`` before a server whose engine
+#: threads still run leaves by itself: the engine's own log of its stuck workers
+#: (at ``--stop-timeout``) comes first, with room for a step that ends just then.
+EXIT_MARGIN_S = 2.0
+
+
+def exit_bound_s(args: argparse.Namespace) -> float:
+    """Seconds from the first signal after which a server that has not stopped leaves."""
+    return float(args.shutdown_grace + args.stop_timeout + EXIT_MARGIN_S)
+
+
+def arm_hard_exit(service: Service, bound_s: float) -> None:
+    """From now on: if the engine's threads still run ``bound_s`` seconds later, leave.
+
+    A daemon timer thread, so that neither a busy event loop nor a stuck worker
+    delays it, and nothing waits for it at a normal exit.
+    """
+    timer = threading.Timer(bound_s, _leave, args=(service, bound_s))
+    timer.name = "serve-exit-bound"  # not an engine thread: no ENGINE_THREAD_PREFIX
+    timer.daemon = True
+    timer.start()
+
+
+def _leave(service: Service, bound_s: float) -> None:
+    """Log what holds the engine, flush the logs and end the process with ``EXIT_ERROR``.
+
+    Nothing is left to do when the engine's threads ended: the rest of the
+    shutdown is bounded by ``--close-timeout``.
+    """
+    left = engine_threads()
+    if not left:
+        return
+    engine = service.engine
+    # Read from this thread: the figures are single references, swapped whole.
+    workers = engine.statistics().workers if engine is not None else ()
+    for worker in workers:
+        if worker.holding:
+            in_step = "" if worker.in_step_s is None else f", {worker.in_step_s:.1f} s in its step"
+            _log.error(
+                "shutdown: worker %s still holds %s%s",
+                worker.name,
+                ", ".join(worker.holding),
+                in_step,
+                extra={"request_ids": worker.holding, "worker": worker.name},
+            )
+    _log.error(
+        "shutdown did not end %g s after the signal (--shutdown-grace + --stop-timeout + %g s):"
+        " exiting with status %d; engine threads left: %s",
+        bound_s,
+        EXIT_MARGIN_S,
+        EXIT_ERROR,
+        ", ".join(thread.name for thread in left),
+    )
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not sys.exit: the interpreter's exit would join the stuck thread, forever.
+    os._exit(EXIT_ERROR)
 
 
 #: Waits for the next SIGTERM or SIGINT; returns its number.
@@ -141,6 +214,7 @@ def run_hypercorn(service: Service, args: argparse.Namespace) -> None:
 
             async def shutdown_trigger() -> None:
                 await next_signal()
+                arm_hard_exit(service, exit_bound_s(args))
                 await _drain(service, next_signal)
                 drained.set()  # returning makes Hypercorn stop listening and close
 
@@ -193,6 +267,7 @@ def run_uvicorn(service: Service, args: argparse.Namespace) -> None:
                 return True
             if not self.signals:
                 return False
+            arm_hard_exit(service, exit_bound_s(args))
             await _drain(service, self.next_signal)
             return True
 

@@ -151,12 +151,17 @@ class WorkerProbe:
     @property
     def step_s(self) -> float | None:
         """The moving average of its batch steps' durations (L62); ``None`` before one."""
-        return self._worker.step_s
+        return self._worker.batch.step_s
+
+    @property
+    def pixel_s(self) -> float | None:
+        """Its measured cost of a step per pixel (L4: ``max_step_s``); ``None`` before one."""
+        return self._worker.batch.pixel_s
 
     @property
     def steps_left(self) -> int:
         """The steps left of its running batch (its longest member's), for the estimate."""
-        return self._worker.steps_left
+        return self._worker.batch.steps_left
 
     @property
     def parked_bytes(self) -> int:
@@ -223,14 +228,17 @@ def probe_engine(engine: Engine) -> EngineProbe:
     return EngineProbe(engine)
 
 
-def assume_step_time(engine: Engine, step_s: float, *, worker: int = 0) -> None:
+def assume_step_time(
+    engine: Engine, step_s: float, *, worker: int = 0, pixel_s: float | None = None
+) -> None:
     """Make worker ``worker`` of ``engine`` read ``step_s`` as its measured step time.
 
     Admission's deadline estimate (L62) then uses it until the worker measures its
     next step: call it while the worker is held in a step (a ``GatedRunner`` at its
-    gate) or idle, so that the estimate is exact.
+    gate) or idle, so that the estimate is exact. With ``pixel_s``, the measured
+    cost of a step per pixel too, which ``EngineConfig.max_step_s`` reads (L4).
     """
-    engine._workers[worker].step_s = step_s
+    engine._workers[worker].assume_step_time(step_s, pixel_s=pixel_s)
 
 
 class _CancelOnDelivery:

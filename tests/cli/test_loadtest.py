@@ -51,7 +51,7 @@ from omni_trio.cli._loadtest_math import (
     summarize,
 )
 from omni_trio.serve import ServeConfig, Service
-from omni_trio.testing import FakeRunner, GatedRunner, assume_step_time, probe_engine, wait_until
+from omni_trio.testing import FakeRunner, GatedRunner, assume_step_time
 from tests.support.cli import BUDGET_S, ROOT, free_port
 from tests.support.core import BUDGET
 from tests.support.serve import metric, poll_until
@@ -647,9 +647,14 @@ async def test_a_priority_over_the_servers_bound_is_refused_for_that_class_only(
 async def test_every_request_carries_the_deadline() -> None:
     """L63: ``deadline_ms`` reaches the engine's admission: once the measured step time
     says no request can finish within it, every request is a 429
-    ``deadline_unmeetable``, and ``/metrics`` counts each as ``deadline_refused``."""
+    ``deadline_unmeetable``, and ``/metrics`` counts each as ``deadline_refused``.
+
+    A 32x32 request holds the worker in its first step (gated): the load's 16x16
+    requests can neither join its batch nor preempt it, so each waits behind it (L62).
+    """
+    runner = GatedRunner()
     service = Service(
-        FakeRunner(), config=ServeConfig(model_name="fake", default_width=16, default_height=16)
+        runner, config=ServeConfig(model_name="fake", default_width=16, default_height=16)
     )
     config = LoadConfig(
         url="",
@@ -669,13 +674,20 @@ async def test_every_request_carries_the_deadline() -> None:
         async with serving(service) as url:
             engine = service.engine
             assert engine is not None
-            async with httpx.AsyncClient() as client:
-                warm = await client.post(f"{url}{PATH}", json={"prompt": "warm", "size": "16x16"})
-                assert warm.status_code == 200
-                await wait_until(lambda: probe_engine(engine).workers[0].steps_left == 0)
-                assume_step_time(engine, 10.0)  # idle, and every request refused: it stays
+            async with httpx.AsyncClient() as client, anyio.create_task_group() as tg:
+
+                async def busy() -> None:
+                    answer = await client.post(
+                        f"{url}{PATH}", json={"prompt": "busy", "size": "32x32"}
+                    )
+                    assert answer.status_code == 200
+
+                tg.start_soon(busy)
+                await runner.wait_arrived(1)
+                assume_step_time(engine, 10.0)  # held in a step: nothing overwrites it
                 result = await run_load(dataclasses.replace(config, url=endpoint_url(url)))
                 text = (await client.get(f"{url}/metrics")).text
+                runner.open_gate()
     summary = result.summary()
     assert summary["refused_by_reason"] == {"429 deadline_unmeetable": planned}
     assert metric(text, "omni_trio_requests_total", outcome="deadline_refused") == planned

@@ -53,6 +53,7 @@ from .ops import (
     PICKS,
     SLOTS,
     TIGHT_DEADLINE,
+    TIGHT_PRIORITY,
     Abort,
     Advance,
     CancelCaller,
@@ -808,23 +809,51 @@ class Machine:
                 errors.add(ot.QueueFullError)
         return errors
 
+    def tight_refused(self, size: int) -> bool:
+        """L62: whether admission refuses a ``TIGHT_DEADLINE`` request of ``size`` now.
+
+        At ``TIGHT_PRIORITY`` it is ranked behind everything waiting (new or
+        suspended) and preempts nothing, so it is refused exactly when something
+        waits or no live worker could start it at the next boundary: each runs a
+        batch that is full or has another batch key. Settled between operations,
+        no worker moves meanwhile (nor with the gate open: then nothing is live).
+        """
+        engine = probe_engine(self.engine)
+        records = engine.requests
+        if any(r.status is ot.RequestStatus.WAITING for r in records):
+            return True
+        places = min(self.plan.max_batch_size, self.runner.capabilities.max_batch_size)
+        for index, worker in enumerate(engine.workers):
+            batch = [r for r in records if r.worker == index]
+            if not worker.is_alive:
+                continue
+            if not batch:
+                return False
+            key = (batch[0].request.height, batch[0].request.width, batch[0].request.num_images)
+            if len(batch) < places and key == (size, size, 1):
+                return False
+        return True
+
     def submit(self, op: Submit) -> None:
         request_id = None if op.slot is None else f"r{op.slot}"
         if op.invalid == "empty_id":
             request_id = ""
         deadline = op.deadline
         workers = probe_engine(self.engine).workers
-        if deadline == "tight" and any(w.step_s is None for w in workers if w.is_alive):
-            # Admitted before every live worker measured a step, it would expire at
-            # a moment of the threads' choosing: sent only when admission must
-            # refuse it.
+        if deadline == "tight" and (
+            any(w.step_s is None for w in workers if w.is_alive) or not self.tight_refused(op.size)
+        ):
+            # Admitted, it would expire at a moment of the threads' choosing: sent
+            # only when admission must refuse it.
             deadline = None
         deadline_s = None
         if deadline is not None:
             deadline_s = TIGHT_DEADLINE if deadline == "tight" else deadline * DEADLINE_UNIT
         priority, size = op.priority, op.size
         running = [t for t in self.tracked if t.status is ot.RequestStatus.RUNNING]
-        if op.urgent and running:
+        if deadline == "tight":
+            priority = TIGHT_PRIORITY
+        elif op.urgent and running:
             priority = max([priority, *(t.priority + 1 for t in running)])
             # Not joinable while the batch has room (another batch key), so it
             # starts only by suspending the whole batch (L61); a full batch it

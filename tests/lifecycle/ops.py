@@ -27,8 +27,12 @@ MAX_SIZE = 16
 #: plan takes seconds), and the engine's estimate (measured step time, gate waits
 #: included, times at most some 60 steps) never refuses one.
 DEADLINE_UNIT = 10_000.0
-#: A deadline no estimate can meet: refused once a step was measured (L62).
+#: A deadline no estimate can meet: refused once a step was measured, unless the
+#: engine would start the request at the next boundary (L62).
 TIGHT_DEADLINE = 1e-9
+#: The priority of a request with ``TIGHT_DEADLINE``: below every other a plan
+#: submits, so it is ranked behind everything waiting and preempts nothing.
+TIGHT_PRIORITY = -3
 
 Invalid = Literal["steps", "multiple", "width", "extra", "type", "empty_id"]
 INVALID_FIELD: dict[str, str] = {

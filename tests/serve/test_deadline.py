@@ -22,7 +22,6 @@ from omni_trio.testing import (
     FakeState,
     GatedRunner,
     assume_step_time,
-    probe_engine,
     wait_until,
 )
 from tests.support.core import BUDGET
@@ -199,21 +198,31 @@ async def test_a_passed_deadline_aborts_with_reason_deadline_and_is_counted(wher
 
 
 async def test_an_unmeetable_deadline_gets_429_with_the_estimate() -> None:
-    """L63: DeadlineError is a 429 ``deadline_unmeetable`` stating the estimate, counted."""
-    service = make(FakeRunner())
+    """L63: DeadlineError is a 429 ``deadline_unmeetable`` stating the estimate, counted.
+
+    "busy" holds the only place in its first step (gated), so a request of equal
+    priority can neither join nor preempt it: it waits behind its 4 steps (L62).
+    """
+    runner = GatedRunner()
+    service = make(runner)
+    busy = AsgiCall({"prompt": "busy"})
     with anyio.fail_after(BUDGET):
         async with serving(service) as client:
             engine = service.engine
             assert engine is not None
-            assert (await client.post(PATH, json={"prompt": "warm"})).status_code == 200
-            await wait_until(lambda: probe_engine(engine).workers[0].steps_left == 0)
-            assume_step_time(engine, 10.0)  # idle: no step overwrites it
-            refused = await client.post(PATH, json={"prompt": "x", "deadline_ms": 1000})
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(busy.run, service)
+                await runner.wait_arrived(1)
+                assume_step_time(engine, 10.0)  # held in a step: nothing overwrites it
+                refused = await client.post(PATH, json={"prompt": "x", "deadline_ms": 1000})
+                runner.open_gate()
+            assert busy.status == 200
             assert refused.status_code == 429
             assert refused.headers["retry-after"] == "1"
             error = refused.json()["error"]
             assert error["code"] == "deadline_unmeetable"
-            assert "40.000 s" in error["message"] and "1000 ms" in error["message"]
+            # 4 steps of the running batch and 4 of its own, of 10 s each.
+            assert "80.000 s" in error["message"] and "1000 ms" in error["message"]
             text = (await client.get("/metrics")).text
             assert metric(text, "omni_trio_requests_total", outcome="deadline_refused") == 1
             assert metric(text, "omni_trio_requests_total", outcome="queue_full") == 0
