@@ -36,6 +36,8 @@ THREAD_SIDE = (
     "_imagecheck",
     "_failure",
     "_scheduler",
+    "_queue",
+    "_stepsums",
     "_workitem",
     "_messages",
     "_cancelpoint",
@@ -145,11 +147,17 @@ def test_the_thread_side_imports_no_event_loop(name: str) -> None:
     assert not crossing(core(name), tuple(f"omni_trio.{m}" for m in LOOP_SIDE)), name
 
 
-def test_the_scheduler_is_pure() -> None:
-    """``_scheduler`` imports no threads, no event loop and nothing else of omni_trio."""
-    imported = imported_modules(core("_scheduler"))
-    assert not {m for m in imported if m.startswith("omni_trio")}, imported
-    assert not crossing(core("_scheduler"), ("threading", *EVENT_LOOP)), imported
+#: The pure modules: the waiting queue, its step sums and the boundary policy.
+PURE = ("_scheduler", "_queue", "_stepsums")
+
+
+@pytest.mark.parametrize("name", PURE)
+def test_the_scheduler_is_pure(name: str) -> None:
+    """The scheduler's modules import no threads, no event loop, and of omni_trio only
+    each other: plain data in, a plan out, testable without an engine."""
+    own = {m for m in imported_modules(core(name)) if m.startswith("omni_trio")}
+    assert own <= {f"omni_trio.{pure}" for pure in PURE}, own
+    assert not crossing(core(name), ("threading", *EVENT_LOOP)), name
 
 
 def test_the_handle_reaches_the_engine_only_through_its_seam() -> None:
