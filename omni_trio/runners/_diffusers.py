@@ -190,7 +190,7 @@ class DiffusersRunner:
             rows = family.scale_input(state, rows, t)
             inputs.append(rows)
             steps.append(t.expand(rows.shape[0]).to(rows.device))
-        output = family.denoise(
+        output = self._denoise(
             joined(inputs), joined(steps), family.join_cond(states), states[0].shared
         )
         start = 0
@@ -206,6 +206,16 @@ class DiffusersRunner:
             if state.edit:
                 keep_unmasked(state)
             state.position += 1
+
+    def _denoise(
+        self, rows: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor], shared: Any
+    ) -> torch.Tensor:
+        """One model call over a round's rows: the family's.
+
+        The seam of a subclass that runs the call elsewhere: ``omni_trio.parallel``
+        splits it over its ranks.
+        """
+        return self._family.denoise(rows, t, cond, shared)
 
     def preview(self, state: RequestState) -> torch.Tensor:
         """Project the current latents to RGB with a fixed linear map, on the CPU."""
