@@ -21,7 +21,7 @@ from ..serve._models import MODELS
 from ._env import read_environment, resolve_environment
 from ._errors import EXIT_ERROR, CommandError
 from ._logs import LOG_FORMATS, configure_logging
-from ._options import check_model, load, make_service, service_options
+from ._options import PARALLEL_OPTIONS, check_model, load, make_service, service_options
 from ._ray import add_ray_arguments, run_ray
 from ._servers import run_hypercorn, run_uvicorn
 from ._sockets import address, check_port
@@ -77,6 +77,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="N workers on the CPU, torch's threads shared out among them",
     )
+    ranks = parser.add_argument_group(
+        "several ranks on one request (one worker, N processes: faster requests, not more)"
+    )
+    layout = ranks.add_mutually_exclusive_group()
+    for option, what in PARALLEL_OPTIONS.items():
+        layout.add_argument(
+            option, type=count(2, 64), default=None, metavar="N", help=f"{what} over N ranks"
+        )
     limits = parser.add_argument_group("engine and limits")
     limits.add_argument(
         "--max-batch-size", type=count(1), default=4, help="requests per denoise step (default 4)"
