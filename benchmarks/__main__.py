@@ -14,6 +14,7 @@ devices     throughput with 1, 2 and 4 workers sharing one queue (FakeRunner; ti
 deadline    goodput under a 2x overload, with deadlines vs FIFO (FakeRunner)
 priority    an urgent request behind background batches: FIFO, priorities, preemption
 serve       open-loop HTTP load with impatient clients, omni-trio serve vs naive
+ranks       one request over two ranks: CFG split, Ulysses, ring vs one rank (tiny SD, Flux)
 ray         a Ray Serve replica vs plain serve: cost per request, disconnect aborts
 all         every benchmark above, in this order
 
