@@ -15,6 +15,7 @@ deadline    goodput under a 2x overload, with deadlines vs FIFO (FakeRunner)
 priority    an urgent request behind background batches: FIFO, priorities, preemption
 serve       open-loop HTTP load with impatient clients, omni-trio serve vs naive
 cache       step caching: block work, wall time, PSNR, batch invariance; diffusers' hook (tiny DiTs)
+ranks       one request over two ranks: CFG split, Ulysses, ring vs one rank (tiny SD, Flux)
 ray         a Ray Serve replica vs plain serve: cost per request, disconnect aborts
 all         every benchmark above, in this order
 

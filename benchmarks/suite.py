@@ -31,6 +31,7 @@ from .plot import save_plot
 from .postabort import plot_post_abort, run_post_abort, table_post_abort
 from .preview import plot_preview, run_preview, table_preview
 from .priority import plot_priority, run_priority, table_priority
+from .ranks import plot_ranks, run_ranks, table_ranks
 from .ray_bench import plot_ray, run_ray, table_ray
 from .scale import plot_scale, run_scale, table_scale
 from .serve import plot_serve, run_serve, table_serve
@@ -174,6 +175,13 @@ BENCHMARKS: dict[str, Benchmark] = {
             run=run_cache,
             table=table_cache,
             plot=plot_cache,
+        ),
+        Benchmark(
+            name="ranks",
+            what="one request over two ranks (CFG split, Ulysses, ring) vs one rank",
+            run=run_ranks,
+            table=table_ranks,
+            plot=plot_ranks,
         ),
         Benchmark(
             name="ray",

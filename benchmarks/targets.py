@@ -317,6 +317,45 @@ TARGETS: tuple[Target, ...] = (
         met=lambda r: _s(r).get("refused_startable") == 0,
     ),
     Target(
+        bench="ranks",
+        label="post-abort overhead, worst layout (5 random aborts each)",
+        target="≤ +3 %",
+        figure=lambda r: (
+            f"{_s(r)['post_abort_overhead_pct']:+.1f} % (CFG"
+            f" {_s(r)['cfg_post_abort_overhead_pct']:+.1f}, Ulysses"
+            f" {_s(r)['ulysses_post_abort_overhead_pct']:+.1f}, ring"
+            f" {_s(r)['ring_post_abort_overhead_pct']:+.1f} %)"
+        ),
+        met=lambda r: _s(r)["post_abort_overhead_pct"] <= 3.0,
+    ),
+    Target(
+        bench="ranks",
+        label="abort recovery: the next request's image bitwise its baseline's",
+        target="every time",
+        figure=lambda r: f"{_s(r)['recovered']:.0f}/{_s(r)['aborts']:.0f} (worst layout)",
+        met=lambda r: _s(r)["recovered"] == _s(r)["aborts"],
+    ),
+    Target(
+        bench="ranks",
+        label="plan delivery per step, p50 (p99)",
+        target="≤ 300 µs",
+        figure=lambda r: (
+            f"{_s(r)['plan_delivery_us_p50']:.0f} µs ({_s(r)['plan_delivery_us_p99']:.0f} µs);"
+            f" a cancel point's agreed check {_s(r)['cancel_check_ns']:.0f} ns"
+        ),
+        met=lambda r: _s(r)["plan_delivery_us_p50"] <= 300.0,
+    ),
+    Target(
+        bench="ranks",
+        label="CFG split step, 2 ranks / 1 rank on the same 2 cores (tiny SD 256 px)",
+        target="≤ 0.6x",
+        figure=lambda r: (
+            f"{_s(r)['cfg_step_ratio_over_two_threads']:.2f}x (over one thread:"
+            f" {_s(r)['cfg_step_ratio_over_one_thread']:.2f}x)"
+        ),
+        met=lambda r: _s(r)["cfg_step_ratio_over_two_threads"] <= 0.6,
+    ),
+    Target(
         bench="ray",
         label="disconnect through Ray Serve: steps after the abort, max",
         target="≤ 1 step",

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 from ._runner import StopRun
 
-__all__ = ["Leave", "active_checks", "armed", "cancel_point"]
+__all__ = ["Leave", "active_checks", "armed", "cancel_point", "current_check"]
 
 _local = threading.local()
 _lock = threading.Lock()
@@ -72,6 +72,17 @@ def armed(check: Callable[[], None]) -> Iterator[None]:
         _local.check = previous
         with _lock:
             _active -= 1
+
+
+def current_check() -> Callable[[], None] | None:
+    """The check ``cancel_point()`` calls in this thread now, if any.
+
+    For a runner that must agree on leaving with other processes before it
+    leaves (``omni_trio.parallel``): it arms its own check around the call, which
+    consults this one.
+    """
+    check: Callable[[], None] | None = getattr(_local, "check", None)
+    return check
 
 
 def active_checks() -> int:

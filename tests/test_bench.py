@@ -42,6 +42,13 @@ SUMMARY_KEYS = {
     "serve": {"goodput_ratio_over_naive"},
     "deadline": {"goodput_ratio_over_fifo", "steps_wasted_per_missed", "refused_startable"},
     "cache": {"differing_decisions", "best_wall_ratio", "bookkeeping_pct"},
+    "ranks": {
+        "post_abort_overhead_pct",
+        "recovered",
+        "plan_delivery_us_p50",
+        "plan_delivery_us_p99",
+        "cfg_step_ratio_over_two_threads",
+    },
 }
 SCALE_LENGTHS = {"10", "100", "1000", "10000"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

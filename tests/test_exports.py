@@ -27,6 +27,7 @@ PACKAGES = [
     "omni_trio",
     "omni_trio.abc",
     "omni_trio.runners",
+    "omni_trio.parallel",
     "omni_trio.testing",
     "omni_trio.serve",
 ]

@@ -3,11 +3,12 @@
 omni_trio is layered (docs/design.md, "Layers"): the data and the seam at the bottom;
 the thread side (the step loop, the pool, the materializer) beside the loop side (the
 engine, its records and handles), which never meet but through messages; the runners
-on the seam only; ``serve`` on the library; the command line on top of everything.
-These tests read every import of every module (module level, inside functions, and
-under ``TYPE_CHECKING``: a type-only import is a dependency of the reader too) and
-fail naming the import that crosses a line. No module is imported, so they are fast
-and cannot be fooled by what an import happens to pull in.
+on the seam only, the parallel runner on the runners; ``serve`` on the library; the
+command line on top of everything. These tests read every import of every module
+(module level, inside functions, and under ``TYPE_CHECKING``: a type-only import is a
+dependency of the reader too) and fail naming the import that crosses a line. No
+module is imported, so they are fast and cannot be fooled by what an import happens
+to pull in.
 """
 
 from __future__ import annotations
@@ -181,8 +182,32 @@ def test_runners_import_only_the_core_seam(path: Path) -> None:
     assert core_imports <= RUNNER_SEAM, sorted(core_imports - RUNNER_SEAM)
 
 
+def parallel_modules() -> Iterator[Path]:
+    return (PACKAGE / "parallel").glob("*.py")
+
+
+@pytest.mark.parametrize("path", sorted(parallel_modules()), ids=lambda p: p.name)
+def test_the_parallel_runner_imports_only_the_runners_and_the_core_seam(path: Path) -> None:
+    """``omni_trio.parallel`` is a runner over runners: the seam and ``runners``, never the
+    engine's modules, ``serve`` or ``cli``."""
+    core_imports = {
+        module
+        for module in imported_modules(path)
+        if module.startswith("omni_trio.")
+        and not module.startswith(("omni_trio.parallel", "omni_trio.runners"))
+    }
+    assert core_imports <= RUNNER_SEAM, sorted(core_imports - RUNNER_SEAM)
+
+
 @pytest.mark.parametrize(
-    "package", ["omni_trio._", "omni_trio.abc", "omni_trio.runners", "omni_trio.testing"]
+    "package",
+    [
+        "omni_trio._",
+        "omni_trio.abc",
+        "omni_trio.runners",
+        "omni_trio.parallel",
+        "omni_trio.testing",
+    ],
 )
 def test_the_library_never_imports_the_server_or_the_command_line(package: str) -> None:
     """The core, the seam, the runners and the test kit import neither ``serve`` nor ``cli``.

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from ..serve._app import Service
 
 __all__ = [
+    "PARALLEL_OPTIONS",
     "check_model",
     "load",
     "make_service",
@@ -44,6 +45,34 @@ _OPTIONS = {
     "default_guidance_scale": "--default-guidance",
     "default_cache": "--cache",
 }
+
+
+#: ``serve``'s options of one request over several ranks, and what each splits.
+PARALLEL_OPTIONS = {
+    "--cfg-parallel": "split each request's classifier-free guidance (its two halves)",
+    "--ulysses": "split each model call's tokens, Ulysses attention (DiT models)",
+    "--ring": "split each model call's tokens, ring attention (DiT models)",
+}
+#: Each option's layout (``ParallelRunner``'s keyword).
+_LAYOUTS = {"--cfg-parallel": "cfg", "--ulysses": "ulysses", "--ring": "ring"}
+
+
+def _parallel(args: argparse.Namespace) -> tuple[str, int] | None:
+    """``(layout, ranks)`` of the rank option given, if any (argparse lets one through).
+
+    Raises:
+        UsageError: it is given with ``--workers`` or with the fake model.
+    """
+    for option, layout in _LAYOUTS.items():
+        ranks: int | None = getattr(args, option.removeprefix("--").replace("-", "_"))
+        if ranks is None:
+            continue
+        if args.workers is not None:
+            raise UsageError(f"{option}: one worker over {ranks} ranks; leave --workers out")
+        if args.model == "fake":
+            raise UsageError(f"{option}: the fake model runs in one process; serve a real one")
+        return layout, ranks
+    return None
 
 
 def check_model(spec: str) -> None:
@@ -83,7 +112,8 @@ def service_options(args: argparse.Namespace) -> ServiceOptions:
     """The ``ServiceOptions`` of ``serve``'s parsed arguments (the model is not checked).
 
     Raises:
-        UsageError: ``--devices`` is wrong, or a limit is out of the engine's range.
+        UsageError: ``--devices`` is wrong, a rank option does not apply, or a limit
+            is out of the engine's range.
     """
     try:
         engine_config = EngineConfig(
@@ -119,6 +149,7 @@ def service_options(args: argparse.Namespace) -> ServiceOptions:
         video_fps=args.video_fps,
         video_jobs=args.video_jobs,
         video_ttl_s=args.video_ttl,
+        parallel=_parallel(args),
     )
 
 

@@ -23,6 +23,7 @@ from ._errors import EXIT_ERROR, CommandError
 from ._given import refuse_unused
 from ._logs import LOG_FORMATS, configure_logging, log_notes
 from ._options import (
+    PARALLEL_OPTIONS,
     check_model,
     load,
     make_service,
@@ -85,6 +86,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="N workers on the CPU, torch's threads shared out among them",
     )
+    ranks = parser.add_argument_group(
+        "several ranks on one request (one worker, N processes: faster requests, not more)"
+    )
+    layout = ranks.add_mutually_exclusive_group()
+    for option, what in PARALLEL_OPTIONS.items():
+        layout.add_argument(
+            option, type=count(2, 64), default=None, metavar="N", help=f"{what} over N ranks"
+        )
     limits = parser.add_argument_group("engine and limits")
     limits.add_argument(
         "--max-batch-size", type=count(1), default=4, help="requests per denoise step (default 4)"

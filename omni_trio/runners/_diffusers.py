@@ -235,7 +235,7 @@ class DiffusersRunner:
             inputs.append(rows)
             steps.append(t.expand(rows.shape[0]).to(rows.device))
         with self._step_cache.call(states, [rows.shape[0] for rows in inputs]):
-            output = family.denoise(
+            output = self._denoise(
                 joined(inputs), joined(steps), family.join_cond(states), states[0].shared
             )
         start = 0
@@ -251,6 +251,16 @@ class DiffusersRunner:
             if state.edit:
                 keep_unmasked(state)
             state.position += 1
+
+    def _denoise(
+        self, rows: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor], shared: Any
+    ) -> torch.Tensor:
+        """One model call over a round's rows: the family's.
+
+        The seam of a subclass that runs the call elsewhere: ``omni_trio.parallel``
+        splits it over its ranks.
+        """
+        return self._family.denoise(rows, t, cond, shared)
 
     def preview(self, state: RequestState) -> torch.Tensor:
         """Project the current latents to RGB with a fixed linear map, on the CPU."""

@@ -19,10 +19,16 @@ videos (``/v1/videos``, L73), at 16 and 25 frames per second.
 
 A spec that names no model is a ``ValueError``, a model that does not load a
 ``ModelError``; neither names a command-line option (the command line adds that).
+
+With ``parallel`` (``("cfg", 2)``, ``("ulysses", 2)``, ``("ring", 2)``) the model is
+one ``omni_trio.parallel.ParallelRunner``: one worker whose requests run over that
+many ranks, each rank building the model itself (``devices``, if given, are the
+ranks' devices).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -143,6 +149,26 @@ def model_folder(spec: str) -> Path:
         raise ValueError(f"{exc}; the built-in models are {', '.join(MODELS)}") from None
 
 
+def _folder_pipeline(folder: Path) -> Any:
+    """The pipeline in ``folder``, its progress bar off (a rank's factory: it pickles)."""
+    from ..runners._load import load_pipeline
+
+    loaded: Any = load_pipeline(folder)
+    loaded.set_progress_bar_config(disable=True)
+    return loaded
+
+
+def _parallel_runner(
+    factory: Callable[[], Any], parallel: tuple[str, int], devices: Sequence[str] | None
+) -> Any:
+    """One ``ParallelRunner`` over ``parallel``'s ranks, on ``devices`` if given."""
+    from ..parallel import ParallelRunner
+
+    layout, ranks = parallel
+    degrees = {name: ranks if name == layout else 1 for name in ("cfg", "ulysses", "ring")}
+    return ParallelRunner(factory, devices=devices, **degrees)
+
+
 def load_model(
     spec: str,
     *,
@@ -150,6 +176,7 @@ def load_model(
     max_steps: int = 200,
     devices: Sequence[str] | None = None,
     runner_options: Mapping[str, Any] | None = None,
+    parallel: tuple[str, int] | None = None,
 ) -> LoadedModel:
     """Build the runners for ``spec`` (a name in ``MODELS`` or a diffusers folder).
 
@@ -161,12 +188,15 @@ def load_model(
             them); ``None``: one runner, the pipeline where it loads (the CPU).
         runner_options: keyword options of each ``DiffusersRunner`` (the decode
             chunks' thresholds, L72); a pipeline served by its own call takes none.
+        parallel: ``(layout, ranks)``: one ``ParallelRunner`` instead (L48, L49).
 
     Raises:
         ValueError: ``spec`` is neither a known name nor a diffusers folder.
         ModelError: the pipeline does not load, or not on a device.
     """
     if spec == "fake":
+        if parallel is not None:
+            raise ValueError("the fake model runs in one process; parallel needs a real model")
         from ..testing import FakeRunner
 
         count = 1 if devices is None else len(devices)
@@ -203,7 +233,18 @@ def load_model(
         name = folder.resolve().name
     pipelines: list[Any] = []
     runners: list[Any] = []
-    for device in devices if devices is not None else [None]:
+    if parallel is not None:
+        factory: Callable[[], Any] = (
+            functools.partial(tiny_pipeline, spec.removeprefix("tiny-"), seed=0)
+            if tiny
+            else functools.partial(_folder_pipeline, folder)
+        )
+        try:
+            runners.append(_parallel_runner(factory, parallel, devices))
+        except Exception as exc:
+            raise ModelError(f"cannot start {spec!r} over {parallel[1]} ranks") from exc
+        pipelines.append(runners[0].pipeline)
+    for device in [] if parallel is not None else devices if devices is not None else [None]:
         try:
             pipeline: Any = load() if device is None else load().to(device)
             runners.append(wrap(pipeline, **(runner_options or {})))
@@ -214,6 +255,8 @@ def load_model(
     pipeline = pipelines[0]
     runner = runners[0]
     where = "" if devices is None else f", on {', '.join(devices)}"
+    if parallel is not None:
+        where += f", {parallel[0]} over {parallel[1]} ranks"
     if tiny:
         description = f"tiny {type(pipeline).__name__}, random weights{where}"
     else:
@@ -222,7 +265,7 @@ def load_model(
         steps = max(1, min(steps, max_steps))
     fixed = runner.capabilities.fixed_size
     size = (fixed[1], fixed[0]) if fixed is not None else model_size(pipeline, tiny=tiny)
-    family = runner.family if isinstance(runner, DiffusersRunner) else None
+    family = runner.family if isinstance(runner, DiffusersRunner) or parallel else None
     guidance = _GUIDANCE_PARAMETER.get(family or "", "guidance_scale")
     video = runner.capabilities.frames is not None
     return LoadedModel(

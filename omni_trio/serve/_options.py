@@ -92,6 +92,9 @@ class ServiceOptions:
         video_fps: frames per second of a video model's MP4s (``VideoConfig.fps``).
         video_jobs: the most video jobs held at once (``VideoConfig.max_jobs``).
         video_ttl_s: seconds a finished video job is kept (``VideoConfig.ttl_s``).
+        parallel: ``(layout, ranks)`` (``"cfg"``, ``"ulysses"`` or ``"ring"``): one
+            worker whose requests run over that many ranks (L48, L49); ``devices``
+            are then the ranks' devices.
     """
 
     model: str
@@ -112,6 +115,7 @@ class ServiceOptions:
     video_fps: float | None = None
     video_jobs: int = _VIDEO.max_jobs
     video_ttl_s: float = _VIDEO.ttl_s
+    parallel: tuple[str, int] | None = None
 
     def with_serve_config(self, config: ServeConfig) -> ServiceOptions:
         """These options with every setting of ``config``: its defaults, not the model's."""
@@ -143,6 +147,7 @@ class ServiceOptions:
             max_steps=self.engine_config.max_steps,
             devices=self.devices,
             runner_options=runner_options,
+            parallel=self.parallel,
         )
 
 

@@ -1,0 +1,304 @@
+"""``ranks``: one request over two ranks (CFG split, Ulysses, ring) against one rank.
+
+For each layout, on two gloo ranks of one torch thread each (``ParallelRunner``):
+
+- step time: one denoise step of one request, the runner called directly, against
+  ``DiffusersRunner`` in one process with one torch thread and with two (the same
+  two cores the ranks share); medians of interleaved repeats;
+- the seeds' table, through the engine: request B alone (baseline), then request A
+  aborted at a random moment (a seeded fraction of B's baseline; the abort lands
+  at a step boundary or, agreed by the ranks, inside a step), then B again
+  (post-abort). The overhead is the median of each repeat's post-abort over its
+  own baseline; B *recovered* when its image is bitwise its baseline image (same
+  batch: alone);
+- plan delivery: from rank 0's send of a plan to the other rank's read of it
+  (the machine's monotonic clock, the same in both processes), p50 and p99, from
+  the runner's ``report()``; and what a cancel point's agreed check costs when
+  nothing stops (a read of the shared flag), per call.
+
+Configurations (compute-bound where the tiny models allow): the split on tiny SD at
+256 px (its convolutions dominate a step), Ulysses and ring on tiny Flux at 512 px
+(1,024 image tokens and 512 text tokens; the model is two blocks of width 32, so the
+exchanges weigh more than they would on a real DiT). ``--quick``: 64 px, 3 steps, 2
+aborts.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+from omni_trio import GenerationRequest, open_engine
+from omni_trio.parallel import ParallelRunner
+from omni_trio.runners import DiffusersRunner, tiny_pipeline
+
+from .common import Options, fmt, md_table, p99, shared_pipeline, spread
+from .plot import figure
+
+__all__ = ["plot_ranks", "run_ranks", "table_ranks"]
+
+#: Each layout's model and, full and quick, its size.
+LAYOUTS = {"cfg": "sd", "ulysses": "flux", "ring": "flux"}
+SIZES = {"sd": 256, "flux": 512}
+
+
+class _Lent:
+    """The runner lent to one engine: the benchmark closes it after its report."""
+
+    def __init__(self, runner: ParallelRunner) -> None:
+        self.runner = runner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+    def close(self) -> None:
+        return None
+
+
+def _request(kind: str, size: int, steps: int, seed: int) -> GenerationRequest:
+    return GenerationRequest(
+        prompt="a lighthouse at dusk",
+        num_steps=steps,
+        height=size,
+        width=size,
+        guidance_scale=5.0,
+        seed=seed,
+    )
+
+
+def _step_s(runner: Any, request: GenerationRequest, steps: int) -> list[float]:
+    """Each step's time for ``request`` on ``runner``, called directly."""
+    state = runner.prepare(request, "timed")
+    times = []
+    try:
+        for _ in range(steps):
+            started = time.perf_counter()
+            runner.step([state])
+            times.append(time.perf_counter() - started)
+    finally:
+        runner.discard(state)
+    return times
+
+
+def _step_times(
+    runner: ParallelRunner, kind: str, request: GenerationRequest, repeats: int
+) -> dict[str, list[float]]:
+    """Interleaved per-step times: two ranks, one process of 1 thread, of 2 threads."""
+    single = DiffusersRunner(shared_pipeline(kind))
+    times: dict[str, list[float]] = {"ranks": [], "one_thread": [], "two_threads": []}
+    for _ in range(repeats):
+        torch.set_num_threads(1)
+        times["ranks"] += _step_s(runner, request, request.num_steps)[1:]
+        times["one_thread"] += _step_s(single, request, request.num_steps)[1:]
+        torch.set_num_threads(2)
+        times["two_threads"] += _step_s(single, request, request.num_steps)[1:]
+    torch.set_num_threads(1)  # the ranks' count, which every rank follows
+    single.close()
+    return times
+
+
+async def _seeds_table(
+    runner: ParallelRunner, request: GenerationRequest, aborts: int, seed: int
+) -> dict[str, Any]:
+    """Baseline, post-abort and recovery of B around ``aborts`` random aborts of A."""
+    rng = random.Random(seed)
+    victim = GenerationRequest(
+        prompt="a storm over the sea",
+        num_steps=request.num_steps,
+        height=request.height,
+        width=request.width,
+        guidance_scale=request.guidance_scale,
+        seed=seed + 1,
+    )
+    rows: list[dict[str, float]] = []
+    async with open_engine(_Lent(runner)) as engine:
+        reference = (await engine.generate(request)).images  # and a warm-up
+        for _ in range(aborts):
+            started = time.perf_counter()
+            await engine.generate(request)
+            baseline = time.perf_counter() - started
+            async with engine.submit(victim) as handle:
+                await anyio.sleep(rng.uniform(0.1, 0.9) * baseline)
+                await handle.abort()
+            started = time.perf_counter()
+            images = (await engine.generate(request)).images
+            post = time.perf_counter() - started
+            rows.append(
+                {
+                    "baseline_s": baseline,
+                    "post_abort_s": post,
+                    "recovered": float(torch.equal(images, reference)),
+                }
+            )
+        report = await anyio.to_thread.run_sync(runner.report)
+    delivery = [s for rank in report[1:] for s in rank.plan_delivery_s]
+    return {
+        "baseline_s": spread([r["baseline_s"] for r in rows]),
+        "post_abort_s": spread([r["post_abort_s"] for r in rows]),
+        "overhead_pct": statistics.median(
+            (r["post_abort_s"] / r["baseline_s"] - 1) * 100 for r in rows
+        ),
+        "recovered": sum(r["recovered"] for r in rows),
+        "aborts": aborts,
+        "plan_delivery_us": {
+            "p50": statistics.median(delivery) * 1e6,
+            "p99": p99(delivery) * 1e6,
+            "n": len(delivery),
+        },
+        "states_left": sum(len(rank.states) for rank in report),
+    }
+
+
+def _check_ns() -> float:
+    """One agreed cancel-point check that does not fire (a shared-flag read), in ns."""
+    import multiprocessing
+
+    from omni_trio.parallel._agree import agreed_check, new_flags
+
+    flags = new_flags(multiprocessing.get_context("spawn"))
+    check = agreed_check("announced", flags, 7, writer=False, engine=None)
+    calls = 200_000
+    started = time.perf_counter()
+    for _ in range(calls):
+        check()
+    return (time.perf_counter() - started) / calls * 1e9
+
+
+def _layout(layout: str, options: Options) -> dict[str, Any]:
+    kind = LAYOUTS[layout]
+    size = 64 if options.quick else SIZES[kind]
+    steps, aborts, repeats = (3, 2, 1) if options.quick else (10, 5, 3)
+    threads = torch.get_num_threads()
+    runner = ParallelRunner(
+        functools.partial(tiny_pipeline, kind),
+        cfg=2 if layout == "cfg" else 1,
+        ulysses=2 if layout == "ulysses" else 1,
+        ring=2 if layout == "ring" else 1,
+        torch_threads=1,
+    )
+    try:
+        request = _request(kind, size, steps, seed=5)
+        times = _step_times(runner, kind, request, repeats)
+        table = options.run(_seeds_table, runner, request, aborts, 25)
+    finally:
+        runner.close()
+        torch.set_num_threads(threads)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    return {
+        "layout": layout,
+        "model": f"tiny {kind}",
+        "size": size,
+        "steps": steps,
+        "step_ms": {name: spread([v * 1e3 for v in values]) for name, values in times.items()},
+        "step_ratio_over_one_thread": medians["ranks"] / medians["one_thread"],
+        "step_ratio_over_two_threads": medians["ranks"] / medians["two_threads"],
+        **table,
+    }
+
+
+def run_ranks(options: Options) -> dict[str, Any]:
+    """Every layout in turn (each starts its own group), then the check's cost."""
+    rows = [_layout(layout, options) for layout in LAYOUTS]
+    summary: dict[str, float] = {
+        "post_abort_overhead_pct": max(r["overhead_pct"] for r in rows),
+        "recovered": min(r["recovered"] for r in rows),
+        "aborts": min(r["aborts"] for r in rows),
+        "plan_delivery_us_p50": max(r["plan_delivery_us"]["p50"] for r in rows),
+        "plan_delivery_us_p99": max(r["plan_delivery_us"]["p99"] for r in rows),
+        "cancel_check_ns": _check_ns(),
+        "states_left": sum(r["states_left"] for r in rows),
+    }
+    for r in rows:
+        name = r["layout"]
+        summary[f"{name}_step_ratio_over_one_thread"] = r["step_ratio_over_one_thread"]
+        summary[f"{name}_step_ratio_over_two_threads"] = r["step_ratio_over_two_threads"]
+        summary[f"{name}_post_abort_overhead_pct"] = r["overhead_pct"]
+        summary[f"{name}_recovered"] = r["recovered"]
+    return {
+        "config": {
+            "ranks": 2,
+            "torch_threads_per_rank": 1,
+            "backend": options.backend,
+            "layouts": {r["layout"]: f"{r['model']}, {r['size']} px" for r in rows},
+        },
+        "layouts": rows,
+        "summary": summary,
+    }
+
+
+_LABELS = {"cfg": "CFG split", "ulysses": "Ulysses", "ring": "ring"}
+
+
+def table_ranks(result: dict[str, Any]) -> str:
+    """layout | step ms (2 ranks, 1 thread, 2 threads) | ratios | seeds' table | plan µs."""
+    rows = []
+    for r in result["layouts"]:
+        step = r["step_ms"]
+        rows.append(
+            [
+                f"{_LABELS[r['layout']]}, {r['model']} {r['size']} px",
+                fmt(step["ranks"]["median"], 1),
+                fmt(step["one_thread"]["median"], 1),
+                fmt(step["two_threads"]["median"], 1),
+                f"{r['step_ratio_over_one_thread']:.2f}x / {r['step_ratio_over_two_threads']:.2f}x",
+                fmt(r["baseline_s"]["median"] * 1e3, 0),
+                fmt(r["post_abort_s"]["median"] * 1e3, 0),
+                f"{r['overhead_pct']:+.1f} %",
+                f"{r['recovered']:.0f}/{r['aborts']}",
+                f"{r['plan_delivery_us']['p50']:.0f} / {r['plan_delivery_us']['p99']:.0f}",
+            ]
+        )
+    steps = result["layouts"][0]["steps"]
+    head = (
+        f"Two gloo ranks of one torch thread each on this machine's cores; requests of"
+        f" {steps} steps; step times are medians over interleaved repeats (ms). Post-abort:"
+        " B after A was aborted at a random moment, median of each repeat's ratio to its own"
+        " baseline; recovered: B's image bitwise its baseline's. Plan delivery: rank 0's"
+        f" send to the other rank's read, p50 / p99 µs. An agreed cancel-point check costs"
+        f" {result['summary']['cancel_check_ns']:.0f} ns when nothing stops.\n\n"
+    )
+    return head + md_table(
+        [
+            "layout",
+            "2 ranks",
+            "1 rank, 1 thread",
+            "1 rank, 2 threads",
+            "2 ranks / 1 rank (1 / 2 threads)",
+            "baseline (B alone), ms",
+            "post-abort (B), ms",
+            "overhead",
+            "recovered",
+            "plan delivery, µs",
+        ],
+        rows,
+    )
+
+
+def plot_ranks(result: dict[str, Any], path: Path) -> None:
+    """Step time per layout: two ranks against one rank of one and of two threads."""
+    layouts = result["layouts"]
+    arms = (
+        ("ranks", "2 ranks"),
+        ("one_thread", "1 rank, 1 thread"),
+        ("two_threads", "1 rank, 2 threads"),
+    )
+    with figure(path, columns=1, title="ranks: step time, two ranks vs one") as axes:
+        ax = axes[0]
+        width = 0.8 / len(arms)
+        for index, (arm, label) in enumerate(arms):
+            xs = [i + (index - 1) * width for i in range(len(layouts))]
+            ax.bar(xs, [r["step_ms"][arm]["median"] for r in layouts], width=width, label=label)
+        ax.set_xticks(
+            range(len(layouts)),
+            [f"{_LABELS[r['layout']]}\n{r['model']} {r['size']} px" for r in layouts],
+        )
+        ax.set_ylabel("ms per step")
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)

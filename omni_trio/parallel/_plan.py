@@ -1,0 +1,144 @@
+"""What rank 0 tells the other ranks: one plan per step boundary, in order (L40).
+
+Rank 0 (the engine's process) is the only rank that knows the engine: which
+requests run, join, leave, are suspended or resumed, and when the group stops.
+It tells every other rank in plans, each one message on that rank's control pipe,
+read in order:
+
+- ``STEP``: the step's members, by key, in the batch's order, after the ops that
+  precede it; every rank then runs exactly that step, so every rank makes the
+  same model calls and so the same collectives, in the same order. No rank
+  decides anything for itself: none can skip or add a collective.
+- ``OPS``: ops only (a join, sent as soon as rank 0 prepares it, so that every
+  rank prepares it at the same time).
+- ``REPORT``: ops, then answer with what this rank holds (``RankReport``).
+- ``STOP``: the group closes.
+
+An op names a request by its *key*, a number rank 0 gives each admission once
+(never its id: ids are reused, L3). A join carries the request itself, its seed
+fixed by rank 0, so that every rank prepares the same state.
+
+Plans travel on pipes, not through a collective: a rank waits for its next plan
+as long as the engine is idle (a collective would time out), a dead peer is seen
+at once (the pipe breaks), and on a GPU the plan costs no device work.
+"""
+
+from __future__ import annotations
+
+import enum
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .._request import GenerationRequest
+
+__all__ = [
+    "Op",
+    "OpKind",
+    "Plan",
+    "PlanKind",
+    "RankReport",
+    "decode_plan",
+    "encode_plan",
+    "request_fields",
+    "request_from",
+]
+
+
+class OpKind(enum.IntEnum):
+    """What an op does to one request's state on every rank."""
+
+    JOIN = 1
+    DROP = 2
+    SUSPEND = 3
+    RESUME = 4
+
+
+class PlanKind(enum.IntEnum):
+    """What a plan asks of the ranks, after its ops."""
+
+    STEP = 1
+    OPS = 2
+    REPORT = 3
+    STOP = 4
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Op:
+    """One change to the group's states: ``kind`` of the request with ``key``.
+
+    A join carries the request's fields (``request_fields``) and its id; a
+    suspension whether it parks in host memory.
+    """
+
+    kind: OpKind
+    key: int
+    request: Mapping[str, Any] | None = None
+    request_id: str = ""
+    to_host: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """One message from rank 0: ops, then ``kind``.
+
+    Args:
+        seq: the plan's number (1, 2, ...); the agreed cancel points of a step
+            are keyed by it.
+        kind: what to do after the ops.
+        ops: the changes, in the order rank 0 made them.
+        members: a step's states by key, in the batch's order.
+        threads: rank 0's torch thread count: every rank computes with it, so
+            reductions add in the same order and the ranks' states stay equal.
+        sent_at: ``time.perf_counter()`` when rank 0 sent it (the clock is the
+            machine's, the same in every process), for the delivery figure.
+    """
+
+    seq: int
+    kind: PlanKind
+    ops: tuple[Op, ...] = ()
+    members: tuple[int, ...] = ()
+    threads: int = 1
+    sent_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankReport:
+    """What one rank holds, as a ``REPORT`` plan found it.
+
+    Args:
+        rank: the rank.
+        states: every request state the rank holds: its id -> a digest of its
+            latents and position (equal digests: bitwise equal states).
+        plan_delivery_s: how long each plan took from rank 0's send to this
+            rank's read, oldest first (the last 10,000; empty for rank 0).
+    """
+
+    rank: int
+    states: Mapping[str, str]
+    plan_delivery_s: tuple[float, ...] = ()
+
+
+def encode_plan(plan: Plan) -> bytes:
+    """The plan as bytes for a control pipe (the ranks trust each other: pickle)."""
+    return pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_plan(data: bytes) -> Plan:
+    """The plan ``encode_plan`` made."""
+    plan = pickle.loads(data)
+    assert isinstance(plan, Plan)
+    return plan
+
+
+def request_fields(request: GenerationRequest) -> dict[str, Any]:
+    """``request`` as plain, picklable data (its ``extra`` is a read-only mapping)."""
+    data = {field.name: getattr(request, field.name) for field in fields(request)}
+    data["extra"] = dict(request.extra)
+    return data
+
+
+def request_from(data: Mapping[str, Any]) -> GenerationRequest:
+    """The request ``request_fields`` took apart (validated again, as any request is)."""
+    return GenerationRequest(**data)

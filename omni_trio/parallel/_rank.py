@@ -1,0 +1,206 @@
+"""One rank's model, the same on every rank: a ``DiffusersRunner`` whose model calls are shared.
+
+Every rank holds the whole pipeline and every request's whole state (latents,
+scheduler, conditioning), and runs every step's scheduler arithmetic itself, on
+the same inputs with the same torch thread count: so every rank's states stay
+bitwise equal, and only rank 0 decodes (locally, in the engine's materializer,
+with no collective). What the ranks share is each model call (``_denoise``):
+
+- **split** (``cfg``): the call's rows (every member's unconditional rows, then
+  its conditional ones, as the single-process runner lays them out) are cut into
+  one slice per rank, in order; a request alone runs its unconditional rows on
+  rank 0 and its conditional ones on rank 1. Each rank runs its slice; one
+  all-gather (float32, with each rank's "left" flag, see ``_agree``) gives every
+  rank the whole prediction. A slice past the rows (more ranks than rows) runs
+  nothing and sends zeros.
+- **sequence** (``ulysses``, ``ring``): every rank makes the whole call; diffusers'
+  context parallelism (``_context``) splits its tokens over the ranks and gathers
+  the output.
+
+``RankStates`` is the other ranks' copy of the group's states, kept by applying
+rank 0's ops in order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from .._runner import StopRun
+from ..runners import DiffusersRunner
+from ._agree import Agreement
+from ._context import ignore_gather_deprecation, waited
+from ._group import all_gather
+from ._plan import Op, OpKind, request_from
+
+__all__ = ["Layout", "RankRunner", "RankStates", "state_digest"]
+
+LayoutKind = Literal["cfg", "ulysses", "ring"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Layout:
+    """How a request is spread over the ranks: ``kind`` over ``degree`` ranks."""
+
+    kind: LayoutKind
+    degree: int
+
+    @property
+    def agreement(self) -> Agreement:
+        """How the ranks agree on leaving a step (``_agree``)."""
+        return "split" if self.kind == "cfg" else "announced"
+
+
+class RankRunner(DiffusersRunner):
+    """A ``DiffusersRunner`` on one rank of a group, its model calls shared as ``layout`` says.
+
+    Args:
+        pipeline: this rank's pipeline.
+        layout: how the calls are shared.
+        rank: this rank.
+        max_batch_size: as ``DiffusersRunner``'s.
+    """
+
+    def __init__(self, pipeline: Any, *, layout: Layout, rank: int, max_batch_size: int) -> None:
+        super().__init__(pipeline, max_batch_size=max_batch_size)
+        self.pipeline = pipeline
+        self._layout = layout
+        self._rank = rank
+
+    def _denoise(
+        self, rows: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor], shared: Any
+    ) -> torch.Tensor:
+        if self._layout.kind == "cfg":
+            return self._split(rows, t, cond, shared)
+        ignore_gather_deprecation()
+        if self.family == "qwen-image":
+            cond = _text_padded(cond, self._layout.degree)
+        return waited(super()._denoise(rows, t, cond, shared))
+
+    def _split(
+        self, rows: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor], shared: Any
+    ) -> torch.Tensor:
+        count, world = rows.shape[0], self._layout.degree
+        chunk = -(-count // world)
+        low, high = min(count, self._rank * chunk), min(count, (self._rank + 1) * chunk)
+        shape = rows.shape[1:]
+        size = chunk * math.prod(shape)
+        # One float32 buffer: the slice's predictions, then this rank's "left" flag.
+        send = torch.zeros(size + 1, dtype=torch.float32, device=rows.device)
+        if high > low:
+            part = {name: value[low:high] for name, value in cond.items()}
+            try:
+                out = super()._denoise(rows[low:high], t[low:high], part, shared)
+            except StopRun:
+                send[-1] = 1.0
+            else:
+                if out.shape != rows[low:high].shape:
+                    raise ValueError(
+                        f"the split needs predictions shaped as the rows: got {tuple(out.shape)}"
+                        f" for rows {tuple(rows[low:high].shape)}"
+                    )
+                send[: out.numel()].copy_(out.reshape(-1))
+        gathered = torch.empty(world * (size + 1), dtype=torch.float32, device=rows.device)
+        all_gather(gathered, send)
+        table = gathered.view(world, size + 1)
+        if bool(table[:, -1].any()):
+            raise StopRun
+        whole = table[:, :-1].reshape(world * chunk, *shape)[:count]
+        return whole.to(rows.dtype)
+
+
+def _text_padded(cond: dict[str, torch.Tensor], degree: int) -> dict[str, torch.Tensor]:
+    """Qwen-Image's text conditioning padded (and masked) to a multiple of ``degree`` tokens.
+
+    Context parallelism splits the text tokens too; the padding is masked out of
+    every attention, so the result is the unpadded one's (float tolerance).
+    """
+    text = cond["encoder_hidden_states"]
+    rows, length = text.shape[0], text.shape[1]
+    missing = -length % degree
+    if missing == 0:
+        return cond
+    mask = cond.get("encoder_hidden_states_mask")
+    if mask is None:
+        mask = torch.ones(rows, length, dtype=torch.bool, device=text.device)
+    padded = dict(cond)
+    padded["encoder_hidden_states"] = torch.cat(
+        [text, text.new_zeros(rows, missing, text.shape[2])], dim=1
+    )
+    padded["encoder_hidden_states_mask"] = torch.cat([mask, mask.new_zeros(rows, missing)], dim=1)
+    return padded
+
+
+def state_digest(state: Any) -> str:
+    """A digest of a state's latents, position and steps (equal: bitwise equal)."""
+    digest = hashlib.sha256(f"{state.position}/{state.steps_done}".encode())
+    latents = state.latents
+    if latents is not None:
+        latents = waited(latents).detach().to("cpu").contiguous()
+        digest.update(str(latents.dtype).encode())
+        digest.update(latents.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class RankStates:
+    """A rank's copy of the group's request states, by key, kept by rank 0's ops.
+
+    A join that fails here is remembered, not fatal: rank 0 failed it too (the
+    request fails alone, L22) and its drop follows; a step that names it is the
+    group's failure.
+    """
+
+    def __init__(self, runner: RankRunner) -> None:
+        self._runner = runner
+        self._states: dict[int, Any] = {}
+        self._failed: dict[int, str] = {}
+
+    def apply(self, ops: Iterable[Op]) -> None:
+        """Apply ``ops`` in order."""
+        for op in ops:
+            match op.kind:
+                case OpKind.JOIN:
+                    assert op.request is not None
+                    try:
+                        self._states[op.key] = self._runner.prepare(
+                            request_from(op.request), op.request_id
+                        )
+                    except Exception as exc:
+                        self._failed[op.key] = f"{type(exc).__name__}: {exc}"
+                case OpKind.DROP:
+                    self._failed.pop(op.key, None)
+                    state = self._states.pop(op.key, None)
+                    if state is not None:
+                        self._runner.discard(state)
+                case OpKind.SUSPEND:
+                    self._runner.suspend(self._states[op.key], to_host=op.to_host)
+                case OpKind.RESUME:
+                    self._runner.resume(self._states[op.key])
+
+    def members(self, keys: Sequence[int]) -> list[Any]:
+        """The states of a step's members, in order.
+
+        Raises:
+            RuntimeError: one of them failed to prepare on this rank alone.
+        """
+        missing = [key for key in keys if key not in self._states]
+        if missing:
+            reasons = "; ".join(self._failed.get(key, "never joined") for key in missing)
+            raise RuntimeError(f"a step names states this rank does not hold: {reasons}")
+        return [self._states[key] for key in keys]
+
+    def digests(self) -> dict[str, str]:
+        """Every state this rank holds: its request id -> ``state_digest``."""
+        return {state.request_id: state_digest(state) for state in self._states.values()}
+
+    def discard_all(self) -> None:
+        """Free every state (the group is closing)."""
+        for state in self._states.values():
+            self._runner.discard(state)
+        self._states.clear()
+        self._failed.clear()

@@ -1,0 +1,571 @@
+"""``ParallelRunner``: one request over several ranks, one engine worker (L40, L41, L48, L49).
+
+Rank 0 is the engine's process: the engine's worker thread calls this runner as
+it calls any runner, and this runner is rank 0 (its model, its states, its
+decodes). Ranks 1..N-1 are processes it owns (``_processes``), each with the whole
+pipeline, built from the same picklable factory, looping on "read a plan, run
+it" (``_child``). At every call that changes the group's states (a join, a drop,
+a suspension, a resumption) and at every step, rank 0 sends a plan (``_plan``)
+down every rank's control pipe before it makes any collective itself, so every
+rank makes the same steps and so the same collectives in the same order (L40).
+Cancel points are agreed (``_agree``): all ranks leave a step at the same point.
+
+The group is fatal as a whole: a rank that dies, a collective that times out
+(``timeout_s``), a step that fails part-way, any failure once a plan is out,
+raises ``ParallelGroupError``, a ``BaseException``: the engine's worker dies with
+it (its requests fail with ``EngineDeadError``, or ``RequestFailedError`` when the
+engine has other workers, L43), and the worker's last call, ``close``, reaps every
+rank (L41). A group cannot fail one batch and serve on: which collective a
+failed rank was in is unknown, and pairing the next step's with it would be
+silently wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import itertools
+import multiprocessing
+import os
+import pickle
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from .._cancelpoint import armed, current_check
+from .._request import GenerationRequest
+from .._runner import RunnerCapabilities, StopRun
+from ._agree import agreed_check, new_flags
+from ._child import RankSpec, main
+from ._context import context_denoisers, enable_context_parallel, ring_attention
+from ._group import close_group, group_in_use, listening_socket, loopback_interfaces, open_group
+from ._plan import Op, OpKind, Plan, PlanKind, RankReport, encode_plan, request_fields
+from ._processes import RankProcesses, receive
+from ._rank import Layout, RankRunner, state_digest
+
+__all__ = ["KEEPER", "ParallelGroupError", "ParallelRunner", "ParallelStartError", "ParallelState"]
+
+#: The rank processes' names, and their keeper thread's (``<KEEPER>-keeper``): not an
+#: engine thread's name (the runner starts it, and its ``close`` joins it).
+KEEPER = "parallel-ranks"
+#: Seconds the ranks get to exit by themselves at a clean close before SIGKILL.
+_CLOSE_GRACE_S = 10.0
+#: Seconds a failure waits for a peer's exit, to say why it failed.
+_FAILURE_WAIT_S = 0.5
+
+
+class ParallelGroupError(BaseException):
+    """The parallel group cannot serve any more: a rank died, a collective timed out,
+    or a step failed part-way; the message says which rank and why.
+
+    A ``BaseException``, so that the engine's worker dies with its runner (L23,
+    L43) instead of failing one batch and going on with a broken group.
+    """
+
+
+class ParallelStartError(Exception):
+    """The ranks did not start: a factory raised, a rank died, or the start timed out."""
+
+
+class ParallelState:
+    """One request in a ``ParallelRunner``: its key on every rank, and rank 0's state."""
+
+    __slots__ = ("inner", "key", "request_id")
+
+    def __init__(self, key: int, request_id: str, inner: Any) -> None:
+        self.key = key
+        self.request_id = request_id
+        self.inner = inner
+
+
+def _layout(cfg: int, ulysses: int, ring: int) -> Layout:
+    degrees = {"cfg": cfg, "ulysses": ulysses, "ring": ring}
+    for name, degree in degrees.items():
+        if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+            raise ValueError(f"{name}: must be an int >= 1, got {degree!r}")
+    split = [name for name, degree in degrees.items() if degree > 1]
+    if len(split) != 1:
+        raise ValueError(
+            "give exactly one of cfg, ulysses or ring above 1 (they do not combine yet);"
+            f" got {degrees}"
+        )
+    kind = split[0]
+    return Layout(kind=kind, degree=degrees[kind])  # type: ignore[arg-type]
+
+
+def _devices(devices: Sequence[str] | None, degree: int) -> list[str | None]:
+    if devices is None:
+        return [None] * degree
+    names = list(devices)
+    if len(names) != degree:
+        raise ValueError(f"devices: give one per rank ({degree}), got {len(names)}")
+    kinds = {torch.device(name).type for name in names}
+    if len(kinds) != 1 or not kinds <= {"cpu", "cuda"}:
+        raise ValueError(f"devices: all CPU or all CUDA, got {names}")
+    if "cuda" in kinds and len(set(names)) != len(names):
+        raise ValueError(f"devices: a GPU named twice in {names}")
+    return list(names)
+
+
+def _cores() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+class ParallelRunner:
+    """Run each request over several ranks: a classifier-free-guidance split or sequence parallel.
+
+    ``ParallelRunner(factory, cfg=2)``: each request's unconditional and conditional
+    rows run on different ranks and are combined every step; ``ulysses=2`` or
+    ``ring=2``: each model call's tokens are split over the ranks (diffusers'
+    context parallelism: DiT families with a context-parallel plan, Flux,
+    Qwen-Image, Wan, LTX-Video). The output equals the single-process
+    ``DiffusersRunner``'s for the same seed (float tolerance, L48). To the engine
+    it is one runner, one worker: it batches, joins, preempts and resumes, obeys
+    deadlines and shutdown (L49). Decodes run on rank 0 (the engine's process),
+    which holds every request's whole latents.
+
+    The constructor blocks until every rank is up (a model load per rank); pass
+    the runner to ``open_engine``, which closes it (``close`` reaps the ranks).
+
+    Args:
+        factory: builds the pipeline, in this process and in every rank's; it
+            must pickle (a module-level function, or a ``functools.partial`` of
+            one): ``functools.partial(tiny_pipeline, "sd")``.
+        cfg: ranks of a classifier-free-guidance split.
+        ulysses: ranks of Ulysses sequence parallelism.
+        ring: ranks of ring-attention sequence parallelism.
+        devices: one torch device per rank (``cuda:0``, ``cuda:1``: NCCL); ``None``:
+            the CPU, where the factory builds (gloo).
+        timeout_s: every collective's timeout: a rank that hangs fails the group
+            within it.
+        start_timeout_s: how long the ranks may take to build their pipelines.
+        torch_threads: torch's intra-op threads per rank; ``None``: the cores
+            over the ranks (at least 1). It is set in this process too (torch's
+            count is process-wide), and every rank follows rank 0's count, so
+            their states stay bitwise equal.
+        max_batch_size: most requests one step serves.
+
+    Raises:
+        ValueError: not exactly one of ``cfg``, ``ulysses``, ``ring`` above 1, bad
+            devices, or heads (Ulysses) that do not divide by the ranks.
+        TypeError: the factory does not pickle, or its pipeline cannot run the
+            layout (sequence parallel needs a context-parallel plan).
+        ParallelStartError: a rank did not start.
+
+    Only one ``ParallelRunner`` may be open in a process: diffusers' context
+    parallelism needs torch.distributed's one default group.
+    """
+
+    def __init__(
+        self,
+        factory: Callable[[], Any],
+        *,
+        cfg: int = 1,
+        ulysses: int = 1,
+        ring: int = 1,
+        devices: Sequence[str] | None = None,
+        timeout_s: float = 60.0,
+        start_timeout_s: float = 600.0,
+        torch_threads: int | None = None,
+        max_batch_size: int = 8,
+    ) -> None:
+        layout = _layout(cfg, ulysses, ring)
+        names = _devices(devices, layout.degree)
+        if not (timeout_s > 0 and start_timeout_s > 0):
+            raise ValueError("timeout_s, start_timeout_s: must be > 0")
+        try:
+            pickle.dumps(factory)
+        except Exception as exc:
+            raise TypeError(
+                f"factory: must pickle, to reach the ranks (a module-level function or a"
+                f" functools.partial of one): {exc}"
+            ) from None
+        if group_in_use():
+            raise ParallelStartError(
+                "torch.distributed's default group is in use: one ParallelRunner per process"
+            )
+        self._layout = layout
+        self._timeout_s = float(timeout_s)
+        threads = torch_threads if torch_threads is not None else max(1, _cores() // layout.degree)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        backend = (
+            "nccl" if names[0] is not None and torch.device(names[0]).type == "cuda" else "gloo"
+        )
+        context = multiprocessing.get_context("spawn")
+        self._flags = new_flags(context)
+        self._lock = threading.Lock()  # the control pipes: one sender at a time
+        self._ops_lock = threading.Lock()
+        self._ops: list[Op] = []
+        self._keys = itertools.count(1)
+        self._seq = 0
+        self._live: dict[int, ParallelState] = {}
+        self._broken: str | None = None
+        self._closed = False
+        self._stack = ExitStack()
+        listen = listening_socket()
+        pipes = [context.Pipe() for _ in range(layout.degree - 1)]
+        self._connections: list[Connection] = [ours for ours, _ in pipes]
+        specs = [
+            RankSpec(
+                rank=rank,
+                layout=layout,
+                factory=factory,
+                device=names[rank],
+                backend=backend,
+                port=listen.getsockname()[1],
+                timeout_s=self._timeout_s,
+                parent=os.getpid(),
+                threads=threads,
+                max_batch_size=max_batch_size,
+                connection=theirs,
+                flags=self._flags,
+            )
+            for rank, (_, theirs) in enumerate(pipes, start=1)
+        ]
+        self._ranks = RankProcesses(context, main, [(spec,) for spec in specs], name=KEEPER)
+        runner: RankRunner | None = None
+        try:
+            try:
+                self._ranks.start()
+            finally:
+                for _, theirs in pipes:
+                    theirs.close()  # the child's end is the child's: its exit is our EOF
+            runner = self._build(factory, names[0], max_batch_size)
+            self._await("built", start_timeout_s)
+            for connection in self._connections:
+                connection.send(("go",))
+            open_group(
+                rank=0,
+                world=layout.degree,
+                port=listen.getsockname()[1],
+                listen=listen,
+                backend=backend,
+                timeout_s=self._timeout_s,
+            )
+            if layout.kind != "cfg":
+                if layout.kind == "ring":
+                    self._stack.enter_context(ring_attention())
+                with loopback_interfaces():
+                    enable_context_parallel(runner.pipeline, layout.kind, layout.degree)
+            self._await("ready", self._timeout_s)
+        except BaseException:
+            listen.close()
+            self._ranks.reap(grace=0)
+            for connection in self._connections:
+                connection.close()
+            close_group()
+            self._stack.close()
+            if runner is not None:
+                runner.close()
+            raise
+        self._runner: RankRunner | None = runner
+        self._family = runner.family
+        inner = runner.capabilities
+        multiple = inner.size_multiple * (1 if layout.kind == "cfg" else layout.degree)
+        # Step caching is refused at admission: a rank that computes a slice of the
+        # rows would decide its skips alone, and a decision must be the group's.
+        self._capabilities = dataclasses.replace(
+            inner, size_multiple=multiple, step_cache=frozenset()
+        )
+
+    def _build(self, factory: Callable[[], Any], device: str | None, batch: int) -> RankRunner:
+        """Rank 0's pipeline and runner, checked against the layout."""
+        try:
+            pipeline = factory()
+            if device is not None:
+                pipeline = pipeline.to(device)
+        except Exception as exc:
+            raise ParallelStartError(
+                f"rank 0: the factory raised {type(exc).__name__}: {exc}"
+            ) from exc
+        if self._layout.kind != "cfg":
+            for model in context_denoisers(pipeline):
+                heads = int(getattr(model.config, "num_attention_heads", 0))
+                if self._layout.kind == "ulysses" and heads % self._layout.degree:
+                    raise ValueError(
+                        f"ulysses: {heads} attention heads do not divide by"
+                        f" {self._layout.degree} ranks"
+                    )
+        return RankRunner(pipeline, layout=self._layout, rank=0, max_batch_size=batch)
+
+    def _await(self, stage: str, timeout: float) -> None:
+        """Wait for every rank to say ``stage``; fail at once when one fails or ends.
+
+        Raises:
+            ParallelStartError: a rank failed, ended, or was late.
+        """
+        deadline = time.monotonic() + timeout
+        waiting = dict(enumerate(self._connections, start=1))
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ParallelStartError(
+                    f"ranks {sorted(waiting)} were not {stage} within {timeout:g} s"
+                )
+            ready = wait(list(waiting.values()), left)
+            for rank, connection in list(waiting.items()):
+                if connection not in ready:
+                    continue
+                try:
+                    message = connection.recv()
+                except EOFError:
+                    self._ranks.wait_exit(_FAILURE_WAIT_S)
+                    code = self._ranks.exit_codes()[rank - 1]
+                    raise ParallelStartError(
+                        f"rank {rank} ended while starting ({_exit_text(code)})"
+                    ) from None
+                if message[0] == "error":
+                    raise ParallelStartError(f"rank {rank} failed to start:\n{message[1]}")
+                if message == (stage,):
+                    del waiting[rank]
+
+    # -- what the engine sees -------------------------------------------------
+
+    @property
+    def capabilities(self) -> RunnerCapabilities:
+        """The single-process runner's, the size multiple times the ranks for sequence parallel."""
+        return self._capabilities
+
+    @property
+    def family(self) -> str:
+        """The model family (as ``DiffusersRunner.family``)."""
+        return self._family
+
+    @property
+    def layout(self) -> str:
+        """``"cfg"``, ``"ulysses"`` or ``"ring"``."""
+        return self._layout.kind
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks, this process's included."""
+        return self._layout.degree
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        """The process ids of ranks 1..N-1."""
+        return self._ranks.pids
+
+    @property
+    def pipeline(self) -> Any:
+        """Rank 0's pipeline (the engine's process), until ``close``."""
+        return self._model.pipeline
+
+    @property
+    def live_states(self) -> int:
+        """How many request states rank 0 holds now (0 once closed)."""
+        return 0 if self._runner is None else self._runner.live_states
+
+    @property
+    def _model(self) -> RankRunner:
+        runner = self._runner
+        if runner is None:
+            raise ParallelGroupError("the runner is closed")
+        return runner
+
+    def prepare(self, request: GenerationRequest, request_id: str) -> ParallelState:
+        """Prepare the request on every rank at once (rank 0's seed for all)."""
+        if request.seed is None:
+            request = dataclasses.replace(request, seed=secrets.randbits(63))
+        key = next(self._keys)
+        join = Op(kind=OpKind.JOIN, key=key, request=request_fields(request), request_id=request_id)
+        with self._lock:
+            self._send(PlanKind.OPS, extra=(join,))
+        try:
+            inner = self._model.prepare(request, request_id)
+        except BaseException:
+            self._queue(Op(kind=OpKind.DROP, key=key))
+            raise
+        state = ParallelState(key, request_id, inner)
+        self._live[key] = state
+        return state
+
+    def step(self, states: Sequence[ParallelState]) -> None:
+        """Run one step on every rank: the plan first, then the shared model calls.
+
+        Raises:
+            StopRun: the engine left the step, every rank at the same point (L48).
+            ParallelGroupError: the group broke (L41).
+        """
+        with self._lock:
+            seq = self._send(PlanKind.STEP, members=tuple(state.key for state in states))
+            engine = current_check()
+            check = agreed_check(
+                self._layout.agreement, self._flags, seq, writer=True, engine=engine
+            )
+            try:
+                with armed(check):
+                    self._model.step([state.inner for state in states])
+            except StopRun:
+                raise
+            except BaseException as exc:
+                raise self._failure(exc, "a step") from exc
+
+    def preview(self, state: ParallelState) -> torch.Tensor:
+        """Rank 0's preview."""
+        return self._model.preview(state.inner)
+
+    def decode(self, state: ParallelState) -> torch.Tensor:
+        """Decode on rank 0 (it holds the whole latents); no collective."""
+        return self._model.decode(state.inner)
+
+    def discard(self, state: ParallelState) -> None:
+        """Free the state on rank 0 now, on the other ranks at the next plan."""
+        self._live.pop(state.key, None)
+        self._queue(Op(kind=OpKind.DROP, key=state.key))
+        self._model.discard(state.inner)
+
+    def state_bytes(self, state: ParallelState) -> int:
+        """What rank 0 would park (each rank parks as much)."""
+        return self._model.state_bytes(state.inner)
+
+    def suspend(self, state: ParallelState, *, to_host: bool) -> None:
+        """Park the state on every rank (the others at the next plan)."""
+        self._model.suspend(state.inner, to_host=to_host)
+        self._queue(Op(kind=OpKind.SUSPEND, key=state.key, to_host=to_host))
+
+    def resume(self, state: ParallelState) -> None:
+        """Bring the state back on every rank (the others at the next plan)."""
+        self._model.resume(state.inner)
+        self._queue(Op(kind=OpKind.RESUME, key=state.key))
+
+    def report(self) -> tuple[RankReport, ...]:
+        """What every rank holds now, rank 0 first; waits for a step in progress.
+
+        Every rank's ``states`` name the same requests with the same digests while
+        the group is sound; the other ranks' reports carry their plan delivery
+        times. For tests and benchmarks: it costs a round trip to every rank.
+
+        Raises:
+            ParallelGroupError: the group broke.
+        """
+        with self._lock:
+            self._send(PlanKind.REPORT)
+            reports = [
+                RankReport(
+                    rank=0,
+                    states={s.request_id: state_digest(s.inner) for s in self._live.values()},
+                )
+            ]
+            try:
+                for connection in self._connections:
+                    message = receive(connection, self._timeout_s)
+                    assert isinstance(message, tuple) and message[0] == "report", message
+                    reports.append(message[1])
+            except BaseException as exc:
+                raise self._failure(exc, "a report") from exc
+            return tuple(reports)
+
+    def close(self) -> None:
+        """Stop every rank and reap it (SIGKILL after a grace), destroy the group; idempotent.
+
+        Rank 0's pipeline is let go of too: nothing the group opened stays open.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            grace = 0.0
+            if self._broken is None:
+                try:
+                    self._send(PlanKind.STOP)
+                    grace = _CLOSE_GRACE_S
+                except ParallelGroupError:
+                    pass
+            self._ranks.reap(grace=grace)
+            for connection in self._connections:
+                connection.close()
+            close_group()
+            self._stack.close()
+            # Let go of rank 0's model: diffusers' context parallelism keeps its mesh's
+            # groups, and their listening sockets, for as long as the model lives, and
+            # the model's modules hold each other in cycles: collect them now.
+            runner, self._runner = self._runner, None
+            if runner is not None:
+                runner.close()
+                del runner
+                if self._layout.kind != "cfg":
+                    gc.collect()
+
+    # -- the plans ------------------------------------------------------------
+
+    def _queue(self, op: Op) -> None:
+        with self._ops_lock:
+            self._ops.append(op)
+
+    def _send(
+        self, kind: PlanKind, *, extra: tuple[Op, ...] = (), members: tuple[int, ...] = ()
+    ) -> int:
+        """Send one plan (the queued ops, then ``extra``) to every rank; return its number.
+
+        Under ``_lock``.
+
+        Raises:
+            ParallelGroupError: the group broke, now or before.
+        """
+        if self._broken is not None:
+            raise ParallelGroupError(self._broken)
+        if self._closed and kind is not PlanKind.STOP:
+            raise ParallelGroupError("the runner is closed")
+        with self._ops_lock:
+            ops, self._ops = tuple(self._ops), []
+        self._seq += 1
+        plan = Plan(
+            seq=self._seq,
+            kind=kind,
+            ops=ops + extra,
+            members=members,
+            threads=torch.get_num_threads(),
+            sent_at=time.perf_counter(),
+        )
+        data = encode_plan(plan)
+        try:
+            for connection in self._connections:
+                connection.send_bytes(data)
+        except BaseException as exc:
+            raise self._failure(exc, "sending a plan") from exc
+        return self._seq
+
+    def _failure(self, exc: BaseException, during: str) -> ParallelGroupError:
+        """The group is broken by ``exc``: remember why, once; the error to raise."""
+        if self._broken is None:
+            self._ranks.wait_exit(_FAILURE_WAIT_S)
+            reasons = "".join(f"; {reason}" for reason in self._rank_reasons())
+            self._broken = (
+                f"the parallel group broke during {during}: {type(exc).__name__}: {exc}{reasons}"
+            )
+        return ParallelGroupError(self._broken)
+
+    def _rank_reasons(self) -> list[str]:
+        """What each other rank said or did before the failure: its error, its exit."""
+        reasons = []
+        codes = self._ranks.exit_codes()
+        for rank, connection in enumerate(self._connections, start=1):
+            said = ""
+            try:
+                while connection.poll(0):
+                    message = connection.recv()
+                    if isinstance(message, tuple) and message[0] == "error":
+                        said = str(message[1]).strip().splitlines()[-1]
+            except (EOFError, OSError):
+                pass
+            code = codes[rank - 1]
+            if code is not None or said:
+                reasons.append(f"rank {rank} {_exit_text(code)}" + (f": {said}" if said else ""))
+        return reasons
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"

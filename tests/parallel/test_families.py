@@ -1,0 +1,38 @@
+"""Every family a layout serves, each over two gloo ranks, against the single-process
+runner (L48). Slow: each case starts its own group (a model load per rank).
+
+Determinism: seeded weights and seeds; the runners are driven directly, with no
+engine (what is compared is the model's output, which no event loop touches);
+images compared within ``ATOL``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_trio.runners import DiffusersRunner
+from tests.support.parallel import close, group, guided_requests, images_of
+from tests.support.runners import tiny
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    ("kind", "layout"),
+    [
+        ("sdxl", "cfg"),
+        ("sd3", "cfg"),
+        ("qwen-image", "cfg"),
+        ("wan", "ulysses"),
+        ("qwen-image", "ulysses"),
+        ("wan", "ring"),
+    ],
+)
+def test_every_family_makes_the_single_process_output(kind: str, layout: str) -> None:
+    """L48: SDXL, SD3 and Qwen-Image (true CFG: a negative prompt) split their guidance
+    over two ranks, Wan (video) and Qwen-Image (its text padded, masked, to the ranks) run
+    sequence parallel, and each makes the single-process runner's output."""
+    [request] = guided_requests(kind)[:1]
+    expected = images_of(DiffusersRunner(tiny(kind)), request)
+    with group(kind, layout) as runner:
+        assert close([images_of(runner, request)], [expected])

@@ -1,0 +1,101 @@
+"""Ulysses sequence parallel on two gloo ranks, through diffusers' context parallelism
+(L40, L48, L49).
+
+Determinism: as test_split.py (seeded weights, seeded abort moments, a gate where an
+abort must land inside a step, exact checks against one rank's images and the ranks'
+state digests). One Ulysses group on tiny Flux serves the module (``Kept``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import anyio
+import pytest
+
+import omni_trio as ot
+from omni_trio.parallel import ParallelRunner
+from omni_trio.runners import DiffusersRunner
+from omni_trio.testing import probe, wait_until
+from tests.support.core import BUDGET
+from tests.support.parallel import (
+    Kept,
+    abort_inside_a_step,
+    close,
+    group,
+    guided_requests,
+    outputs,
+    report,
+    same_states,
+)
+from tests.support.runners import request, tiny
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def ulysses() -> Iterator[ParallelRunner]:
+    """Tiny Flux over two Ulysses ranks, for the whole module."""
+    with group("flux", "ulysses") as runner:
+        yield runner
+
+
+async def test_ulysses_equals_one_rank(ulysses: ParallelRunner) -> None:
+    """L48: tiny Flux over two Ulysses ranks, alone and batched, makes one rank's images;
+    its image sizes must divide into the ranks' tokens (the size multiple doubles)."""
+    requests = guided_requests("flux")
+    expected = await outputs(DiffusersRunner(tiny("flux")), requests)
+    assert close(await outputs(Kept(ulysses), requests[:1]), expected[:1])
+    assert close(await outputs(Kept(ulysses), requests), expected)
+    assert (
+        ulysses.capabilities.size_multiple
+        == 2 * DiffusersRunner(tiny("flux")).capabilities.size_multiple
+    )
+
+
+async def test_random_aborts_leave_every_ulysses_rank_equal(ulysses: ParallelRunner) -> None:
+    """L40, L48: requests aborted at random moments, inside a step too (where the ranks,
+    which exchange tokens in every block, leave one block later, at the point rank 0
+    announced): no rank hangs or keeps a state; the next request's states are bitwise
+    equal on every rank and its image is one rank's."""
+    rng = random.Random(2541)
+    after = request("flux", seed=99, prompt="after", num_steps=6)
+    [expected] = await outputs(DiffusersRunner(tiny("flux")), [after])
+    with anyio.fail_after(2 * BUDGET):
+        async with ot.open_engine(Kept(ulysses)) as engine:
+            for index in range(8):
+                async with engine.submit(
+                    request("flux", seed=index, num_steps=6), request_id=f"a{index}"
+                ) as handle:
+                    await wait_until(lambda: probe(handle).steps_done >= rng.randrange(0, 5))
+                    await anyio.sleep(rng.uniform(0.0, 0.02))
+                    assert await handle.abort()
+                reports = await report(ulysses)
+                assert same_states(reports) and not reports[0].states, index
+            async with engine.submit(after, request_id="after") as handle:
+                await wait_until(lambda: probe(handle).steps_done >= 3)
+                reports = await report(ulysses)
+                assert same_states(reports) and set(reports[0].states) == {"after"}
+                got = (await handle.result()).images
+    assert close([got], [expected])
+
+
+async def test_an_abort_inside_a_ulysses_step_leaves_it_at_the_announced_block(
+    ulysses: ParallelRunner,
+) -> None:
+    """L48 (L71): aborted while rank 0 embeds the input of its second step (the other rank
+    waits in the first block's exchange), rank 0 sees it at the first cancel point and
+    announces the second: every rank leaves the step there, before the second block. The
+    step is not counted, no rank keeps a state, the next request makes one rank's image.
+    (Tiny Flux has two blocks: an abort seen at the second would let the step finish.)
+    """
+    after = request("flux", seed=21, prompt="after")
+    [expected] = await outputs(DiffusersRunner(tiny("flux")), [after])
+    embedder = ulysses.pipeline.transformer.x_embedder
+    with anyio.fail_after(BUDGET):
+        steps = await abort_inside_a_step(ulysses, embedder, request("flux", seed=20, num_steps=6))
+        assert steps == 1
+        reports = await report(ulysses)
+        assert same_states(reports) and not reports[0].states
+        assert close(await outputs(Kept(ulysses), [after]), [expected])

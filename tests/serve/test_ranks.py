@@ -1,0 +1,70 @@
+"""One request over several ranks behind the server (L48, L49): ``serve --cfg-parallel``,
+``--ulysses`` and ``--ring`` become ``ServiceOptions.parallel``, and the service's one
+worker is a ``ParallelRunner``.
+
+Pure calls in this process for the options; one service on tiny SD over two gloo ranks,
+its app run in its own lifespan (as in ``test_app``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import anyio
+import pytest
+import torch
+
+from omni_trio.cli._errors import UsageError
+from omni_trio.cli._options import service_options
+from omni_trio.cli._serve import add_serve_arguments
+from omni_trio.parallel import ParallelRunner
+from omni_trio.serve._options import ServiceOptions, build_service
+from tests.support.core import BUDGET
+from tests.support.parallel import children, new_children
+from tests.support.serve import PATH, png_size, serving
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    """``serve``'s arguments, parsed as the command parses them."""
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_the_rank_options_become_service_options() -> None:
+    """L49: each rank option gives ``(layout, ranks)``; none gives ``None``; the options
+    exclude each other, ``--workers`` and the fake model; a rank count is 2 to 64."""
+    assert service_options(parse("--model", "tiny-sd")).parallel is None
+    for option, layout in (("--cfg-parallel", "cfg"), ("--ulysses", "ulysses"), ("--ring", "ring")):
+        assert service_options(parse("--model", "tiny-flux", option, "2")).parallel == (layout, 2)
+    with pytest.raises(UsageError, match=r"^--cfg-parallel: one worker over 2 ranks"):
+        service_options(parse("--model", "tiny-sd", "--cfg-parallel", "2", "--workers", "2"))
+    with pytest.raises(UsageError, match=r"^--ring: the fake model runs in one process"):
+        service_options(parse("--model", "fake", "--ring", "2"))
+    for argv in (["--cfg-parallel", "1"], ["--cfg-parallel", "2", "--ulysses", "2"]):
+        with pytest.raises(SystemExit):
+            parse("--model", "tiny-sd", *argv)
+
+
+@pytest.mark.anyio
+async def test_a_service_over_two_ranks_serves_and_reaps_them() -> None:
+    """L48, L49: ``ServiceOptions(parallel=("cfg", 2))`` serves tiny SD through one worker
+    over two ranks; the service's shutdown reaps them."""
+    before = children()
+    threads = torch.get_num_threads()
+    options = ServiceOptions(model="tiny-sd", parallel=("cfg", 2))
+    loaded = options.load_model()
+    try:
+        [runner] = loaded.runners
+        service = build_service(options, model=loaded)
+        assert isinstance(runner, ParallelRunner) and runner.world_size == 2
+        ranks = set(runner.pids)
+        with anyio.fail_after(BUDGET):
+            async with serving(service) as client:
+                answer = await client.post(PATH, json={"prompt": "a flower", "size": "64x64"})
+                assert answer.status_code == 200, answer.text
+                assert png_size(answer.json()["data"][0]["b64_json"]) == (64, 64)
+        assert not ranks & children() and not new_children(before)
+        assert "cfg over 2 ranks" in loaded.description
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,277 @@
+"""Helpers of the parallel tests (tests/parallel/): factories the ranks build, and the
+checks a group leaves nothing behind: no rank process, no socket beyond loopback.
+
+The factories are module-level functions (a ``ParallelRunner``'s factory must pickle).
+Starting a group costs a model load in each rank (seconds), so the tests share one
+group per configuration through ``Kept``, which the engine's ``close`` does not close.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+import omni_trio as ot
+from omni_trio.parallel import ParallelRunner, RankReport
+from omni_trio.runners import tiny_pipeline
+from omni_trio.testing import probe, wait_until
+from tests.support.core import BUDGET
+from tests.support.runners import ModuleGate, request
+
+__all__ = [
+    "ATOL",
+    "Kept",
+    "abort_inside_a_step",
+    "alive",
+    "children",
+    "close",
+    "group",
+    "guided_requests",
+    "hangs_on_flag",
+    "images_of",
+    "listening",
+    "loopback",
+    "new_children",
+    "outputs",
+    "raises_in_ranks",
+    "report",
+    "same_states",
+    "wait_gone",
+]
+
+
+#: Split and batched classifier-free guidance add in other orders, and so do one rank's
+#: attention and the ranks' exchanged one: measured up to ~1e-4 on the decoded images
+#: of the tests' 4-step requests.
+ATOL = 1e-3
+
+
+@contextmanager
+def group(kind: str, layout: str, **options: Any) -> Iterator[ParallelRunner]:
+    """Tiny ``kind`` over two ranks of ``layout`` (``cfg``, ``ulysses`` or ``ring``).
+
+    ``options`` go to ``ParallelRunner`` (the factory too). Closed on exit, torch's
+    thread count (which the runner sets) restored.
+    """
+    threads = torch.get_num_threads()
+    options.setdefault("timeout_s", 30.0)
+    factory = options.pop("factory", functools.partial(tiny_pipeline, kind))
+    degrees = {name: 2 if name == layout else 1 for name in ("cfg", "ulysses", "ring")}
+    runner = ParallelRunner(
+        factory, cfg=degrees["cfg"], ulysses=degrees["ulysses"], ring=degrees["ring"], **options
+    )
+    try:
+        yield runner
+    finally:
+        runner.close()
+        torch.set_num_threads(threads)
+
+
+def guided_requests(kind: str) -> list[ot.GenerationRequest]:
+    """A request, and one of two images with a negative prompt (Flux takes none)."""
+    guided = {} if kind == "flux" else {"negative_prompt": "dull"}
+    return [
+        request(kind, seed=3, **guided),
+        request(kind, seed=4, prompt="a blue boat", num_images=2, **guided),
+    ]
+
+
+def raises_in_ranks(kind: str) -> Any:
+    """A factory that builds ``kind`` in the engine's process and raises in every rank's."""
+    if multiprocessing.parent_process() is not None:
+        raise RuntimeError("this rank cannot load the model")
+    return tiny_pipeline(kind)
+
+
+def hangs_on_flag(kind: str, flag: str) -> Any:
+    """``kind``, whose denoiser, in ranks 1..N-1, hangs in every call while ``flag`` exists."""
+    pipeline = tiny_pipeline(kind)
+    if multiprocessing.parent_process() is not None:
+        denoiser = getattr(pipeline, "unet", None) or pipeline.transformer
+
+        def hang(module: torch.nn.Module, args: object) -> None:
+            while os.path.exists(flag):
+                time.sleep(0.05)
+
+        denoiser.register_forward_pre_hook(hang)
+    return pipeline
+
+
+class Kept:
+    """A ``ParallelRunner`` lent to one engine after another: ``close`` leaves it open."""
+
+    def __init__(self, runner: ParallelRunner) -> None:
+        self.runner = runner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+    def close(self) -> None:
+        """The engine is done with it; the test module closes it."""
+
+
+def children(pid: int | None = None) -> set[int]:
+    """The live processes (zombies included) whose parent is ``pid`` (this process)."""
+    parent = str(os.getpid() if pid is None else pid)
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == parent:
+            found.add(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has ended: it waits for its parent to reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_gone(pids: Iterable[int], within: float) -> list[int]:
+    """Wait up to ``within`` seconds for ``pids`` to end; return those still running."""
+    deadline = time.monotonic() + within
+    left = [pid for pid in pids if alive(pid)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [pid for pid in left if alive(pid)]
+    return left
+
+
+def _socket_inodes(pids: Iterable[int]) -> set[str]:
+    inodes = set()
+    for pid in pids:
+        try:
+            names = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for name in names:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{name}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    return inodes
+
+
+def listening(pids: Iterable[int]) -> list[str]:
+    """The local addresses (``/proc/net`` hex) of the TCP sockets ``pids`` listen on."""
+    inodes = _socket_inodes(pids)
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.append(fields[1])
+    return found
+
+
+def loopback(address: str) -> bool:
+    """Whether a ``/proc/net/tcp{,6}`` local address is on loopback (127/8 or ::1)."""
+    host = address.split(":")[0]
+    if len(host) == 8:  # IPv4, little-endian hex: 127.x.x.x ends in 7F
+        return host.endswith("7F")
+    return host in ("00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
+
+
+def same_states(reports: Sequence[RankReport]) -> bool:
+    """Whether every rank holds the same requests with bitwise equal states."""
+    return all(report.states == reports[0].states for report in reports)
+
+
+async def abort_inside_a_step(
+    runner: ParallelRunner, block: torch.nn.Module, first: ot.GenerationRequest
+) -> int:
+    """Abort ``first`` while rank 0 is inside ``block``'s second call; return the steps
+    the engine counted for it (1 when the step was left at a cancel point).
+
+    The gate holds rank 0 in ``block``'s second call until the abort is seen, so the abort
+    lands inside that step whatever the timing; the other ranks run on meanwhile.
+    """
+    gate = ModuleGate(block, 2)
+    try:
+        async with ot.open_engine(Kept(runner)) as engine:
+            handle = engine.submit(first, request_id="held")
+            await gate.wait_arrived()
+
+            async def release_once_cut() -> None:
+                await wait_until(lambda: probe(handle).cancel_reason is not None)
+                gate.release()
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(release_once_cut)
+                assert await engine.abort("held")
+            steps = probe(handle).steps_done
+            await handle.aclose()
+    finally:
+        gate.remove()
+    return steps
+
+
+async def outputs(runner: Any, requests: Sequence[ot.GenerationRequest]) -> list[torch.Tensor]:
+    """Every request's images, all submitted at once (so they batch), from a fresh engine."""
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=4)) as engine:
+            handles = [engine.submit(r) for r in requests]
+            results = []
+            for handle in handles:
+                async with handle:
+                    results.append((await handle.result()).images)
+    return results
+
+
+def images_of(runner: Any, request: ot.GenerationRequest) -> torch.Tensor:
+    """``request``'s images from ``runner`` driven directly (no engine): every step, a decode."""
+    state = runner.prepare(request, "direct")
+    try:
+        for _ in range(request.denoise_steps):
+            runner.step([state])
+        images: torch.Tensor = runner.decode(state).float().cpu()
+        return images
+    finally:
+        runner.discard(state)
+
+
+async def report(runner: ParallelRunner) -> tuple[RankReport, ...]:
+    """Every rank's states, read between two steps (``ParallelRunner.report``)."""
+    return await anyio.to_thread.run_sync(runner.report)
+
+
+def close(got: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> bool:
+    """Whether each image equals its expected one within ``ATOL``."""
+    return all(torch.allclose(g, e, atol=ATOL, rtol=0) for g, e in zip(got, expected, strict=True))
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"multiprocessing.resource_tracker" in command
+
+
+def new_children(before: set[int]) -> set[int]:
+    """This process's children that were not in ``before``, but multiprocessing's resource
+    tracker (started with the first spawn, it serves the whole process and ends with it)."""
+    return {pid for pid in children() - before if not _is_resource_tracker(pid)}
