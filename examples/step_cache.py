@@ -7,7 +7,7 @@ metrics say how many model calls and blocks it computed and skipped (L84). The
 threshold is high because tiny random weights change a lot per step (their ratio is
 0.2-0.5); a real checkpoint's threshold is about 0.05-0.1.
 
-Usage: python examples/step_cache.py   (seconds on a CPU)
+Usage: .venv/bin/python examples/step_cache.py   (seconds on a CPU)
 """
 
 import anyio

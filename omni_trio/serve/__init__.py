@@ -31,7 +31,7 @@ before their pixels) and ``_config`` (``ServeConfig``; ``with_defaults``, the on
 filling of a request's defaults, which the Ray handle shares; ``Admission``, the
 engine's limits checked before a body costs work).
 An endpoint imports the plumbing, never another endpoint nor ``_app``
-(tests/test_exports.py checks it).
+(tests/test_layers.py checks it).
 """
 
 from __future__ import annotations
