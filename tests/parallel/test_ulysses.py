@@ -54,6 +54,20 @@ async def test_ulysses_equals_one_rank(ulysses: ParallelRunner) -> None:
     )
 
 
+async def test_a_parallel_worker_refuses_step_caching(ulysses: ParallelRunner) -> None:
+    """L49 (L80): a cached request on a parallel worker is refused at admission, naming
+    ``cache``, where one rank of the same model would cache it: a rank computes a slice
+    of the rows, and a skip would be that rank's decision alone."""
+    assert "first-block" in DiffusersRunner(tiny("flux")).capabilities.step_cache
+    assert not ulysses.capabilities.step_cache
+    cached = request("flux", cache=ot.StepCache(kind="first-block", threshold=0.1))
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(Kept(ulysses)) as engine:
+            with pytest.raises(ot.InvalidRequestError) as refused:
+                engine.submit(cached)
+    assert refused.value.field == "cache"
+
+
 async def test_random_aborts_leave_every_ulysses_rank_equal(ulysses: ParallelRunner) -> None:
     """L40, L48: requests aborted at random moments, inside a step too (where the ranks,
     which exchange tokens in every block, leave one block later, at the point rank 0
