@@ -103,16 +103,20 @@ async def test_a_step_past_its_deadline_is_left_at_the_next_block(
     """
     runner = GatedRunner(blocks=BLOCKS, gate_blocks=True)
     async with ot.open_engine(runner) as engine:
-        handle = engine.submit(req(num_steps=5, deadline_s=100), request_id="r")
-
-        async def stop() -> None:
-            await trio.sleep(200)
-            async with handle:
-                with pytest.raises(ot.RequestAbortedError) as info:
-                    await handle.result()
-            assert info.value.reason == "deadline"
-
-        await _stop_inside_block(runner, handle, stop)
+        # A deadline far longer than the virtual time the poll of wait_arrived can take
+        # (each poll sleeps a virtual millisecond while the worker thread computes);
+        # past that, no poll: the next timer autojump meets is the deadline's own.
+        handle = engine.submit(req(num_steps=5, deadline_s=10_000), request_id="r")
+        submitted = trio.current_time()
+        runner.release(1)  # block 1
+        await runner.wait_arrived(2)
+        await trio.sleep_until(submitted + 10_001)
+        assert probe(handle).cancel_reason == "deadline"
+        runner.release(1)  # block 2 ends; the check before block 3 leaves
+        async with handle:
+            with pytest.raises(ot.RequestAbortedError) as info:
+                await handle.result()
+        assert info.value.reason == "deadline"
         _left_in_block_2(runner, engine, handle)
 
 

@@ -111,9 +111,10 @@ async def test_running_request_stops_at_the_next_boundary_undecoded(
     """
     runner = GatedRunner()
     async with ot.open_engine(runner) as engine:
-        handle = engine.submit(req(num_steps=3, deadline_s=100), request_id="r")
+        # A deadline far longer than the virtual time the poll below can take.
+        handle = engine.submit(req(num_steps=3, deadline_s=10_000), request_id="r")
         await runner.wait_arrived(1)
-        await trio.sleep(200)
+        await trio.sleep(20_000)
         assert handle.status is ot.RequestStatus.RUNNING
         runner.open_gate()
         async with handle:
