@@ -51,14 +51,14 @@ def _page(site: Path, path: str) -> str:
 
 
 def test_every_page_of_the_navigation_is_built(site: Path) -> None:
-    """Each page mkdocs.yml's nav names is in the site (strict mode refuses the rest)."""
+    """Each page mkdocs.yml's nav names is in the site, and a reference page per module."""
+    lines = [line.strip() for line in (ROOT / "mkdocs.yml").read_text().splitlines()]
     nav = [
-        line.split(": ", 1)[1].strip()
-        for line in (ROOT / "mkdocs.yml").read_text().splitlines()
-        if line.strip().startswith("- ") and line.strip().endswith(".md")
+        line.split(": ", 1)[1] for line in lines if line.startswith("- ") and line.endswith(".md")
     ]
-    assert len(nav) > 20
-    for page in nav:
+    modules = [line[2:] for line in lines if line.startswith("- omni_trio")]
+    assert len(nav) > 20 and "omni_trio.testing" in modules
+    for page in [*nav, *(f"reference/{module}.md" for module in modules)]:
         built = site / ("" if page == "index.md" else page.removesuffix(".md")) / "index.html"
         assert built.is_file(), page
 
@@ -82,8 +82,8 @@ def test_the_reference_is_generated_from_the_docstrings(site: Path) -> None:
     reference = _page(site, "reference/omni_trio")
     assert 'id="omni_trio.open_engine"' in reference
     assert "Submit <code>request</code> and wait for its output" in reference
-    assert 'id="omni_trio.testing.FakeRunner"' in _page(site, "reference/testing")
-    assert 'id="omni_trio.runners.DiffusersRunner"' in _page(site, "reference/runners")
+    assert 'id="omni_trio.testing.FakeRunner"' in _page(site, "reference/omni_trio.testing")
+    assert 'id="omni_trio.runners.DiffusersRunner"' in _page(site, "reference/omni_trio.runners")
 
 
 def test_samples_are_included_from_their_files(site: Path) -> None:

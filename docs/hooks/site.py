@@ -1,6 +1,8 @@
 """MkDocs hooks: the pages generated at every build, so they cannot go stale.
 
 - ``examples.md``: every ``examples/*.py``, included whole (a test runs each one).
+- ``reference/MODULE.md``: one page per module that mkdocs.yml's ``extra.reference``
+  names, rendered by mkdocstrings from the docstrings, and the nav's Reference section.
 - ``performance.md``: its text rendered from ``docs/perf/*.json`` by the benchmarks'
   own renderer (``benchmarks.docs.docs_page``), with the plots beside the JSON.
 """
@@ -46,11 +48,28 @@ def examples_page() -> str:
     return "\n".join(lines)
 
 
+def reference_page(module: str) -> str:
+    """The Markdown of ``module``'s reference page."""
+    return f"# `{module}`\n\n::: {module}\n"
+
+
+def on_config(config: Any) -> Any:
+    """Fill the nav's Reference section with a page per module of ``extra.reference``."""
+    pages = [{module: f"reference/{module}.md"} for module in config["extra"]["reference"]]
+    for entry in config["nav"]:
+        if isinstance(entry, dict) and "Reference" in entry:
+            entry["Reference"] = pages
+    return config
+
+
 def on_files(files: Any, config: Any) -> Any:
-    """Add the generated examples page."""
+    """Add the generated pages: the examples, and the reference."""
     from mkdocs.structure.files import File
 
     files.append(File.generated(config, "examples.md", content=examples_page()))
+    for module in config["extra"]["reference"]:
+        page = File.generated(config, f"reference/{module}.md", content=reference_page(module))
+        files.append(page)
     return files
 
 
