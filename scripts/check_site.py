@@ -299,8 +299,11 @@ def take_screenshots(browser: Browser, base: str, out: Path) -> list[str]:
     browser.screenshot(out / "index.png")
     browser.goto(base + "design/")
     browser.wait_for("document.querySelectorAll('pre.mermaid').length === 0")
-    browser.evaluate("document.getElementById('the-request-state-machine').scrollIntoView()")
-    browser.evaluate("window.scrollBy(0, -64)")  # the heading, below the header bar
+    # One scroll down, to the heading less the header bar (scrolling up shows "Back to top").
+    browser.evaluate(
+        "window.scrollTo(0, document.getElementById('the-request-state-machine')"
+        ".getBoundingClientRect().top + window.scrollY - 72)"
+    )
     time.sleep(0.5)  # the scroll lands before the shot
     browser.screenshot(out / "design-state-machine.png")
     failures = []
