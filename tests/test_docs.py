@@ -25,7 +25,10 @@ DOCS = ROOT / "docs"
 #: The site's pages: mkdocs.yml's exclude_docs leaves out these folders.
 NOT_ON_SITE = {"perf", "measurements", "hooks", "snippets"}
 PAGES = sorted(p for p in DOCS.rglob("*.md") if not NOT_ON_SITE & set(p.relative_to(DOCS).parts))
-FENCE = re.compile(r"^```(python|py)\b[^\n]*\n(.*?)^```", flags=re.DOTALL | re.MULTILINE)
+# Fences at any indentation (inside a list item too).
+FENCE = re.compile(
+    r"^[ \t]*```(python|py)\b[^\n]*\n(.*?)^[ \t]*```", flags=re.DOTALL | re.MULTILINE
+)
 INCLUDE = re.compile(r'^--8<-- "([^"]+)"$')
 NOT_RUN = re.compile(r"^<!-- not-run: (\S.*) -->$")
 
@@ -43,7 +46,7 @@ def _blocks(page: Path) -> list[tuple[int, str, str]]:
     text = page.read_text()
     blocks = []
     for match in FENCE.finditer(text):
-        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
         blocks.append((text[: match.start()].count("\n") + 1, before, match.group(2)))
     return blocks
 
@@ -51,7 +54,7 @@ def _blocks(page: Path) -> list[tuple[int, str, str]]:
 def _includes(body: str) -> list[str] | None:
     """The paths ``body`` includes, or ``None`` if it is not only includes."""
     lines = [line for line in body.splitlines() if line.strip()]
-    found = [INCLUDE.match(line) for line in lines]
+    found = [INCLUDE.match(line.strip()) for line in lines]
     if not lines or not all(found):
         return None
     return [m.group(1) for m in found if m]
