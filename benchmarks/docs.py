@@ -1,5 +1,9 @@
 """Regenerate ``docs/performance.md`` from the benchmarks' JSON (``--docs``).
 
+``python -m benchmarks.docs`` rewrites the page alone from ``docs/perf/*.json``, touching
+no table or plot (after a merge that brought new results, say); the documentation site
+renders the same page at every build.
+
 The page is built from every ``NAME.json`` in the output folder (``docs/perf/`` by
 default, where the plots and tables lie too), plus two hand-written files that
 the regeneration includes verbatim and never touches:
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -134,3 +139,8 @@ def write_docs(out: Path, docs: Path) -> Path:
     path = docs / "performance.md"
     path.write_text(docs_page(out, docs))
     return path
+
+
+if __name__ == "__main__":
+    docs_dir = default_docs_dir()
+    sys.stdout.write(f"wrote {write_docs(docs_dir / 'perf', docs_dir)}\n")

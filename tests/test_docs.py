@@ -120,5 +120,5 @@ def test_examples_page_includes_every_example() -> None:
 def test_performance_page_is_what_the_json_renders() -> None:
     """docs/performance.md is the benchmarks' JSON rendered (the site renders it again)."""
     assert (DOCS / "performance.md").read_text() == docs_page(DOCS / "perf", DOCS), (
-        "docs/performance.md is stale: python -m benchmarks all --docs --from-json"
+        "docs/performance.md is stale: python -m benchmarks.docs"
     )
