@@ -10,7 +10,7 @@ FastAPI takes the same ``lifespan=``.
 """
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -78,7 +78,7 @@ async def hang_up_after(seconds: float) -> None:
         await anyio.sleep(seconds)
         return {"type": "http.disconnect"}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         pass  # nobody is listening any more
 
     scope = {"type": "http", "method": "POST", "path": "/generate", "headers": []}
