@@ -324,7 +324,9 @@ def table_deadline(result: dict[str, Any]) -> str:
                 f"{c['good']}",
                 f"{c['late']}",
                 f"{c['aborted']} ({p['running_aborts']} running)",
-                f"{c['refused']} ({p['refused_startable']} startable)",
+                # Runs before refusals of startable requests were counted lack the field.
+                f"{c['refused']}"
+                + (f" ({p['refused_startable']} startable)" if "refused_startable" in p else ""),
                 fmt(p["steps_wasted_per_missed"]),
                 f"{p['useful_step_share']:.0%}",
             ]

@@ -1,5 +1,9 @@
 """Regenerate ``docs/performance.md`` from the benchmarks' JSON (``--docs``).
 
+``python -m benchmarks.docs`` rewrites the page alone from ``docs/perf/*.json``, touching
+no table or plot (after a merge that brought new results, say); the documentation site
+renders the same page at every build.
+
 The page is built from every ``NAME.json`` in the output folder (``docs/perf/`` by
 default, where the plots and tables lie too), plus two hand-written files that
 the regeneration includes verbatim and never touches:
@@ -12,13 +16,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from .suite import BENCHMARKS, COMMAND
 from .targets import targets_for
 
-__all__ = ["default_docs_dir", "render_page", "write_docs"]
+__all__ = ["default_docs_dir", "docs_page", "render_page", "write_docs"]
 
 ANALYSIS = "analysis.md"
 GPU_PAGE = "performance-gpu.md"
@@ -117,17 +122,25 @@ def render_page(
     return "\n".join(lines)
 
 
-def write_docs(out: Path, docs: Path) -> Path:
-    """Write ``docs/performance.md`` from the results in ``out``; return its path."""
-    results = load_results(out)
+def docs_page(out: Path, docs: Path) -> str:
+    """The text of ``docs/performance.md`` from the results in ``out`` (the site renders it)."""
     analysis_path = out / ANALYSIS
     gpu_path = docs / GPU_PAGE
-    page = render_page(
-        results,
+    return render_page(
+        load_results(out),
         perf=Path(os.path.relpath(out.resolve(), docs.resolve())).as_posix(),
         analysis=analysis_path.read_text() if analysis_path.exists() else None,
         gpu=gpu_path.read_text() if gpu_path.exists() else None,
     )
+
+
+def write_docs(out: Path, docs: Path) -> Path:
+    """Write ``docs/performance.md`` from the results in ``out``; return its path."""
     path = docs / "performance.md"
-    path.write_text(page)
+    path.write_text(docs_page(out, docs))
     return path
+
+
+if __name__ == "__main__":
+    docs_dir = default_docs_dir()
+    sys.stdout.write(f"wrote {write_docs(docs_dir / 'perf', docs_dir)}\n")

@@ -216,7 +216,10 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         """Submit ``request`` and wait for its output, in the caller's scope.
 
         Raises:
-            The errors of ``submit`` and of ``RequestHandle.result``.
+            RequestError: what ``submit`` raises (the request is refused) and what
+                ``RequestHandle.result`` raises (it was aborted or failed).
+            EngineClosedError: shutdown has begun (L30).
+            EngineDeadError: the worker died (L23).
 
         Cancellation:
             Cancelling the caller aborts the request (reason ``cancelled``) and

@@ -36,13 +36,22 @@ def test_readme_names_the_main_and_test_commands() -> None:
     assert "bash scripts/check.sh" in (ROOT / ".ci" / "run").read_text()
 
 
+#: The files an example writes into its working folder.
+WRITES = {"tutorial_first.py": "flower.png"}
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_example_runs(path: Path, tmp_path: Path) -> None:
-    """Each example runs to completion on a CPU in seconds."""
+    """Each example runs to completion on a CPU in seconds (and writes what it says).
+
+    docs/tutorial.md's first program is examples/tutorial_first.py: it writes flower.png.
+    """
     result = subprocess.run(
         [sys.executable, str(path)], capture_output=True, text=True, timeout=120, cwd=tmp_path
     )
     assert result.returncode == 0, result.stderr
+    if path.name in WRITES:
+        assert (tmp_path / WRITES[path.name]).exists()
 
 
 def test_stream_previews_does_what_its_docstring_says(tmp_path: Path) -> None:
@@ -62,25 +71,12 @@ def test_stream_previews_does_what_its_docstring_says(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def _python_blocks(path: Path) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.DOTALL)
-
-
-def test_tutorial_first_example_runs(tmp_path: Path) -> None:
-    """docs/tutorial.md's complete first example runs and writes its image."""
-    code = _python_blocks(ROOT / "docs" / "tutorial.md")[0]
-    script = tmp_path / "tutorial.py"
-    script.write_text(code)
-    result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
-    assert result.returncode == 0, result.stderr
-    assert (tmp_path / "flower.png").exists()
+SNIPPETS = ROOT / "docs" / "snippets"
 
 
 def test_testing_guide_example_passes(tmp_path: Path) -> None:
-    """docs/testing.md's example test passes on both backends."""
-    code = _python_blocks(ROOT / "docs" / "testing.md")[0]
+    """docs/testing.md's example test (docs/snippets/test_guide.py) passes on both backends."""
+    code = (SNIPPETS / "test_guide.py").read_text()
     (tmp_path / "test_guide.py").write_text(code)
     (tmp_path / "conftest.py").write_text(
         "import pytest\n\n"
@@ -99,12 +95,8 @@ def test_testing_guide_example_passes(tmp_path: Path) -> None:
     assert "2 passed" in result.stdout
 
 
-def _tutorial_block(heading: str, index: int) -> str:
-    """The ``index``-th Python block of the tutorial's section ``heading``."""
-    text = (ROOT / "docs" / "tutorial.md").read_text()
-    section = text.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
-    blocks: list[str] = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
-    return blocks[index]
+#: docs/tutorial.md's two fragments on leaving early, in the page's order.
+TUTORIAL_FRAGMENTS = ("tutorial_break.py", "tutorial_abort.py")
 
 
 def _as_function(code: str) -> Callable[..., Awaitable[Any]]:
@@ -123,13 +115,13 @@ def _as_function(code: str) -> Callable[..., Awaitable[Any]]:
 @pytest.mark.anyio
 @pytest.mark.parametrize(("index", "steps_done"), [(0, 6), (1, 3)])
 async def test_tutorial_leaving_early(index: int, steps_done: int) -> None:
-    """docs/tutorial.md section 2: after a break the request runs on; abort() stops it.
+    """docs/tutorial.md, leaving early: after a break the request runs on; abort() stops it.
 
     The user presses stop at step 2, while step 3 is in progress. The first block
     (a bare break) gets all 6 steps and the image; the second (abort, then break)
     ends ABORTED after the step in progress, never decoded (L7, L10).
     """
-    block = _as_function(_tutorial_block("2. Progress, and leaving early", index))
+    block = _as_function((SNIPPETS / TUTORIAL_FRAGMENTS[index]).read_text())
     runner = GatedRunner()
     request = ot.GenerationRequest(prompt="x", num_steps=6, height=16, width=16, seed=1)
     seen: list[int] = []
