@@ -57,6 +57,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
@@ -452,7 +453,7 @@ class AdapterSet:
         peft = f"omni_trio_{self._serial}_{next(self._loads)}"
         expected = _lora_tensors(entry)
         try:
-            with quiet_notices(), torch.no_grad():
+            with quiet_notices(), torch.no_grad(), _peft_notes():
                 if entry.path is not None:
                     self.pipe.load_lora_weights(
                         str(entry.path.parent), weight_name=entry.path.name, adapter_name=peft
@@ -484,8 +485,7 @@ class AdapterSet:
         self, name: str, peft: str, expected: int | None
     ) -> tuple[list[torch.nn.Module], int]:
         """The layers the load reached and its bytes; ``AdapterError`` if it is not plain LoRA."""
-        from peft.tuners.lora import Linear
-        from peft.tuners.lora.layer import _ConvNd
+        from peft.tuners.lora import Conv2d, Conv3d, Linear
 
         def invalid(message: str) -> AdapterError:
             return AdapterError(f"adapter {name!r}: {message}", reason="invalid", name=name)
@@ -495,7 +495,7 @@ class AdapterSet:
         for _, layer in _lora_modules(self.pipe, self._components):
             if peft not in layer.lora_A:
                 continue
-            if not isinstance(layer, Linear | _ConvNd):
+            if type(layer) not in (Linear, Conv2d, Conv3d):  # not a quantized or other kind
                 raise invalid(f"a LoRA of a {type(layer).__name__} layer is not applied per row")
             if peft in layer.lora_variant or layer.use_dora.get(peft, False):
                 raise invalid("DoRA and other LoRA variants are not applied per row")
@@ -553,16 +553,27 @@ class AdapterSet:
             self._delete(peft)
 
     def _delete(self, peft: str) -> None:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
+        with _peft_notes():
+            for _, layer in _lora_modules(self.pipe, self._components):
+                if peft in layer.lora_A:
+                    layer.delete_adapter(peft)
         for component in self._components:
-            model = getattr(self.pipe, component)
-            for module in model.modules():
-                if isinstance(module, BaseTunerLayer) and peft in getattr(module, "lora_A", {}):
-                    module.delete_adapter(peft)
-            config = getattr(model, "peft_config", None)
+            config = getattr(getattr(self.pipe, component), "peft_config", None)
             if isinstance(config, dict):
                 config.pop(peft, None)
+
+
+@contextmanager
+def _peft_notes() -> Iterator[None]:
+    """Drop PEFT's two notes on what the runner does on purpose: several adapters in one
+    model, and deleting the one PEFT had active (the runner never reads PEFT's active set).
+    Under the model lock; ``catch_warnings`` restores the filters it found."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Already found a `peft_config`", UserWarning)
+        warnings.filterwarnings(
+            "ignore", r"Adapter \S+ was active which is now deleted", UserWarning
+        )
+        yield
 
 
 def _source(

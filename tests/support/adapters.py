@@ -10,6 +10,7 @@ nothing), and saves the lot with the pipeline class's own ``save_lora_weights``
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,10 @@ def lora_state(
             target_modules=DENOISER_TARGETS if denoiser else TEXT_TARGETS,
             init_lora_weights=False,
         )
-        model = inject_adapter_in_model(config, copy.deepcopy(component), adapter_name="made")
+        with warnings.catch_warnings():
+            # A copy of a component that has adapters already: PEFT's note, not a problem.
+            warnings.filterwarnings("ignore", "Already found a `peft_config`", UserWarning)
+            model = inject_adapter_in_model(config, copy.deepcopy(component), adapter_name="made")
         state = get_peft_model_state_dict(model, adapter_name="made")
         for key, tensor in state.items():
             # Small random deltas: visible in the output, far from overflowing it.
