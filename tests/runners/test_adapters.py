@@ -272,7 +272,8 @@ def test_no_room_while_every_loaded_adapter_is_held(folder: Path, runner_of: Any
 
 
 def test_unload_of_a_held_adapter_is_refused(folder: Path, runner_of: Any) -> None:
-    """L85: an in-flight request keeps its adapters; unloading waits for nobody: refused."""
+    """L85, L87: an in-flight request keeps its adapters: unloading one it holds is refused;
+    unloaded, a request admitted before fails in prepare, never runs without it."""
     runner = runner_of("sd")
     state = runner.prepare(request("sd", adapters={"ink": 1.0}), "a")
     with pytest.raises(ot.AdapterError) as caught:

@@ -97,7 +97,7 @@ async def test_models_list_the_loaded_adapters(folder: Path) -> None:
 
 
 async def test_admin_actions_are_off_by_default(folder: Path) -> None:
-    """L88, L55: without ``allow_adapter_admin``, loads and unloads are 403s."""
+    """L88: without ``allow_adapter_admin``, loads and unloads are 403s."""
     async with serving(service(folder)) as client:
         response = await client.post(
             "/v1/adapters", json={"name": "film", "path": "film.safetensors"}
