@@ -42,6 +42,7 @@ SUMMARY_KEYS = {
     "serve": {"goodput_ratio_over_naive"},
     "deadline": {"goodput_ratio_over_fifo", "steps_wasted_per_missed", "refused_startable"},
     "cache": {"differing_decisions", "best_wall_ratio", "bookkeeping_pct"},
+    "adapters": {"throughput_ratio_over_sequential", "cost_over_none_pct", "load_ms"},
 }
 SCALE_LENGTHS = {"10", "100", "1000", "10000"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
@@ -25,7 +26,7 @@ from omni_trio.runners._adapters import wrapped_layers
 from omni_trio.testing import probe_engine
 from tests.support.adapters import lora_state, make_lora
 from tests.support.core import BUDGET
-from tests.support.runners import GatedDiffusers, reference, request
+from tests.support.runners import GatedDiffusers, ModuleGate, reference, request
 
 #: Float tolerance of a row against the pipeline's own call (measured: at most 7.5e-6
 #: on SDXL, 1.4e-6 on Flux, 9.3e-7 on SD, against a LoRA effect of 0.07 to 0.7).
@@ -120,11 +121,12 @@ def test_a_mixed_batch_equals_each_request_alone_with_set_adapters(
     """L86: different adapters, several per request, none, one at two scales: one forward
     per step, each row equal to the pipeline's own call with ``set_adapters`` (2e-5)."""
     runner = runner_of(kind)
+    steps = {"num_steps": 3}
     requests = [
-        request(kind, adapters={"ink": 0.8}),
-        request(kind, adapters={"ink": 0.8, "film": 0.3}, seed=3),
-        request(kind, seed=4),
-        request(kind, adapters={"ink": -0.5}, seed=5, prompt="a blue flower"),
+        request(kind, adapters={"ink": 0.8}, **steps),
+        request(kind, adapters={"ink": 0.8, "film": 0.3}, seed=3, **steps),
+        request(kind, seed=4, **steps),
+        request(kind, adapters={"ink": -0.5}, seed=5, prompt="a blue flower", **steps),
     ]
     denoiser = runner._pipeline.unet if kind != "flux" else runner._pipeline.transformer
     calls: list[int] = []
@@ -133,14 +135,13 @@ def test_a_mixed_batch_equals_each_request_alone_with_set_adapters(
         outputs = run_batch(runner, requests)
     finally:
         handle.remove()
-    assert len(calls) == requests[0].num_steps  # one model call per step for all four
+    assert len(calls) == 3  # one model call per step for all four
     for r, output in zip(requests, outputs, strict=True):
         expected = own_call(kind, folder, r)
         assert (output - expected).abs().max().item() < TOLERANCE, r.adapter_pairs
-        if r.adapter_pairs:
-            # The adapters change the image, far beyond the tolerance.
-            plain = own_call(kind, folder, dataclasses.replace(r, adapters=()))
-            assert (expected - plain).abs().max().item() > 1e-2
+    # The adapters change the image, far beyond the tolerance.
+    plain = own_call(kind, folder, dataclasses.replace(requests[0], adapters=()))
+    assert (outputs[0] - plain).abs().max().item() > 1e-2
 
 
 def test_text_encoder_layers_run_the_requests_adapters(folder: Path, runner_of: Any) -> None:
@@ -340,3 +341,59 @@ async def test_load_while_serving_and_preemption_keep_outputs(folder: Path, runn
         gated.close()
     uninterrupted = run_batch(runner_of("sd"), [low_request])[0]
     assert torch.equal(resumed.images.float(), uninterrupted)
+
+
+@pytest.mark.anyio
+async def test_an_abort_inside_a_step_releases_the_adapters(runner_of: Any) -> None:
+    """L85, L71: a request left at a cancel point inside a step lets go of its adapters,
+    and the next request's output is the one it has alone."""
+    runner = runner_of("sd")
+    after = request("sd", adapters={"film": 0.5}, num_steps=2, seed=2)
+    gate = ModuleGate(runner._pipeline.unet.down_blocks[0], at=2)
+    try:
+        with anyio.fail_after(BUDGET):
+            async with ot.open_engine(runner) as engine:
+                handle = engine.submit(request("sd", adapters={"ink": 1.0}), request_id="r")
+                await gate.wait_arrived()
+                assert [i.holders for i in runner.adapters() if i.name == "ink"] == [1]
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(engine.abort, "r")
+                    await anyio.lowlevel.checkpoint()
+                    gate.release()
+                await handle.aclose()
+                output = await engine.generate(after)
+                assert all(info.holders == 0 for info in runner.adapters())
+                assert runner.live_states == 0
+                again = await engine.generate(after)
+    finally:
+        gate.remove()
+    assert torch.equal(output.images, again.images)
+
+
+@pytest.mark.anyio
+async def test_several_workers_load_all_or_nothing(folder: Path, runner_of: Any) -> None:
+    """L85: an engine of two workers loads into each runner's own copy; when one refuses,
+    the other unloads it again; requests run on either with their adapters."""
+    first = runner_of("sd", load=False)
+    second = DiffusersRunner(_pipe("sd", 1))
+    files = loras("sd", folder)
+    second.load_adapter("ink", files["ink"])  # the second refuses "ink": loaded already
+    try:
+        with anyio.fail_after(BUDGET):
+            async with ot.open_engine([first, second]) as engine:
+                with pytest.raises(ot.AdapterError) as caught:
+                    await engine.load_adapter("ink", files["ink"])
+                assert caught.value.reason == "exists"
+                assert "ink" not in first.adapter_names()
+                await engine.load_adapter("film", files["film"])
+                assert {i.name for i in engine.adapters()} == {"film", "ink"}
+                with pytest.raises(ot.InvalidRequestError):
+                    engine.submit(request("sd", adapters={"ink": 1.0}))  # the first lacks it
+                r = request("sd", adapters={"film": 0.6}, num_steps=2)
+                async with anyio.create_task_group() as tg:
+                    for index in range(2):
+                        tg.start_soon(engine.generate, dataclasses.replace(r, seed=index))
+                await engine.unload_adapter("film")
+                assert {i.name for i in engine.adapters()} == {"ink"}
+    finally:
+        second.close()
