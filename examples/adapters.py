@@ -13,6 +13,7 @@ Usage: python examples/adapters.py   (seconds on a CPU; needs peft, the ``adapte
 import copy
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import anyio
 import torch
@@ -22,10 +23,10 @@ import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
 
 
-def random_lora(pipe: object, folder: Path, name: str, seed: int) -> Path:
+def random_lora(pipe: Any, folder: Path, name: str, seed: int) -> Path:
     """A random rank-4 LoRA on the UNet's attention, saved as diffusers saves one."""
     config = LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
-    unet = inject_adapter_in_model(config, copy.deepcopy(pipe.unet), adapter_name=name)  # type: ignore[attr-defined]
+    unet = inject_adapter_in_model(config, copy.deepcopy(pipe.unet), adapter_name=name)
     generator = torch.Generator().manual_seed(seed)
     weights = {
         key: torch.randn(value.shape, generator=generator) * 0.2
@@ -33,7 +34,7 @@ def random_lora(pipe: object, folder: Path, name: str, seed: int) -> Path:
     }
     type(pipe).save_lora_weights(
         str(folder), unet_lora_layers=weights, weight_name=f"{name}.safetensors"
-    )  # type: ignore[attr-defined]
+    )
     return folder / f"{name}.safetensors"
 
 
