@@ -295,21 +295,25 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
     async def unload_adapter(self, name: str) -> None:
         """Unload ``name`` from every runner (L85); refused while a live request holds it.
 
+        Refused before any runner unloads when a request holds it now. A runner where
+        a request took hold of it since refuses alone; admission then knows the name
+        no more (not every runner has it), and a later unload finishes the others.
+
         Raises:
             AdapterError: ``unknown`` (no runner has it) or ``in-use`` (a request in
-                flight holds it: nothing is unloaded then, on any runner).
+                flight holds it).
 
         Cancellation: the unload under way finishes (shielded), then the cancellation
             propagates.
         """
-        runners = self._loading_runners(name)
-        held = sum(
-            info.holders for runner in runners for info in runner.adapters() if info.name == name
-        )
-        if held:
+        runners = [r for r in self._loading_runners(name) if name in r.adapter_names()]
+        held = sum(i.holders for r in runners for i in r.adapters() if i.name == name)
+        if not runners or held:
             raise AdapterError(
-                f"adapter {name!r} is held by {held} live request(s); unload it when they are done",
-                reason="in-use",
+                f"adapter {name!r} is held by {held} live request(s); unload it when they are done"
+                if held
+                else f"no adapter {name!r} is loaded",
+                reason="in-use" if held else "unknown",
                 name=name,
             )
         for runner in runners:
