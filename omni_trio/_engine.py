@@ -85,11 +85,14 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         self._capabilities = shared_capabilities(runners)
         # L85: the runners that load adapters (every one, or none: capabilities agree).
-        self._adapter_runners: list[AdapterRunner[Any]] = (
-            [cast("AdapterRunner[Any]", runner) for runner in runners]
-            if self._capabilities.max_adapters
-            else []
-        )
+        self._adapter_runners: list[AdapterRunner[Any]] = []
+        if self._capabilities.max_adapters:
+            for runner in runners:
+                if not callable(getattr(runner, "load_adapter", None)):
+                    raise TypeError(
+                        f"{type(runner).__name__} declares max_adapters but has no load_adapter"
+                    )
+                self._adapter_runners.append(cast("AdapterRunner[Any]", runner))
         self._config = config
         _check_default_cache(config, self._capabilities)
         self._inbox: LoopInbox[Message[WorkItem]] = LoopInbox(self._dispatch)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pickle
 
@@ -72,3 +73,18 @@ def test_an_adapter_error_pickles_with_its_reason() -> None:
     error = ot.AdapterError("held", reason="in-use", name="ink")
     copy = pickle.loads(pickle.dumps(error))
     assert (str(copy), copy.reason, copy.name) == ("held", "in-use", "ink")
+
+
+@pytest.mark.anyio
+async def test_a_runner_that_claims_adapters_without_the_calls_is_refused() -> None:
+    """L85: ``max_adapters`` without ``load_adapter`` (a wrapper that copied its inner
+    runner's capabilities) stops ``open_engine``, never a submit later."""
+
+    class Claims(FakeRunner):
+        @property
+        def capabilities(self) -> ot.abc.RunnerCapabilities:
+            return dataclasses.replace(super().capabilities, max_adapters=1)
+
+    with anyio.fail_after(BUDGET), pytest.raises(TypeError, match="load_adapter"):
+        async with ot.open_engine(Claims()):
+            pass
