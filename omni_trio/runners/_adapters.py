@@ -451,6 +451,12 @@ class AdapterSet:
     def _inject(self, entry: _Entry) -> None:
         """Load ``entry`` under a fresh PEFT name, validated; on failure nothing stays."""
         peft = f"omni_trio_{self._serial}_{next(self._loads)}"
+        if entry.path is not None and not entry.path.is_file():
+            raise AdapterError(
+                f"adapter {entry.name!r}: its file {entry.path} is gone",
+                reason="invalid",
+                name=entry.name,
+            )
         expected = _lora_tensors(entry)
         try:
             with quiet_notices(), torch.no_grad(), _peft_notes():

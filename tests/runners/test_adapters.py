@@ -397,3 +397,21 @@ async def test_several_workers_load_all_or_nothing(folder: Path, runner_of: Any)
                 assert {i.name for i in engine.adapters()} == {"ink"}
     finally:
         second.close()
+
+
+def test_an_evicted_adapter_whose_file_is_gone_fails_its_request(
+    folder: Path, runner_of: Any, tmp_path: Path
+) -> None:
+    """L87: a reload that cannot be done fails the request in ``prepare``: it never runs
+    without its adapter, and holds nothing after."""
+    files = loras("sd", folder)
+    copied = tmp_path / "ink.safetensors"
+    copied.write_bytes(files["ink"].read_bytes())
+    runner = runner_of("sd", load=False, max_loaded_adapters=1)
+    runner.load_adapter("ink", copied)
+    runner.load_adapter("film", files["film"])  # evicts ink
+    copied.unlink()
+    with pytest.raises(ot.AdapterError, match="is gone"):
+        runner.prepare(request("sd", adapters={"film": 1.0, "ink": 1.0}), "a")
+    assert runner.live_states == 0
+    assert all(info.holders == 0 for info in runner.adapters())
