@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .abort import plot_abort, run_abort, table_abort
+from .adapters import plot_adapters, run_adapters, table_adapters
 from .cache import plot_cache, run_cache, table_cache
 from .common import Options, machine
 from .deadline import plot_deadline, run_deadline, table_deadline
@@ -182,6 +183,16 @@ BENCHMARKS: dict[str, Benchmark] = {
             run=run_ranks,
             table=table_ranks,
             plot=plot_ranks,
+        ),
+        Benchmark(
+            name="adapters",
+            what=(
+                "four requests with four different LoRAs in one batch vs one after another"
+                " with set_adapters, vs no adapter; load and unload times"
+            ),
+            run=run_adapters,
+            table=table_adapters,
+            plot=plot_adapters,
         ),
         Benchmark(
             name="ray",

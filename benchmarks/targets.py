@@ -247,6 +247,26 @@ TARGETS: tuple[Target, ...] = (
         met=lambda r: _s(r)["goodput_ratio_over_naive"] >= GOODPUT_FACTOR,
     ),
     Target(
+        bench="adapters",
+        label="a batch of 4 with 4 different adapters vs one after another with set_adapters",
+        target="≥ 2.5x",
+        figure=lambda r: (
+            f"{_s(r)['throughput_ratio_over_sequential']:.2f}x (CPU time"
+            f" {_s(r)['throughput_ratio_over_sequential_cpu']:.2f}x)"
+        ),
+        met=lambda r: _s(r)["throughput_ratio_over_sequential"] >= 2.5,
+    ),
+    Target(
+        bench="adapters",
+        label="the adapters' cost over no adapter, rank 8, batch of 4",
+        target="≤ 15 %",
+        figure=lambda r: (
+            f"{_s(r)['cost_over_none_pct']:+.1f} % (CPU {_s(r)['cost_over_none_cpu_pct']:+.1f} %);"
+            f" load {_s(r)['load_ms']:.1f} ms, unload {_s(r)['unload_ms']:.1f} ms"
+        ),
+        met=lambda r: _s(r)["cost_over_none_pct"] <= 15.0,
+    ),
+    Target(
         bench="deadline",
         label="goodput at 2x overload, deadlines / FIFO",
         # Picked without measurement: at 2x overload FIFO's queue grows without bound,

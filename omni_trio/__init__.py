@@ -18,6 +18,8 @@ The data (no threads, no event loop):
 - ``_request``: ``GenerationRequest``.
 - ``_stepcache``: ``StepCache``, a request's step-cache policy, and ``CacheMetrics``,
   what it did (L80-L84).
+- ``_adapters``: the adapters a request names (checked), ``AdapterInfo``, what a
+  runner reports of one, and ``AdapterError`` (L85-L88).
 - ``_outputs``: what the engine hands out: ``RequestStatus``, ``StepEvent``,
   ``GenerationOutput``, ``RequestMetrics``, ``EngineStatistics``, ``WorkerStatistics``.
 - ``_mp4``: the MP4 encoder behind ``GenerationOutput.save_video`` (PyAV, imported
@@ -99,6 +101,8 @@ from . import _exports
 # First, so that the seam's names are ``omni_trio.abc.*`` (reprs, pickles) whichever
 # public package a program imports first: ``omni_trio.runners`` re-exports them too.
 from . import abc as abc
+from ._adapters import AdapterError as AdapterError
+from ._adapters import AdapterInfo as AdapterInfo
 from ._config import EngineConfig as EngineConfig
 from ._engine import Engine as Engine
 from ._engine import open_engine as open_engine
@@ -129,6 +133,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AbortReason",
+    "AdapterError",
+    "AdapterInfo",
     "CacheMetrics",
     "DeadlineError",
     "DuplicateRequestError",

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
+from ._adapters import AdapterPairs, check_adapter_pairs
 from ._stepcache import StepCache
 from ._validate import check_float, check_image, check_int, check_text, fail_request, image_size
 
@@ -118,6 +119,13 @@ class GenerationRequest:
         cache: the request's step-cache policy (``StepCache``, L80), or ``None``
             for the engine's ``default_cache``; ``StepCache(kind="none")`` opts out
             of that default. A runner that cannot apply it refuses it at ``submit``.
+        adapters: the adapters (LoRA) to apply, name to scale (``{"ink": 0.8}``, L85),
+            or ``(name, scale)`` pairs; stored as a tuple of pairs, in the order
+            given. Names as ``ADAPTER_NAME``, each once; scales finite, at most
+            ``MAX_ADAPTER_SCALE`` (100) in absolute value. ``submit`` refuses a name no
+            runner has loaded, or more than ``RunnerCapabilities.max_adapters``.
+            Never part of a batch key: requests with different adapters share
+            batches (L86).
 
     Equality compares every field, images by value; ``repr`` leaves the images out.
 
@@ -142,6 +150,7 @@ class GenerationRequest:
     strength: float | None = None
     num_frames: int | None = None
     cache: StepCache | None = None
+    adapters: Mapping[str, float] | AdapterPairs = ()
 
     def __post_init__(self) -> None:
         fail = fail_request
@@ -191,6 +200,7 @@ class GenerationRequest:
             )
         if self.cache is not None and not isinstance(self.cache, StepCache):
             fail("cache", f"must be a StepCache or None, got {type(self.cache).__name__}")
+        store(self, "adapters", check_adapter_pairs(fail, self.adapters))
         self._check_edit()
 
     def _check_edit(self) -> None:
@@ -229,6 +239,13 @@ class GenerationRequest:
                 f"{strength:g} x num_steps {self.num_steps} runs no step;"
                 f" it must be at least 1 / num_steps",
             )
+
+    @property
+    def adapter_pairs(self) -> AdapterPairs:
+        """``adapters`` as stored: ``(name, scale)`` pairs, in the order given."""
+        pairs = self.adapters
+        assert isinstance(pairs, tuple)
+        return pairs
 
     @property
     def kind(self) -> RequestKind:

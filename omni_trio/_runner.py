@@ -23,6 +23,8 @@ threads only, never from the event loop. The engine owns the denoise loop:
   runners that declare ``step_cache`` (L80-L84): what a request's step cache did, read
   before its ``discard``, and the engine loosening a request's threshold at a step
   boundary when its deadline is at risk.
+- ``load_adapter``, ``unload_adapter``, ``adapters()``, ``adapter_names()``: only for
+  runners that declare ``max_adapters`` (L85-L87), and callable from any thread.
 - ``cancel_point()`` (a function, not a method): a runner that declares
   ``cancel_points`` calls it at every point inside ``step`` (between transformer
   blocks) and ``decode`` (between chunks) where the call may be left (L71, L72).
@@ -37,7 +39,8 @@ validates requests and forms batches from it, without calling the runner.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -48,9 +51,11 @@ from ._stepcache import CACHE_KINDS
 if TYPE_CHECKING:
     import torch
 
+    from ._adapters import AdapterInfo
     from ._stepcache import CacheMetrics
 
 __all__ = [
+    "AdapterRunner",
     "Runner",
     "RunnerCapabilities",
     "StepCacheRunner",
@@ -128,6 +133,9 @@ class RunnerCapabilities:
         max_steps: the most ``num_steps`` the model runs, or ``None`` for no bound
             of its own (L4): a scheduler that steps through its training timesteps
             has no more than it was trained with.
+        max_adapters: the most adapters one request may name (L85); 0 (the
+            default): the runner takes none. A runner that declares more implements
+            ``AdapterRunner``. Adapters are never part of a batch key (L86).
     """
 
     max_batch_size: int = 1
@@ -147,6 +155,7 @@ class RunnerCapabilities:
     step_cache: frozenset[str] = frozenset()
     min_steps: int = 1
     max_steps: int | None = None
+    max_adapters: int = 0
 
     def __post_init__(self) -> None:
         if self.cancel_points and self.whole_call:
@@ -162,6 +171,8 @@ class RunnerCapabilities:
         self._check_step_cache()
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size: must be >= 1")
+        if self.max_adapters < 0 or (self.max_adapters and self.whole_call):
+            raise ValueError("max_adapters: >= 0, and 0 for a whole-call runner")
         if self.min_steps < 1:
             raise ValueError(f"min_steps: must be >= 1, got {self.min_steps}")
         if self.max_steps is not None and self.max_steps < self.min_steps:
@@ -229,6 +240,18 @@ class RunnerCapabilities:
         self._check_steps(request)
         self._check_frames(request.num_frames)
         self.check_cache(None if request.cache is None else request.cache.kind)
+        self._check_adapters(len(request.adapter_pairs))
+
+    def _check_adapters(self, count: int) -> None:
+        """L85: at most ``max_adapters`` per request (the names are the engine's to check)."""
+        if count > self.max_adapters:
+            limit = self.max_adapters
+            raise InvalidRequestError(
+                "this runner takes no adapters"
+                if not limit
+                else f"this runner applies at most {limit} per request, got {count}",
+                field="adapters",
+            )
 
     def check_cache(self, kind: str | None) -> None:
         """L80: refuse a step-cache kind this runner does not apply, naming ``cache``."""
@@ -403,6 +426,41 @@ class StepCacheRunner(Runner[StateT], Protocol):
         The engine calls it between two steps, only for a request whose policy has a
         ``max_threshold``, with a value from its ``threshold`` to that bound.
         """
+        ...
+
+
+class AdapterRunner(Runner[StateT], Protocol):
+    """A runner that declares ``max_adapters``: it loads adapters by name (L85-L87).
+
+    Unlike the other calls, these four are safe from any thread while the runner
+    serves: a load or unload never interleaves with a model call (the runner says
+    how), and never changes the output of a request in flight.
+    """
+
+    def load_adapter(self, name: str, source: str | os.PathLike[str] | Mapping[str, Any]) -> None:
+        """Load the LoRA at ``source`` (a file, or a state dict) as ``name``.
+
+        Raises:
+            AdapterError: ``name`` is loaded already, ``source`` is not a LoRA for
+                this model (nothing of it stays loaded), or the bound of loaded
+                adapters leaves no room.
+        """
+        ...
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload ``name``; requests admitted later that name it are refused.
+
+        Raises:
+            AdapterError: ``name`` is not loaded, or live requests hold it.
+        """
+        ...
+
+    def adapters(self) -> tuple[AdapterInfo, ...]:
+        """Return the adapters the runner knows, loaded or evicted, by name."""
+        ...
+
+    def adapter_names(self) -> frozenset[str]:
+        """Return the names requests may use now (admission reads them, L85)."""
         ...
 
 

@@ -11,6 +11,8 @@ framework (or a fake) is typed against these names alone:
   batch keys, previews, ...).
 - ``StepCacheRunner``: the two calls more of a runner that declares ``step_cache``
   (L80-L84): a request's cache metrics, and a loosened threshold.
+- ``AdapterRunner``: the four calls more of a runner that declares ``max_adapters``
+  (L85-L87): load and unload adapters by name, list them, the names admission takes.
 - ``StopRun``: what the engine raises inside a runner call to stop it.
 - ``cancel_point()``: what a runner that declares ``cancel_points`` calls inside a
   step or a decode (L71, L72).
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from . import _exports
 from ._cancelpoint import cancel_point as cancel_point
+from ._runner import AdapterRunner as AdapterRunner
 from ._runner import Runner as Runner
 from ._runner import RunnerCapabilities as RunnerCapabilities
 from ._runner import StepCacheRunner as StepCacheRunner
@@ -31,6 +34,7 @@ from ._runner import SuspendableRunner as SuspendableRunner
 from ._runner import WholeCallRunner as WholeCallRunner
 
 __all__ = [
+    "AdapterRunner",
     "Runner",
     "RunnerCapabilities",
     "StepCacheRunner",

@@ -49,6 +49,7 @@ SUMMARY_KEYS = {
         "plan_delivery_us_p99",
         "cfg_step_ratio_over_two_threads",
     },
+    "adapters": {"throughput_ratio_over_sequential", "cost_over_none_pct", "load_ms"},
 }
 SCALE_LENGTHS = {"10", "100", "1000", "10000"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -57,6 +57,8 @@ RUNNER_SEAM = frozenset(
         # The step-cache policy a request carries and the metrics a runner reports
         # (L80, L84): data, torch-free, as the request is.
         "omni_trio._stepcache",
+        # The adapters a request names and what a runner reports of them (L85).
+        "omni_trio._adapters",
     }
 )
 

@@ -44,6 +44,7 @@ _OPTIONS = {
     "default_steps": "--default-steps",
     "default_guidance_scale": "--default-guidance",
     "default_cache": "--cache",
+    "adapters": "--adapter",
 }
 
 
@@ -131,6 +132,8 @@ def service_options(args: argparse.Namespace) -> ServiceOptions:
         uploads = UploadLimits(max_bytes=args.max_upload_bytes, max_pixels=args.max_upload_pixels)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if args.allow_adapter_admin and args.adapter_dir is None:
+        raise UsageError("--allow-adapter-admin: needs --adapter-dir, the folder loads read from")
     return ServiceOptions(
         model=args.model,
         devices=_devices(args),
@@ -150,6 +153,9 @@ def service_options(args: argparse.Namespace) -> ServiceOptions:
         video_jobs=args.video_jobs,
         video_ttl_s=args.video_ttl,
         parallel=_parallel(args),
+        adapters=tuple(args.adapter),
+        adapter_dir=args.adapter_dir,
+        allow_adapter_admin=args.allow_adapter_admin,
     )
 
 
@@ -221,6 +227,12 @@ def unused_for_model(model: LoadedModel) -> list[Unused]:
     """
     runner = model.runners[0]
     unused = []
+    if not runner.capabilities.max_adapters:
+        takes = "applies to models that take adapters (diffusers pipelines with LoRA loading)"
+        unused += [
+            Unused(dest="adapter_dir", option="--adapter-dir", reason=takes),
+            Unused(dest="allow_adapter_admin", option="--allow-adapter-admin", reason=takes),
+        ]
     if runner.capabilities.frames is None:
         video = "applies to video models only (Wan, LTX-Video)"
         unused += [

@@ -34,7 +34,7 @@ from ._options import (
 from ._ray import add_ray_arguments, run_ray
 from ._servers import run_hypercorn, run_uvicorn
 from ._sockets import address, check_port
-from ._types import count, finite, positive, seconds, size, step_cache, threshold
+from ._types import adapter, count, finite, positive, seconds, size, step_cache, threshold
 
 __all__ = ["add_serve_arguments", "run_serve"]
 
@@ -238,6 +238,28 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KIND[:THRESHOLD]",
         help="the step cache of a request that asks for none (L80): first-block[:THRESHOLD]"
         " (default threshold 0.05), taylorseer[:INTERVAL] or none (default: none)",
+    )
+    adapters = parser.add_argument_group("adapters (LoRA, L85-L88)")
+    adapters.add_argument(
+        "--adapter",
+        type=adapter,
+        action="extend",
+        default=[],
+        metavar="NAME=PATH",
+        help="load the LoRA file PATH (.safetensors) as NAME at start; repeatable, or"
+        " comma-separated",
+    )
+    adapters.add_argument(
+        "--adapter-dir",
+        default=None,
+        metavar="DIR",
+        help="the folder POST /v1/adapters loads from (a client names a file in it)",
+    )
+    adapters.add_argument(
+        "--allow-adapter-admin",
+        action="store_true",
+        help="load and unload adapters over HTTP (POST /v1/adapters, DELETE"
+        " /v1/adapters/NAME); needs --adapter-dir (default: off)",
     )
     parser.add_argument(
         "--step-seconds",

@@ -12,10 +12,12 @@ import argparse
 import math
 from collections.abc import Callable
 
+from .._adapters import ADAPTER_NAME
 from .._errors import InvalidRequestError
 from .._stepcache import StepCache, parse_step_cache
 
 __all__ = [
+    "adapter",
     "count",
     "finite",
     "fraction",
@@ -151,3 +153,16 @@ def step_cache(text: str) -> StepCache:
         raise argparse.ArgumentTypeError(f"expected KIND[:THRESHOLD], {exc}") from None
     assert policy is not None  # text is never None
     return policy
+
+
+def adapter(text: str) -> list[tuple[str, str]]:
+    """Adapters to load at start: ``NAME=PATH``, or several, comma-separated, as pairs."""
+    pairs = []
+    for item in text.split(","):
+        name, sep, path = item.strip().partition("=")
+        if not sep or not path or ADAPTER_NAME.fullmatch(name) is None:
+            raise argparse.ArgumentTypeError(
+                f"expected NAME=PATH (a name of letters, digits, '_', '.', '-'), got {item!r}"
+            )
+        pairs.append((name, path))
+    return pairs

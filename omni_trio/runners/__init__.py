@@ -2,7 +2,8 @@
 
 - ``Runner`` and ``RunnerCapabilities``: the protocol a model implements;
   ``SuspendableRunner`` the three calls more that preemption needs, ``StepCacheRunner``
-  the two that step caching needs (L80-L84);
+  the two that step caching needs (L80-L84), ``AdapterRunner`` the four that
+  adapters need (L85-L87);
   ``cancel_point()`` what a runner declaring ``cancel_points`` calls (L71, L72).
 - ``DiffusersRunner``: a diffusers pipeline driven one step at a time.
 - ``PipelineCallRunner``: any other pipeline, through its own ``__call__``.
@@ -26,6 +27,8 @@ Layout: the private modules, each importing only those below it:
   more than one family module uses (public names inside the private module);
 - ``_stepcache``: below ``_family`` (a state holds its request's cache) and imported
   by ``_video`` too (Wan 2.2's experts each run a subset of a call's rows);
+- ``_adapters``: the adapters (LoRA) of a runner, row by row inside its model calls
+  (L85-L87); it reads the step cache's computing rows, and imports no family;
 - ``_chunks``: decodes in chunks (L72).
 
 Apart: ``_tiny`` (and ``_quiet``), ``_load`` and ``_devices`` import no family.
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 from .. import _exports
 from .._cancelpoint import cancel_point as cancel_point
+from .._runner import AdapterRunner as AdapterRunner
 from .._runner import Runner as Runner
 from .._runner import RunnerCapabilities as RunnerCapabilities
 from .._runner import StepCacheRunner as StepCacheRunner
@@ -54,6 +58,7 @@ from ._tiny import tiny_pipeline as tiny_pipeline
 __all__ = [
     "TINY_KINDS",
     "TINY_VIDEO_KINDS",
+    "AdapterRunner",
     "DiffusersRunner",
     "PipelineCallRunner",
     "Runner",

@@ -13,19 +13,25 @@ frame for Wan, per temporal chunk of a long LTX-Video (see ``_chunks``).
 
 Step caching (L80-L84; see ``_stepcache``): for the DiT families the runner declares
 ``step_cache`` and applies each request's policy row by row inside the model call.
+
+Adapters (L85-L87; see ``_adapters``): LoRA files loaded by name while serving; each
+row of a model call runs its own request's adapters and scales.
 """
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from .._adapters import AdapterInfo
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities, StopRun
 from .._stepcache import CacheMetrics
+from ._adapters import AdapterSet
 from ._cancel import CancelPoints, cancel_modules
 from ._chunks import DecodeChunks
 from ._edit import keep_unmasked
@@ -120,6 +126,11 @@ class DiffusersRunner:
         framewise_above: decode a video of more frames than this in the VAE's
             overlapping temporal chunks (LTX-Video's framewise decoding, which blends
             them: a documented difference); ``None`` (the default): never.
+        max_adapters: the most adapters one request may name (L85); the runner
+            declares 0 for a pipeline that takes none (no ``load_lora_weights``, or
+            Wan 2.2's two experts).
+        max_loaded_adapters: the most adapters loaded at once (L87).
+        max_adapter_bytes: the most bytes of loaded adapters' weights, or ``None``.
 
     Raises:
         TypeError: the pipeline's family is not supported.
@@ -136,6 +147,9 @@ class DiffusersRunner:
         decode_slices: bool = True,
         tile_above: int | None = 1024 * 1024,
         framewise_above: int | None = None,
+        max_adapters: int = 4,
+        max_loaded_adapters: int = 16,
+        max_adapter_bytes: int | None = None,
     ) -> None:
         chunks = DecodeChunks(
             slices=decode_slices, tile_above=tile_above, framewise_above=framewise_above
@@ -143,6 +157,11 @@ class DiffusersRunner:
         self._family = family_for(pipeline, chunks)
         self._pipeline = pipeline
         self._step_cache = BlockCache(pipeline)
+        # Held around every model call; loads and unloads take it too (see ``_adapters``).
+        self._model_lock = threading.RLock()
+        self._adapters = AdapterSet(
+            pipeline, self._model_lock, max_loaded_adapters, max_adapter_bytes
+        )
         min_steps, max_steps = step_bounds(pipeline.scheduler)
         self._capabilities = RunnerCapabilities(
             max_batch_size=max_batch_size,
@@ -166,6 +185,7 @@ class DiffusersRunner:
             step_cache=self._step_cache.kinds,
             min_steps=min_steps,
             max_steps=max_steps,
+            max_adapters=max_adapters if self._adapters.supported else 0,
         )
         self._cancel_points = CancelPoints(cancel_modules(pipeline))
         device = torch.device(pipeline.device)
@@ -195,9 +215,23 @@ class DiffusersRunner:
             setattr(self, name, getattr(self, name) + amount)
 
     def prepare(self, request: GenerationRequest, request_id: str) -> RequestState:
-        """Encode the prompt, make the initial latents and the request's scheduler."""
-        with torch.no_grad():
-            state = self._family.prepare(request, request_id)
+        """Encode the prompt, make the initial latents and the request's scheduler.
+
+        Holds the request's adapters until ``discard``, reloading an evicted one.
+
+        Raises:
+            AdapterError: an adapter was unloaded after admission or cannot be
+                reloaded (L87): the request fails, it never runs without it.
+        """
+        with self._model_lock:
+            held = self._adapters.acquire(request.adapter_pairs)
+            try:
+                with torch.no_grad(), self._adapters.every_row(held):
+                    state = self._family.prepare(request, request_id)
+            except BaseException:
+                self._adapters.release(request.adapter_pairs)
+                raise
+        state.adapters = held
         assert state.latents is not None
         rows = state.latents.shape[0] * (2 if state.cfg else 1)
         state.cache = RequestCache.create(request, rows)
@@ -213,7 +247,7 @@ class DiffusersRunner:
             StopRun: from a cancel point; the states are left half-stepped, for the
                 engine to discard.
         """
-        with torch.no_grad():
+        with self._model_lock, torch.no_grad():
             calls = [state.groups[state.steps_done] for state in states]
             for round_ in range(max(calls)):
                 self._model_round([s for s, n in zip(states, calls, strict=True) if n > round_])
@@ -234,7 +268,11 @@ class DiffusersRunner:
             rows = family.scale_input(state, rows, t)
             inputs.append(rows)
             steps.append(t.expand(rows.shape[0]).to(rows.device))
-        with self._step_cache.call(states, [rows.shape[0] for rows in inputs]):
+        counts = [rows.shape[0] for rows in inputs]
+        with (
+            self._adapters.call([state.adapters for state in states], counts),
+            self._step_cache.call(states, counts),
+        ):
             output = self._denoise(
                 joined(inputs), joined(steps), family.join_cond(states), states[0].shared
             )
@@ -313,6 +351,9 @@ class DiffusersRunner:
         state.edit = {}
         state.ready = None
         state.cache = None
+        if state.adapters:
+            state.adapters = ()
+            self._adapters.release(state.request.adapter_pairs)
         self._count("live_states", -1)
 
     def state_bytes(self, state: RequestState) -> int:
@@ -349,13 +390,49 @@ class DiffusersRunner:
             cache.threshold = threshold
             cache.loosened = True
 
-    def close(self) -> None:
-        """Remove the cancel points' hooks and the step cache's wrappers.
+    def load_adapter(self, name: str, source: str | os.PathLike[str] | Mapping[str, Any]) -> None:
+        """Load the LoRA at ``source`` as ``name``, while serving (L85).
 
-        The pipeline belongs to the caller and stays usable.
+        ``source``: a ``.safetensors`` file in the diffusers/PEFT format (or a format
+        diffusers' ``load_lora_weights`` converts), or such a state dict (kept by
+        reference, to reload it after an eviction). The text encoders' LoRA layers
+        load too where it has them. Any thread: the load waits for the step under
+        way (see ``_adapters``). Evicts the least recently used adapters no request
+        holds when the bounds need it (L87).
+
+        Raises:
+            AdapterError: ``name`` is loaded already (``exists``); ``source`` is not
+                a plain LoRA for this model (``invalid``: nothing of it stays); no
+                room (``full``).
+            InvalidRequestError: ``name`` is not an adapter name.
+        """
+        self._adapters.load(name, source)
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload ``name`` (L85); refused while a live request holds it.
+
+        Raises:
+            AdapterError: ``unknown`` (not loaded) or ``in-use``.
+        """
+        self._adapters.unload(name)
+
+    def adapters(self) -> tuple[AdapterInfo, ...]:
+        """The adapters this runner knows, by name: loaded or evicted, bytes, holders."""
+        return self._adapters.infos()
+
+    def adapter_names(self) -> frozenset[str]:
+        """The names requests may use now (admission reads them, L85)."""
+        return self._adapters.names()
+
+    def close(self) -> None:
+        """Remove the cancel points' hooks, the step cache's wrappers and the adapters.
+
+        The pipeline belongs to the caller and stays usable; the adapters this runner
+        loaded leave it (PEFT's LoRA layers, with no adapter in them, stay).
         """
         self._cancel_points.close()
         self._step_cache.close()
+        self._adapters.close()
 
     @property
     def step_cache_blocks(self) -> int:

@@ -49,7 +49,8 @@ class RequestState:
     noise, the mask; see ``_edit``); empty otherwise. ``timesteps`` are the ones
     that run: for an image with strength < 1, the last ``denoise_steps`` (L75).
     ``cache`` is the request's step cache (``_stepcache.RequestCache``, L80-L82), or
-    ``None`` without a policy.
+    ``None`` without a policy. ``adapters`` are the adapters its rows run with, as the
+    runner's ``AdapterSet`` resolved and holds them: ``(PEFT name, scale)`` pairs (L85).
     """
 
     request_id: str
@@ -71,6 +72,7 @@ class RequestState:
     #: Where the tensors that a suspension moved to host memory came from.
     parked_from: dict[int, torch.device] | None = None
     cache: RequestCache | None = None
+    adapters: tuple[tuple[str, float], ...] = ()
 
 
 def step_groups(calls: int, steps: int, order: int) -> list[int]:

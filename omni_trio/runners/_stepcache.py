@@ -62,7 +62,7 @@ import torch
 from .._request import GenerationRequest
 from .._stepcache import CacheMetrics, StepCache
 
-__all__ = ["BlockCache", "RequestCache", "expert_rows"]
+__all__ = ["BlockCache", "RequestCache", "computing_rows", "expert_rows"]
 
 #: The kinds the wrappers apply.
 KINDS = frozenset({"first-block", "taylorseer"})
@@ -373,6 +373,19 @@ def _current() -> _Call | None:
     return call
 
 
+def computing_rows() -> list[int] | None:
+    """The model call's rows that the block running now computes; ``None``: every row.
+
+    Inside the tail blocks of a forward where some rows skip, the computing rows'
+    positions among the call's rows, in order (the rows the block's tensors hold);
+    anywhere else ``None``. Adapters read it to give each row its own (``_adapters``).
+    Not for Wan 2.2's experts, whose forwards run on a subset of rows of their own.
+    """
+    call = _current()
+    run = None if call is None else call.forward
+    return None if run is None else run.computing
+
+
 @contextmanager
 def expert_rows(mask: Sequence[bool]) -> Iterator[None]:
     """Inside, the model call's forward runs on the rows where ``mask`` holds (Wan 2.2)."""
@@ -401,6 +414,8 @@ class _Forward:
     mode: str
     #: The rows that compute, as a device index (``_SOME`` only).
     index: torch.Tensor | None = None
+    #: The same rows on the host, as positions among the call's rows (``_SOME`` only).
+    computing: list[int] | None = None
     #: The final hidden states of the skipping rows, in row order (``None``: none skips).
     skip_index: torch.Tensor | None = None
     skip_hidden: torch.Tensor | None = None
@@ -574,6 +589,7 @@ def _head(call: _Call, role: _Role, args: tuple[Any, ...], kwargs: dict[str, Any
         rows=len(slots),
         mode=_SOME,
         index=index,
+        computing=computing,
         skip_index=torch.tensor(skipping, device=device, dtype=torch.long),
         skip_hidden=skip_hidden,
     )

@@ -24,6 +24,7 @@ from .._config import EngineConfig
 from .._engine import Engine, open_engine
 from .._outputs import EngineStatistics
 from .._runner import Runner, RunnerCapabilities
+from ._adapters import AdaptersApi, adapter_card
 from ._asgi import Asgi, Scope, error_response
 from ._config import Admission, ServeConfig
 from ._edits import parse_edit_form
@@ -60,7 +61,11 @@ class Service:
       a job and answers at once, ``GET`` lists them, ``GET /v1/videos/{id}`` reads
       one, ``DELETE`` aborts and drops it, ``.../content`` is its MP4 and
       ``.../events`` its progress as server-sent events;
-    - ``GET /v1/models`` and ``GET /v1/models/{id}``: the served model;
+    - ``GET /v1/models`` and ``GET /v1/models/{id}``: the served model, and the
+      adapters it has loaded (L88);
+    - ``/v1/adapters``: ``GET`` lists the adapters; ``POST`` loads one from the
+      adapter folder and ``DELETE /v1/adapters/{name}`` unloads one, as admin
+      actions (``ServeConfig.allow_adapter_admin``; see ``_adapters``);
     - ``GET /health``: 200 when ready (``"degraded"`` while some workers have died
       and the others serve, L43), 503 while starting, draining or dead;
     - ``GET /metrics``: Prometheus text, from this service's own registry.
@@ -99,6 +104,7 @@ class Service:
             capabilities = None  # the engine refuses such a runner as it opens
         #: The runner's frame rule (L70): ``None`` for an image model.
         self.frames: tuple[int, int] | None = getattr(capabilities, "frames", None)
+        self._takes_adapters = bool(getattr(capabilities, "max_adapters", 0))
         # What the engine admits, checked where a body costs work to become a request.
         self._admission = Admission(engine=self.engine_config, capabilities=capabilities)
         self.videos = VideoJobs(
@@ -115,6 +121,7 @@ class Service:
             rule=self.frames,
             admission=self._admission,
         )
+        adapters = AdaptersApi(config=self.config, engine=self.engine_for_requests)
         self.app = Starlette(
             routes=[
                 Route(
@@ -142,6 +149,9 @@ class Service:
                 Route("/v1/videos/{video_id}", videos.job, methods=["GET", "DELETE"]),
                 Route("/v1/videos/{video_id}/content", videos.content, methods=["GET"]),
                 Route("/v1/videos/{video_id}/events", Asgi(videos.events), methods=["GET"]),
+                Route("/v1/adapters", adapters.list, methods=["GET"]),
+                Route("/v1/adapters", adapters.load, methods=["POST"]),
+                Route("/v1/adapters/{name}", adapters.unload, methods=["DELETE"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/v1/models/{model_id:path}", self._model, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
@@ -326,6 +336,10 @@ class Service:
             card["fps"] = videos.fps
             card["default_seconds"] = f"{videos.default_seconds:g}"
             card["frames"] = f"{period}k + {remainder}"
+        engine = self._engine
+        if engine is not None and self._takes_adapters:
+            # L88: the adapters a request may name.
+            card["adapters"] = [adapter_card(info) for info in engine.adapters()]
         return card
 
     async def _models(self, request: Request) -> Response:

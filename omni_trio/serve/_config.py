@@ -43,6 +43,10 @@ class ServeConfig:
             ``MAX_PRIORITY``); a higher one is a 400. Clients are anonymous, so by
             default (0) none can put itself ahead of the others; lower priorities
             are always accepted.
+        allow_adapter_admin: whether ``POST /v1/adapters`` and ``DELETE
+            /v1/adapters/{name}`` load and unload adapters (L88); off by default.
+        adapter_dir: the folder those loads read from (a client names a file in it,
+            never a path of its own); needed by ``allow_adapter_admin``.
 
     Raises:
         ValueError: a field is out of range; the message names it.
@@ -56,6 +60,8 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 1
     max_priority: int = 0
+    allow_adapter_admin: bool = False
+    adapter_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -82,6 +88,8 @@ class ServeConfig:
             or not math.isfinite(scale)
         ):
             raise ValueError(f"default_guidance_scale: must be a finite number, got {scale!r}")
+        if self.allow_adapter_admin and self.adapter_dir is None:
+            raise ValueError("allow_adapter_admin: needs an adapter_dir to load adapters from")
 
 
 def with_defaults(

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
+from .._adapters import AdapterError
 from .._config import EngineConfig
 from .._errors import InvalidRequestError
 from .._request import GenerationRequest
+from .._runner import AdapterRunner
 from ._app import Service
 from ._config import ServeConfig, with_defaults
 from ._models import FALLBACK_FPS, LoadedModel, load_model
@@ -95,6 +97,9 @@ class ServiceOptions:
         parallel: ``(layout, ranks)`` (``"cfg"``, ``"ulysses"`` or ``"ring"``): one
             worker whose requests run over that many ranks (L48, L49); ``devices``
             are then the ranks' devices.
+        adapters: ``(name, file)`` pairs: adapters every runner loads at start (L88).
+        adapter_dir: as ``ServeConfig``'s: where admin loads read from.
+        allow_adapter_admin: as ``ServeConfig``'s: loads and unloads over HTTP.
     """
 
     model: str
@@ -116,6 +121,9 @@ class ServiceOptions:
     video_jobs: int = _VIDEO.max_jobs
     video_ttl_s: float = _VIDEO.ttl_s
     parallel: tuple[str, int] | None = None
+    adapters: tuple[tuple[str, str], ...] = ()
+    adapter_dir: str | None = None
+    allow_adapter_admin: bool = False
 
     def with_serve_config(self, config: ServeConfig) -> ServiceOptions:
         """These options with every setting of ``config``: its defaults, not the model's."""
@@ -128,6 +136,8 @@ class ServiceOptions:
             max_body_bytes=config.max_body_bytes,
             retry_after_s=config.retry_after_s,
             max_priority=config.max_priority,
+            adapter_dir=config.adapter_dir,
+            allow_adapter_admin=config.allow_adapter_admin,
         )
 
     def load_model(self) -> LoadedModel:
@@ -164,11 +174,13 @@ def build_service(options: ServiceOptions, *, model: LoadedModel | None = None) 
     Raises:
         ValueError: ``options.model`` names no model, or a setting is out of range
             (the message names the field of the configuration that refused it).
-        OptionError: a default the model refuses; ``option`` names the field.
+        OptionError: a default the model refuses, or an adapter it does not take;
+            ``option`` names the field.
         ModelError: the model does not load, or not on a device.
     """
     loaded = model if model is not None else options.load_model()
     config = _serve_config(options, loaded)
+    _load_adapters(options.adapters, loaded)
     fps = options.video_fps if options.video_fps is not None else loaded.fps or FALLBACK_FPS
     videos = VideoConfig(fps=fps, max_jobs=options.video_jobs, ttl_s=options.video_ttl_s)
     _check_defaults(options.engine_config, config, videos, loaded)
@@ -198,7 +210,25 @@ def _serve_config(options: ServiceOptions, model: LoadedModel) -> ServeConfig:
         max_body_bytes=options.max_body_bytes,
         retry_after_s=options.retry_after_s,
         max_priority=options.max_priority,
+        adapter_dir=options.adapter_dir,
+        allow_adapter_admin=options.allow_adapter_admin,
     )
+
+
+def _load_adapters(adapters: tuple[tuple[str, str], ...], model: LoadedModel) -> None:
+    """Load the adapters of ``ServiceOptions.adapters`` into every runner (L88).
+
+    Raises:
+        OptionError: the model takes no adapters, or refuses one (``option``: ``adapters``).
+    """
+    for name, path in adapters:
+        for runner in model.runners:
+            if not runner.capabilities.max_adapters:
+                raise OptionError("adapters", f"{name}: this model takes no adapters")
+            try:
+                cast("AdapterRunner[Any]", runner).load_adapter(name, path)
+            except (AdapterError, InvalidRequestError) as exc:
+                raise OptionError("adapters", str(exc)) from None
 
 
 def _check_defaults(

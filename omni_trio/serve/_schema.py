@@ -9,7 +9,11 @@ Diffusion fields extend it: ``num_inference_steps``, ``guidance_scale``, ``seed`
 server's ``max_priority``) and ``deadline_ms`` (milliseconds after submission; the
 ``X-Request-Deadline-Ms`` header says the same, and the earlier of the two wins),
 and ``cache``, the request's step-cache policy (L84): ``"KIND[:THRESHOLD]"`` or an
-object of ``StepCache``'s fields (absent: the server's ``--cache`` default).
+object of ``StepCache``'s fields (absent: the server's ``--cache`` default), and
+``adapters`` (L88), the adapters to apply: ``{"ink": 0.8}``, or the text
+``"ink:0.8,film"`` (a scale of 1 where none is given; what a form field carries);
+``lora``, OpenAI-style, says the same as a list of ``{"name", "scale"}`` objects (or
+as ``adapters`` does); one of the two.
 Anything else is refused, naming the field.
 
 Three stages, each refusing with a 400 that says what is wrong:
@@ -61,9 +65,12 @@ __all__ = [
     "DEADLINE_HEADER",
     "HUGE_DIGITS",
     "KNOWN_FIELDS",
+    "AdapterMap",
     "CachePolicy",
     "GenerationBody",
     "ImageJob",
+    "LoraList",
+    "body_adapters",
     "check_model",
     "checked_priority",
     "deadline_seconds",
@@ -174,6 +181,53 @@ Number = Annotated[float, Field(allow_inf_nan=False)]
 #: A step-cache policy (L84): ``"first-block:0.1"``, or ``{"kind": "first-block", ...}``;
 #: its fields are checked by ``StepCache`` (stage 3), naming ``cache``.
 CachePolicy = Text | dict[str, Any]
+#: Adapters (L88): ``{"ink": 0.8}`` or ``"ink:0.8,film"``; ``lora`` also takes a list of
+#: ``{"name", "scale"}``. Names and scales are checked by ``GenerationRequest`` (stage 3).
+AdapterMap = Text | dict[str, Any]
+LoraList = AdapterMap | list[Any]
+
+#: The most adapters a body may name, whatever the runner's bound: keeps a hostile
+#: body's parse small (the runner's ``max_adapters`` is checked at admission).
+MAX_BODY_ADAPTERS = 64
+
+
+def body_adapters(
+    adapters: AdapterMap | None, lora: LoraList | None
+) -> tuple[tuple[Any, Any], ...]:
+    """The ``(name, scale)`` pairs of a body's ``adapters`` or ``lora`` (one of them).
+
+    Raises:
+        ApiError: 400 naming the field: both given, or a shape neither takes.
+    """
+    if adapters is not None and lora is not None:
+        raise invalid("lora: give adapters or lora, not both", "lora")
+    field, value = ("lora", lora) if lora is not None else ("adapters", adapters)
+    if value is None:
+        return ()
+    pairs: list[tuple[Any, Any]] = []
+    if isinstance(value, str):
+        for item in value.split(",") if value.strip() else ():
+            name, _, scale = item.strip().partition(":")
+            pairs.append((name, _scale_text(field, scale) if scale else 1.0))
+    elif isinstance(value, dict):
+        pairs = list(value.items())
+    else:
+        for item in value:
+            if not isinstance(item, dict) or set(item) - {"name", "scale"} or "name" not in item:
+                raise invalid(f'{field}: each item is {{"name": ..., "scale": ...}}', field)
+            pairs.append((item["name"], item.get("scale", 1.0)))
+    if len(pairs) > MAX_BODY_ADAPTERS:
+        raise invalid(f"{field}: at most {MAX_BODY_ADAPTERS} adapters", field)
+    return tuple(pairs)
+
+
+def _scale_text(field: str, text: str) -> float:
+    try:
+        if len(text) > 40:
+            raise ValueError(text)
+        return float(text)
+    except ValueError:
+        raise invalid(f"{field}: a scale must be a number, got {shown(text)}", field) from None
 
 
 class GenerationBody(BaseModel):
@@ -206,6 +260,8 @@ class GenerationBody(BaseModel):
     priority: Annotated[int, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] | None = None
     deadline_ms: Annotated[int, Field(ge=1, le=MAX_DEADLINE_MS)] | None = None
     cache: CachePolicy | None = None
+    adapters: AdapterMap | None = None
+    lora: LoraList | None = None
     # OpenAI fields accepted and ignored.
     quality: Text | None = None
     style: Text | None = None
@@ -515,6 +571,7 @@ def job_from_body(
             priority=priority,
             deadline_s=deadline_s,
             cache=parse_step_cache(parsed.cache),
+            adapters=body_adapters(parsed.adapters, parsed.lora),
             **(edit or {}),
         )
     except InvalidRequestError as exc:

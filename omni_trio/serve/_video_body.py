@@ -11,7 +11,7 @@ are read into the same strict model (form text typed by ``_forms``, as for
 - the extensions: ``num_frames`` (instead of ``seconds``), ``num_inference_steps``,
   ``guidance_scale``, ``seed``, ``negative_prompt``, ``priority``,
   ``deadline_ms`` (and the ``X-Request-Deadline-Ms`` header) and ``cache`` (the
-  step-cache policy, L84), as for images.
+  step-cache policy, L84) and ``adapters`` (or ``lora``, L88), as for images.
 
 ``seconds`` becomes a frame count: ``seconds x fps`` rounded, then moved to the
 nearest count the runner's frame rule (``RunnerCapabilities.frames``: ``F % a ==
@@ -38,10 +38,13 @@ from ._config import Admission, ServeConfig, with_defaults
 from ._errors import api_error_from, invalid
 from ._forms import check_known, form_value
 from ._schema import (
+    AdapterMap,
     CachePolicy,
     Count,
+    LoraList,
     Number,
     Text,
+    body_adapters,
     check_model,
     checked_priority,
     deadline_seconds,
@@ -87,6 +90,8 @@ class VideoBody(BaseModel):
     priority: Annotated[int, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] | None = None
     deadline_ms: Annotated[int, Field(ge=1, le=int(MAX_DEADLINE_S * 1000))] | None = None
     cache: CachePolicy | None = None
+    adapters: AdapterMap | None = None
+    lora: LoraList | None = None
 
 
 #: Every field the body may have.
@@ -233,6 +238,7 @@ def video_spec(
             priority=checked_priority(parsed.priority, config),
             deadline_s=deadline_seconds(parsed.deadline_ms, deadline_header),
             cache=parse_step_cache(parsed.cache),
+            adapters=body_adapters(parsed.adapters, parsed.lora),
         )
         if admission is not None:
             admission.check(request)

@@ -1,0 +1,637 @@
+"""Adapters (LoRA) inside ``DiffusersRunner``'s model calls, row by row (L85-L87).
+
+Loading: diffusers' own ``load_lora_weights`` puts an adapter into the pipeline's
+LoRA-loadable components (the denoiser, and the text encoders where the file has
+keys for them) as PEFT LoRA layers, under a name of the runner's own
+(``omni_trio_<runner>_<load>``): two runners over one pipeline never collide, and
+a reload after an eviction is a fresh load. A load is validated before its name is
+published: every LoRA tensor of a diffusers/PEFT-format file must have landed in a
+layer, the layers must be plain LoRA (``Linear`` or a convolution; DoRA and other
+variants are refused) and none may be fused; on any failure every layer of the new
+name is deleted again, so nothing is half-loaded. Only ``.safetensors`` files are
+read (a pickle is code).
+
+Per-row forward: PEFT applies one set of adapters, with one scale each, to the
+whole forward (``set_adapters``), and its mixed-batch path (``adapter_names``) one
+adapter per row at the adapter's own scale. The runner needs more: each row its own
+adapters, several per row, each with the request's scale. So every LoRA layer's
+``forward`` is wrapped once (an instance attribute, as the step cache wraps its
+blocks, counted per module and put back by the last holder's ``close``): inside a
+model call of the runner (a per-call context on a thread-local) it runs the base
+layer once over every row, then for each distinct ``(adapter, scale)`` of the call
+adds ``lora_B(lora_A(dropout(x))) * alpha / r * scale`` on that pair's rows only
+(``index_select`` / ``index_add_``; no indexing when the pair covers every row):
+PEFT's own expressions, so a row equals the pipeline's own call with
+``set_adapters([...], weights)`` up to batching's float noise. Outside the
+runner's calls (no context) the layer is PEFT's, untouched: the pipeline's own
+``__call__`` still works. The cost is one base forward plus each pair's low-rank
+product on its rows; no weights are copied per scale.
+
+The rows a layer sees: the denoiser's calls cover every row of the model call,
+except inside the step cache's tail blocks where some rows skip (``computing_rows``
+says which compute, L81), and the text encoders, which ``prepare`` runs for one
+request (every row is that request's: classifier-free guidance's unconditional rows
+get its adapters too, as in diffusers). A layer that sees a batch the context does
+not describe raises rather than guess. Pipelines with a second denoiser (Wan 2.2's
+experts run row subsets of their own) take no adapters.
+
+Residency (L87): ``AdapterSet`` bounds the loaded adapters by count and bytes. A
+request holds its adapters from ``prepare`` to ``discard`` (running or suspended);
+room for a load or a reload is made by evicting the least recently used adapters
+that no request holds (their weights leave the model, their record and source
+stay). A request whose adapter was evicted while it waited reloads it in
+``prepare``; when that cannot be done (its file is gone, no room) ``prepare`` fails
+it with an ``AdapterError``: it never runs without it. An unload of an adapter that
+a request holds is refused (``in-use``).
+
+Threads: loads, unloads and evictions change the model's modules, so they take the
+runner's model lock, which ``step`` and ``prepare`` hold around their model calls:
+a load waits for the step under way and the next step waits for the load (decodes
+run the VAE, which takes no LoRA, and never take it). The registry has a lock of
+its own, never held across a model call: ``adapters()``, admission's
+``names()`` and ``discard`` never wait for a step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import warnings
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._adapters import AdapterError, AdapterInfo, AdapterPairs, check_adapter_name
+from .._errors import InvalidRequestError
+from ._quiet import quiet_notices
+from ._stepcache import computing_rows
+
+__all__ = ["AdapterSet", "HeldAdapters", "wrapped_layers"]
+
+#: (the adapter's PEFT name, its scale) pairs a request's rows run with.
+HeldAdapters = tuple[tuple[str, float], ...]
+
+_serials = itertools.count()
+
+
+def _fail(field: str, message: str) -> Any:
+    raise InvalidRequestError(message, field=field)
+
+
+# -- the per-call context -------------------------------------------------------------
+
+
+class _Call:
+    """One model call's adapters: each ``(PEFT name, scale)`` pair and the rows it covers.
+
+    ``rows`` ``None``: every row of whatever batch a layer sees (a text encoder's call
+    for one request).
+    """
+
+    __slots__ = ("_full", "device", "groups", "rows", "view", "view_groups")
+
+    def __init__(
+        self, groups: list[tuple[str, float, list[int]]], rows: int | None, device: torch.device
+    ) -> None:
+        self.groups = groups
+        self.rows = rows
+        self.device = device
+        self._full: list[tuple[str, float, torch.Tensor | None]] | None = None
+        self.view: list[int] | None = None
+        self.view_groups: list[tuple[str, float, torch.Tensor | None]] = []
+
+    def full(self) -> list[tuple[str, float, torch.Tensor | None]]:
+        """The groups over every row of the call, made once per call."""
+        if self._full is None:
+            self._full = [
+                (name, scale, self._index(rows, self.rows)) for name, scale, rows in self.groups
+            ]
+        return self._full
+
+    def _index(self, rows: list[int], count: int | None) -> torch.Tensor | None:
+        if count is None or len(rows) == count:
+            return None  # every row: no indexing
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def of(self, batch: int) -> list[tuple[str, float, torch.Tensor | None]]:
+        """The groups over the ``batch`` rows a layer sees now: positions in its tensors."""
+        if self.rows is None:
+            return [(name, scale, None) for name, scale, _ in self.groups]
+        view = computing_rows()
+        if view is None:
+            if batch != self.rows:
+                raise RuntimeError(
+                    f"adapters: a LoRA layer saw {batch} rows where the model call has {self.rows}"
+                )
+            return self.full()
+        if batch != len(view):
+            raise RuntimeError(f"adapters: a LoRA layer saw {batch} rows where {len(view)} compute")
+        if self.view is not view:
+            # Once per forward of the step cache's tail: the pairs' rows among the computing.
+            position = {row: i for i, row in enumerate(view)}
+            groups: list[tuple[str, float, torch.Tensor | None]] = []
+            for name, scale, rows in self.groups:
+                kept = [position[row] for row in rows if row in position]
+                if kept:
+                    groups.append((name, scale, self._index(kept, len(view))))
+            self.view, self.view_groups = view, groups
+        return self.view_groups
+
+
+_local = threading.local()
+
+
+@contextmanager
+def _active(call: _Call | None) -> Iterator[None]:
+    saved = getattr(_local, "call", None)
+    _local.call = call
+    try:
+        yield
+    finally:
+        _local.call = saved
+
+
+# -- the LoRA layers' forward ---------------------------------------------------------
+
+_ORIGINAL = "_omni_trio_lora_forward"
+_wrap_lock = threading.Lock()
+# layer -> how many AdapterSets hold its wrapper; under _wrap_lock.
+_holders: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+def _scaling(layer: Any, name: str, scale: float) -> float:
+    """PEFT's ``set_scale(name, scale)``: the scale times ``alpha / r`` (``sqrt(r)``: rsLoRA)."""
+    rank = layer.r[name]
+    if layer.use_rslora.get(name, False):
+        rank = rank**0.5
+    factor: float = scale * layer.lora_alpha[name] / rank
+    return factor
+
+
+def _lora_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """A wrapped LoRA layer's ``forward``: see the module doc."""
+    call: _Call | None = getattr(_local, "call", None)
+    if call is None:
+        original: Any = self.__dict__[_ORIGINAL]
+        out: torch.Tensor = original(x, *args, **kwargs)
+        return out
+    if self.merged:
+        raise RuntimeError("adapters: a LoRA layer has fused (merged) weights; unfuse them")
+    result: torch.Tensor = self.base_layer(x, *args, **kwargs)
+    if not call.groups:
+        return result
+    dtype = result.dtype
+    keys = self.lora_A.keys()
+    for name, scale, index in call.of(x.shape[0]):
+        if name not in keys:
+            continue  # this adapter leaves the layer alone
+        lora_a = self.lora_A[name]
+        rows = x if index is None else x.index_select(0, index)
+        rows = rows.to(lora_a.weight.dtype)
+        delta = self.lora_B[name](lora_a(self.lora_dropout[name](rows)))
+        delta = (delta * _scaling(self, name, scale)).to(dtype)
+        if index is None:
+            result = result + delta
+        else:
+            result.index_add_(0, index, delta)
+    return result
+
+
+def _wrap(layer: torch.nn.Module) -> None:
+    held = _holders.get(layer)
+    if held is not None:
+        _holders[layer] = held + 1
+        return
+    layer.__dict__[_ORIGINAL] = layer.forward
+    # A bound method, so a deep copy of the module rebinds it to the copy.
+    layer.__dict__["forward"] = _lora_forward.__get__(layer)
+    _holders[layer] = 1
+
+
+def _unwrap(layer: torch.nn.Module) -> None:
+    held = _holders.get(layer, 0) - 1
+    if held > 0:
+        _holders[layer] = held
+        return
+    _holders.pop(layer, None)
+    layer.__dict__.pop("forward", None)
+    layer.__dict__.pop(_ORIGINAL, None)
+
+
+def wrapped_layers(pipe: Any) -> int:
+    """How many LoRA layers of ``pipe`` carry the runners' per-row forward now."""
+    with _wrap_lock:
+        return sum(1 for _, module in _lora_modules(pipe, _components(pipe)) if module in _holders)
+
+
+def _components(pipe: Any) -> list[str]:
+    names = getattr(pipe, "_lora_loadable_modules", ())
+    return [name for name in names if isinstance(getattr(pipe, name, None), torch.nn.Module)]
+
+
+def _lora_modules(pipe: Any, components: Sequence[str]) -> Iterator[tuple[str, Any]]:
+    from peft.tuners.lora import LoraLayer
+
+    for component in components:
+        for module in getattr(pipe, component).modules():
+            if isinstance(module, LoraLayer):
+                yield component, module
+
+
+# -- the registry ---------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Entry:
+    """One named adapter: its source, and while loaded its PEFT name and bytes."""
+
+    name: str
+    path: Path | None
+    state_dict: Mapping[str, Any] | None
+    peft: str | None = None
+    bytes: int = 0
+    holders: int = 0
+    used: int = 0
+
+    def info(self) -> AdapterInfo:
+        return AdapterInfo(
+            name=self.name,
+            bytes=self.bytes,
+            holders=self.holders,
+            loaded=self.peft is not None,
+            source=None if self.path is None else str(self.path),
+        )
+
+
+@dataclass(eq=False)
+class AdapterSet:
+    """A runner's adapters: the registry, its bounds, the wrapped layers, each call's context.
+
+    Args:
+        pipe: the pipeline the adapters load into.
+        model_lock: the runner's lock around its model calls (see the module doc).
+        max_loaded: the most adapters loaded at once (L87).
+        max_bytes: the most bytes of loaded adapters' weights, or ``None``.
+    """
+
+    pipe: Any
+    model_lock: threading.RLock
+    max_loaded: int
+    max_bytes: int | None
+    supported: bool = field(init=False)
+    _components: list[str] = field(init=False)
+    _entries: dict[str, _Entry] = field(init=False, default_factory=dict)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+    _layers: list[torch.nn.Module] = field(init=False, default_factory=list)
+    _serial: int = field(init=False, default_factory=lambda: next(_serials))
+    _loads: Iterator[int] = field(init=False, default_factory=itertools.count)
+    _clock: Iterator[int] = field(init=False, default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        if self.max_loaded < 1:
+            raise ValueError(f"max_loaded_adapters: must be >= 1, got {self.max_loaded}")
+        if self.max_bytes is not None and self.max_bytes < 1:
+            raise ValueError(f"max_adapter_bytes: must be >= 1 or None, got {self.max_bytes}")
+        self._components = _components(self.pipe)
+        self.supported = (
+            callable(getattr(self.pipe, "load_lora_weights", None))
+            and bool(self._components)
+            and getattr(self.pipe, "transformer_2", None) is None
+        )
+
+    # -- what admission and the listings read (any thread, never waits for a step) ---
+
+    def names(self) -> frozenset[str]:
+        """The names requests may use: loaded, or evicted with a source to reload from."""
+        with self._lock:
+            return frozenset(self._entries)
+
+    def infos(self) -> tuple[AdapterInfo, ...]:
+        with self._lock:
+            return tuple(self._entries[name].info() for name in sorted(self._entries))
+
+    # -- load, unload --------------------------------------------------------------
+
+    def load(self, name: str, source: str | os.PathLike[str] | Mapping[str, Any]) -> None:
+        """Load ``source`` as ``name`` (see ``AdapterRunner.load_adapter``)."""
+        name = check_adapter_name(_fail, "name", name)
+        if not self.supported:
+            raise AdapterError("this pipeline takes no adapters", reason="invalid", name=name)
+        entry = _Entry(name, *_source(name, source))
+        with self.model_lock:
+            with self._lock:
+                if name in self._entries:
+                    raise AdapterError(
+                        f"adapter {name!r} is loaded already; unload it first",
+                        reason="exists",
+                        name=name,
+                    )
+            self._inject(entry)
+            with self._lock:
+                self._entries[name] = entry
+                entry.used = next(self._clock)
+            self._make_room(keep=entry, drop_on_failure=True)
+
+    def unload(self, name: str) -> None:
+        """Unload ``name`` (see ``AdapterRunner.unload_adapter``)."""
+        with self.model_lock:
+            with self._lock:
+                entry = self._entries.get(name)
+                if entry is None:
+                    raise AdapterError(
+                        f"no adapter {name!r} is loaded", reason="unknown", name=name
+                    )
+                if entry.holders:
+                    raise AdapterError(
+                        f"adapter {name!r} is held by {entry.holders} live request(s);"
+                        " unload it when they are done",
+                        reason="in-use",
+                        name=name,
+                    )
+                del self._entries[name]
+            self._remove(entry)
+
+    def close(self) -> None:
+        """Remove every adapter of this set from the pipeline and let go of the wrappers."""
+        with self.model_lock:
+            with self._lock:
+                entries = list(self._entries.values())
+                self._entries.clear()
+            for entry in entries:
+                with suppress(Exception):
+                    self._remove(entry)
+            layers, self._layers = self._layers, []
+            with _wrap_lock:
+                for layer in layers:
+                    _unwrap(layer)
+
+    # -- holds (prepare, discard) ---------------------------------------------------
+
+    def acquire(self, pairs: AdapterPairs) -> HeldAdapters:
+        """Hold a request's adapters for its life, reloading evicted ones (L85, L87).
+
+        Called with the model lock held (``prepare``).
+
+        Raises:
+            AdapterError: an adapter was unloaded after admission, or could not be
+                reloaded; the request holds nothing then.
+        """
+        held: list[_Entry] = []
+        resolved: list[tuple[str, float]] = []
+        try:
+            for name, scale in pairs:
+                with self._lock:
+                    entry = self._entries.get(name)
+                    if entry is None:
+                        raise AdapterError(
+                            f"adapter {name!r} was unloaded after the request was admitted",
+                            reason="unknown",
+                            name=name,
+                        )
+                    entry.holders += 1
+                    held.append(entry)
+                if entry.peft is None:
+                    self._inject(entry)
+                    self._make_room(keep=entry, drop_on_failure=False)
+                assert entry.peft is not None
+                resolved.append((entry.peft, scale))
+        except BaseException:
+            self.release_entries(held)
+            raise
+        return tuple(resolved)
+
+    def release(self, pairs: AdapterPairs) -> None:
+        """Let go of a request's adapters (``discard``): they become evictable."""
+        with self._lock:
+            entries = [self._entries[name] for name, _ in pairs if name in self._entries]
+        self.release_entries(entries)
+
+    def release_entries(self, entries: Sequence[_Entry]) -> None:
+        with self._lock:
+            for entry in entries:
+                entry.holders -= 1
+                entry.used = next(self._clock)
+
+    # -- a model call's context -----------------------------------------------------
+
+    @contextmanager
+    def call(self, held: Sequence[HeldAdapters], rows: Sequence[int]) -> Iterator[None]:
+        """Inside, one model call whose requests' rows (``rows`` each) run ``held``'s adapters."""
+        if not self._layers:
+            yield
+            return
+        groups: dict[tuple[str, float], list[int]] = {}
+        start = 0
+        for pairs, count in zip(held, rows, strict=True):
+            for pair in pairs:
+                groups.setdefault(pair, []).extend(range(start, start + count))
+            start += count
+        listed = [(name, scale, members) for (name, scale), members in groups.items()]
+        with _active(_Call(listed, start, torch.device(self.pipe.device))):
+            yield
+
+    @contextmanager
+    def every_row(self, held: HeldAdapters) -> Iterator[None]:
+        """Inside, every row of every call runs ``held``'s adapters (a request's text encoding)."""
+        if not self._layers:
+            yield
+            return
+        listed: list[tuple[str, float, list[int]]] = [(name, scale, []) for name, scale in held]
+        with _active(_Call(listed, None, torch.device(self.pipe.device))):
+            yield
+
+    # -- inside the model lock ------------------------------------------------------
+
+    def _inject(self, entry: _Entry) -> None:
+        """Load ``entry`` under a fresh PEFT name, validated; on failure nothing stays."""
+        peft = f"omni_trio_{self._serial}_{next(self._loads)}"
+        if entry.path is not None and not entry.path.is_file():
+            raise AdapterError(
+                f"adapter {entry.name!r}: its file {entry.path} is gone",
+                reason="invalid",
+                name=entry.name,
+            )
+        expected = _lora_tensors(entry)
+        try:
+            with quiet_notices(), torch.no_grad(), _peft_notes():
+                if entry.path is not None:
+                    self.pipe.load_lora_weights(
+                        str(entry.path.parent), weight_name=entry.path.name, adapter_name=peft
+                    )
+                else:
+                    assert entry.state_dict is not None
+                    self.pipe.load_lora_weights(dict(entry.state_dict), adapter_name=peft)
+            layers, size = self._check_loaded(entry.name, peft, expected)
+        except Exception as exc:
+            with suppress(Exception):
+                self._delete(peft)
+            if isinstance(exc, AdapterError):
+                raise
+            raise AdapterError(
+                f"adapter {entry.name!r}: not a LoRA this model takes"
+                f" ({type(exc).__name__}: {exc})",
+                reason="invalid",
+                name=entry.name,
+            ) from exc
+        with _wrap_lock:
+            known = set(map(id, self._layers))
+            for layer in layers:
+                if id(layer) not in known:
+                    _wrap(layer)
+                    self._layers.append(layer)
+        entry.peft, entry.bytes = peft, size
+
+    def _check_loaded(
+        self, name: str, peft: str, expected: int | None
+    ) -> tuple[list[torch.nn.Module], int]:
+        """The layers the load reached and its bytes; ``AdapterError`` if it is not plain LoRA."""
+        from peft.tuners.lora import Conv2d, Conv3d, Linear
+
+        def invalid(message: str) -> AdapterError:
+            return AdapterError(f"adapter {name!r}: {message}", reason="invalid", name=name)
+
+        layers: list[torch.nn.Module] = []
+        tensors = size = 0
+        for _, layer in _lora_modules(self.pipe, self._components):
+            if peft not in layer.lora_A:
+                continue
+            if type(layer) not in (Linear, Conv2d, Conv3d):  # not a quantized or other kind
+                raise invalid(f"a LoRA of a {type(layer).__name__} layer is not applied per row")
+            if peft in layer.lora_variant or layer.use_dora.get(peft, False):
+                raise invalid("DoRA and other LoRA variants are not applied per row")
+            if layer.merged:
+                raise invalid("the model has fused (merged) LoRA weights; unfuse them first")
+            for module in (layer.lora_A[peft], layer.lora_B[peft]):
+                for parameter in module.parameters():
+                    tensors += 1
+                    size += parameter.nbytes
+            layers.append(layer)
+        if not layers:
+            raise invalid("it changes no layer of this model")
+        if expected is not None and tensors != expected:
+            raise invalid(f"{tensors} of its {expected} LoRA tensors match a layer of this model")
+        return layers, size
+
+    def _make_room(self, *, keep: _Entry, drop_on_failure: bool) -> None:
+        """Evict the least recently used unheld adapters until the bounds hold (L87)."""
+        victims: list[_Entry] = []
+        with self._lock:
+            loaded = [e for e in self._entries.values() if e.peft is not None]
+            count = len(loaded)
+            size = sum(e.bytes for e in loaded)
+            for entry in sorted(loaded, key=lambda e: e.used):
+                if not self._over(count, size):
+                    break
+                if entry is keep or entry.holders:
+                    continue
+                victims.append(entry)
+                count -= 1
+                size -= entry.bytes
+            full = self._over(count, size)
+            if full and drop_on_failure:
+                del self._entries[keep.name]
+        for entry in victims:
+            self._remove(entry)
+        if full:
+            self._remove(keep)
+            raise AdapterError(
+                f"adapter {keep.name!r}: no room among the loaded adapters"
+                f" (at most {self.max_loaded}"
+                + ("" if self.max_bytes is None else f", {self.max_bytes} bytes")
+                + ") while live requests hold the others",
+                reason="full",
+                name=keep.name,
+            )
+
+    def _over(self, count: int, size: int) -> bool:
+        return count > self.max_loaded or (self.max_bytes is not None and size > self.max_bytes)
+
+    def _remove(self, entry: _Entry) -> None:
+        """Take ``entry``'s weights out of the model; its record stays (an eviction)."""
+        peft, entry.peft, entry.bytes = entry.peft, None, 0
+        if peft is not None:
+            self._delete(peft)
+
+    def _delete(self, peft: str) -> None:
+        with _peft_notes():
+            for _, layer in _lora_modules(self.pipe, self._components):
+                if peft in layer.lora_A:
+                    layer.delete_adapter(peft)
+        for component in self._components:
+            config = getattr(getattr(self.pipe, component), "peft_config", None)
+            if isinstance(config, dict):
+                config.pop(peft, None)
+
+
+@contextmanager
+def _peft_notes() -> Iterator[None]:
+    """Drop PEFT's two notes on what the runner does on purpose: several adapters in one
+    model, and deleting the one PEFT had active (the runner never reads PEFT's active set).
+    Under the model lock; ``catch_warnings`` restores the filters it found."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Already found a `peft_config`", UserWarning)
+        warnings.filterwarnings(
+            "ignore", r"Adapter \S+ was active which is now deleted", UserWarning
+        )
+        yield
+
+
+def _source(
+    name: str, source: str | os.PathLike[str] | Mapping[str, Any]
+) -> tuple[Path | None, Mapping[str, Any] | None]:
+    """A load's file (resolved, a ``.safetensors`` that exists) or state dict."""
+    if isinstance(source, Mapping):
+        if not source or not all(isinstance(key, str) for key in source):
+            raise AdapterError(
+                f"adapter {name!r}: a state dict maps tensor names to tensors",
+                reason="invalid",
+                name=name,
+            )
+        return None, source
+    if not isinstance(source, str | os.PathLike):
+        raise AdapterError(
+            f"adapter {name!r}: the source is a path or a state dict, got {type(source).__name__}",
+            reason="invalid",
+            name=name,
+        )
+    path = Path(source).resolve()
+    if path.suffix != ".safetensors":
+        raise AdapterError(
+            f"adapter {name!r}: only .safetensors files are read, got {path.name!r}",
+            reason="invalid",
+            name=name,
+        )
+    if not path.is_file():
+        raise AdapterError(f"adapter {name!r}: no file {path}", reason="invalid", name=name)
+    return path, None
+
+
+def _lora_tensors(entry: _Entry) -> int | None:
+    """The LoRA tensors of a diffusers/PEFT-format source (``lora_A``/``lora_B``), else ``None``.
+
+    Other formats (kohya's ``lora_down``/``lora_up``) are converted by diffusers, which
+    may split a tensor in several: their count is not checked.
+    """
+    if entry.path is not None:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(entry.path), "pt") as file:
+                keys = list(file.keys())
+        except Exception as exc:
+            raise AdapterError(
+                f"adapter {entry.name!r}: not a safetensors file ({exc})",
+                reason="invalid",
+                name=entry.name,
+            ) from exc
+    else:
+        assert entry.state_dict is not None
+        keys = list(entry.state_dict)
+    count = sum(1 for key in keys if ".lora_A." in key or ".lora_B." in key)
+    return count or None

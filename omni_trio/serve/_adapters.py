@@ -1,0 +1,167 @@
+"""``/v1/adapters``: list the loaded adapters; load and unload them as admin actions (L88).
+
+- ``GET /v1/adapters``: the adapters the runners know (``Engine.adapters()``), as
+  ``{"object": "list", "data": [{"id", "object": "adapter", "loaded", "bytes",
+  "holders"}]}``; ``/v1/models`` lists them on the model's card too.
+- ``POST /v1/adapters`` with ``{"name": ..., "path": ...}``: load the file at
+  ``path``, relative to the server's adapter folder (``ServeConfig.adapter_dir``),
+  into every runner; 201 and the adapter. ``DELETE /v1/adapters/{name}``: unload
+  it; refused (409) while a request in flight holds it.
+
+Loading and unloading are admin actions: ``require_admin`` is the one check every
+admin route makes (403 unless ``ServeConfig.allow_adapter_admin``, off by default;
+the place where admin keys will be checked). A client never names an arbitrary
+file: ``adapter_file`` resolves ``path`` inside the folder and refuses an absolute
+path, ``..``, anything that resolves outside the folder (a symlink out of it
+included), and any file that is not a ``.safetensors``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from .._adapters import AdapterError, AdapterInfo
+from .._errors import InvalidRequestError
+from ._asgi import error_response
+from ._config import ServeConfig
+from ._errors import ApiError, invalid
+
+if TYPE_CHECKING:
+    from .._engine import Engine
+
+__all__ = ["AdaptersApi", "adapter_card", "adapter_file", "require_admin"]
+
+#: The statuses of refused loads and unloads, by ``AdapterError.reason``.
+_STATUS = {"invalid": 400, "unknown": 404, "exists": 409, "in-use": 409, "full": 409}
+
+
+def require_admin(request: Request, config: ServeConfig) -> None:
+    """Refuse an admin action (loading, unloading adapters) the server does not allow.
+
+    Raises:
+        ApiError: 403 unless ``config.allow_adapter_admin``.
+    """
+    if not config.allow_adapter_admin:
+        raise ApiError(
+            403,
+            "loading and unloading adapters is not allowed on this server",
+            type="permission_error",
+            code="admin_not_allowed",
+        )
+
+
+def adapter_file(folder: str, given: str) -> Path:
+    """The file ``given`` names inside ``folder``, resolved; a 400 for anything else.
+
+    Raises:
+        ApiError: 400 naming ``path``: absolute, with ``..``, outside the folder
+            once resolved (symlinks followed), not a ``.safetensors``, or no file.
+    """
+    relative = PurePosixPath(given)
+    if not given or "\\" in given or "\x00" in given:
+        raise invalid("path: a file's path relative to the adapter folder", "path")
+    if relative.is_absolute() or ".." in relative.parts:
+        raise invalid("path: must be relative to the adapter folder, without '..'", "path")
+    root = Path(folder).resolve()
+    path = (root / relative).resolve()
+    if not path.is_relative_to(root):
+        raise invalid("path: resolves outside the adapter folder", "path")
+    if path.suffix != ".safetensors":
+        raise invalid("path: only .safetensors files are loaded", "path")
+    if not path.is_file():
+        raise invalid(f"path: no file {str(relative)!r} in the adapter folder", "path")
+    return path
+
+
+def adapter_card(info: AdapterInfo) -> dict[str, object]:
+    """One adapter as JSON: its name as ``id``, whether it is loaded, its bytes, holders."""
+    return {
+        "id": info.name,
+        "object": "adapter",
+        "loaded": info.loaded,
+        "bytes": info.bytes,
+        "holders": info.holders,
+    }
+
+
+def _adapter_error(exc: AdapterError) -> ApiError:
+    code = {"in-use": "adapter_in_use", "unknown": "adapter_not_found"}.get(
+        exc.reason, f"adapter_{exc.reason}"
+    )
+    return ApiError(_STATUS[exc.reason], str(exc), param="name", code=code)
+
+
+class AdaptersApi:
+    """The ``/v1/adapters`` routes over the service's engine and configuration."""
+
+    def __init__(self, *, config: ServeConfig, engine: Callable[[], Engine]) -> None:
+        self._config = config
+        self._engine = engine
+
+    async def list(self, request: Request) -> Response:
+        """``GET /v1/adapters``."""
+        try:
+            infos = self._engine().adapters()
+        except ApiError as error:
+            return error_response(error)
+        return JSONResponse({"object": "list", "data": [adapter_card(i) for i in infos]})
+
+    async def load(self, request: Request) -> Response:
+        """``POST /v1/adapters``: ``{"name", "path"}``, the path inside the adapter folder.
+
+        Cancellation: a load under way finishes and is undone (``Engine.load_adapter``).
+        """
+        try:
+            require_admin(request, self._config)
+            name, given = _load_body(await request.body())
+            folder = self._config.adapter_dir
+            if folder is None:
+                raise ApiError(403, "this server has no adapter folder", code="admin_not_allowed")
+            engine = self._engine()
+            await engine.load_adapter(name, adapter_file(folder, given))
+            infos = {info.name: info for info in engine.adapters()}
+        except ApiError as error:
+            return error_response(error)
+        except AdapterError as exc:
+            return error_response(_adapter_error(exc))
+        except InvalidRequestError as exc:
+            return error_response(invalid(str(exc), "name"))
+        return JSONResponse(adapter_card(infos[name]), status_code=201)
+
+    async def unload(self, request: Request) -> Response:
+        """``DELETE /v1/adapters/{name}``: refused (409) while a request holds it.
+
+        Cancellation: the unload under way finishes (``Engine.unload_adapter``).
+        """
+        name = request.path_params["name"]
+        try:
+            require_admin(request, self._config)
+            await self._engine().unload_adapter(name)
+        except ApiError as error:
+            return error_response(error)
+        except AdapterError as exc:
+            return error_response(_adapter_error(exc))
+        return JSONResponse({"id": name, "object": "adapter", "deleted": True})
+
+
+def _load_body(body: bytes) -> tuple[str, str]:
+    """``{"name": str, "path": str}`` and nothing else, or a 400 naming the field."""
+    try:
+        data = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise invalid("the body must be a JSON object", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise invalid("the body must be a JSON object", None, "invalid_json")
+    unknown = sorted(set(data) - {"name", "path"})
+    if unknown:
+        raise invalid(f"{unknown[0]}: unknown parameter", unknown[0][:40], "unknown_parameter")
+    for field in ("name", "path"):
+        if not isinstance(data.get(field), str):
+            raise invalid(f"{field}: must be a string", field, "invalid_type")
+    return data["name"], data["path"]
