@@ -99,6 +99,9 @@ from . import _exports
 # First, so that the seam's names are ``omni_trio.abc.*`` (reprs, pickles) whichever
 # public package a program imports first: ``omni_trio.runners`` re-exports them too.
 from . import abc as abc
+from ._checkpoint import Checkpoint as Checkpoint
+from ._checkpoint import CheckpointError as CheckpointError
+from ._checkpoint import CheckpointPolicy as CheckpointPolicy
 from ._config import EngineConfig as EngineConfig
 from ._engine import Engine as Engine
 from ._engine import open_engine as open_engine
@@ -130,6 +133,9 @@ __version__ = "0.1.0"
 __all__ = [
     "AbortReason",
     "CacheMetrics",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointPolicy",
     "DeadlineError",
     "DuplicateRequestError",
     "Engine",

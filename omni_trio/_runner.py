@@ -19,6 +19,10 @@ threads only, never from the event loop. The engine owns the denoise loop:
 - ``state_bytes(state)``, ``suspend(state, to_host=...)``, ``resume(state)``: only
   for runners that declare ``suspendable`` (L61): the engine parks a running
   request at a step boundary and later resumes it from the step it reached.
+- ``checkpoint(state)``, ``checkpoint_bytes(copy)``, ``restore(request, request_id,
+  data)``: only for runners that declare ``checkpoints`` (L78): a copy of a running
+  request's state at a step boundary, made bytes off the step loop, and a state
+  rebuilt from those bytes (in a fresh process) that continues where it was.
 - ``cache_metrics(state)`` and ``set_cache_threshold(state, threshold)``: only for
   runners that declare ``step_cache`` (L80-L84): what a request's step cache did, read
   before its ``discard``, and the engine loosening a request's threshold at a step
@@ -51,6 +55,7 @@ if TYPE_CHECKING:
     from ._stepcache import CacheMetrics
 
 __all__ = [
+    "CheckpointRunner",
     "Runner",
     "RunnerCapabilities",
     "StepCacheRunner",
@@ -128,6 +133,10 @@ class RunnerCapabilities:
         max_steps: the most ``num_steps`` the model runs, or ``None`` for no bound
             of its own (L4): a scheduler that steps through its training timesteps
             has no more than it was trained with.
+        checkpoints: the runner implements ``CheckpointRunner``: a running
+            request's state can be copied at a step boundary, made bytes, and
+            restored in a fresh engine to continue exactly (L78). Never with
+            ``whole_call``.
     """
 
     max_batch_size: int = 1
@@ -147,8 +156,11 @@ class RunnerCapabilities:
     step_cache: frozenset[str] = frozenset()
     min_steps: int = 1
     max_steps: int | None = None
+    checkpoints: bool = False
 
     def __post_init__(self) -> None:
+        if self.checkpoints and self.whole_call:
+            raise ValueError("checkpoints: a whole-call runner runs its own loop to the end")
         if self.cancel_points and self.whole_call:
             raise ValueError("cancel_points: a whole-call runner stops at its on_step callback")
         if self.whole_call and (self.max_batch_size != 1 or self.can_join):
@@ -379,6 +391,42 @@ class SuspendableRunner(Runner[StateT], Protocol):
 
     def resume(self, state: StateT) -> None:
         """Bring a parked ``state`` back, so that the next ``step`` continues it exactly."""
+        ...
+
+
+class CheckpointRunner(Runner[StateT], Protocol):
+    """A runner that declares ``checkpoints``: its states can be saved and restored (L78).
+
+    ``checkpoint`` runs in the worker thread at a step boundary and must be cheap (a
+    copy of the tensors, on their device); ``checkpoint_bytes`` runs in the
+    materializer thread, possibly while the next steps run; ``restore`` runs in
+    the worker thread instead of ``prepare``.
+    """
+
+    def checkpoint(self, state: StateT) -> object:
+        """Return a copy of what the next step of ``state`` needs; ``state`` goes on.
+
+        Raises:
+            Exception: the state cannot be checkpointed (the engine logs it and takes
+                no more checkpoints of this request).
+        """
+        ...
+
+    def checkpoint_bytes(self, copy: object) -> bytes:
+        """Return ``copy`` (from ``checkpoint``) as bytes that ``restore`` takes."""
+        ...
+
+    def restore(
+        self, request: GenerationRequest, request_id: str, data: bytes
+    ) -> tuple[StateT, int]:
+        """Rebuild the state ``data`` holds for ``request``; return it and its steps done.
+
+        Its next ``step`` continues it exactly as the checkpointed state's would have.
+
+        Raises:
+            CheckpointError: ``data`` is corrupt, or of another model, omni_trio
+                version or request; the engine then calls ``prepare``.
+        """
         ...
 
 

@@ -56,6 +56,8 @@ RUNNER_SEAM = frozenset(
         # The step-cache policy a request carries and the metrics a runner reports
         # (L80, L84): data, torch-free, as the request is.
         "omni_trio._stepcache",
+        # A checkpoint's envelope and its error (L78): data, torch-free.
+        "omni_trio._checkpoint",
     }
 )
 

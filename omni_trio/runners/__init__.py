@@ -2,7 +2,8 @@
 
 - ``Runner`` and ``RunnerCapabilities``: the protocol a model implements;
   ``SuspendableRunner`` the three calls more that preemption needs, ``StepCacheRunner``
-  the two that step caching needs (L80-L84);
+  the two that step caching needs (L80-L84), ``CheckpointRunner`` the three that
+  checkpoints need (L78: with ``pack_checkpoint``, ``unpack_checkpoint``);
   ``cancel_point()`` what a runner declaring ``cancel_points`` calls (L71, L72).
 - ``DiffusersRunner``: a diffusers pipeline driven one step at a time.
 - ``PipelineCallRunner``: any other pipeline, through its own ``__call__``.
@@ -35,6 +36,10 @@ from __future__ import annotations
 
 from .. import _exports
 from .._cancelpoint import cancel_point as cancel_point
+from .._checkpoint import CheckpointError as CheckpointError
+from .._checkpoint import pack_checkpoint as pack_checkpoint
+from .._checkpoint import unpack_checkpoint as unpack_checkpoint
+from .._runner import CheckpointRunner as CheckpointRunner
 from .._runner import Runner as Runner
 from .._runner import RunnerCapabilities as RunnerCapabilities
 from .._runner import StepCacheRunner as StepCacheRunner
@@ -54,6 +59,8 @@ from ._tiny import tiny_pipeline as tiny_pipeline
 __all__ = [
     "TINY_KINDS",
     "TINY_VIDEO_KINDS",
+    "CheckpointError",
+    "CheckpointRunner",
     "DiffusersRunner",
     "PipelineCallRunner",
     "Runner",
@@ -65,8 +72,10 @@ __all__ = [
     "WholeCallRunner",
     "cancel_point",
     "for_devices",
+    "pack_checkpoint",
     "runner_for",
     "tiny_pipeline",
+    "unpack_checkpoint",
     "visible_devices",
 ]
 

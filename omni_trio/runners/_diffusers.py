@@ -11,6 +11,9 @@ a step can be left before any block of the denoiser, a decode before any call of
 the VAE's decoder: once per image of a batch, per tile of a large image, per latent
 frame for Wan, per temporal chunk of a long LTX-Video (see ``_chunks``).
 
+Checkpoints (L78; see ``_checkpoint``): a state's latents, scheduler, generator and
+step, restored into a freshly prepared state of the same request.
+
 Step caching (L80-L84; see ``_stepcache``): for the DiT families the runner declares
 ``step_cache`` and applies each request's policy row by row inside the model call.
 """
@@ -27,6 +30,7 @@ from .._request import GenerationRequest
 from .._runner import RunnerCapabilities, StopRun
 from .._stepcache import CacheMetrics
 from ._cancel import CancelPoints, cancel_modules
+from ._checkpoint import StateCopy, copy_bytes, model_key, restore_into, state_copy
 from ._chunks import DecodeChunks
 from ._edit import keep_unmasked
 from ._family import RequestState, joined
@@ -166,6 +170,7 @@ class DiffusersRunner:
             step_cache=self._step_cache.kinds,
             min_steps=min_steps,
             max_steps=max_steps,
+            checkpoints=True,
         )
         self._cancel_points = CancelPoints(cancel_modules(pipeline))
         device = torch.device(pipeline.device)
@@ -173,6 +178,7 @@ class DiffusersRunner:
         # memory, overlapping the next steps on the default stream.
         self._decode_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         self._lock = threading.Lock()
+        self._model_key: str | None = None  # made at the first checkpoint (L78)
         self.live_states = 0
         self.decodes = 0
 
@@ -325,6 +331,44 @@ class DiffusersRunner:
         if state.parked_from is not None:
             unpark(state, state.parked_from)
             state.parked_from = None
+
+    def checkpoint(self, state: RequestState) -> StateCopy:
+        """A copy of the state's latents, scheduler, generator and step (L78).
+
+        Raises:
+            ValueError: a request with a step cache, or a scheduler holding an object
+                a checkpoint cannot keep.
+        """
+        with torch.no_grad():
+            return state_copy(state)
+
+    def checkpoint_bytes(self, copy: object) -> bytes:
+        """The copy, moved to the host, as the checkpoint's bytes (materializer thread)."""
+        assert isinstance(copy, StateCopy)
+        return copy_bytes(copy, self._key())
+
+    def restore(
+        self, request: GenerationRequest, request_id: str, data: bytes
+    ) -> tuple[RequestState, int]:
+        """Prepare the request, then give it the checkpoint's latents, scheduler and step.
+
+        Raises:
+            CheckpointError: not a checkpoint of this model (its family, class and
+                weights), this omni_trio version and this request; or cut or altered.
+        """
+        key = self._key()
+        state = self.prepare(request, request_id)
+        try:
+            return state, restore_into(state, data, key)
+        except BaseException:
+            self.discard(state)
+            raise
+
+    def _key(self) -> str:
+        with self._lock:
+            if self._model_key is None:
+                self._model_key = model_key(self._family.name, self._pipeline)
+            return self._model_key
 
     def cache_metrics(self, state: RequestState) -> CacheMetrics | None:
         """What the request's step cache did so far (L84); ``None`` without a policy."""
