@@ -119,6 +119,9 @@ def service_options(args: argparse.Namespace) -> ServiceOptions:
         video_fps=args.video_fps,
         video_jobs=args.video_jobs,
         video_ttl_s=args.video_ttl,
+        video_bytes=args.video_bytes,
+        jobs_dir=args.jobs_dir,
+        checkpoint_every_s=args.checkpoint_every,
     )
 
 
@@ -196,6 +199,9 @@ def unused_for_model(model: LoadedModel) -> list[Unused]:
             Unused(dest="video_fps", option="--video-fps", reason=video),
             Unused(dest="video_jobs", option="--video-jobs", reason=video),
             Unused(dest="video_ttl", option="--video-ttl", reason=video),
+            Unused(dest="video_bytes", option="--video-bytes", reason=video),
+            Unused(dest="jobs_dir", option="--jobs-dir", reason=video),
+            Unused(dest="checkpoint_every", option="--checkpoint-every", reason=video),
         ]
     # DiffusersRunner.family; the fake model and a pipeline served by its own call have none.
     family = getattr(runner, "family", None)

@@ -92,6 +92,11 @@ class ServiceOptions:
         video_fps: frames per second of a video model's MP4s (``VideoConfig.fps``).
         video_jobs: the most video jobs held at once (``VideoConfig.max_jobs``).
         video_ttl_s: seconds a finished video job is kept (``VideoConfig.ttl_s``).
+        video_bytes: the most MP4 bytes held (``VideoConfig.max_bytes``).
+        jobs_dir: the durable job store's folder (``VideoConfig.jobs_dir``, L77);
+            ``None``: in memory.
+        checkpoint_every_s: seconds between a running job's checkpoints
+            (``VideoConfig.checkpoint_every_s``, L78).
     """
 
     model: str
@@ -112,6 +117,9 @@ class ServiceOptions:
     video_fps: float | None = None
     video_jobs: int = _VIDEO.max_jobs
     video_ttl_s: float = _VIDEO.ttl_s
+    video_bytes: int | None = _VIDEO.max_bytes
+    jobs_dir: str | None = None
+    checkpoint_every_s: float | None = _VIDEO.checkpoint_every_s
 
     def with_serve_config(self, config: ServeConfig) -> ServiceOptions:
         """These options with every setting of ``config``: its defaults, not the model's."""
@@ -165,7 +173,14 @@ def build_service(options: ServiceOptions, *, model: LoadedModel | None = None) 
     loaded = model if model is not None else options.load_model()
     config = _serve_config(options, loaded)
     fps = options.video_fps if options.video_fps is not None else loaded.fps or FALLBACK_FPS
-    videos = VideoConfig(fps=fps, max_jobs=options.video_jobs, ttl_s=options.video_ttl_s)
+    videos = VideoConfig(
+        fps=fps,
+        max_jobs=options.video_jobs,
+        ttl_s=options.video_ttl_s,
+        max_bytes=options.video_bytes,
+        jobs_dir=options.jobs_dir,
+        checkpoint_every_s=options.checkpoint_every_s,
+    )
     _check_defaults(options.engine_config, config, videos, loaded)
     runners = loaded.runners[0] if len(loaded.runners) == 1 else list(loaded.runners)
     return Service(

@@ -130,10 +130,7 @@ class VideosApi:
             deadline_header=header(scope, DEADLINE_HEADER),
             admission=self._admission,
         )
-        self._jobs.check_room()
-        job_id = self._jobs.new_id()
-        handle = engine.submit(spec.request, request_id=job_id)
-        return self._jobs.start(job_id, spec, handle, self._config.model_name)
+        return await self._jobs.create(engine, spec, self._config.model_name)
 
     # -- the other routes -------------------------------------------------------
 
@@ -164,7 +161,7 @@ class VideosApi:
         job_id = request.path_params["video_id"]
         try:
             if request.method == "DELETE":
-                self._jobs.delete(job_id)
+                await self._jobs.delete(job_id)
                 return JSONResponse({"id": job_id, "object": "video.deleted", "deleted": True})
             return JSONResponse(self._jobs.get(job_id).body())
         except ApiError as error:
@@ -181,16 +178,21 @@ class VideosApi:
                     "unsupported_value",
                 )
             job = self._jobs.get(request.path_params["video_id"])
-            if job.mp4 is None:
+            if job.status != "completed":
                 state = "failed" if job.is_finished else f"{job.status} ({job.progress}%)"
                 raise invalid(
                     f"video {job.id} is {state}: its content is there once it completed",
                     "video_id",
                     "video_not_ready",
                 )
+            mp4 = await self._jobs.content(job)
+            if mp4 is None:  # deleted or expired meanwhile
+                raise ApiError(
+                    404, f"video {job.id} was deleted or expired", code="video_not_found"
+                )
         except ApiError as error:
             return error_response(error)
-        return Response(job.mp4, media_type="video/mp4")
+        return Response(mp4, media_type="video/mp4")
 
     async def events(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``GET /v1/videos/{id}/events``: the job's changes as server-sent events (ASGI).
