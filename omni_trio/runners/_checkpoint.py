@@ -156,7 +156,11 @@ def _config_text(config: Any) -> str:
         config = to_dict()
     elif callable(getattr(config, "items", None)):
         config = dict(config.items())
-    return json.dumps(config, sort_keys=True, default=repr)
+    if isinstance(config, dict):
+        # Private entries are bookkeeping (``_use_default_values`` is a set's order).
+        config = {key: value for key, value in config.items() if not str(key).startswith("_")}
+    # An object in a config is named by its type: its repr may hold its address.
+    return json.dumps(config, sort_keys=True, default=lambda value: type(value).__name__)
 
 
 def model_key(family: str, pipeline: Any) -> str:

@@ -17,7 +17,7 @@ files, and files whose job is gone (deleted, or never completed).
 
 A test hook, never set in production: ``OMNI_TRIO_TEST_HOLD=<point>`` makes the
 process stop for good at one point (``admitted``: a job's row is written, before
-its submit; ``checkpoint:<step>``: a checkpoint of that step is written;
+its submit; ``checkpoint:<k>``: a checkpoint of step k or later is written;
 ``encode``: a job's output is there, before its MP4 is encoded; ``write``: an MP4's
 temporary file is written, before its rename), after creating ``held-<point>`` in the
 folder, so that a test kills the process at a known moment.
@@ -318,7 +318,11 @@ class JobStore:
             )
             if cursor.rowcount != 1:
                 path.unlink(missing_ok=True)  # finished or deleted meanwhile
-            hold(f"checkpoint:{checkpoint.step}", self.folder)
+            # The hook's ``checkpoint:<k>``: the first checkpoint written of step k or later
+            # (a newer checkpoint replaces one not yet written).
+            wanted = os.environ.get(HOLD_VARIABLE, "")
+            if wanted.startswith("checkpoint:") and checkpoint.step >= int(wanted[11:] or 0):
+                hold(wanted, self.folder)
 
     # -- reading rows -----------------------------------------------------------
 
