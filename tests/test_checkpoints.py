@@ -147,3 +147,12 @@ async def test_tiny_wan_resumed_from_a_checkpoint_equals_its_uninterrupted_video
             prompt="a fox", width=32, height=32, num_steps=3, num_frames=5, seed=3, cache=policy,
         ), sink=cached)  # fmt: skip
     assert cached.items == []
+
+
+def test_a_models_checkpoint_key_names_its_weights_not_the_process() -> None:
+    """L78: two tiny Wan pipelines of one seed (built as two processes build them) share a
+    checkpoint key; another seed's weights have another one, so their checkpoints differ."""
+    from omni_trio.runners._checkpoint import model_key
+
+    keys = [model_key("wan", tiny_pipeline("wan", seed=seed)) for seed in (0, 0, 1)]
+    assert keys[0] == keys[1] != keys[2]
