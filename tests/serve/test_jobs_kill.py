@@ -13,6 +13,7 @@ Determinism rules:
 
 from __future__ import annotations
 
+import functools
 import io
 import signal
 import sqlite3
@@ -106,7 +107,8 @@ def test_sigkill_at_every_moment_of_a_job_loses_nothing_and_serves_no_half_file(
             if point == "admitted":
                 thread = threading.Thread(target=post, args=(handle.url,))
                 thread.start()
-            poll_until(lambda p=point: held(folder, p), timeout=60, what=f"the hold at {point}")
+            reached = functools.partial(held, folder, point)
+            poll_until(reached, timeout=60, what=f"the hold at {point}")
             handle.process.send_signal(signal.SIGKILL)
             handle.process.wait(timeout=30)
         if point == "admitted":
