@@ -133,6 +133,9 @@ class RunnerCapabilities:
         max_steps: the most ``num_steps`` the model runs, or ``None`` for no bound
             of its own (L4): a scheduler that steps through its training timesteps
             has no more than it was trained with.
+        image_to_video: the runner makes a video from ``GenerationRequest.image`` (L69,
+            with ``frames`` and ``image_input``): a request without an image is refused
+            naming ``image``, one with a ``strength`` naming ``strength``.
         checkpoints: the runner implements ``CheckpointRunner``: a running
             request's state can be copied at a step boundary, made bytes, and
             restored in a fresh engine to continue exactly (L78). Never with
@@ -156,11 +159,11 @@ class RunnerCapabilities:
     step_cache: frozenset[str] = frozenset()
     min_steps: int = 1
     max_steps: int | None = None
+    image_to_video: bool = False
     checkpoints: bool = False
 
     def __post_init__(self) -> None:
-        if self.checkpoints and self.whole_call:
-            raise ValueError("checkpoints: a whole-call runner runs its own loop to the end")
+        self._check_additions()
         if self.cancel_points and self.whole_call:
             raise ValueError("cancel_points: a whole-call runner stops at its on_step callback")
         if self.whole_call and (self.max_batch_size != 1 or self.can_join):
@@ -198,6 +201,13 @@ class RunnerCapabilities:
                 f"batch_key_fields: {images} would compare images at every boundary;"
                 " use 'kind' to keep kinds of edits apart"
             )
+
+    def _check_additions(self) -> None:
+        """Image to video (L69) and checkpoints (L78): what they need."""
+        if self.image_to_video and (self.frames is None or not self.image_input):
+            raise ValueError("image_to_video: a video runner (frames) that takes image_input")
+        if self.checkpoints and self.whole_call:
+            raise ValueError("checkpoints: a whole-call runner runs its own loop to the end")
 
     def _check_step_cache(self) -> None:
         if not isinstance(self.step_cache, frozenset):
@@ -238,9 +248,23 @@ class RunnerCapabilities:
             raise InvalidRequestError("this runner does not take an input image", field="image")
         if request.mask is not None and not self.mask_input:
             raise InvalidRequestError("this runner does not inpaint", field="mask")
+        if self.image_to_video:
+            self._check_image_to_video(request)
         self._check_steps(request)
         self._check_frames(request.num_frames)
         self.check_cache(None if request.cache is None else request.cache.kind)
+
+    @staticmethod
+    def _check_image_to_video(request: GenerationRequest) -> None:
+        """L69: an image-to-video runner animates an image: it needs one, and all its steps."""
+        if request.image is None:
+            raise InvalidRequestError(
+                "this model makes a video from an image: give one", field="image"
+            )
+        if request.strength is not None:
+            raise InvalidRequestError(
+                "an image to video runs every step; leave strength out", field="strength"
+            )
 
     def check_cache(self, kind: str | None) -> None:
         """L80: refuse a step-cache kind this runner does not apply, naming ``cache``."""

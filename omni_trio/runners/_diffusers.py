@@ -106,7 +106,8 @@ class DiffusersRunner:
     Supports ``StableDiffusionPipeline``, ``StableDiffusionXLPipeline``,
     ``StableDiffusion3Pipeline``, ``FluxPipeline``, ``QwenImagePipeline``,
     ``DDPMPipeline`` and ``DDIMPipeline``, and for video (L70) ``WanPipeline`` and
-    ``LTXPipeline``, whose ``decode`` returns ``[N, F, C, H, W]``. Requests with
+    ``LTXPipeline``, whose ``decode`` returns ``[N, F, C, H, W]``, and for image to video
+    (L69) ``WanImageToVideoPipeline`` (Wan 2.1's). Requests with
     ``image`` (image-to-image) and ``mask`` (inpainting) for Stable Diffusion and
     SDXL, as their img2img and inpainting pipelines built from the same components
     (L75). The pipeline is used,
@@ -163,8 +164,9 @@ class DiffusersRunner:
             negative_prompt=self._family.negative_prompt,
             fixed_size=self._family.fixed_size,
             suspendable=True,
-            image_input=self._family.edits,
+            image_input=self._family.edits or self._family.image_to_video,
             mask_input=self._family.edits,
+            image_to_video=self._family.image_to_video,
             frames=self._family.frames,
             cancel_points=True,
             step_cache=self._step_cache.kinds,
@@ -192,7 +194,7 @@ class DiffusersRunner:
         """The model family.
 
         One of ``"sd"``, ``"sdxl"``, ``"sd3"``, ``"flux"``, ``"qwen-image"``, ``"unet"``,
-        and for video ``"wan"``, ``"ltx"``.
+        and for video ``"wan"``, ``"ltx"``, ``"wan-i2v"`` (image to video, L69).
         """
         return self._family.name
 

@@ -140,6 +140,8 @@ class Family(ABC):
     extra_keys: frozenset[str] = frozenset()
     #: Whether ``image``, ``mask`` and ``strength`` are honoured (L75).
     edits = False
+    #: Whether it makes a video from ``image`` (L69): the image is needed, no mask.
+    image_to_video = False
     #: How a decode splits into chunks (L72); the runner sets its own.
     chunks = DecodeChunks()
 
