@@ -115,6 +115,7 @@ class Service:
             admitting_engine=self._engine_for_videos,
             rule=self.frames,
             admission=self._admission,
+            upload_limits=self.upload_limits,
         )
         self.app = Starlette(
             routes=[

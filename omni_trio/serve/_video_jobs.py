@@ -32,6 +32,7 @@ threads, through ``anyio.to_thread``).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import io
 import logging
@@ -323,8 +324,26 @@ def spec_record(spec: VideoSpec) -> dict[str, Any]:
             "seed": request.seed,
             "priority": request.priority,
             "cache": None if cache is None else dataclasses.asdict(cache),
+            "image": None if request.image is None else _png(request.image),
         },
     }
+
+
+def _png(image: Any) -> str:
+    """An image-to-video request's image (a float tensor in [0, 1], L69) as base64 PNG text."""
+    import PIL.Image
+
+    pixels = (image.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).contiguous().numpy()
+    data = io.BytesIO()
+    PIL.Image.fromarray(pixels, mode="RGB").save(data, format="PNG")
+    return base64.b64encode(data.getvalue()).decode("ascii")
+
+
+def _from_png(text: str) -> Any:
+    import PIL.Image
+
+    with PIL.Image.open(io.BytesIO(base64.b64decode(text))) as image:
+        return image.convert("RGB")
 
 
 def spec_from_record(data: Any) -> VideoSpec:
@@ -336,6 +355,8 @@ def spec_from_record(data: Any) -> VideoSpec:
     """
     fields = dict(data["request"])
     fields["cache"] = parse_step_cache(fields.get("cache"))
+    if fields.get("image") is not None:
+        fields["image"] = _from_png(fields["image"])
     return VideoSpec(
         request=GenerationRequest(**fields),
         size=str(data["size"]),

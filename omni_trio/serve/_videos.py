@@ -14,10 +14,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -38,7 +40,7 @@ from ._errors import ApiError, api_error_from, invalid
 from ._forms import read_form
 from ._schema import DEADLINE_HEADER, shown
 from ._upload import UploadLimits
-from ._video_body import parse_video_body
+from ._video_body import parse_video_body, with_reference
 
 if TYPE_CHECKING:
     from .._engine import Engine
@@ -65,6 +67,8 @@ class VideosApi:
             draining or dead).
         rule: the runner's frame rule, ``None`` for an image model.
         admission: the engine's limits, checked before a job takes a place.
+        upload_limits: how large an ``input_reference`` may be (its pixels; the
+            body's bytes are ``config.max_body_bytes``).
     """
 
     def __init__(
@@ -76,8 +80,10 @@ class VideosApi:
         admitting_engine: Callable[[], Engine],
         rule: tuple[int, int] | None,
         admission: Admission,
+        upload_limits: UploadLimits | None = None,
     ) -> None:
         self._admission = admission
+        self._uploads = upload_limits if upload_limits is not None else UploadLimits()
         self._config = config
         self._metrics = metrics
         self._jobs = jobs
@@ -118,7 +124,7 @@ class VideosApi:
         content_type = header(scope, "content-type") or ""
         form = None
         if content_type.lower().startswith("multipart/form-data"):
-            form = await read_form(scope, body, UploadLimits(max_bytes=limit))
+            form = await read_form(scope, body, dataclasses.replace(self._uploads, max_bytes=limit))
         video = self._jobs.config
         spec = parse_video_body(
             body,
@@ -129,7 +135,11 @@ class VideosApi:
             rule=self._rule,
             deadline_header=header(scope, DEADLINE_HEADER),
             admission=self._admission,
+            limits=self._uploads,
         )
+        if spec.reference is not None:
+            # L69: admitted but for its image: decode it now, off the loop.
+            spec = await anyio.to_thread.run_sync(with_reference, spec)
         return await self._jobs.create(engine, spec, self._config.model_name)
 
     # -- the other routes -------------------------------------------------------

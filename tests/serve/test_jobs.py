@@ -271,3 +271,24 @@ async def test_opening_the_store_removes_what_a_crash_left(tmp_path: Path) -> No
     store.close()
     assert not any((tmp_path / "videos").iterdir())
     assert not any((tmp_path / "checkpoints").iterdir())
+
+
+def test_a_jobs_record_keeps_its_parameters_and_its_image() -> None:
+    """L77, L69: what the store keeps of a job gives back the same request, an image to
+    video's image included (as PNG: exact for an image that came from one)."""
+    import PIL.Image
+    import torch
+
+    from omni_trio.serve._video_body import VideoSpec
+    from omni_trio.serve._video_jobs import spec_from_record, spec_record
+
+    pixels = torch.randint(0, 256, (SIZE, SIZE, 3), dtype=torch.uint8)
+    request = ot.GenerationRequest(
+        prompt="a fox", image=PIL.Image.fromarray(pixels.numpy()), width=SIZE, height=SIZE,
+        num_frames=5, num_steps=3, seed=7, cache=ot.StepCache(kind="first-block"),
+    )  # fmt: skip
+    spec = VideoSpec(request=request, size="16x16", seconds="0.625", fps=FPS)
+    back = spec_from_record(spec_record(spec))
+    assert back.request.image is not None and request.image is not None
+    assert torch.equal(back.request.image, request.image)
+    assert back == spec
