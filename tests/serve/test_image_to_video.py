@@ -87,7 +87,8 @@ async def test_the_openai_sdk_makes_a_video_from_an_input_reference(pipe: Any) -
                 input_reference=("big.png", png(48, 40), "image/png"),
                 extra_body={"num_frames": 5, "seed": 4},
             )
-            assert (await client.videos.poll(resized.id, poll_interval_ms=5)).size == "32x32"
+            finished = await client.videos.poll(resized.id, poll_interval_ms=5)
+            assert str(finished.size) == "32x32"
         await http.aclose()
     with PIL.Image.open(io.BytesIO(png(SIZE, SIZE))) as image:
         request = ot.GenerationRequest(
