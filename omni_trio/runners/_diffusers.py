@@ -107,7 +107,7 @@ class DiffusersRunner:
     ``StableDiffusion3Pipeline``, ``FluxPipeline``, ``QwenImagePipeline``,
     ``DDPMPipeline`` and ``DDIMPipeline``, and for video (L70) ``WanPipeline`` and
     ``LTXPipeline``, whose ``decode`` returns ``[N, F, C, H, W]``, and for image to video
-    (L69) ``WanImageToVideoPipeline`` (Wan 2.1's). Requests with
+    (L69) ``WanImageToVideoPipeline`` (Wan 2.1's) and ``LTXImageToVideoPipeline``. Requests with
     ``image`` (image-to-image) and ``mask`` (inpainting) for Stable Diffusion and
     SDXL, as their img2img and inpainting pipelines built from the same components
     (L75). The pipeline is used,
@@ -194,7 +194,7 @@ class DiffusersRunner:
         """The model family.
 
         One of ``"sd"``, ``"sdxl"``, ``"sd3"``, ``"flux"``, ``"qwen-image"``, ``"unet"``,
-        and for video ``"wan"``, ``"ltx"``, ``"wan-i2v"`` (image to video, L69).
+        and for video ``"wan"``, ``"ltx"``, ``"wan-i2v"`` and ``"ltx-i2v"`` (image to video, L69).
         """
         return self._family.name
 
@@ -253,9 +253,7 @@ class DiffusersRunner:
             if state.cfg:
                 prediction = family.guide(state, prediction)
             t = state.timesteps[state.position]
-            state.latents = state.scheduler.step(
-                prediction, t, state.latents, **state.step_kwargs, return_dict=False
-            )[0]
+            state.latents = family.scheduler_step(state, prediction, t)
             if state.edit:
                 keep_unmasked(state)
             state.position += 1

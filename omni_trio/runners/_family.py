@@ -217,6 +217,16 @@ class Family(ABC):
     ) -> torch.Tensor:
         """One model call over a batch of rows; ``t`` holds one timestep per row."""
 
+    def scheduler_step(
+        self, state: RequestState, prediction: torch.Tensor, t: torch.Tensor
+    ) -> torch.Tensor:
+        """The request's latents after its scheduler's step with ``prediction`` at ``t``."""
+        assert state.latents is not None
+        stepped: torch.Tensor = state.scheduler.step(
+            prediction, t, state.latents, **state.step_kwargs, return_dict=False
+        )[0]
+        return stepped
+
     def guide(self, state: RequestState, prediction: torch.Tensor) -> torch.Tensor:
         """Combine a guided state's ``[uncond, cond]`` predictions (classifier-free guidance)."""
         uncond, text = prediction.chunk(2)

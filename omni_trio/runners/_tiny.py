@@ -20,6 +20,7 @@ unet        DDIMPipeline                3 (pixels)      fixed 32x32         32
 wan         WanPipeline                 16              16 (8 x patch 2)    480x832
 wan-i2v     WanImageToVideoPipeline     16 (+20 cond)   16 (8 x patch 2)    480x832
 ltx         LTXPipeline                 8               32 (check_inputs)   512x704
+ltx-i2v     LTXImageToVideoPipeline     8               32 (check_inputs)   512x704
 ==========  ==========================  ==============  ==================  ============
 
 The video kinds (``TINY_VIDEO_KINDS``) make ``[N, F, C, H, W]`` frames
@@ -58,7 +59,7 @@ TINY_KINDS: tuple[str, ...] = ("sd", "sdxl", "sd3", "flux", "qwen-image", "unet"
 TINY_VIDEO_KINDS: tuple[str, ...] = ("wan", "ltx")
 """The video kinds :func:`tiny_pipeline` builds (L70)."""
 
-_TINY_I2V_KINDS: tuple[str, ...] = ("wan-i2v",)
+_TINY_I2V_KINDS: tuple[str, ...] = ("wan-i2v", "ltx-i2v")
 """The image-to-video kinds (L69): their call needs ``image=``, so they are apart."""
 
 _CLIP_MAX_LENGTH = 32
@@ -89,7 +90,8 @@ def tiny_pipeline(kind: str, *, seed: int = 0) -> DiffusionPipeline:
             Euler) or ``"ltx"`` (LTXPipeline: T5, the LTX-Video VAE with timestep
             conditioning, flow-matching Euler with dynamic shifting); image to video
             (L69): ``"wan-i2v"`` (WanImageToVideoPipeline: Wan's parts, a 36-channel
-            transformer with image context, a tiny CLIP vision encoder).
+            transformer with image context, a tiny CLIP vision encoder) and ``"ltx-i2v"``
+            (LTXImageToVideoPipeline: ``ltx``'s parts).
         seed: Seed of the random weights.
 
     Returns:
@@ -98,7 +100,7 @@ def tiny_pipeline(kind: str, *, seed: int = 0) -> DiffusionPipeline:
         pixels; ``unet`` takes
         ``pipe(batch_size=, num_inference_steps=, generator=, output_type="np")``;
         ``wan``/``ltx`` take ``pipe(prompt, height=, width=, num_frames=, ...)`` with
-        sizes a multiple of 16/32 and 4k + 1/8k + 1 frames; ``wan-i2v`` takes
+        sizes a multiple of 16/32 and 4k + 1/8k + 1 frames; ``wan-i2v``/``ltx-i2v`` take
         ``image=`` too, 32 x 32 frames best (its CLIP sees 32 x 32 px).
 
     Raises:
@@ -114,6 +116,7 @@ def tiny_pipeline(kind: str, *, seed: int = 0) -> DiffusionPipeline:
         "wan": _build_wan,
         "wan-i2v": _build_wan_i2v,
         "ltx": _build_ltx,
+        "ltx-i2v": _build_ltx_i2v,
     }
     try:
         build = builders[kind]
@@ -699,6 +702,12 @@ def _build_wan_i2v(seed: int) -> Any:
         image_encoder=image_encoder,
         transformer=transformer,
     )
+
+
+def _build_ltx_i2v(seed: int) -> Any:
+    """LTXImageToVideoPipeline: ``ltx``'s parts (the image is VAE-encoded, no other encoder)."""
+    t2v = _build_ltx(seed)
+    return _diffusers().LTXImageToVideoPipeline(**t2v.components)
 
 
 def _build_ltx(seed: int) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ from ._family import (
 )
 from ._stepcache import expert_rows
 
-__all__ = ["LTXVideo", "Wan", "WanImageToVideo"]
+__all__ = ["LTXImageToVideo", "LTXVideo", "Wan", "WanImageToVideo"]
 
 
 class _Video(Family):
@@ -384,16 +384,7 @@ class LTXVideo(_Video):
             "encoder_hidden_states": guidance_rows(cfg, negative, positive),
             "encoder_attention_mask": guidance_rows(cfg, negative_mask, positive_mask),
         }
-        latents = pipe.prepare_latents(
-            request.num_images,
-            pipe.transformer.config.in_channels,
-            request.height,
-            request.width,
-            request.num_frames,
-            torch.float32,
-            self.device,
-            generator,
-        )
+        latents = self._initial_latents(request, generator, cond)
         frames, height, width = self._grid(request)
         steps = request.num_steps
         timesteps = retrieve_timesteps(
@@ -416,6 +407,27 @@ class LTXVideo(_Video):
             request_id, request, generator, scheduler, timesteps, [], latents, cfg, cond, shared
         )
 
+    def _initial_latents(
+        self, request: GenerationRequest, generator: torch.Generator, cond: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """The request's first latents, as ``__call__``'s ``prepare_latents`` makes them."""
+        assert request.num_frames is not None
+        latents: torch.Tensor = self.pipe.prepare_latents(
+            request.num_images,
+            self.pipe.transformer.config.in_channels,
+            request.height,
+            request.width,
+            request.num_frames,
+            torch.float32,
+            self.device,
+            generator,
+        )
+        return latents
+
+    def _timestep(self, t: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The model call's timesteps: one per row."""
+        return t
+
     def denoise(
         self, rows: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor], shared: Any
     ) -> torch.Tensor:
@@ -424,7 +436,7 @@ class LTXVideo(_Video):
         out: torch.Tensor = self.pipe.transformer(
             hidden_states=rows.to(text.dtype),
             encoder_hidden_states=text,
-            timestep=t,
+            timestep=self._timestep(t, cond),
             encoder_attention_mask=cond["encoder_attention_mask"],
             num_frames=frames,
             height=height,
@@ -480,3 +492,64 @@ class LTXVideo(_Video):
 
     def preview_latents(self, state: RequestState) -> torch.Tensor:
         return self._unpacked(state)[:, :, 0]
+
+
+class LTXImageToVideo(LTXVideo):
+    """``LTXImageToVideoPipeline`` (L69): LTX-Video whose first latent frame is the image's.
+
+    As ``__call__``: the image, VAE-encoded (a sample drawn from the request's
+    generator, before the noise), is the first latent frame of every frame's start,
+    noise the others; a conditioning mask (1 on the first frame's tokens) makes each
+    token's timestep ``t x (1 - mask)`` and keeps the first frame out of the
+    scheduler's step. The mask is per row, so requests of different images share a
+    batch.
+    """
+
+    name = "ltx-i2v"
+    image_to_video = True
+
+    def _initial_latents(
+        self, request: GenerationRequest, generator: torch.Generator, cond: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        pipe = self.pipe
+        assert request.num_frames is not None and request.image is not None
+        text = cond["encoder_hidden_states"]
+        image = pipe.video_processor.preprocess(
+            _to_pil(request.image), height=request.height, width=request.width
+        ).to(device=self.device, dtype=text.dtype)
+        latents, mask = pipe.prepare_latents(
+            image,
+            request.num_images,
+            pipe.transformer.config.in_channels,
+            request.height,
+            request.width,
+            request.num_frames,
+            torch.float32,
+            self.device,
+            generator,
+        )
+        cfg = request.guidance_scale > 1
+        cond["conditioning_mask"] = guidance_rows(cfg, mask, mask)
+        return cast("torch.Tensor", latents)
+
+    def _timestep(self, t: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One timestep per token: the image's frame stays at 0 (``__call__``'s)."""
+        return t[:, None] * (1 - cond["conditioning_mask"])
+
+    def scheduler_step(
+        self, state: RequestState, prediction: torch.Tensor, t: torch.Tensor
+    ) -> torch.Tensor:
+        """Step every latent frame but the image's, as ``__call__`` does."""
+        pipe = self.pipe
+        grid = self._grid(state.request)
+        patches = (pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size)
+        assert state.latents is not None
+        predicted = pipe._unpack_latents(prediction, *grid, *patches)
+        latents = pipe._unpack_latents(state.latents, *grid, *patches)
+        stepped = state.scheduler.step(
+            predicted[:, :, 1:], t, latents[:, :, 1:], **state.step_kwargs, return_dict=False
+        )[0]
+        packed: torch.Tensor = pipe._pack_latents(
+            torch.cat([latents[:, :, :1], stepped], dim=2), *patches
+        )
+        return packed

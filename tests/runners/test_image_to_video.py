@@ -1,4 +1,5 @@
-"""Image to video (L69): Wan 2.1's ``WanImageToVideoPipeline`` step by step, alone and batched.
+"""Image to video (L69): ``WanImageToVideoPipeline`` (Wan 2.1's) and
+``LTXImageToVideoPipeline`` step by step, alone and batched.
 
 Determinism: one torch thread; the tiny pipeline's weights are seeded; the reference
 is the pipeline's own ``__call__`` for the same image, prompt and seed (its copy of the
@@ -23,12 +24,16 @@ from tests.support.core import BUDGET
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 
 SIZE = 32
-FRAMES = 5
+#: Each kind's frame count (Wan 4k + 1, LTX-Video 8k + 1).
+FRAMES = {"wan-i2v": 5, "ltx-i2v": 9}
+_PIPES: dict[str, Any] = {}
 
 
-@pytest.fixture(scope="module")
-def pipe() -> Any:
-    return tiny_pipeline("wan-i2v")
+def tiny(kind: str) -> Any:
+    """The tiny pipeline of ``kind``, built once per test run."""
+    if kind not in _PIPES:
+        _PIPES[kind] = tiny_pipeline(kind)
+    return _PIPES[kind]
 
 
 @pytest.fixture(autouse=True)
@@ -45,13 +50,13 @@ def image(seed: int) -> PIL.Image.Image:
     return PIL.Image.fromarray((pixels * 255).to(torch.uint8).numpy())
 
 
-def request(seed: int, **fields: Any) -> ot.GenerationRequest:
+def request(seed: int, kind: str = "wan-i2v", **fields: Any) -> ot.GenerationRequest:
     values: dict[str, Any] = {
         "prompt": "a fox in the snow",
         "image": image(seed),
         "width": SIZE,
         "height": SIZE,
-        "num_frames": FRAMES,
+        "num_frames": FRAMES[kind],
         "num_steps": 3,
         "guidance_scale": 5.0,
         "seed": seed,
@@ -76,11 +81,14 @@ def own_call(pipe: Any, r: ot.GenerationRequest) -> torch.Tensor:
     return frames
 
 
-async def test_wan_image_to_video_alone_and_batched_equals_its_own_call(pipe: Any) -> None:
-    """L69: a request with an image and num_frames runs WanImageToVideoPipeline step by
-    step: alone, and two requests of different images in one batch (the second joining
-    after the first's step), each video equals the pipeline's own call (1e-5)."""
-    first, second = request(1), request(2, prompt="a boat")
+@pytest.mark.parametrize("kind", ["wan-i2v", "ltx-i2v"])
+async def test_image_to_video_alone_and_batched_equals_its_own_call(kind: str) -> None:
+    """L69: a request with an image and num_frames runs WanImageToVideoPipeline and
+    LTXImageToVideoPipeline step by step: alone, and two requests of different images in
+    one batch (the second joining after the first's step), each video equals the
+    pipeline's own call (1e-5)."""
+    pipe = tiny(kind)
+    first, second = request(1, kind), request(2, kind, prompt="a boat")
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(DiffusersRunner(pipe)) as engine:
             alone = await engine.generate(first)
@@ -89,17 +97,17 @@ async def test_wan_image_to_video_alone_and_batched_equals_its_own_call(pipe: An
                     break  # the first step is done: the second joins mid-way
                 async with engine.submit(second) as b:
                     together = [await a.result(), await b.result()]
-    assert alone.video is not None and alone.video.shape == (1, FRAMES, 3, SIZE, SIZE)
+    assert alone.video is not None and alone.video.shape == (1, FRAMES[kind], 3, SIZE, SIZE)
     torch.testing.assert_close(alone.video, own_call(pipe, first), atol=1e-5, rtol=0)
     for output, r in zip(together, (first, second), strict=True):
         assert output.video is not None
         torch.testing.assert_close(output.video, own_call(pipe, r), atol=1e-5, rtol=0)
 
 
-async def test_an_image_to_video_request_is_checked_by_name(pipe: Any) -> None:
+async def test_an_image_to_video_request_is_checked_by_name() -> None:
     """L4, L69: the image-to-video runner refuses a request without an image (naming image)
     or with a strength (naming strength); a text-to-video runner refuses an image."""
-    runner = DiffusersRunner(pipe)
+    runner = DiffusersRunner(tiny("wan-i2v"))
     assert runner.family == "wan-i2v" and runner.capabilities.image_to_video
     async with ot.open_engine(runner) as engine:
         for fields, name in (({"image": None}, "image"), ({"strength": 0.5}, "strength")):
