@@ -160,6 +160,12 @@ _RAY_ONLY = "applies with --ray only"
 _NOT_RAY = "does not apply with --ray (Ray Serve's proxy serves HTTP)"
 
 
+_NOT_RAY_JOBS = (
+    "does not apply with --ray yet (each replica keeps its video jobs in memory: a store"
+    " shared by replicas is not built)"
+)
+
+
 def unused_options(args: argparse.Namespace) -> list[Unused]:
     """The options ``serve``'s own arguments leave without effect (the model not loaded)."""
     unused = []
@@ -168,6 +174,10 @@ def unused_options(args: argparse.Namespace) -> list[Unused]:
             Unused(dest="server", option="--server", reason=_NOT_RAY),
             Unused(dest="close_timeout", option="--close-timeout", reason=_NOT_RAY),
             Unused(dest="access_log", option="--no-access-log", reason=_NOT_RAY),
+            # Replicas would each take the same folder's jobs: a store shared by
+            # replicas is not built yet, so under Ray each keeps its jobs in memory.
+            Unused(dest="jobs_dir", option="--jobs-dir", reason=_NOT_RAY_JOBS),
+            Unused(dest="checkpoint_every", option="--checkpoint-every", reason=_NOT_RAY_JOBS),
         ]
     else:
         unused += [
