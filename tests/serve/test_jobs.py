@@ -293,3 +293,32 @@ def test_a_jobs_record_keeps_its_parameters_and_its_image() -> None:
     assert isinstance(request.image, torch.Tensor)
     assert torch.equal(back.request.image, request.image)
     assert back == spec
+
+
+def test_the_command_lines_job_options_reach_the_store(tmp_path: Path) -> None:
+    """L77, L78: ``serve``'s --jobs-dir defaults to the state folder ($XDG_STATE_HOME, which
+    the tests set per test), 'none' keeps jobs in memory, --checkpoint-every takes seconds or
+    'never', --video-bytes bounds the MP4 bytes; with --ray the job options are refused."""
+    import argparse
+    import os
+
+    from omni_trio.cli._errors import UsageError
+    from omni_trio.cli._given import record_given, refuse_unused
+    from omni_trio.cli._options import service_options, unused_options
+    from omni_trio.cli._serve import add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    record_given(parser)
+    options = service_options(parser.parse_args(["--model", "tiny-wan"]))
+    state = Path(os.environ["XDG_STATE_HOME"])
+    assert (options.jobs_dir, options.checkpoint_every_s) == (
+        str(state / "omni-trio" / "jobs"),
+        30.0,
+    )
+    args = ["--model", "tiny-wan", "--jobs-dir", "none", "--checkpoint-every", "never"]
+    options = service_options(parser.parse_args([*args, "--video-bytes", "1000"]))
+    assert (options.jobs_dir, options.checkpoint_every_s, options.video_bytes) == (None, None, 1000)
+    ray = parser.parse_args(["--model", "tiny-wan", "--ray", "--jobs-dir", str(tmp_path)])
+    with pytest.raises(UsageError, match="--jobs-dir: does not apply with --ray"):
+        refuse_unused(ray, unused_options(ray), from_environment=())
