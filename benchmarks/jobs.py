@@ -243,8 +243,10 @@ def plot_jobs(result: dict[str, Any], path: Path) -> None:
         left.set_xticks([1, 2], ["no checkpoints", "every step"])
         left.set_ylabel(f"seconds per request ({cost['steps']} steps)")
         left.grid(axis="y", alpha=0.3)
-        right.hist(redone["redone"], bins=range(int(redone["bound_steps"]) + 3))
-        right.axvline(redone["bound_steps"], color="#d62728", label="bound")
+        right.hist(redone["redone"], bins=range(max(redone["redone"]) + 2))
+        right.axvline(
+            redone["bound_steps"], color="#d62728", label="one interval at the mean step, + 1"
+        )
         right.set_xlabel(f"steps redone (checkpoint every {redone['interval_s']} s)")
         right.set_ylabel("crashes")
         right.legend(fontsize=8)
