@@ -116,12 +116,12 @@ def service_options(args: argparse.Namespace) -> ServiceOptions:
         retry_after_s=args.retry_after,
         max_priority=args.max_priority,
         upload_limits=uploads,
-        video_fps=args.video_fps,
-        video_jobs=args.video_jobs,
-        video_ttl_s=args.video_ttl,
         video_bytes=args.video_bytes,
         jobs_dir=args.jobs_dir,
         checkpoint_every_s=args.checkpoint_every,
+        video_fps=args.video_fps,
+        video_jobs=args.video_jobs,
+        video_ttl_s=args.video_ttl,
     )
 
 
@@ -206,12 +206,12 @@ def unused_for_model(model: LoadedModel) -> list[Unused]:
     if runner.capabilities.frames is None:
         video = "applies to video models only (Wan, LTX-Video)"
         unused += [
-            Unused(dest="video_fps", option="--video-fps", reason=video),
-            Unused(dest="video_jobs", option="--video-jobs", reason=video),
-            Unused(dest="video_ttl", option="--video-ttl", reason=video),
             Unused(dest="video_bytes", option="--video-bytes", reason=video),
             Unused(dest="jobs_dir", option="--jobs-dir", reason=video),
             Unused(dest="checkpoint_every", option="--checkpoint-every", reason=video),
+            Unused(dest="video_fps", option="--video-fps", reason=video),
+            Unused(dest="video_jobs", option="--video-jobs", reason=video),
+            Unused(dest="video_ttl", option="--video-ttl", reason=video),
         ]
     # DiffusersRunner.family; the fake model and a pipeline served by its own call have none.
     family = getattr(runner, "family", None)

@@ -89,14 +89,14 @@ class ServiceOptions:
         retry_after_s: as ``ServeConfig``'s.
         max_priority: as ``ServeConfig``'s.
         upload_limits: how large an edit's upload may be.
-        video_fps: frames per second of a video model's MP4s (``VideoConfig.fps``).
-        video_jobs: the most video jobs held at once (``VideoConfig.max_jobs``).
-        video_ttl_s: seconds a finished video job is kept (``VideoConfig.ttl_s``).
         video_bytes: the most MP4 bytes held (``VideoConfig.max_bytes``).
         jobs_dir: the durable job store's folder (``VideoConfig.jobs_dir``, L77);
             ``None``: in memory.
         checkpoint_every_s: seconds between a running job's checkpoints
             (``VideoConfig.checkpoint_every_s``, L78).
+        video_fps: frames per second of a video model's MP4s (``VideoConfig.fps``).
+        video_jobs: the most video jobs held at once (``VideoConfig.max_jobs``).
+        video_ttl_s: seconds a finished video job is kept (``VideoConfig.ttl_s``).
     """
 
     model: str
@@ -114,12 +114,12 @@ class ServiceOptions:
     retry_after_s: int = _SERVE.retry_after_s
     max_priority: int = _SERVE.max_priority
     upload_limits: UploadLimits = field(default_factory=UploadLimits)
-    video_fps: float | None = None
-    video_jobs: int = _VIDEO.max_jobs
-    video_ttl_s: float = _VIDEO.ttl_s
     video_bytes: int | None = _VIDEO.max_bytes
     jobs_dir: str | None = None
     checkpoint_every_s: float | None = _VIDEO.checkpoint_every_s
+    video_fps: float | None = None
+    video_jobs: int = _VIDEO.max_jobs
+    video_ttl_s: float = _VIDEO.ttl_s
 
     def with_serve_config(self, config: ServeConfig) -> ServiceOptions:
         """These options with every setting of ``config``: its defaults, not the model's."""
