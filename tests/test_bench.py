@@ -41,8 +41,8 @@ SUMMARY_KEYS = {
     "devices": {"fake_throughput_ratio", "sd_throughput_ratio_2_over_1"},
     "serve": {"goodput_ratio_over_naive"},
     "deadline": {"goodput_ratio_over_fifo", "steps_wasted_per_missed", "refused_startable"},
-    "cache": {"differing_decisions", "best_wall_ratio", "bookkeeping_pct"},
     "jobs": {"default_interval_cost_pct_of_step", "restart_to_first_step_ms", "lost_s_max"},
+    "cache": {"differing_decisions", "best_wall_ratio", "bookkeeping_pct"},
 }
 SCALE_LENGTHS = {"10", "100", "1000", "10000"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
