@@ -17,6 +17,7 @@ from .cache import plot_cache, run_cache, table_cache
 from .common import Options, machine
 from .deadline import plot_deadline, run_deadline, table_deadline
 from .devices import plot_devices, run_devices, table_devices
+from .jobs import plot_jobs, run_jobs, table_jobs
 from .join import plot_join, run_join, table_join
 from .leak import plot_leak, run_leak, table_leak
 from .overhead import plot_overhead, run_overhead, table_overhead
@@ -166,6 +167,14 @@ BENCHMARKS: dict[str, Benchmark] = {
             run=run_deadline,
             table=table_deadline,
             plot=plot_deadline,
+        ),
+        Benchmark(
+            name="jobs",
+            what="checkpoints of a running video job: cost per step, restart to resume,"
+            " steps redone after a crash",
+            run=run_jobs,
+            table=table_jobs,
+            plot=plot_jobs,
         ),
         Benchmark(
             name="cache",

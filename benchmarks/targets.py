@@ -326,6 +326,26 @@ TARGETS: tuple[Target, ...] = (
         met=lambda r: _s(r)["bookkeeping_pct"] <= 1.0,
     ),
     Target(
+        bench="jobs",
+        label="checkpoint cost per step at the default interval (30 s), tiny Wan (L78)",
+        target="≤ 2 % of a step",
+        figure=lambda r: (
+            f"{_s(r)['default_interval_cost_pct_of_step']:.4f} % (every step:"
+            f" {_s(r)['every_step_overhead_pct']:+.1f} % wall)"
+        ),
+        met=lambda r: _s(r)["default_interval_cost_pct_of_step"] <= 2.0,
+    ),
+    Target(
+        bench="jobs",
+        label="work redone after a crash, max (L78)",
+        target="≤ the interval + a step + a checkpoint's lag",
+        figure=lambda r: (
+            f"{_s(r)['lost_s_max'] * 1e3:.0f} ms, {_s(r)['redone_max']} steps"
+            f" (bound {_s(r)['lost_bound_s'] * 1e3:.0f} ms)"
+        ),
+        met=lambda r: _s(r)["lost_s_max"] <= _s(r)["lost_bound_s"],
+    ),
+    Target(
         bench="deadline",
         label="requests refused that the engine would have started at once (L62)",
         target="0",

@@ -103,6 +103,9 @@ from . import _exports
 from . import abc as abc
 from ._adapters import AdapterError as AdapterError
 from ._adapters import AdapterInfo as AdapterInfo
+from ._checkpoint import Checkpoint as Checkpoint
+from ._checkpoint import CheckpointError as CheckpointError
+from ._checkpoint import CheckpointPolicy as CheckpointPolicy
 from ._config import EngineConfig as EngineConfig
 from ._engine import Engine as Engine
 from ._engine import open_engine as open_engine
@@ -136,6 +139,9 @@ __all__ = [
     "AdapterError",
     "AdapterInfo",
     "CacheMetrics",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointPolicy",
     "DeadlineError",
     "DuplicateRequestError",
     "Engine",

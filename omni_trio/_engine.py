@@ -22,6 +22,7 @@ import anyio
 import anyio.lowlevel
 
 from ._adapters import AdapterError, AdapterInfo, unknown_adapters
+from ._checkpoint import CheckpointPolicy
 from ._config import EngineConfig
 from ._construct import NoPublicConstructor
 from ._deadlines import DeadlineTimer
@@ -146,7 +147,14 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
 
     # -- admission -----------------------------------------------------------
 
-    def submit(self, request: GenerationRequest, *, request_id: str | None = None) -> RequestHandle:
+    def submit(
+        self,
+        request: GenerationRequest,
+        *,
+        request_id: str | None = None,
+        checkpoint: CheckpointPolicy | None = None,
+        resume_from: bytes | None = None,
+    ) -> RequestHandle:
         """Admit ``request`` now and return its handle.
 
         When this returns, the request waits in the queue (L1).
@@ -154,6 +162,11 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         Args:
             request: what to generate.
             request_id: the id; a fresh unique one when ``None``.
+            checkpoint: take checkpoints of it while it runs (L78): the runner must
+                declare ``checkpoints``.
+            resume_from: a checkpoint's ``data`` to continue from instead of step 0
+                (L78); one the runner refuses is logged, and the request starts
+                from step 0.
 
         Raises:
             InvalidRequestError: a field is invalid or over a limit (L4).
@@ -165,6 +178,13 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             EngineDeadError: the worker died (L23).
         """
         self._check_admitting()
+        if (checkpoint is not None or resume_from is not None) and not (
+            self._capabilities.checkpoints
+        ):
+            raise InvalidRequestError(
+                "this runner takes no checkpoints (it declares no checkpoints capability)",
+                field="checkpoint",
+            )
         if request_id is None:
             request_id = f"req-{uuid.uuid4().hex}"
         else:
@@ -214,6 +234,8 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             event_buffer=self._config.event_buffer,
             deadline=deadline,
         )
+        record.checkpoint = checkpoint
+        record.resume_from = resume_from
         if not self._pool.enqueue(
             record,
             limit=self._config.max_waiting,

@@ -13,6 +13,10 @@ check that the runner's ``cancel_point()`` calls between the decode's chunks
 the next chunk, and the request is released undecoded. Shutdown cuts no decode (the
 request finished denoising); only a dying engine abandons one.
 
+It also makes checkpoints bytes (L78): the worker hands it a copy of a state at a
+step boundary; here the runner serializes it and the request's sink gets it, off
+the step loop and off the event loop. A failing sink is logged, never fatal.
+
 It also releases, undecoded, the suspended requests that the event loop takes
 out of the queue (an abort, a deadline, shutdown: L61), so their parked state is
 freed at once, not at the step loop's next boundary.
@@ -24,13 +28,15 @@ import collections
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from ._cancelpoint import Leave, armed
+from ._checkpoint import Checkpoint
 from ._imagecheck import checked_images, checked_video
+from ._log import WORKER
 from ._messages import Completed, Post, discard_quietly, discard_state, ended, release
 from ._reasons import AbortReason
-from ._runner import Runner, StopRun
+from ._runner import CheckpointRunner, Runner, StopRun
 from ._workitem import WorkItem
 
 __all__ = ["Materializer"]
@@ -64,6 +70,7 @@ class Materializer:
         self._lock = threading.Condition()
         self._decodes: collections.deque[WorkItem] = collections.deque()
         self._releases: collections.deque[WorkItem] = collections.deque()
+        self._checkpoints: collections.deque[tuple[WorkItem, object, int]] = collections.deque()
         self._stopped = False
         self._abandon = False
         self._cancel_points = runner.capabilities.cancel_points
@@ -92,6 +99,12 @@ class Materializer:
             self._releases.append(item)
             self._lock.notify()
 
+    def checkpoint(self, item: WorkItem, copy: object, step: int) -> None:
+        """Queue ``copy`` of ``item``'s state after ``step`` to be made a checkpoint (L78)."""
+        with self._lock:
+            self._checkpoints.append((item, copy, step))
+            self._lock.notify()
+
     def stop(self, *, abandon: bool = False) -> None:
         """Let the thread finish what is queued, then exit.
 
@@ -108,15 +121,28 @@ class Materializer:
             items = [*self._releases, *self._decodes]
             self._releases.clear()
             self._decodes.clear()
+            self._checkpoints.clear()
         for item in items:
             discard_quietly(self._runner, item)
 
     def _next(self) -> tuple[WorkItem, bool] | None:
-        """The next job, (item, decode it?), or ``None`` to exit once all is done."""
+        """The next job, (item, decode it?), or ``None`` to exit once all is done.
+
+        Checkpoints due are made on the way, before any decode: they are small.
+        """
         with self._lock:
             while True:
                 if self._releases:
                     return self._releases.popleft(), False
+                if self._checkpoints:
+                    item, copy, step = self._checkpoints.popleft()
+                    self._lock.release()
+                    try:
+                        self._checkpoint(item, copy, step)
+                    finally:
+                        del item, copy
+                        self._lock.acquire()
+                    continue
                 if self._decodes:
                     return self._decodes.popleft(), True
                 if self._stopped:
@@ -142,6 +168,27 @@ class Materializer:
             finally:
                 # An idle thread must not keep the last request alive (L14).
                 del item
+
+    def _checkpoint(self, item: WorkItem, copy: object, step: int) -> None:
+        """Make ``copy`` bytes and hand them to the request's sink; log what fails."""
+        policy = item.checkpoint
+        if policy is None or self._abandon or item.token.reason is not None:
+            return  # stopped meanwhile: nobody resumes it
+        runner = cast("CheckpointRunner[Any]", self._runner)
+        try:
+            data = runner.checkpoint_bytes(copy)
+            policy.sink(
+                Checkpoint(request_id=item.request_id, step=step, total=item.steps_total, data=data)
+            )
+        except Exception as exc:
+            WORKER.warning(
+                "the checkpoint of %s after step %d is lost (%s: %s)",
+                item.request_id,
+                step,
+                type(exc).__name__,
+                exc,
+                extra={"request_id": item.request_id},
+            )
 
     def _materialize(self, item: WorkItem) -> None:
         if self._abandon or _cut(item):

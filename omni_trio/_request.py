@@ -40,7 +40,7 @@ __all__ = [
 ImageInput: TypeAlias = "torch.Tensor | Image.Image"
 
 #: What a request asks for: no image, an image to vary, or an image and a mask.
-RequestKind: TypeAlias = Literal["text-to-image", "image-to-image", "inpaint"]
+RequestKind: TypeAlias = Literal["text-to-image", "image-to-image", "inpaint", "image-to-video"]
 
 #: ``strength`` when an image is given without one: diffusers' Stable Diffusion
 #: defaults (``StableDiffusionImg2ImgPipeline``: 0.8, ``...InpaintPipeline``: 1.0).
@@ -109,7 +109,8 @@ class GenerationRequest:
             (>= 0.5) is repainted, black kept. Needs ``image``. Stored as ``image`` is.
         strength: how much of the schedule runs from the noised image: in (0, 1],
             only with ``image``. ``None`` means ``DEFAULT_STRENGTH`` for the kind
-            (0.8 for image-to-image, 1.0 for inpainting); the stored value is the
+            (0.8 for image-to-image, 1.0 for inpainting; an image to video, with
+            ``num_frames``, keeps ``None``: every step runs); the stored value is the
             one that applies. ``denoise_steps`` (``num_steps * strength`` rounded
             down, as diffusers counts it) must be at least 1.
         num_frames: the frames of a video, or ``None`` for an image: an int from 1
@@ -227,6 +228,8 @@ class GenerationRequest:
         if self.mask is not None:
             store(self, "mask", check_image(fail, "mask", self.mask, channels=1))
         if self.strength is None:
+            if self.kind == "image-to-video":
+                return  # L69: every step runs, from noise beside the image
             strength = DEFAULT_STRENGTH[self.kind]
         else:
             strength = check_float(fail, "strength", self.strength, minimum=0.0, maximum=1.0)
@@ -249,9 +252,12 @@ class GenerationRequest:
 
     @property
     def kind(self) -> RequestKind:
-        """``"text-to-image"``, ``"image-to-image"`` (an image) or ``"inpaint"`` (and a mask)."""
+        """``"text-to-image"``, ``"image-to-image"`` (an image), ``"inpaint"`` (and a mask),
+        or ``"image-to-video"`` (an image and ``num_frames``, no mask: L69)."""
         if self.image is None:
             return "text-to-image"
+        if self.mask is None and self.num_frames is not None:
+            return "image-to-video"
         return "image-to-image" if self.mask is None else "inpaint"
 
     @property

@@ -19,6 +19,10 @@ threads only, never from the event loop. The engine owns the denoise loop:
 - ``state_bytes(state)``, ``suspend(state, to_host=...)``, ``resume(state)``: only
   for runners that declare ``suspendable`` (L61): the engine parks a running
   request at a step boundary and later resumes it from the step it reached.
+- ``checkpoint(state)``, ``checkpoint_bytes(copy)``, ``restore(request, request_id,
+  data)``: only for runners that declare ``checkpoints`` (L78): a copy of a running
+  request's state at a step boundary, made bytes off the step loop, and a state
+  rebuilt from those bytes (in a fresh process) that continues where it was.
 - ``cache_metrics(state)`` and ``set_cache_threshold(state, threshold)``: only for
   runners that declare ``step_cache`` (L80-L84): what a request's step cache did, read
   before its ``discard``, and the engine loosening a request's threshold at a step
@@ -56,6 +60,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AdapterRunner",
+    "CheckpointRunner",
     "Runner",
     "RunnerCapabilities",
     "StepCacheRunner",
@@ -136,6 +141,13 @@ class RunnerCapabilities:
         max_adapters: the most adapters one request may name (L85); 0 (the
             default): the runner takes none. A runner that declares more implements
             ``AdapterRunner``. Adapters are never part of a batch key (L86).
+        image_to_video: the runner makes a video from ``GenerationRequest.image`` (L69,
+            with ``frames`` and ``image_input``): a request without an image is refused
+            naming ``image``, one with a ``strength`` naming ``strength``.
+        checkpoints: the runner implements ``CheckpointRunner``: a running
+            request's state can be copied at a step boundary, made bytes, and
+            restored in a fresh engine to continue exactly (L78). Never with
+            ``whole_call``.
     """
 
     max_batch_size: int = 1
@@ -156,8 +168,11 @@ class RunnerCapabilities:
     min_steps: int = 1
     max_steps: int | None = None
     max_adapters: int = 0
+    image_to_video: bool = False
+    checkpoints: bool = False
 
     def __post_init__(self) -> None:
+        self._check_additions()
         if self.cancel_points and self.whole_call:
             raise ValueError("cancel_points: a whole-call runner stops at its on_step callback")
         if self.whole_call and (self.max_batch_size != 1 or self.can_join):
@@ -198,6 +213,13 @@ class RunnerCapabilities:
                 " use 'kind' to keep kinds of edits apart"
             )
 
+    def _check_additions(self) -> None:
+        """Image to video (L69) and checkpoints (L78): what they need."""
+        if self.image_to_video and (self.frames is None or not self.image_input):
+            raise ValueError("image_to_video: a video runner (frames) that takes image_input")
+        if self.checkpoints and self.whole_call:
+            raise ValueError("checkpoints: a whole-call runner runs its own loop to the end")
+
     def _check_step_cache(self) -> None:
         if not isinstance(self.step_cache, frozenset):
             raise ValueError("step_cache: must be a frozenset of cache kinds")
@@ -237,6 +259,8 @@ class RunnerCapabilities:
             raise InvalidRequestError("this runner does not take an input image", field="image")
         if request.mask is not None and not self.mask_input:
             raise InvalidRequestError("this runner does not inpaint", field="mask")
+        if self.image_to_video:
+            self._check_image_to_video(request)
         self._check_steps(request)
         self._check_frames(request.num_frames)
         self.check_cache(None if request.cache is None else request.cache.kind)
@@ -251,6 +275,18 @@ class RunnerCapabilities:
                 if not limit
                 else f"this runner applies at most {limit} per request, got {count}",
                 field="adapters",
+            )
+
+    @staticmethod
+    def _check_image_to_video(request: GenerationRequest) -> None:
+        """L69: an image-to-video runner animates an image: it needs one, and all its steps."""
+        if request.image is None:
+            raise InvalidRequestError(
+                "this model makes a video from an image: give one", field="image"
+            )
+        if request.strength is not None:
+            raise InvalidRequestError(
+                "an image to video runs every step; leave strength out", field="strength"
             )
 
     def check_cache(self, kind: str | None) -> None:
@@ -402,6 +438,42 @@ class SuspendableRunner(Runner[StateT], Protocol):
 
     def resume(self, state: StateT) -> None:
         """Bring a parked ``state`` back, so that the next ``step`` continues it exactly."""
+        ...
+
+
+class CheckpointRunner(Runner[StateT], Protocol):
+    """A runner that declares ``checkpoints``: its states can be saved and restored (L78).
+
+    ``checkpoint`` runs in the worker thread at a step boundary and must be cheap (a
+    copy of the tensors, on their device); ``checkpoint_bytes`` runs in the
+    materializer thread, possibly while the next steps run; ``restore`` runs in
+    the worker thread instead of ``prepare``.
+    """
+
+    def checkpoint(self, state: StateT) -> object:
+        """Return a copy of what the next step of ``state`` needs; ``state`` goes on.
+
+        Raises:
+            Exception: the state cannot be checkpointed (the engine logs it and takes
+                no more checkpoints of this request).
+        """
+        ...
+
+    def checkpoint_bytes(self, copy: object) -> bytes:
+        """Return ``copy`` (from ``checkpoint``) as bytes that ``restore`` takes."""
+        ...
+
+    def restore(
+        self, request: GenerationRequest, request_id: str, data: bytes
+    ) -> tuple[StateT, int]:
+        """Rebuild the state ``data`` holds for ``request``; return it and its steps done.
+
+        Its next ``step`` continues it exactly as the checkpointed state's would have.
+
+        Raises:
+            CheckpointError: ``data`` is corrupt, or of another model, omni_trio
+                version or request; the engine then calls ``prepare``.
+        """
         ...
 
 

@@ -19,6 +19,13 @@ grace: the loop sets the token for each), it raises ``StopRun``; the worker then
 releases every member undecoded, as a boundary drop does, and counts no step.
 When only some members stopped, the step runs on and they drop at its end.
 
+Checkpoints (L78), with a runner that declares ``checkpoints``: after a step, a
+member whose ``CheckpointPolicy`` interval has passed gets a copy of its state taken
+(the runner's ``checkpoint``: a copy, no serialization), handed to the materializer
+thread, which makes it bytes and gives it to the policy's sink. A request admitted
+with ``resume_from`` is restored from it instead of prepared; a checkpoint the
+runner refuses is logged and the request is prepared from step 0.
+
 Several workers (one per device, L42) take from the pool's one queue of new
 requests (see ``_pool``); a request lives its whole life on the worker that took
 it. A worker that dies fails only what it holds (L43): its thread's last act is to
@@ -51,13 +58,14 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ._cacheplan import loosen_at_risk
 from ._cancelpoint import Leave, armed
+from ._checkpoint import CheckpointError
 from ._imagecheck import checked_images
 from ._log import WORKER
 from ._materialize import Materializer
 from ._messages import Exited, Post, Stepped, died, discard_quietly, release
 from ._queue import WaitingQueue
 from ._reasons import AbortReason
-from ._runner import Runner, StopRun, SuspendableRunner, WholeCallRunner
+from ._runner import CheckpointRunner, Runner, StopRun, SuspendableRunner, WholeCallRunner
 from ._scheduler import (
     BoundaryPlan,
     BoundaryRules,
@@ -114,6 +122,8 @@ class Worker:
         self._cancel_points = capabilities.cancel_points
         # L84: a runner that applies step caches may have thresholds loosened.
         self._loosens = bool(capabilities.step_cache)
+        # L78: a runner that takes checkpoints may be asked for them at boundaries.
+        self._checkpointing = capabilities.checkpoints
         self._fatal: BaseException | None = None
         # L61: preemption, and this worker's suspended requests (their state is on
         # its device) with the bytes each parks, under the pool's lock. ``_closed``:
@@ -556,13 +566,69 @@ class Worker:
             return
         item.t_taken = started = time.perf_counter()
         try:
-            item.state = self._runner.prepare(item.request, item.request_id)
+            if item.resume_from is not None:
+                item.state = self._restore(item)
+            if item.state is None:
+                item.state = self._runner.prepare(item.request, item.request_id)
         except Exception as exc:
             self._publish([*running, *pending])
             release(self._runner, item, self._post, exc, call="prepare")
             return
         item.prepare_s = time.perf_counter() - started
         running.append(item)
+
+    def _restore(self, item: WorkItem) -> object | None:
+        """L78: the state ``item``'s checkpoint holds, or ``None`` (refused: logged) to prepare.
+
+        Raises:
+            Exception: what the runner's ``restore`` raised, other than a refusal.
+        """
+        data, item.resume_from = item.resume_from, None
+        assert data is not None
+        runner = cast("CheckpointRunner[Any]", self._runner)
+        try:
+            state, steps = runner.restore(item.request, item.request_id, data)
+        except CheckpointError as exc:
+            WORKER.warning(
+                "the checkpoint of %s is refused (%s): it starts from step 0",
+                item.request_id,
+                exc,
+                extra={"request_id": item.request_id},
+            )
+            return None
+        item.steps_done = steps
+        restored: object = state
+        return restored
+
+    def _checkpoints(self, items: Sequence[WorkItem]) -> None:
+        """L78: hand a copy of each due member's state to the materializer, to make bytes."""
+        now = time.perf_counter()
+        runner = cast("CheckpointRunner[Any]", self._runner)
+        for item in items:
+            policy = item.checkpoint
+            if policy is None or item.steps_done >= item.steps_total:
+                continue
+            last = item.t_checkpoint
+            if last is None:  # its first step: the interval counts from here
+                item.t_checkpoint = now
+                if policy.every_s > 0:
+                    continue
+            elif now - last < policy.every_s:
+                continue
+            item.t_checkpoint = now
+            try:
+                copy = runner.checkpoint(item.state)
+            except Exception as exc:
+                item.checkpoint = None  # logged once: no more checkpoints of it
+                WORKER.warning(
+                    "%s is not checkpointed (%s: %s)",
+                    item.request_id,
+                    type(exc).__name__,
+                    exc,
+                    extra={"request_id": item.request_id},
+                )
+                continue
+            self._materializer.checkpoint(item, copy, item.steps_done)
 
     def _resume(self, item: WorkItem, running: list[WorkItem], pending: Sequence[WorkItem]) -> None:
         """A suspended request is back: the runner brings its state back (L61)."""
@@ -615,6 +681,8 @@ class Worker:
             item for item, error in stepped if error is None and item.steps_done < item.steps_total
         ]
         self._publish(running)
+        if self._checkpointing:
+            self._checkpoints(running)
         for item, error in stepped:
             if error is not None:
                 release(self._runner, item, self._post, error, call="preview")

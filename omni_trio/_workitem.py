@@ -14,6 +14,7 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ._checkpoint import CheckpointPolicy
     from ._request import GenerationRequest
     from ._stepcache import CacheMetrics
 
@@ -56,6 +57,7 @@ class WorkItem:
         "batch_key",
         "cache_metrics",
         "cache_stage",
+        "checkpoint",
         "decode_s",
         "denoise_s",
         "preemptions",
@@ -64,12 +66,14 @@ class WorkItem:
         "reading",
         "request",
         "request_id",
+        "resume_from",
         "sequence",
         "state",
         "step_pixels",
         "steps_done",
         "steps_total",
         "suspended_s",
+        "t_checkpoint",
         "t_deadline",
         "t_denoised",
         "t_released",
@@ -125,6 +129,12 @@ class WorkItem:
         )
         self.cache_stage = 0
         self.cache_metrics: CacheMetrics | None = None
+        # L78: how it is checkpointed (None: never), the checkpoint its worker
+        # restores instead of preparing (dropped once read), and when the last
+        # checkpoint was taken (perf_counter; None until its first step).
+        self.checkpoint: CheckpointPolicy | None = None
+        self.resume_from: bytes | None = None
+        self.t_checkpoint: float | None = None
 
     def rank(self) -> tuple[int, float, int]:
         """Its rank, as the queue compares them: the smallest is the best-ranked."""

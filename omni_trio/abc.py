@@ -13,6 +13,9 @@ framework (or a fake) is typed against these names alone:
   (L80-L84): a request's cache metrics, and a loosened threshold.
 - ``AdapterRunner``: the four calls more of a runner that declares ``max_adapters``
   (L85-L87): load and unload adapters by name, list them, the names admission takes.
+- ``CheckpointRunner``: the three calls more of a runner that declares
+  ``checkpoints`` (L78), with ``pack_checkpoint``/``unpack_checkpoint`` (the envelope
+  that names the model, the version and the request) and ``CheckpointError``.
 - ``StopRun``: what the engine raises inside a runner call to stop it.
 - ``cancel_point()``: what a runner that declares ``cancel_points`` calls inside a
   step or a decode (L71, L72).
@@ -24,7 +27,11 @@ from __future__ import annotations
 
 from . import _exports
 from ._cancelpoint import cancel_point as cancel_point
+from ._checkpoint import CheckpointError as CheckpointError
+from ._checkpoint import pack_checkpoint as pack_checkpoint
+from ._checkpoint import unpack_checkpoint as unpack_checkpoint
 from ._runner import AdapterRunner as AdapterRunner
+from ._runner import CheckpointRunner as CheckpointRunner
 from ._runner import Runner as Runner
 from ._runner import RunnerCapabilities as RunnerCapabilities
 from ._runner import StepCacheRunner as StepCacheRunner
@@ -35,6 +42,8 @@ from ._runner import WholeCallRunner as WholeCallRunner
 
 __all__ = [
     "AdapterRunner",
+    "CheckpointError",
+    "CheckpointRunner",
     "Runner",
     "RunnerCapabilities",
     "StepCacheRunner",
@@ -43,6 +52,8 @@ __all__ = [
     "SuspendableRunner",
     "WholeCallRunner",
     "cancel_point",
+    "pack_checkpoint",
+    "unpack_checkpoint",
 ]
 
 # Reprs, tracebacks and pickles name this package, not its private modules.

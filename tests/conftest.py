@@ -23,6 +23,15 @@ from omni_trio.testing import assert_no_engine_threads
 pytest.register_assert_rewrite("tests.support")
 
 
+@pytest.fixture(autouse=True)
+def _own_state_home(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every test has its own state folder: ``serve``'s default ``--jobs-dir`` (L77) is
+    there, never in the user's home, and no test sees another's jobs."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
+
+
 @pytest.fixture(params=["trio", "asyncio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     """Run every ``anyio`` test on both backends."""

@@ -41,6 +41,7 @@ SUMMARY_KEYS = {
     "devices": {"fake_throughput_ratio", "sd_throughput_ratio_2_over_1"},
     "serve": {"goodput_ratio_over_naive"},
     "deadline": {"goodput_ratio_over_fifo", "steps_wasted_per_missed", "refused_startable"},
+    "jobs": {"default_interval_cost_pct_of_step", "restart_to_first_step_ms", "lost_s_max"},
     "cache": {"differing_decisions", "best_wall_ratio", "bookkeeping_pct"},
     "ranks": {
         "post_abort_overhead_pct",

@@ -59,6 +59,8 @@ RUNNER_SEAM = frozenset(
         "omni_trio._stepcache",
         # The adapters a request names and what a runner reports of them (L85).
         "omni_trio._adapters",
+        # A checkpoint's envelope and its error (L78): data, torch-free.
+        "omni_trio._checkpoint",
     }
 )
 

@@ -106,7 +106,7 @@ async def test_generate_cancelled_as_its_result_is_delivered() -> None:
                 cancel_at_delivery(handle, scope)
                 return handle
 
-            engine.submit = submit  # type: ignore[method-assign]
+            engine.submit = submit  # type: ignore[method-assign,assignment]
             results: list[ot.GenerationOutput] = []
             with scope:
                 async with anyio.create_task_group() as tg:

@@ -99,7 +99,8 @@ def _options(args: argparse.Namespace) -> ServiceOptions:
     if args.port == 0:
         raise UsageError("--port: Ray Serve's proxy needs a fixed port with --ray, not 0")
     check_model(args.model)
-    options = service_options(args)
+    # Each replica keeps its video jobs in memory (see ``unused_options``).
+    options = dataclasses.replace(service_options(args), jobs_dir=None)
     if args.ray_address is None:
         check_port(args.host, args.port)
     return options

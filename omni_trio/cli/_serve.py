@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 from .._request import MAX_PRIORITY
+from ..serve._jobstore import default_jobs_dir
 from ..serve._models import MODELS
 from ._env import read_environment, resolve_environment
 from ._errors import EXIT_ERROR, CommandError
@@ -34,7 +35,18 @@ from ._options import (
 from ._ray import add_ray_arguments, run_ray
 from ._servers import run_hypercorn, run_uvicorn
 from ._sockets import address, check_port
-from ._types import adapter, count, finite, positive, seconds, size, step_cache, threshold
+from ._types import (
+    adapter,
+    count,
+    finite,
+    interval,
+    jobs_dir,
+    positive,
+    seconds,
+    size,
+    step_cache,
+    threshold,
+)
 
 __all__ = ["add_serve_arguments", "run_serve"]
 
@@ -199,6 +211,30 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="frames per second of the MP4s, which turns seconds into frames"
         " (default: the model's; Wan 16, LTX-Video 25)",
     )
+    videos.add_argument(
+        "--video-bytes",
+        type=count(1),
+        default=None,
+        metavar="BYTES",
+        help="most bytes of MP4s held at once; then 429 (default: no bound but --video-jobs)",
+    )
+    videos.add_argument(
+        "--jobs-dir",
+        type=jobs_dir,
+        default=str(default_jobs_dir()),
+        metavar="DIR|none",
+        help="folder of the durable job store: jobs and MP4s survive a restart or a crash;"
+        " 'none' keeps them in memory (default: $XDG_STATE_HOME/omni-trio/jobs, else"
+        " ~/.local/state/omni-trio/jobs)",
+    )
+    videos.add_argument(
+        "--checkpoint-every",
+        type=interval,
+        default=30.0,
+        metavar="S|never",
+        help="seconds between two checkpoints of a running job (with --jobs-dir): a crash"
+        " redoes at most this much of its steps; 0: every step (default 30)",
+    )
     decoding = parser.add_argument_group(
         "decodes in chunks (L72: an abort during a decode lands within one chunk)"
     )
@@ -324,6 +360,14 @@ def run_serve(args: argparse.Namespace) -> int:
         args.server,
         "trio" if args.server == "hypercorn" else "asyncio",
     )
+    if service.frames is not None:
+        where = options.jobs_dir
+        _log.info(
+            "video jobs are kept %s",
+            "in memory (--jobs-dir none): a restart loses them"
+            if where is None
+            else f"in {where} (--jobs-dir)",
+        )
     try:
         run(service, args)
     except OSError as exc:  # a bind that failed after the check (a race)

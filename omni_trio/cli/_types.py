@@ -73,6 +73,25 @@ def threshold(text: str) -> int | None:
     return count(1)(text)
 
 
+def jobs_dir(text: str) -> str | None:
+    """A folder for the video jobs' store, or ``none`` (``None``: in memory)."""
+    if text.strip().lower() == "none":
+        return None
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a folder, or 'none'")
+    return text
+
+
+def interval(text: str) -> float | None:
+    """A finite number of seconds >= 0, or ``never`` (``None``)."""
+    if text.strip().lower() == "never":
+        return None
+    value = finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 or 'never', got {text!r}")
+    return value
+
+
 def finite(text: str) -> float:
     """A finite number."""
     value = _number(text)

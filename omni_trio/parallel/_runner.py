@@ -272,9 +272,14 @@ class ParallelRunner:
         multiple = inner.size_multiple * (1 if layout.kind == "cfg" else layout.degree)
         # Step caching is refused at admission: a rank that computes a slice of the
         # rows would decide its skips alone, and a decision must be the group's.
-        # Adapters too: every rank builds its own model, and none loads them yet.
+        # Adapters too: every rank builds its own model, and none loads them yet; and
+        # checkpoints, whose restore would have to reach every rank.
         self._capabilities = dataclasses.replace(
-            inner, size_multiple=multiple, step_cache=frozenset(), max_adapters=0
+            inner,
+            size_multiple=multiple,
+            step_cache=frozenset(),
+            max_adapters=0,
+            checkpoints=False,
         )
 
     def _build(self, factory: Callable[[], Any], device: str | None, batch: int) -> RankRunner:

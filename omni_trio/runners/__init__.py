@@ -3,7 +3,8 @@
 - ``Runner`` and ``RunnerCapabilities``: the protocol a model implements;
   ``SuspendableRunner`` the three calls more that preemption needs, ``StepCacheRunner``
   the two that step caching needs (L80-L84), ``AdapterRunner`` the four that
-  adapters need (L85-L87);
+  adapters need (L85-L87), ``CheckpointRunner`` the three that checkpoints need (L78:
+  with ``pack_checkpoint``, ``unpack_checkpoint``);
   ``cancel_point()`` what a runner declaring ``cancel_points`` calls (L71, L72).
 - ``DiffusersRunner``: a diffusers pipeline driven one step at a time.
 - ``PipelineCallRunner``: any other pipeline, through its own ``__call__``.
@@ -38,7 +39,11 @@ from __future__ import annotations
 
 from .. import _exports
 from .._cancelpoint import cancel_point as cancel_point
+from .._checkpoint import CheckpointError as CheckpointError
+from .._checkpoint import pack_checkpoint as pack_checkpoint
+from .._checkpoint import unpack_checkpoint as unpack_checkpoint
 from .._runner import AdapterRunner as AdapterRunner
+from .._runner import CheckpointRunner as CheckpointRunner
 from .._runner import Runner as Runner
 from .._runner import RunnerCapabilities as RunnerCapabilities
 from .._runner import StepCacheRunner as StepCacheRunner
@@ -59,6 +64,8 @@ __all__ = [
     "TINY_KINDS",
     "TINY_VIDEO_KINDS",
     "AdapterRunner",
+    "CheckpointError",
+    "CheckpointRunner",
     "DiffusersRunner",
     "PipelineCallRunner",
     "Runner",
@@ -70,8 +77,10 @@ __all__ = [
     "WholeCallRunner",
     "cancel_point",
     "for_devices",
+    "pack_checkpoint",
     "runner_for",
     "tiny_pipeline",
+    "unpack_checkpoint",
     "visible_devices",
 ]
 

@@ -11,6 +11,9 @@ a step can be left before any block of the denoiser, a decode before any call of
 the VAE's decoder: once per image of a batch, per tile of a large image, per latent
 frame for Wan, per temporal chunk of a long LTX-Video (see ``_chunks``).
 
+Checkpoints (L78; see ``_checkpoint``): a state's latents, scheduler, generator and
+step, restored into a freshly prepared state of the same request.
+
 Step caching (L80-L84; see ``_stepcache``): for the DiT families the runner declares
 ``step_cache`` and applies each request's policy row by row inside the model call.
 
@@ -33,6 +36,7 @@ from .._runner import RunnerCapabilities, StopRun
 from .._stepcache import CacheMetrics
 from ._adapters import AdapterSet
 from ._cancel import CancelPoints, cancel_modules
+from ._checkpoint import StateCopy, copy_bytes, model_key, restore_into, state_copy
 from ._chunks import DecodeChunks
 from ._edit import keep_unmasked
 from ._family import RequestState, joined
@@ -108,7 +112,8 @@ class DiffusersRunner:
     Supports ``StableDiffusionPipeline``, ``StableDiffusionXLPipeline``,
     ``StableDiffusion3Pipeline``, ``FluxPipeline``, ``QwenImagePipeline``,
     ``DDPMPipeline`` and ``DDIMPipeline``, and for video (L70) ``WanPipeline`` and
-    ``LTXPipeline``, whose ``decode`` returns ``[N, F, C, H, W]``. Requests with
+    ``LTXPipeline``, whose ``decode`` returns ``[N, F, C, H, W]``, and for image to video
+    (L69) ``WanImageToVideoPipeline`` (Wan 2.1's) and ``LTXImageToVideoPipeline``. Requests with
     ``image`` (image-to-image) and ``mask`` (inpainting) for Stable Diffusion and
     SDXL, as their img2img and inpainting pipelines built from the same components
     (L75). The pipeline is used,
@@ -178,14 +183,16 @@ class DiffusersRunner:
             negative_prompt=self._family.negative_prompt,
             fixed_size=self._family.fixed_size,
             suspendable=True,
-            image_input=self._family.edits,
+            image_input=self._family.edits or self._family.image_to_video,
             mask_input=self._family.edits,
+            image_to_video=self._family.image_to_video,
             frames=self._family.frames,
             cancel_points=True,
             step_cache=self._step_cache.kinds,
             min_steps=min_steps,
             max_steps=max_steps,
             max_adapters=max_adapters if self._adapters.supported else 0,
+            checkpoints=True,
         )
         self._cancel_points = CancelPoints(cancel_modules(pipeline))
         device = torch.device(pipeline.device)
@@ -193,6 +200,7 @@ class DiffusersRunner:
         # memory, overlapping the next steps on the default stream.
         self._decode_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         self._lock = threading.Lock()
+        self._model_key: str | None = None  # made at the first checkpoint (L78)
         self.live_states = 0
         self.decodes = 0
 
@@ -206,7 +214,7 @@ class DiffusersRunner:
         """The model family.
 
         One of ``"sd"``, ``"sdxl"``, ``"sd3"``, ``"flux"``, ``"qwen-image"``, ``"unet"``,
-        and for video ``"wan"``, ``"ltx"``.
+        and for video ``"wan"``, ``"ltx"``, ``"wan-i2v"`` and ``"ltx-i2v"`` (image to video, L69).
         """
         return self._family.name
 
@@ -283,9 +291,7 @@ class DiffusersRunner:
             if state.cfg:
                 prediction = family.guide(state, prediction)
             t = state.timesteps[state.position]
-            state.latents = state.scheduler.step(
-                prediction, t, state.latents, **state.step_kwargs, return_dict=False
-            )[0]
+            state.latents = family.scheduler_step(state, prediction, t)
             if state.edit:
                 keep_unmasked(state)
             state.position += 1
@@ -376,6 +382,44 @@ class DiffusersRunner:
         if state.parked_from is not None:
             unpark(state, state.parked_from)
             state.parked_from = None
+
+    def checkpoint(self, state: RequestState) -> StateCopy:
+        """A copy of the state's latents, scheduler, generator and step (L78).
+
+        Raises:
+            ValueError: a request with a step cache, or a scheduler holding an object
+                a checkpoint cannot keep.
+        """
+        with torch.no_grad():
+            return state_copy(state)
+
+    def checkpoint_bytes(self, copy: object) -> bytes:
+        """The copy, moved to the host, as the checkpoint's bytes (materializer thread)."""
+        assert isinstance(copy, StateCopy)
+        return copy_bytes(copy, self._key())
+
+    def restore(
+        self, request: GenerationRequest, request_id: str, data: bytes
+    ) -> tuple[RequestState, int]:
+        """Prepare the request, then give it the checkpoint's latents, scheduler and step.
+
+        Raises:
+            CheckpointError: not a checkpoint of this model (its family, class and
+                weights), this omni_trio version and this request; or cut or altered.
+        """
+        key = self._key()
+        state = self.prepare(request, request_id)
+        try:
+            return state, restore_into(state, data, key)
+        except BaseException:
+            self.discard(state)
+            raise
+
+    def _key(self) -> str:
+        with self._lock:
+            if self._model_key is None:
+                self._model_key = model_key(self._family.name, self._pipeline)
+            return self._model_key
 
     def cache_metrics(self, state: RequestState) -> CacheMetrics | None:
         """What the request's step cache did so far (L84); ``None`` without a policy."""

@@ -142,6 +142,8 @@ class Family(ABC):
     extra_keys: frozenset[str] = frozenset()
     #: Whether ``image``, ``mask`` and ``strength`` are honoured (L75).
     edits = False
+    #: Whether it makes a video from ``image`` (L69): the image is needed, no mask.
+    image_to_video = False
     #: How a decode splits into chunks (L72); the runner sets its own.
     chunks = DecodeChunks()
 
@@ -216,6 +218,16 @@ class Family(ABC):
         self, rows: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor], shared: Any
     ) -> torch.Tensor:
         """One model call over a batch of rows; ``t`` holds one timestep per row."""
+
+    def scheduler_step(
+        self, state: RequestState, prediction: torch.Tensor, t: torch.Tensor
+    ) -> torch.Tensor:
+        """The request's latents after its scheduler's step with ``prediction`` at ``t``."""
+        assert state.latents is not None
+        stepped: torch.Tensor = state.scheduler.step(
+            prediction, t, state.latents, **state.step_kwargs, return_dict=False
+        )[0]
+        return stepped
 
     def guide(self, state: RequestState, prediction: torch.Tensor) -> torch.Tensor:
         """Combine a guided state's ``[uncond, cond]`` predictions (classifier-free guidance)."""

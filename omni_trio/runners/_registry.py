@@ -10,7 +10,7 @@ from ._chunks import DecodeChunks
 from ._family import Family
 from ._flow import Flux, QwenImage, StableDiffusion3
 from ._sd import StableDiffusion, StableDiffusionXL, Unconditional
-from ._video import LTXVideo, Wan
+from ._video import LTXImageToVideo, LTXVideo, Wan, WanImageToVideo
 
 __all__ = ["family_for", "is_supported", "supported_pipelines"]
 
@@ -26,7 +26,9 @@ _FAMILIES: dict[str, type[Family]] = {
     "DDIMPipeline": Unconditional,
     # Video (L70).
     "WanPipeline": Wan,
+    "WanImageToVideoPipeline": WanImageToVideo,
     "LTXPipeline": LTXVideo,
+    "LTXImageToVideoPipeline": LTXImageToVideo,
 }
 
 

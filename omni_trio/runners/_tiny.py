@@ -18,14 +18,18 @@ flux        FluxPipeline                16 (64 packed)  16 (8 x 2x2 pack)   1024
 qwen-image  QwenImagePipeline           16 (64 packed)  16 (8 x 2x2 pack)   1024
 unet        DDIMPipeline                3 (pixels)      fixed 32x32         32
 wan         WanPipeline                 16              16 (8 x patch 2)    480x832
+wan-i2v     WanImageToVideoPipeline     16 (+20 cond)   16 (8 x patch 2)    480x832
 ltx         LTXPipeline                 8               32 (check_inputs)   512x704
+ltx-i2v     LTXImageToVideoPipeline     8               32 (check_inputs)   512x704
 ==========  ==========================  ==============  ==================  ============
 
 The video kinds (``TINY_VIDEO_KINDS``) make ``[N, F, C, H, W]`` frames
 (``pipe(...).frames``): Wan 4k + 1 frames (a temporal compression of 4), LTX-Video
 8k + 1 (8). Their ``__call__`` defaults are the real models' sizes (81 or 161
 frames at 480x832 or 512x704): pass ``height``, ``width`` and ``num_frames``
-(32 x 32 and 9 frames: a step in milliseconds).
+(32 x 32 and 9 frames: a step in milliseconds). ``wan-i2v`` is Wan 2.1's image to
+video (L69): the same parts, a transformer that takes the image's latents and a tiny
+CLIP vision encoder's embedding; call it with ``image=``.
 
 FluxPipeline's and QwenImagePipeline's default size is hard-wired to 1024 px (128
 latent rows, 4096 tokens): always pass ``height`` and ``width``. A step at 64 px costs a
@@ -55,6 +59,9 @@ TINY_KINDS: tuple[str, ...] = ("sd", "sdxl", "sd3", "flux", "qwen-image", "unet"
 TINY_VIDEO_KINDS: tuple[str, ...] = ("wan", "ltx")
 """The video kinds :func:`tiny_pipeline` builds (L70)."""
 
+_TINY_I2V_KINDS: tuple[str, ...] = ("wan-i2v", "ltx-i2v")
+"""The image-to-video kinds (L69): their call needs ``image=``, so they are apart."""
+
 _CLIP_MAX_LENGTH = 32
 """Tokens per CLIP prompt (start and end tokens included); one token per character."""
 
@@ -81,7 +88,10 @@ def tiny_pipeline(kind: str, *, seed: int = 0) -> DiffusionPipeline:
             or ``"unet"`` (unconditional DDIMPipeline, 32x32 pixels); video:
             ``"wan"`` (WanPipeline: a UMT5 text encoder, the Wan VAE, flow-matching
             Euler) or ``"ltx"`` (LTXPipeline: T5, the LTX-Video VAE with timestep
-            conditioning, flow-matching Euler with dynamic shifting).
+            conditioning, flow-matching Euler with dynamic shifting); image to video
+            (L69): ``"wan-i2v"`` (WanImageToVideoPipeline: Wan's parts, a 36-channel
+            transformer with image context, a tiny CLIP vision encoder) and ``"ltx-i2v"``
+            (LTXImageToVideoPipeline: ``ltx``'s parts).
         seed: Seed of the random weights.
 
     Returns:
@@ -90,7 +100,8 @@ def tiny_pipeline(kind: str, *, seed: int = 0) -> DiffusionPipeline:
         pixels; ``unet`` takes
         ``pipe(batch_size=, num_inference_steps=, generator=, output_type="np")``;
         ``wan``/``ltx`` take ``pipe(prompt, height=, width=, num_frames=, ...)`` with
-        sizes a multiple of 16/32 and 4k + 1/8k + 1 frames.
+        sizes a multiple of 16/32 and 4k + 1/8k + 1 frames; ``wan-i2v``/``ltx-i2v`` take
+        ``image=`` too, 32 x 32 frames best (its CLIP sees 32 x 32 px).
 
     Raises:
         ValueError: ``kind`` is not one of ``TINY_KINDS`` or ``TINY_VIDEO_KINDS``.
@@ -103,12 +114,14 @@ def tiny_pipeline(kind: str, *, seed: int = 0) -> DiffusionPipeline:
         "qwen-image": _build_qwen_image,
         "unet": _build_unet,
         "wan": _build_wan,
+        "wan-i2v": _build_wan_i2v,
         "ltx": _build_ltx,
+        "ltx-i2v": _build_ltx_i2v,
     }
     try:
         build = builders[kind]
     except KeyError:
-        kinds = ", ".join((*TINY_KINDS, *TINY_VIDEO_KINDS))
+        kinds = ", ".join((*TINY_KINDS, *TINY_VIDEO_KINDS, *_TINY_I2V_KINDS))
         raise ValueError(f"unknown tiny pipeline kind {kind!r}; supported kinds: {kinds}") from None
     # Building imports diffusers' pipeline modules, which trigger transformers' notice
     # about torchvision (see ``quiet_notices``).
@@ -639,6 +652,62 @@ def _build_wan(seed: int) -> Any:
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0),
         transformer=transformer,
     )
+
+
+def _build_wan_i2v(seed: int) -> Any:
+    """WanImageToVideoPipeline: Wan 2.1 I2V's shape, tiny: the image's latents beside the
+    noise (16 + 4 mask + 16 channels in) and a CLIP vision embedding as extra context."""
+    diffusers = _diffusers()
+    transformers = _transformers()
+    t2v = _build_wan(seed)
+    transformer = _seeded(
+        seed,
+        lambda: diffusers.WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=36,
+            out_channels=16,
+            text_dim=32,
+            freq_dim=32,
+            ffn_dim=32,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+            image_dim=16,  # the CLIP vision hidden size
+            added_kv_proj_dim=24,  # the transformer's width: image tokens get their own K, V
+        ),
+    )
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=16,
+        projection_dim=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        intermediate_size=16,
+        patch_size=8,
+    )
+    image_encoder = _seeded(seed, lambda: transformers.CLIPVisionModel(vision))
+    # The PIL processor by name where transformers has it (its default needs torchvision).
+    processor = getattr(transformers, "CLIPImageProcessorPil", transformers.CLIPImageProcessor)(
+        crop_size=32, size=32
+    )
+    return diffusers.WanImageToVideoPipeline(
+        tokenizer=t2v.tokenizer,
+        text_encoder=t2v.text_encoder,
+        vae=t2v.vae,
+        scheduler=t2v.scheduler,
+        image_processor=processor,
+        image_encoder=image_encoder,
+        transformer=transformer,
+    )
+
+
+def _build_ltx_i2v(seed: int) -> Any:
+    """LTXImageToVideoPipeline: ``ltx``'s parts (the image is VAE-encoded, no other encoder)."""
+    t2v = _build_ltx(seed)
+    return _diffusers().LTXImageToVideoPipeline(**t2v.components)
 
 
 def _build_ltx(seed: int) -> Any:

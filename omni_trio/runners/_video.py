@@ -11,7 +11,8 @@ per row, as for the image families. ``decode`` returns the videos
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from ._family import (
     RequestState,
     calculate_shift,
     guidance_rows,
+    joined,
     randn,
     retrieve_timesteps,
     unit_number,
@@ -29,7 +31,7 @@ from ._family import (
 )
 from ._stepcache import expert_rows
 
-__all__ = ["LTXVideo", "Wan"]
+__all__ = ["LTXImageToVideo", "LTXVideo", "Wan", "WanImageToVideo"]
 
 
 class _Video(Family):
@@ -139,7 +141,12 @@ class Wan(_Video):
         )
 
     def _call(
-        self, model: Any, rows: torch.Tensor, t: torch.Tensor, text: torch.Tensor
+        self,
+        model: Any,
+        rows: torch.Tensor,
+        t: torch.Tensor,
+        text: torch.Tensor,
+        image: torch.Tensor | None = None,
     ) -> torch.Tensor:
         rows = rows.to(self._dtype)
         timestep = t
@@ -152,6 +159,7 @@ class Wan(_Video):
             hidden_states=rows,
             timestep=timestep,
             encoder_hidden_states=text,
+            encoder_hidden_states_image=image,
             attention_kwargs=None,
             return_dict=False,
         )[0]
@@ -192,6 +200,128 @@ class Wan(_Video):
     def preview_latents(self, state: RequestState) -> torch.Tensor:
         assert state.latents is not None
         return state.latents[:, :, 0]
+
+
+def _to_pil(image: Any) -> Any:
+    """A request's image (a ``[3, H, W]`` float tensor in [0, 1]) as the RGB PIL image it was.
+
+    Exact for an image that came from a PIL image: its bytes over 255, rounded back.
+    """
+    import PIL.Image
+
+    if isinstance(image, PIL.Image.Image):
+        return image
+    pixels = (image.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).contiguous()
+    return PIL.Image.fromarray(pixels.numpy(), mode="RGB")
+
+
+class WanImageToVideo(Wan):
+    """``WanImageToVideoPipeline`` (Wan 2.1's image to video, L69): Wan, conditioned on an image.
+
+    ``request.image`` (a PIL image or a ``[C, H, W]`` tensor in [0, 1], as the
+    pipeline's ``image``) becomes, as ``__call__`` makes them, the latents of a clip
+    whose first frame is the image (VAE-encoded, with a mask of the frames given: 20
+    channels beside the 16 of the noise, every step) and, where the transformer takes
+    it (``image_dim``), a CLIP vision embedding as extra context. Both are per row, so
+    requests with different images share a batch. The prompt is encoded as
+    ``WanPipeline`` encodes it (the same code; diffusers' image-to-video copy of it needs
+    ``ftfy`` even when it is not installed). Wan 2.2's image to video
+    (``expand_timesteps``, two experts) is not driven here.
+    """
+
+    name = "wan-i2v"
+    image_to_video = True
+
+    def __init__(self, pipe: Any) -> None:
+        if pipe.config.expand_timesteps or pipe.config.boundary_ratio is not None:
+            raise TypeError(
+                "DiffusersRunner drives Wan 2.1's image to video (no expand_timesteps, one"
+                " transformer)"
+            )
+        super().__init__(pipe)
+
+    def _prepare(
+        self,
+        request: GenerationRequest,
+        request_id: str,
+        generator: torch.Generator,
+        scheduler: Any,
+    ) -> RequestState:
+        from diffusers import WanPipeline
+
+        pipe = self.pipe
+        assert request.num_frames is not None and request.image is not None
+        # The request holds its image as a float tensor in [0, 1]; the pipeline's image
+        # processors read a PIL image (CLIP's would rescale a float tensor again).
+        picture = _to_pil(request.image)
+        cfg = request.guidance_scale > 1
+        positive, negative = WanPipeline.encode_prompt(
+            pipe,
+            prompt=request.prompt,
+            negative_prompt=request.negative_prompt,
+            do_classifier_free_guidance=cfg,
+            num_videos_per_prompt=request.num_images,
+            max_sequence_length=self.max_sequence_length,
+            device=self.device,
+        )
+        self._dtype = dtype = pipe.transformer.dtype
+        positive = positive.to(dtype)
+        cond = {"encoder_hidden_states": guidance_rows(cfg, negative.to(dtype), positive)}
+        if pipe.transformer.config.image_dim is not None:
+            embeds = pipe.encode_image(picture, self.device).to(dtype)
+            embeds = embeds.repeat(request.num_images, 1, 1)
+            cond["encoder_hidden_states_image"] = guidance_rows(cfg, embeds, embeds)
+        scheduler.set_timesteps(request.num_steps, device=self.device)
+        image = pipe.video_processor.preprocess(
+            picture, height=request.height, width=request.width
+        ).to(self.device, dtype=torch.float32)
+        latents, condition = pipe.prepare_latents(
+            image,
+            request.num_images,
+            pipe.vae.config.z_dim,
+            request.height,
+            request.width,
+            request.num_frames,
+            torch.float32,
+            self.device,
+            generator,
+        )
+        cond["condition"] = guidance_rows(cfg, condition, condition)
+        scheduler.set_begin_index(0)
+        return RequestState(
+            request_id,
+            request,
+            generator,
+            scheduler,
+            scheduler.timesteps,
+            [],
+            latents,
+            cfg,
+            cond,
+        )
+
+    def scale_input(self, state: RequestState, rows: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The noise's rows with the image's condition beside them, as ``__call__`` feeds them."""
+        return torch.cat([rows, state.cond["condition"]], dim=1)
+
+    def join_cond(self, states: Sequence[RequestState]) -> dict[str, torch.Tensor]:
+        """The text and image context of the call; the condition went in with the rows."""
+        return {
+            key: joined([state.cond[key] for state in states])
+            for key in states[0].cond
+            if key != "condition"
+        }
+
+    def denoise(
+        self, rows: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor], shared: Any
+    ) -> torch.Tensor:
+        return self._call(
+            self.pipe.transformer,
+            rows,
+            t,
+            cond["encoder_hidden_states"],
+            cond.get("encoder_hidden_states_image"),
+        )
 
 
 class LTXVideo(_Video):
@@ -254,16 +384,7 @@ class LTXVideo(_Video):
             "encoder_hidden_states": guidance_rows(cfg, negative, positive),
             "encoder_attention_mask": guidance_rows(cfg, negative_mask, positive_mask),
         }
-        latents = pipe.prepare_latents(
-            request.num_images,
-            pipe.transformer.config.in_channels,
-            request.height,
-            request.width,
-            request.num_frames,
-            torch.float32,
-            self.device,
-            generator,
-        )
+        latents = self._initial_latents(request, generator, cond)
         frames, height, width = self._grid(request)
         steps = request.num_steps
         timesteps = retrieve_timesteps(
@@ -286,6 +407,27 @@ class LTXVideo(_Video):
             request_id, request, generator, scheduler, timesteps, [], latents, cfg, cond, shared
         )
 
+    def _initial_latents(
+        self, request: GenerationRequest, generator: torch.Generator, cond: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """The request's first latents, as ``__call__``'s ``prepare_latents`` makes them."""
+        assert request.num_frames is not None
+        latents: torch.Tensor = self.pipe.prepare_latents(
+            request.num_images,
+            self.pipe.transformer.config.in_channels,
+            request.height,
+            request.width,
+            request.num_frames,
+            torch.float32,
+            self.device,
+            generator,
+        )
+        return latents
+
+    def _timestep(self, t: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The model call's timesteps: one per row."""
+        return t
+
     def denoise(
         self, rows: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor], shared: Any
     ) -> torch.Tensor:
@@ -294,7 +436,7 @@ class LTXVideo(_Video):
         out: torch.Tensor = self.pipe.transformer(
             hidden_states=rows.to(text.dtype),
             encoder_hidden_states=text,
-            timestep=t,
+            timestep=self._timestep(t, cond),
             encoder_attention_mask=cond["encoder_attention_mask"],
             num_frames=frames,
             height=height,
@@ -350,3 +492,64 @@ class LTXVideo(_Video):
 
     def preview_latents(self, state: RequestState) -> torch.Tensor:
         return self._unpacked(state)[:, :, 0]
+
+
+class LTXImageToVideo(LTXVideo):
+    """``LTXImageToVideoPipeline`` (L69): LTX-Video whose first latent frame is the image's.
+
+    As ``__call__``: the image, VAE-encoded (a sample drawn from the request's
+    generator, before the noise), is the first latent frame of every frame's start,
+    noise the others; a conditioning mask (1 on the first frame's tokens) makes each
+    token's timestep ``t x (1 - mask)`` and keeps the first frame out of the
+    scheduler's step. The mask is per row, so requests of different images share a
+    batch.
+    """
+
+    name = "ltx-i2v"
+    image_to_video = True
+
+    def _initial_latents(
+        self, request: GenerationRequest, generator: torch.Generator, cond: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        pipe = self.pipe
+        assert request.num_frames is not None and request.image is not None
+        text = cond["encoder_hidden_states"]
+        image = pipe.video_processor.preprocess(
+            _to_pil(request.image), height=request.height, width=request.width
+        ).to(device=self.device, dtype=text.dtype)
+        latents, mask = pipe.prepare_latents(
+            image,
+            request.num_images,
+            pipe.transformer.config.in_channels,
+            request.height,
+            request.width,
+            request.num_frames,
+            torch.float32,
+            self.device,
+            generator,
+        )
+        cfg = request.guidance_scale > 1
+        cond["conditioning_mask"] = guidance_rows(cfg, mask, mask)
+        return cast("torch.Tensor", latents)
+
+    def _timestep(self, t: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One timestep per token: the image's frame stays at 0 (``__call__``'s)."""
+        return t[:, None] * (1 - cond["conditioning_mask"])
+
+    def scheduler_step(
+        self, state: RequestState, prediction: torch.Tensor, t: torch.Tensor
+    ) -> torch.Tensor:
+        """Step every latent frame but the image's, as ``__call__`` does."""
+        pipe = self.pipe
+        grid = self._grid(state.request)
+        patches = (pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size)
+        assert state.latents is not None
+        predicted = pipe._unpack_latents(prediction, *grid, *patches)
+        latents = pipe._unpack_latents(state.latents, *grid, *patches)
+        stepped = state.scheduler.step(
+            predicted[:, :, 1:], t, latents[:, :, 1:], **state.step_kwargs, return_dict=False
+        )[0]
+        packed: torch.Tensor = pipe._pack_latents(
+            torch.cat([latents[:, :, :1], stepped], dim=2), *patches
+        )
+        return packed

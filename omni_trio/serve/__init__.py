@@ -19,7 +19,10 @@ cards. The endpoints are siblings that it routes to:
 - ``_images``: ``POST /v1/images/generations`` (and edits, given their parser);
 - ``_edits``: the edit form to an image job (``POST /v1/images/edits``);
 - ``_videos``: the ``/v1/videos`` routes, over ``_video_body`` (the body to a
-  request) and ``_video_jobs`` (the jobs' tasks and their bounded store).
+  request, an ``input_reference`` checked before it is decoded) and ``_video_jobs``
+  (the jobs' tasks and their bounded store), which writes through to ``_jobstore``
+  (the durable store, L77: SQLite and files under ``--jobs-dir``, and the checkpoint
+  writer's thread, L78).
 
 Under them, the plumbing they share: ``_asgi`` (the ASGI types, headers, the
 body within its limit, JSON and server-sent events, the watched client),

@@ -111,6 +111,7 @@ class Service:
             video_config if video_config is not None else VideoConfig(),
             self.metrics,
             retry_after_s=self.config.retry_after_s,
+            checkpoints=bool(getattr(capabilities, "checkpoints", False)),
         )
         self.metrics.add_video_jobs(self.videos.counts, self.videos.held_bytes)
         videos = VideosApi(
@@ -120,6 +121,7 @@ class Service:
             admitting_engine=self._engine_for_videos,
             rule=self.frames,
             admission=self._admission,
+            upload_limits=self.upload_limits,
         )
         adapters = AdaptersApi(config=self.config, engine=self.engine_for_requests)
         self.app = Starlette(
@@ -292,7 +294,8 @@ class Service:
             self._engine = engine
             left: BaseException | None = None
             async with anyio.create_task_group() as jobs:
-                await jobs.start(self.videos.serve)
+                # A video model's jobs, from the durable store if there is one (L77).
+                await jobs.start(self.videos.serve, engine if self.frames is not None else None)
                 try:
                     yield self
                 except BaseException as exc:

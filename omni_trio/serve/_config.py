@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -150,12 +151,25 @@ class Admission:
         """Whether the runner takes an input image (``RunnerCapabilities.image_input``)."""
         return self.capabilities is not None and self.capabilities.image_input
 
-    def check(self, request: GenerationRequest) -> None:
+    @property
+    def makes_video_from_image(self) -> bool:
+        """Whether the runner makes videos from an image (``image_to_video``, L69)."""
+        return self.capabilities is not None and self.capabilities.image_to_video
+
+    def check(self, request: GenerationRequest, *, image_to_come: bool = False) -> None:
         """Raise ``InvalidRequestError`` naming the field, as ``Engine.submit`` would.
+
+        Args:
+            request: the request, its image left out if ``image_to_come``.
+            image_to_come: an image-to-video request whose image is decoded only once
+                the rest is admitted (L4): the image it needs is not asked for yet.
 
         Raises:
             InvalidRequestError: a field over the engine's limits or off the runner's rules.
         """
         self.engine.check_request(request)
-        if self.capabilities is not None:
-            self.capabilities.check_request(request)
+        capabilities = self.capabilities
+        if capabilities is not None:
+            if image_to_come and capabilities.image_to_video:
+                capabilities = dataclasses.replace(capabilities, image_to_video=False)
+            capabilities.check_request(request)

@@ -91,6 +91,11 @@ class ServiceOptions:
         retry_after_s: as ``ServeConfig``'s.
         max_priority: as ``ServeConfig``'s.
         upload_limits: how large an edit's upload may be.
+        video_bytes: the most MP4 bytes held (``VideoConfig.max_bytes``).
+        jobs_dir: the durable job store's folder (``VideoConfig.jobs_dir``, L77);
+            ``None``: in memory.
+        checkpoint_every_s: seconds between a running job's checkpoints
+            (``VideoConfig.checkpoint_every_s``, L78).
         video_fps: frames per second of a video model's MP4s (``VideoConfig.fps``).
         video_jobs: the most video jobs held at once (``VideoConfig.max_jobs``).
         video_ttl_s: seconds a finished video job is kept (``VideoConfig.ttl_s``).
@@ -117,6 +122,9 @@ class ServiceOptions:
     retry_after_s: int = _SERVE.retry_after_s
     max_priority: int = _SERVE.max_priority
     upload_limits: UploadLimits = field(default_factory=UploadLimits)
+    video_bytes: int | None = _VIDEO.max_bytes
+    jobs_dir: str | None = None
+    checkpoint_every_s: float | None = _VIDEO.checkpoint_every_s
     video_fps: float | None = None
     video_jobs: int = _VIDEO.max_jobs
     video_ttl_s: float = _VIDEO.ttl_s
@@ -182,7 +190,14 @@ def build_service(options: ServiceOptions, *, model: LoadedModel | None = None) 
     config = _serve_config(options, loaded)
     _load_adapters(options.adapters, loaded)
     fps = options.video_fps if options.video_fps is not None else loaded.fps or FALLBACK_FPS
-    videos = VideoConfig(fps=fps, max_jobs=options.video_jobs, ttl_s=options.video_ttl_s)
+    videos = VideoConfig(
+        fps=fps,
+        max_jobs=options.video_jobs,
+        ttl_s=options.video_ttl_s,
+        max_bytes=options.video_bytes,
+        jobs_dir=options.jobs_dir,
+        checkpoint_every_s=options.checkpoint_every_s,
+    )
     _check_defaults(options.engine_config, config, videos, loaded)
     runners = loaded.runners[0] if len(loaded.runners) == 1 else list(loaded.runners)
     return Service(

@@ -6,8 +6,11 @@ are read into the same strict model (form text typed by ``_forms``, as for
 ``/v1/images/edits``) and checked in the same three stages as a generation body (L73):
 
 - OpenAI's fields: ``prompt`` (required), ``model`` (the served one, or absent),
-  ``seconds`` (a positive number, as text or a number), ``size`` (``"WxH"``);
-  ``input_reference`` is refused (no image-to-video here);
+  ``seconds`` (a positive number, as text or a number), ``size`` (``"WxH"``),
+  ``input_reference`` (an image file, for a model that makes videos from an image,
+  L69: its header is read and checked with the rest against the engine's limits,
+  and it is decoded only once admitted, by ``with_reference`` in a worker thread;
+  a text-to-video model refuses it);
 - the extensions: ``num_frames`` (instead of ``seconds``), ``num_inference_steps``,
   ``guidance_scale``, ``seed``, ``negative_prompt``, ``priority``,
   ``deadline_ms`` (and the ``X-Request-Deadline-Ms`` header) and ``cache`` (the
@@ -24,9 +27,10 @@ its refusals name ``seconds``. A ``num_frames`` is taken as it is, and refused
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -53,6 +57,7 @@ from ._schema import (
     size_given,
     validate,
 )
+from ._upload import UploadLimits, decode, read_header
 
 __all__ = [
     "VIDEO_FIELDS",
@@ -63,6 +68,7 @@ __all__ = [
     "parse_video_body",
     "video_body",
     "video_spec",
+    "with_reference",
 ]
 
 _NUMBER = re.compile(r"(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
@@ -72,7 +78,7 @@ class VideoBody(BaseModel):
     """A video job's body, type-checked: strict, as ``GenerationBody`` is.
 
     ``seconds`` is checked in stage 3 (OpenAI sends text, JSON clients may send a
-    number); ``input_reference`` only to refuse it by name.
+    number); ``input_reference`` in stage 3 (a file's bytes, from a form).
     """
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
@@ -108,12 +114,15 @@ class VideoSpec:
         seconds: the clip's length as OpenAI reports it (text): the ``seconds``
             asked for, else ``num_frames / fps``.
         fps: the frames per second of the MP4.
+        reference: the ``input_reference`` image, its header read and checked, not
+            decoded yet (``with_reference`` decodes it into ``request.image``).
     """
 
     request: GenerationRequest
     size: str
     seconds: str
     fps: float
+    reference: Any = field(default=None, compare=False, repr=False)
 
 
 def frames_for(
@@ -181,6 +190,7 @@ def video_spec(
     rule: tuple[int, int],
     deadline_header: str | None = None,
     admission: Admission | None = None,
+    limits: UploadLimits | None = None,
 ) -> VideoSpec:
     """Stage 3: a checked body to the engine's request and what the job reports.
 
@@ -194,17 +204,13 @@ def video_spec(
         deadline_header: the ``X-Request-Deadline-Ms`` header's text, if sent.
         admission: the engine's limits, checked here, before the job takes a
             place in the store; ``None``: left to ``Engine.submit``.
+        limits: the upload limits an ``input_reference`` is checked against.
 
     Raises:
         ApiError: 400 naming the field at fault: ``seconds`` (not ``num_frames``)
             for a frame count made from the ``seconds`` sent.
     """
-    if parsed.input_reference is not None:
-        raise invalid(
-            "input_reference: is not supported by this server (text to video only)",
-            "input_reference",
-            "unsupported_value",
-        )
+    reference = _reference(parsed.input_reference, admission, limits)
     check_model(parsed.model, config)
     if parsed.seconds is not None and parsed.num_frames is not None:
         raise invalid("num_frames: give seconds or num_frames, not both", "num_frames")
@@ -241,8 +247,13 @@ def video_spec(
             adapters=body_adapters(parsed.adapters, parsed.lora),
         )
         if admission is not None:
-            admission.check(request)
+            admission.check(request, image_to_come=reference is not None)
     except InvalidRequestError as exc:
+        if exc.field == "image":  # an image-to-video model asked for its image
+            raise invalid(
+                "input_reference: this model makes videos from an image: send one (a file)",
+                "input_reference",
+            ) from None
         if exc.field == "num_frames" and parsed.seconds is not None:
             # The client sent seconds: name what it sent.
             raise invalid(
@@ -252,8 +263,64 @@ def video_spec(
             ) from None
         raise api_error_from(exc) from None
     return VideoSpec(
-        request=request, size=f"{request.width}x{request.height}", seconds=seconds, fps=fps
+        request=request,
+        size=f"{request.width}x{request.height}",
+        seconds=seconds,
+        fps=fps,
+        reference=reference,
     )
+
+
+def _reference(value: object, admission: Admission | None, limits: UploadLimits | None) -> Any:
+    """An ``input_reference`` upload's image, its header read and checked (L4); decode nothing.
+
+    Raises:
+        ApiError: 400 naming ``input_reference`` (a model that makes videos from text,
+            not a file, not an image), 413 ``image_too_large``.
+    """
+    if value is None:
+        return None
+    if admission is None or not admission.makes_video_from_image:
+        raise invalid(
+            "input_reference: is not supported by this model (text to video only)",
+            "input_reference",
+            "unsupported_value",
+        )
+    if not isinstance(value, bytes):
+        raise invalid(
+            "input_reference: must be an image file (a multipart upload)",
+            "input_reference",
+            "invalid_type",
+        )
+    return read_header(value, "input_reference", limits or UploadLimits())
+
+
+def with_reference(spec: VideoSpec) -> VideoSpec:
+    """``spec`` with its ``input_reference`` decoded, made RGB, resized to the video's size,
+    as the request's ``image`` (a worker thread's work: decoding costs).
+
+    Raises:
+        ApiError: 400 ``invalid_image``: the file is cut short or corrupt, or its mode
+            cannot be read as RGB.
+    """
+    from PIL import Image
+
+    if spec.reference is None:
+        return spec
+    image = decode(spec.reference, "input_reference")
+    try:
+        picture = image.convert("RGB")
+    except (ValueError, OSError):
+        raise invalid(
+            f"input_reference: its mode {image.mode!r} cannot be read as RGB",
+            "input_reference",
+            "invalid_image",
+        ) from None
+    size = (spec.request.width, spec.request.height)
+    if picture.size != size:
+        picture = picture.resize(size, Image.Resampling.LANCZOS)
+    request = dataclasses.replace(spec.request, image=picture)
+    return dataclasses.replace(spec, request=request, reference=None)
 
 
 def video_body(body: bytes, form: list[tuple[str, str | bytes]] | None) -> VideoBody:
@@ -288,6 +355,7 @@ def parse_video_body(
     rule: tuple[int, int],
     deadline_header: str | None = None,
     admission: Admission | None = None,
+    limits: UploadLimits | None = None,
 ) -> VideoSpec:
     """Read, check and turn a video body into a ``VideoSpec``.
 
@@ -300,6 +368,7 @@ def parse_video_body(
         rule: the runner's frame rule.
         deadline_header: the ``X-Request-Deadline-Ms`` header's text, if sent.
         admission: see ``video_spec``.
+        limits: see ``video_spec``.
 
     Raises:
         ApiError: 400 naming the field at fault.
@@ -313,4 +382,5 @@ def parse_video_body(
         rule=rule,
         deadline_header=deadline_header,
         admission=admission,
+        limits=limits,
     )

@@ -10,40 +10,65 @@ answer does not wait for the release. Shutdown drains the engine (every job
 still live ends: completed within the grace period, or failed) and then cancels
 the task group: no job's task outlives the lifespan.
 
-The store is bounded: at most ``VideoConfig.max_jobs`` jobs of any status; a
-finished job expires ``ttl_s`` after it finished (checked on every use of the
-store, and by a sweeper task that wakes at the next expiry). A full store
-refuses a new job with 429. Jobs live in memory only: a restart loses them.
+The store is bounded: at most ``VideoConfig.max_jobs`` jobs of any status and
+``max_bytes`` bytes of MP4s; a finished job expires ``ttl_s`` after it finished
+(checked on every use of the store, and by a sweeper task that wakes at the next
+expiry). A full store refuses a new job with 429 ``video_jobs_full``.
 
-Everything here runs in the event loop's thread.
+Durable jobs (L77, L78), with ``VideoConfig.jobs_dir``: every job is also a row of a
+``JobStore`` (``_jobstore``: SQLite and files, written off the loop), written before
+its ``POST`` is answered; its MP4 is a file, written atomically before the row says
+``completed``; a running job is checkpointed every ``checkpoint_every_s`` (the
+engine's ``CheckpointPolicy``, whose sink is the store's ``CheckpointWriter``
+thread). On start, ``serve`` reads the rows back: finished jobs are kept until
+they expire, the others are submitted again in their order, each from its last
+checkpoint (L78). A job that shutdown cuts (its request aborted with reason
+``shutdown``) is left as the store has it, so it runs again after the restart.
+Without ``jobs_dir`` the jobs live in memory only: a restart loses them.
+
+Everything here runs in the event loop's thread (the store's calls in worker
+threads, through ``anyio.to_thread``).
 """
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import io
 import logging
 import math
+import os
 import re
+import secrets
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.to_thread
 
-from .._errors import OmniTrioError
+from .._checkpoint import CheckpointPolicy
+from .._errors import EngineClosedError, OmniTrioError, RequestAbortedError
 from .._outputs import RequestStatus
+from .._reasons import AbortReason
+from .._request import GenerationRequest
+from .._stepcache import parse_step_cache
 from ._errors import ApiError, api_error_from, invalid, unexpected_error
+from ._jobstore import CheckpointWriter, JobRow, JobStore, hold
+from ._video_body import VideoSpec
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup, TaskStatus
 
+    from .._engine import Engine
     from .._handle import RequestHandle
     from .._outputs import GenerationOutput
     from ._metrics import ServeMetrics
-    from ._video_body import VideoSpec
+
+_T = TypeVar("_T")
 
 __all__ = ["STATUSES", "VideoConfig", "VideoJob", "VideoJobs"]
 
@@ -73,6 +98,14 @@ class VideoConfig:
         ttl_s: seconds a finished (completed or failed) job is kept after it
             finished; then it and its MP4 are dropped.
         clock: monotonic seconds for the expiries (tests pass a fake one).
+        jobs_dir: the folder of the durable store (L77): jobs and MP4s survive a
+            restart or a crash; ``None``: in memory only.
+        max_bytes: the most MP4 bytes held at once; a new job gets 429 while
+            they are reached; ``None``: no bound but ``max_jobs``.
+        checkpoint_every_s: with ``jobs_dir`` and a runner that takes
+            checkpoints, a running job is checkpointed at the first step boundary
+            this many seconds after the last checkpoint (0: at every boundary;
+            ``None``: never, a crashed job then starts again from step 0).
 
     Raises:
         ValueError: a field is out of range; the message names it.
@@ -83,8 +116,22 @@ class VideoConfig:
     max_jobs: int = 64
     ttl_s: float = 3600.0
     clock: Callable[[], float] = field(default=time.monotonic, compare=False)
+    jobs_dir: str | os.PathLike[str] | None = None
+    max_bytes: int | None = None
+    checkpoint_every_s: float | None = 30.0
 
     def __post_init__(self) -> None:
+        every = self.checkpoint_every_s
+        if every is not None and (
+            not isinstance(every, int | float)
+            or isinstance(every, bool)
+            or not math.isfinite(every)
+            or every < 0
+        ):
+            raise ValueError(f"checkpoint_every_s: must be a finite number >= 0, got {every!r}")
+        most = self.max_bytes
+        if most is not None and (not isinstance(most, int) or isinstance(most, bool) or most < 1):
+            raise ValueError(f"max_bytes: must be an int >= 1, got {most!r}")
         for name in ("fps", "default_seconds", "ttl_s"):
             value = getattr(self, name)
             if (
@@ -129,7 +176,9 @@ class VideoJob:
         "removed",
         "scope",
         "seq",
+        "size",
         "spec",
+        "tenant",
     )
 
     def __init__(self, *, job_id: str, seq: int, model: str, spec: VideoSpec) -> None:
@@ -143,6 +192,10 @@ class VideoJob:
         self.progress = 0
         self.error: dict[str, str] | None = None
         self.mp4: bytes | None = None
+        # The MP4's size: of ``mp4`` in memory, or of its file in a durable store.
+        self.size = 0
+        #: The tenant it belongs to, where tenants are set (``None``: none).
+        self.tenant: str | None = None
         self.handle: RequestHandle | None = None
         self.scope = anyio.CancelScope()
         self.removed = False
@@ -190,7 +243,7 @@ class VideoJob:
                 "steps": request.num_steps,
                 "seed": request.seed,
                 "priority": request.priority,
-                "bytes": len(self.mp4) if self.mp4 is not None else 0,
+                "bytes": self.size,
             },
         }
 
@@ -215,22 +268,110 @@ class VideoJob:
             self.progress = progress
             self.changed()
 
-    def end(self, mp4: bytes | None, error: ApiError | None, expires_at: int) -> None:
-        """The job completed (``mp4``) or failed (``error``)."""
+    def end(
+        self, mp4: bytes | None, error: dict[str, str] | None, expires_at: int, *, size: int
+    ) -> None:
+        """The job completed (``size`` bytes of MP4: ``mp4``, or a file) or failed (``error``)."""
         self.mp4 = mp4
+        self.size = size
         if error is not None:
-            self.error = {"code": error.code or "failed", "message": error.message}
+            self.error = error
         else:
             self.progress = 100
-        self._ended = "failed" if mp4 is None else "completed"
-        self.completed_at = int(time.time())
+        self._ended = "failed" if error is not None else "completed"
+        if self.completed_at is None:
+            self.completed_at = int(time.time())
         self.expires_at = expires_at
         self.handle = None
         self.changed()
 
+    def restored(self, row: JobRow) -> None:
+        """Take what the store kept of it: its times, progress and, if it ended, its end."""
+        self.created_at = row.created_at
+        self.progress = row.progress
+        self._started = row.started
+        self.tenant = row.tenant
+        if row.status in ("completed", "failed"):
+            self.completed_at = row.completed_at
+            error = dict(row.error) if row.error is not None else None
+            if row.status == "failed" and error is None:
+                error = {"code": "failed", "message": "the video job failed"}
+            expires = int(row.expires_at) if row.expires_at is not None else 0
+            self.end(None, error, expires, size=row.bytes)
 
-def encode_mp4(output: GenerationOutput, fps: float) -> bytes:
-    """The output's first video as MP4 bytes (H.264, ``yuv420p``; a worker thread's work)."""
+
+def error_record(error: ApiError) -> dict[str, str]:
+    """A failed job's ``error``: the API error's code and message."""
+    return {"code": error.code or "failed", "message": error.message}
+
+
+def spec_record(spec: VideoSpec) -> dict[str, Any]:
+    """What the store keeps of a job's parameters (JSON data); ``spec_from_record`` reads it."""
+    request = spec.request
+    cache = request.cache
+    return {
+        "size": spec.size,
+        "seconds": spec.seconds,
+        "fps": spec.fps,
+        "request": {
+            "prompt": request.prompt,
+            "negative_prompt": request.negative_prompt,
+            "width": request.width,
+            "height": request.height,
+            "num_steps": request.num_steps,
+            "guidance_scale": request.guidance_scale,
+            "num_frames": request.num_frames,
+            "seed": request.seed,
+            "priority": request.priority,
+            "cache": None if cache is None else dataclasses.asdict(cache),
+            "image": None if request.image is None else _png(request.image),
+        },
+    }
+
+
+def _png(image: Any) -> str:
+    """An image-to-video request's image (a float tensor in [0, 1], L69) as base64 PNG text."""
+    import PIL.Image
+
+    pixels = (image.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).contiguous().numpy()
+    data = io.BytesIO()
+    PIL.Image.fromarray(pixels, mode="RGB").save(data, format="PNG")
+    return base64.b64encode(data.getvalue()).decode("ascii")
+
+
+def _from_png(text: str) -> Any:
+    import PIL.Image
+
+    with PIL.Image.open(io.BytesIO(base64.b64decode(text))) as image:
+        return image.convert("RGB")
+
+
+def spec_from_record(data: Any) -> VideoSpec:
+    """The ``VideoSpec`` the store kept (``spec_record``); a deadline does not survive.
+
+    Raises:
+        Exception: the record is not one ``spec_record`` wrote (a ``KeyError``, a
+            ``TypeError``, an ``InvalidRequestError``).
+    """
+    fields = dict(data["request"])
+    fields["cache"] = parse_step_cache(fields.get("cache"))
+    if fields.get("image") is not None:
+        fields["image"] = _from_png(fields["image"])
+    return VideoSpec(
+        request=GenerationRequest(**fields),
+        size=str(data["size"]),
+        seconds=str(data["seconds"]),
+        fps=float(data["fps"]),
+    )
+
+
+def encode_mp4(output: GenerationOutput, fps: float, folder: Path | None = None) -> bytes:
+    """The output's first video as MP4 bytes (H.264, ``yuv420p``; a worker thread's work).
+
+    ``folder``: a durable store's, where the test hook ``encode`` may hold.
+    """
+    if folder is not None:
+        hold("encode", folder)
     data = io.BytesIO()
     output.save_video(data, fps)
     return data.getvalue()
@@ -240,15 +381,24 @@ class VideoJobs:
     """The jobs of one service: created, run in its task group, listed, deleted, expired.
 
     Args:
-        config: the fps, the bound and the time-to-live.
+        config: the fps, the bounds, the time-to-live and the durable store's folder.
         metrics: where each job's outcome and timings are counted.
         retry_after_s: the ``Retry-After`` of a 429.
+        checkpoints: whether the runner takes checkpoints (L78).
     """
 
-    def __init__(self, config: VideoConfig, metrics: ServeMetrics, *, retry_after_s: int) -> None:
+    def __init__(
+        self,
+        config: VideoConfig,
+        metrics: ServeMetrics,
+        *,
+        retry_after_s: int,
+        checkpoints: bool = False,
+    ) -> None:
         self.config = config
         self._metrics = metrics
         self._retry_after_s = retry_after_s
+        self._checkpoints = checkpoints
         self._jobs: dict[str, VideoJob] = {}  # by creation, oldest first
         self._expiries: dict[str, float] = {}  # finished jobs: when they expire (clock)
         self._seq = 0
@@ -256,11 +406,25 @@ class VideoJobs:
         self._wake: anyio.Event | None = None
         self._sweeper: anyio.CancelScope | None = None  # made in serve(): a loop's object
         self._closed = False
+        # The durable store (L77), open while ``serve`` runs with a video engine.
+        self.store: JobStore | None = None
+        self._writer: CheckpointWriter | None = None
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._doomed: list[str] = []  # expired jobs the store still has
 
     # -- the lifespan ---------------------------------------------------------
 
-    async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def serve(
+        self,
+        engine: Engine | None = None,
+        *,
+        task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
         """Run the jobs' task group and the sweeper until ``close()``, then the jobs' ends.
+
+        With ``config.jobs_dir`` and ``engine`` (a video model's), the store opens
+        first and its jobs come back: the finished ones as they were, the others
+        submitted again in their order (from their last checkpoint).
 
         The service closes it after the engine's drain, when every job's request
         is terminal: each job's task then ends within one MP4 encode, so a job
@@ -270,6 +434,16 @@ class VideoJobs:
             Cancels every job's task (each leaves its handle's block, which aborts
             a live request and waits for its release); returns when they all ended.
         """
+        folder = self.config.jobs_dir
+        rows: list[JobRow] = []
+        if folder is not None and engine is not None:
+            self._limiter = anyio.CapacityLimiter(1)
+            store = JobStore(Path(folder))
+            rows = await anyio.to_thread.run_sync(store.open, limiter=self._limiter)
+            self.store = store
+            self._writer = CheckpointWriter(store)
+            self._writer.start()
+            _log.info("video jobs are kept in %s (%d there)", folder, len(rows))
         try:
             async with anyio.create_task_group() as tasks:
                 self._tasks = tasks
@@ -277,6 +451,9 @@ class VideoJobs:
                 self._sweeper = anyio.CancelScope()
                 if self._closed:
                     self._sweeper.cancel()
+                if engine is not None:
+                    await self._restore(rows, engine)
+                del rows
                 with self._sweeper:
                     task_status.started()
                     await self._sweep()
@@ -290,11 +467,63 @@ class VideoJobs:
                 for job in list(self._jobs.values()):
                     if job.handle is not None and not job.handle.is_closed:
                         await job.handle.aclose()
+                await self._close_store()
+
+    async def _close_store(self) -> None:
+        writer, store = self._writer, self.store
+        self._writer = self.store = None
+        if writer is not None:
+            await anyio.to_thread.run_sync(writer.stop)
+        if store is not None:
+            await anyio.to_thread.run_sync(store.close)
+
+    async def _stored(self, call: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """Run a store's call in a worker thread (the store's calls block on the disk).
+
+        Cancellation:
+            Shielded: a write that began ends, and the caller learns how.
+        """
+        with anyio.CancelScope(shield=True):
+            result = await anyio.to_thread.run_sync(
+                lambda: call(*args, **kwargs), limiter=self._limiter
+            )
+        return result
+
+    async def _restore(self, rows: list[JobRow], engine: Engine) -> None:
+        """Take the store's jobs back: finished ones kept, the others submitted again."""
+        now_wall, now = time.time(), self.config.clock()
+        for row in rows:
+            match = _ID.fullmatch(row.id)
+            self._seq = max(self._seq, int(match[1], 16) if match else row.seq)
+            try:
+                spec = spec_from_record(row.spec)
+            except Exception:
+                _log.exception("video job %s: its record is unreadable; dropped", row.id)
+                await self._stored(self._store().delete, row.id)
+                continue
+            job = VideoJob(job_id=row.id, seq=row.seq, model=row.model, spec=spec)
+            job.restored(row)
+            self._jobs[row.id] = job
+            if job.is_finished:
+                self._expiries[row.id] = now + (row.expires_at or now_wall) - now_wall
+                continue
+            data = None
+            if row.checkpoint_step is not None:
+                data = await self._stored(self._store().checkpoint, row.id)
+            try:
+                handle = self._submit(engine, job, resume_from=data)
+            except OmniTrioError as exc:
+                await self._end(job, None, api_error_from(exc, retry_after_s=self._retry_after_s))
+                continue
+            self._start(job, handle)
+        self.purge()
 
     async def _sweep(self) -> None:
         """Drop expired jobs when they expire (also checked on every use of the store)."""
         while True:
             self.purge()
+            while self._doomed:
+                await self._stored(self._store().delete, self._doomed.pop())
             wake = self._wake = anyio.Event()
             if self._expiries:
                 delay = min(self._expiries.values()) - self.config.clock()
@@ -313,6 +542,10 @@ class VideoJobs:
         if self._wake is not None:
             self._wake.set()
 
+    def _store(self) -> JobStore:
+        assert self.store is not None
+        return self.store
+
     # -- the store ------------------------------------------------------------
 
     def purge(self) -> None:
@@ -320,6 +553,9 @@ class VideoJobs:
         now = self.config.clock()
         for job_id in [i for i, when in self._expiries.items() if when <= now]:
             self._drop(job_id)
+            if self.store is not None:
+                self._doomed.append(job_id)  # the sweeper deletes it from the store
+                self._nudge()
 
     def _drop(self, job_id: str) -> VideoJob:
         job = self._jobs.pop(job_id)
@@ -346,12 +582,22 @@ class VideoJobs:
             )
         return job
 
+    async def content(self, job: VideoJob) -> bytes | None:
+        """A completed job's MP4 (from memory, or its file); ``None`` if it is gone.
+
+        Cancellation:
+            Safe.
+        """
+        if job.mp4 is not None or self.store is None or job.status != "completed":
+            return job.mp4
+        return await anyio.to_thread.run_sync(self._store().video, job.id)
+
     def check_room(self) -> None:
         """Raise unless a new job fits.
 
         Raises:
-            ApiError: 429 ``video_jobs_full`` when ``max_jobs`` jobs are held;
-                503 ``shutting_down`` once the task group is gone.
+            ApiError: 429 ``video_jobs_full`` when ``max_jobs`` jobs or ``max_bytes``
+                bytes of MP4s are held; 503 ``shutting_down`` once the task group is gone.
         """
         self.purge()
         if self._tasks is None or self._closed:
@@ -362,43 +608,112 @@ class VideoJobs:
                 code="shutting_down",
                 headers={"Retry-After": str(self._retry_after_s)},
             )
+        full = None
         if len(self._jobs) >= self.config.max_jobs:
+            full = f"the server holds {self.config.max_jobs} video jobs already (the most it keeps)"
+        elif self.config.max_bytes is not None and self.held_bytes() >= self.config.max_bytes:
+            full = (
+                f"the server holds {self.held_bytes()} bytes of videos already (the most it"
+                f" keeps is {self.config.max_bytes})"
+            )
+        if full is not None:
             raise ApiError(
                 429,
-                f"the server holds {self.config.max_jobs} video jobs already (the most it"
-                " keeps); delete finished ones, or retry once they expire",
+                f"{full}; delete finished ones, or retry once they expire",
                 type="rate_limit_error",
                 code="video_jobs_full",
                 headers={"Retry-After": str(self._retry_after_s)},
             )
 
-    def start(self, job_id: str, spec: VideoSpec, handle: RequestHandle, model: str) -> VideoJob:
-        """Hold a job for the admitted ``handle`` and start its task (``check_room`` first)."""
-        assert self._tasks is not None, "check_room() first"
-        seq = int(job_id[6:14], 16)
-        job = VideoJob(job_id=job_id, seq=seq, model=model, spec=spec)
-        job.handle = handle
-        self._jobs[job_id] = job
-        self._tasks.start_soon(self._run, job, handle, name=f"video job {job_id}")
+    async def create(
+        self, engine: Engine, spec: VideoSpec, model: str, *, tenant: str | None = None
+    ) -> VideoJob:
+        """Make a job of ``spec``: hold it (durably first, with a store), submit it, start it.
+
+        Raises:
+            ApiError: as ``check_room``.
+            OmniTrioError: the engine refused the request (the job is forgotten).
+
+        Cancellation:
+            Shielded: a job whose record is written is submitted, or forgotten.
+        """
+        self.check_room()
+        job_id = self.new_id()
+        if self.store is not None and spec.request.seed is None:
+            # A resumed run must draw what the first run drew (L78): fix the seed now.
+            request = dataclasses.replace(spec.request, seed=secrets.randbits(32))
+            spec = dataclasses.replace(spec, request=request)
+        job = VideoJob(job_id=job_id, seq=int(job_id[6:14], 16), model=model, spec=spec)
+        job.tenant = tenant
+        self._jobs[job_id] = job  # its place is taken from now on
+        try:
+            if self.store is not None:
+                row = JobRow(
+                    id=job_id,
+                    seq=job.seq,
+                    model=model,
+                    spec=spec_record(spec),
+                    status="queued",
+                    created_at=job.created_at,
+                    tenant=tenant,
+                )
+                await self._stored(self._store().insert, row)
+            handle = self._submit(engine, job)
+        except BaseException:
+            self._jobs.pop(job_id, None)
+            if self.store is not None:
+                await self._stored(self._store().delete, job_id)
+            raise
+        self._start(job, handle)
         return job
+
+    def _submit(
+        self, engine: Engine, job: VideoJob, *, resume_from: bytes | None = None
+    ) -> RequestHandle:
+        """Submit the job's request, checkpointed where the store and the runner allow."""
+        policy = None
+        every = self.config.checkpoint_every_s
+        writer = self._writer
+        if writer is not None and self._checkpoints and every is not None:
+            policy = CheckpointPolicy(every_s=every, sink=writer.offer)
+        elif not self._checkpoints:
+            resume_from = None
+        return engine.submit(
+            job.spec.request, request_id=job.id, checkpoint=policy, resume_from=resume_from
+        )
+
+    def _start(self, job: VideoJob, handle: RequestHandle) -> None:
+        assert self._tasks is not None, "check_room() first"
+        job.handle = handle
+        self._tasks.start_soon(self._run, job, handle, name=f"video job {job.id}")
 
     def new_id(self) -> str:
         """A fresh job id: ``video_`` + its sequence number + random hex."""
         self._seq += 1
         return f"video_{self._seq:08x}{uuid.uuid4().hex[:24]}"
 
-    def delete(self, job_id: str) -> VideoJob:
+    async def delete(self, job_id: str) -> VideoJob:
         """Drop the job now; abort its request (reason ``deleted``) and cancel its task.
+
+        With a store, the answer waits for the record's deletion (durable).
 
         Raises:
             ApiError: 404, as ``get``.
+
+        Cancellation:
+            Shielded once the job is dropped.
         """
         job = self.get(job_id)
         handle = job.handle
         if handle is not None:
             handle.abort_nowait(reason=DELETED)
         job.scope.cancel()
-        return self._drop(job_id)
+        dropped = self._drop(job_id)
+        if self._writer is not None:
+            self._writer.forget(job_id)
+        if self.store is not None:
+            await self._stored(self._store().delete, job_id)
+        return dropped
 
     def page(self, *, limit: int, after: str | None, order: str) -> tuple[list[VideoJob], bool]:
         """Up to ``limit`` jobs after the cursor, newest first (``desc``) or oldest first.
@@ -437,7 +752,7 @@ class VideoJobs:
     def held_bytes(self) -> int:
         """The MP4 bytes the store holds now."""
         self.purge()
-        return sum(len(job.mp4) for job in self._jobs.values() if job.mp4 is not None)
+        return sum(job.size for job in self._jobs.values())
 
     def __len__(self) -> int:
         """The jobs held now (expired ones dropped first)."""
@@ -450,21 +765,33 @@ class VideoJobs:
         """Follow the job's request to its end, encode its MP4, record the outcome."""
         mp4: bytes | None = None
         error: ApiError | None = None
+        cut = False  # by shutdown: a durable job stays as the store has it, to run again
+        folder = None if self.store is None else self.store.folder
         try:
             with job.scope:
                 output: GenerationOutput | None = None
                 async with handle:
                     async for event in handle:
+                        started = job.status == "in_progress"
                         job.stepped(event.step, event.total)
+                        if not started and self.store is not None:
+                            await self._stored(self.store.started, job.id)
                     try:
                         output = await handle.result()
                     except OmniTrioError as exc:
+                        # Shutdown's cut (of a waiting or a running request).
+                        cut = isinstance(exc, EngineClosedError) or (
+                            isinstance(exc, RequestAbortedError)
+                            and exc.reason == AbortReason.SHUTDOWN
+                        )
                         error = api_error_from(
                             exc, retry_after_s=self._retry_after_s, request_id=job.id
                         )
                 if output is not None:
                     try:
-                        mp4 = await anyio.to_thread.run_sync(encode_mp4, output, job.spec.fps)
+                        mp4 = await anyio.to_thread.run_sync(
+                            encode_mp4, output, job.spec.fps, folder
+                        )
                     finally:
                         # The frames are held once, as MP4 bytes: the tensors go now.
                         del output
@@ -476,10 +803,44 @@ class VideoJobs:
                 self._metrics.account(handle)
         if job.removed:
             return  # deleted: its request was aborted, nothing is kept
+        if cut and self.store is not None:
+            job.handle = None
+            return  # L77: it runs again after the restart, from its last checkpoint
         if mp4 is None and error is None:
             error = unexpected_error()  # cancelled without a delete: not expected
+        await self._end(job, mp4, error)
+
+    async def _end(self, job: VideoJob, mp4: bytes | None, error: ApiError | None) -> None:
+        """Record the job's end: in the store first (its MP4 as a file), then here."""
+        if self._writer is not None:
+            self._writer.forget(job.id)
+        expires = time.time() + self.config.ttl_s
+        record = None if error is None else error_record(error)
+        size = 0 if mp4 is None else len(mp4)
+        store = self.store
+        if store is not None:
+            finished = int(time.time())
+            if mp4 is not None:
+                kept = await self._stored(
+                    store.completed, job.id, mp4, completed_at=finished, expires_at=expires
+                )
+                if not kept or job.removed:
+                    return  # deleted meanwhile
+                mp4 = None  # served from its file
+            else:
+                assert record is not None
+                await self._stored(
+                    store.failed,
+                    job.id,
+                    record,
+                    progress=job.progress,
+                    completed_at=finished,
+                    expires_at=expires,
+                )
+        if job.removed:
+            return
         self._expiries[job.id] = self.config.clock() + self.config.ttl_s
-        job.end(mp4, error, int(time.time() + self.config.ttl_s))
+        job.end(mp4, record, int(expires), size=size)
         self._nudge()
 
 

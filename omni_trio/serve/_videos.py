@@ -14,10 +14,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -38,7 +40,7 @@ from ._errors import ApiError, api_error_from, invalid
 from ._forms import read_form
 from ._schema import DEADLINE_HEADER, shown
 from ._upload import UploadLimits
-from ._video_body import parse_video_body
+from ._video_body import parse_video_body, with_reference
 
 if TYPE_CHECKING:
     from .._engine import Engine
@@ -65,6 +67,8 @@ class VideosApi:
             draining or dead).
         rule: the runner's frame rule, ``None`` for an image model.
         admission: the engine's limits, checked before a job takes a place.
+        upload_limits: how large an ``input_reference`` may be (its pixels; the
+            body's bytes are ``config.max_body_bytes``).
     """
 
     def __init__(
@@ -76,8 +80,10 @@ class VideosApi:
         admitting_engine: Callable[[], Engine],
         rule: tuple[int, int] | None,
         admission: Admission,
+        upload_limits: UploadLimits | None = None,
     ) -> None:
         self._admission = admission
+        self._uploads = upload_limits if upload_limits is not None else UploadLimits()
         self._config = config
         self._metrics = metrics
         self._jobs = jobs
@@ -118,7 +124,7 @@ class VideosApi:
         content_type = header(scope, "content-type") or ""
         form = None
         if content_type.lower().startswith("multipart/form-data"):
-            form = await read_form(scope, body, UploadLimits(max_bytes=limit))
+            form = await read_form(scope, body, dataclasses.replace(self._uploads, max_bytes=limit))
         video = self._jobs.config
         spec = parse_video_body(
             body,
@@ -129,11 +135,12 @@ class VideosApi:
             rule=self._rule,
             deadline_header=header(scope, DEADLINE_HEADER),
             admission=self._admission,
+            limits=self._uploads,
         )
-        self._jobs.check_room()
-        job_id = self._jobs.new_id()
-        handle = engine.submit(spec.request, request_id=job_id)
-        return self._jobs.start(job_id, spec, handle, self._config.model_name)
+        if spec.reference is not None:
+            # L69: admitted but for its image: decode it now, off the loop.
+            spec = await anyio.to_thread.run_sync(with_reference, spec)
+        return await self._jobs.create(engine, spec, self._config.model_name)
 
     # -- the other routes -------------------------------------------------------
 
@@ -164,7 +171,7 @@ class VideosApi:
         job_id = request.path_params["video_id"]
         try:
             if request.method == "DELETE":
-                self._jobs.delete(job_id)
+                await self._jobs.delete(job_id)
                 return JSONResponse({"id": job_id, "object": "video.deleted", "deleted": True})
             return JSONResponse(self._jobs.get(job_id).body())
         except ApiError as error:
@@ -181,16 +188,21 @@ class VideosApi:
                     "unsupported_value",
                 )
             job = self._jobs.get(request.path_params["video_id"])
-            if job.mp4 is None:
+            if job.status != "completed":
                 state = "failed" if job.is_finished else f"{job.status} ({job.progress}%)"
                 raise invalid(
                     f"video {job.id} is {state}: its content is there once it completed",
                     "video_id",
                     "video_not_ready",
                 )
+            mp4 = await self._jobs.content(job)
+            if mp4 is None:  # deleted or expired meanwhile
+                raise ApiError(
+                    404, f"video {job.id} was deleted or expired", code="video_not_found"
+                )
         except ApiError as error:
             return error_response(error)
-        return Response(job.mp4, media_type="video/mp4")
+        return Response(mp4, media_type="video/mp4")
 
     async def events(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``GET /v1/videos/{id}/events``: the job's changes as server-sent events (ASGI).

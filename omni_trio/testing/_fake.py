@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import io
 import math
 import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import anyio
 import torch
 
 from .._cancelpoint import cancel_point
+from .._checkpoint import CheckpointError, pack_checkpoint, unpack_checkpoint
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities
 from .._stepcache import CacheMetrics, StepCache
@@ -22,6 +25,8 @@ __all__ = ["FakeRunner", "FakeState", "GatedRunner"]
 #: Latent pixels per image pixel side, as in the Stable Diffusion VAE.
 LATENT_SCALE = 8
 LATENT_CHANNELS = 4
+#: The model a ``FakeRunner``'s checkpoints name (L78).
+_MODEL_KEY = "FakeRunner"
 
 
 @dataclass(eq=False, slots=True)
@@ -44,6 +49,8 @@ class FakeState:
     cache: StepCache | None = None
     #: Every threshold ``set_cache_threshold`` set for it, in order (L84).
     cache_thresholds: list[float] | None = None
+    #: The request (a checkpoint names it, L78).
+    request: GenerationRequest | None = None
 
 
 class FakeRunner:
@@ -73,12 +80,16 @@ class FakeRunner:
             each request's policy; it skips nothing (its images are those of no
             policy), reports every row-call computed in ``cache_metrics``, and
             records the thresholds the engine sets (``FakeState.cache_thresholds``).
+        checkpoints: it declares ``checkpoints`` (L78): a checkpoint holds the
+            latents and the step; ``restore`` refuses one of another request,
+            version or runner, and one cut or altered (``CheckpointError``).
 
     Counters (read them from any thread): ``live_states`` (states held now),
     ``prepares``, ``steps_run`` (member-steps), ``batch_steps`` (``step`` calls
     that finished), ``decodes`` (decodes that finished), ``previews``,
     ``suspends``, ``resumes``, ``parked_states`` (suspended now), ``blocks_run``
-    and ``chunks_decoded`` (with ``blocks``), ``closed``, and ``threads`` (names
+    and ``chunks_decoded`` (with ``blocks``), ``checkpoints_taken`` and ``restores``
+    (with ``checkpoints``), ``closed``, and ``threads`` (names
     of the threads that called it).
     """
 
@@ -93,6 +104,7 @@ class FakeRunner:
         frames: tuple[int, int] | None = None,
         blocks: int = 0,
         step_cache: bool = False,
+        checkpoints: bool = False,
     ) -> None:
         if blocks < 0:
             raise ValueError(f"blocks: must be >= 0, got {blocks}")
@@ -110,6 +122,7 @@ class FakeRunner:
             frames=frames,
             cancel_points=blocks > 0,
             step_cache=frozenset({"first-block", "taylorseer"}) if step_cache else frozenset(),
+            checkpoints=checkpoints,
         )
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -124,6 +137,8 @@ class FakeRunner:
         self.parked_states = 0
         self.blocks_run = 0
         self.chunks_decoded = 0
+        self.checkpoints_taken = 0
+        self.restores = 0
         self.closed = False
         self.threads: set[str] = set()
 
@@ -161,6 +176,7 @@ class FakeRunner:
             frames=request.num_frames,
             cache=cache,
             cache_thresholds=[] if cache is not None else None,
+            request=request,
         )
 
     def step(self, states: Sequence[FakeState]) -> None:
@@ -285,6 +301,37 @@ class FakeRunner:
         state.parked = state.on_host = False
         self._count(resumes=1, parked_states=-1)
 
+    def checkpoint(self, state: FakeState) -> tuple[GenerationRequest, torch.Tensor, int]:
+        """A copy of the latents and the step (L78)."""
+        self._check_usable(state, "checkpoint")
+        assert state.request is not None
+        self._count(checkpoints_taken=1)
+        return state.request, state.latents.clone(), state.steps_done
+
+    def checkpoint_bytes(self, copy: object) -> bytes:
+        """The copy as an omni_trio checkpoint of runner ``FakeRunner``."""
+        request, latents, steps = cast("tuple[GenerationRequest, torch.Tensor, int]", copy)
+        data = io.BytesIO()
+        torch.save({"latents": latents}, data)
+        return pack_checkpoint(data.getvalue(), model=_MODEL_KEY, request=request, step=steps)
+
+    def restore(
+        self, request: GenerationRequest, request_id: str, data: bytes
+    ) -> tuple[FakeState, int]:
+        """The state after the checkpoint's step (``CheckpointError`` if it is not ours)."""
+        payload, steps = unpack_checkpoint(data, model=_MODEL_KEY, request=request)
+        try:
+            latents = torch.load(io.BytesIO(payload), weights_only=True)["latents"]
+        except Exception as exc:
+            raise CheckpointError(f"its payload does not load ({type(exc).__name__})") from None
+        state = self.prepare(request, request_id)
+        if latents.shape != state.latents.shape or not 0 <= steps < state.total:
+            self.discard(state)
+            raise CheckpointError("its latents or its step do not fit the request")
+        state.latents, state.steps_done = latents, steps
+        self._count(restores=1)
+        return state, steps
+
     def close(self) -> None:
         """Mark the runner closed."""
         with self._changed:
@@ -328,6 +375,7 @@ class GatedRunner(FakeRunner):
         blocks: int = 0,
         gate_blocks: bool = False,
         step_cache: bool = False,
+        checkpoints: bool = False,
     ) -> None:
         super().__init__(
             step_seconds=step_seconds,
@@ -337,6 +385,7 @@ class GatedRunner(FakeRunner):
             frames=frames,
             blocks=blocks,
             step_cache=step_cache,
+            checkpoints=checkpoints,
         )
         if gate_blocks and not blocks:
             raise ValueError("gate_blocks: needs blocks > 0")

@@ -16,6 +16,7 @@ from omni_trio import EngineConfig
 from omni_trio.cli._errors import EXIT_ERROR, EXIT_USAGE, CommandError, UsageError, summary
 from omni_trio.cli._options import check_model, load, make_service, service_options
 from omni_trio.cli._serve import add_serve_arguments
+from omni_trio.serve._jobstore import default_jobs_dir
 from omni_trio.serve._models import MODELS, ModelError, load_model
 from omni_trio.serve._options import ServiceOptions
 
@@ -75,10 +76,12 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_the_options_become_service_options() -> None:
     """``serve``'s defaults are the command's own (a queue of 256, 10 s of grace, at most
-    200 steps); what it leaves to the model stays ``None``; devices are a tuple."""
+    200 steps, video jobs in the user's state folder); what it leaves to the model stays
+    ``None``; devices are a tuple."""
     assert service_options(parse("--model", "fake")) == ServiceOptions(
         model="fake",
         step_seconds=0.05,
+        jobs_dir=str(default_jobs_dir()),
         engine_config=EngineConfig(
             max_batch_size=4,
             max_waiting=256,

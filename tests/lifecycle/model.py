@@ -1307,4 +1307,4 @@ def hook_submit(machine: Machine) -> None:
             machine.on_submit(handle)
         return handle
 
-    engine.submit = submit  # type: ignore[method-assign]
+    engine.submit = submit  # type: ignore[method-assign,assignment]
