@@ -49,10 +49,18 @@ from hypothesis import HealthCheck, given, settings
 
 import omni_trio as ot
 from omni_trio._worker import Worker
-from omni_trio.testing import assert_nothing_left
+from omni_trio.testing import assert_nothing_left, assume_step_cost
 from tests.lifecycle.clock import virtual_clock_options
 from tests.lifecycle.model import Machine, MachineRunner, hook_submit, note
-from tests.lifecycle.ops import MAX_SIZE, MAX_STEPS, Advance, Plan, plans, two_worker_plans
+from tests.lifecycle.ops import (
+    MAX_SIZE,
+    MAX_STEPS,
+    PIXEL_S,
+    Advance,
+    Plan,
+    plans,
+    two_worker_plans,
+)
 from tests.support.core import BUDGET, WorkerKilled
 
 WAITING = ot.RequestStatus.WAITING
@@ -126,11 +134,15 @@ async def run_plan(plan: Plan) -> None:
         max_height=MAX_SIZE,
         max_width=MAX_SIZE,
         max_preemptions=plan.max_preemptions,
+        tenant_weights=plan.tenant_weights,
     )
     machine: Machine | None = None
     death: ot.EngineDeadError | None = None
     try:
         async with ot.open_engine(runners if plan.workers > 1 else runners[0], config) as engine:
+            # Fair share's costs from the requests alone, so the worker model
+            # predicts its order (L57).
+            assume_step_cost(engine, PIXEL_S)
             try:
                 async with anyio.create_task_group() as tg:
                     machine = Machine(runners, engine, tg, plan)
