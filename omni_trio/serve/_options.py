@@ -24,6 +24,7 @@ from .._errors import InvalidRequestError
 from .._request import GenerationRequest
 from ._app import Service
 from ._config import ServeConfig, with_defaults
+from ._keys import ApiKeys
 from ._models import FALLBACK_FPS, LoadedModel, load_model
 from ._upload import UploadLimits
 from ._video_body import default_frames
@@ -92,6 +93,9 @@ class ServiceOptions:
         video_fps: frames per second of a video model's MP4s (``VideoConfig.fps``).
         video_jobs: the most video jobs held at once (``VideoConfig.max_jobs``).
         video_ttl_s: seconds a finished video job is kept (``VideoConfig.ttl_s``).
+        keys: the API keys the service accepts, their tenants and limits (L55,
+            L56; ``Service``'s ``keys``); ``None``: an open server. Only digests
+            travel: the keys themselves are never kept.
     """
 
     model: str
@@ -112,6 +116,7 @@ class ServiceOptions:
     video_fps: float | None = None
     video_jobs: int = _VIDEO.max_jobs
     video_ttl_s: float = _VIDEO.ttl_s
+    keys: ApiKeys | None = None
 
     def with_serve_config(self, config: ServeConfig) -> ServiceOptions:
         """These options with every setting of ``config``: its defaults, not the model's."""
@@ -174,6 +179,7 @@ def build_service(options: ServiceOptions, *, model: LoadedModel | None = None) 
         config=config,
         upload_limits=options.upload_limits,
         video_config=videos,
+        keys=options.keys,
     )
 
 

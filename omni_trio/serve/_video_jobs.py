@@ -382,6 +382,14 @@ class VideoJobs:
         self._tasks.start_soon(self._run, job, handle, name=f"video job {job_id}")
         return job
 
+    def running_of(self, tenant: str) -> int:
+        """How many of ``tenant``'s jobs are not finished (L56); O(jobs held)."""
+        return sum(
+            1
+            for job in self._jobs.values()
+            if not job.is_finished and job.handle is not None and job.handle.tenant == tenant
+        )
+
     def new_id(self) -> str:
         """A fresh job id: ``video_`` + its sequence number + random hex."""
         self._seq += 1

@@ -36,6 +36,7 @@ from ._asgi import (
 )
 from ._errors import ApiError, api_error_from, invalid
 from ._forms import read_form
+from ._keys import caller, caller_tenant, check_running_jobs, tenant_request
 from ._schema import DEADLINE_HEADER, shown
 from ._upload import UploadLimits
 from ._video_body import parse_video_body
@@ -103,9 +104,9 @@ class VideosApi:
             if job is not None:
                 await send_json(send, 200, job.body(), {"X-Request-Id": job.id})
             else:
-                self._metrics.count("disconnected")
+                self._metrics.count("disconnected", caller_tenant(scope))
             return
-        self._metrics.count(error.outcome)
+        self._metrics.count(error.outcome, caller_tenant(scope))
         await send_error(send, error)
 
     async def _create(self, scope: Scope, receive: Receive) -> VideoJob | None:
@@ -131,8 +132,11 @@ class VideosApi:
             admission=self._admission,
         )
         self._jobs.check_room()
+        key = caller(scope)
+        if key is not None:
+            check_running_jobs(key, self._jobs.running_of(key.tenant), self._config.retry_after_s)
         job_id = self._jobs.new_id()
-        handle = engine.submit(spec.request, request_id=job_id)
+        handle = engine.submit(tenant_request(spec.request, scope), request_id=job_id)
         return self._jobs.start(job_id, spec, handle, self._config.model_name)
 
     # -- the other routes -------------------------------------------------------
