@@ -16,6 +16,7 @@ from .cache import plot_cache, run_cache, table_cache
 from .common import Options, machine
 from .deadline import plot_deadline, run_deadline, table_deadline
 from .devices import plot_devices, run_devices, table_devices
+from .fairness import plot_fairness, run_fairness, table_fairness
 from .join import plot_join, run_join, table_join
 from .leak import plot_leak, run_leak, table_leak
 from .overhead import plot_overhead, run_overhead, table_overhead
@@ -164,6 +165,16 @@ BENCHMARKS: dict[str, Benchmark] = {
             run=run_deadline,
             table=table_deadline,
             plot=plot_deadline,
+        ),
+        Benchmark(
+            name="fairness",
+            what=(
+                "a heavy tenant flooding beside a light one: fair share vs FIFO"
+                " (the policy on a virtual clock); the cost of admission with 100 tenants"
+            ),
+            run=run_fairness,
+            table=table_fairness,
+            plot=plot_fairness,
         ),
         Benchmark(
             name="cache",
