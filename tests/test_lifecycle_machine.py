@@ -197,7 +197,7 @@ async def run_plan(plan: Plan) -> None:
 @settings(settings.get_profile(PROFILE))
 @given(plan=plans)
 async def test_lifecycle_state_machine(plan: Plan) -> None:
-    """L1-L19, L22, L23, L30-L36, L60-L62: any sequence of operations keeps every invariant.
+    """L1-L19, L22, L23, L30-L36, L57, L60-L62: any sequence of operations keeps every invariant.
 
     After each operation: every request ends exactly once and nothing follows its
     end (L15); the statistics add up and match each handle's status (L19); ids are
@@ -205,7 +205,9 @@ async def test_lifecycle_state_machine(plan: Plan) -> None:
     holds exactly the running requests' states (L8); undisturbed requests complete
     with the right images (L3, L9); aborts land within one step (L6, L7); after
     shutdown no thread is left and nothing is held (L31-L35); the worker takes
-    requests by priority, then deadline, then admission (L60, L62); each batch is
+    requests by priority, then fair share between tenants, then deadline, then
+    admission (L57, L60, L62), and two tenants waiting together never drift apart
+    by more than one request's cost over their weights (L57); each batch is
     the one the worker model predicts, suspensions included: a strictly higher
     priority that cannot start suspends the lowest-ranked member or the whole
     batch, at most max_preemptions times each, and the suspended request resumes

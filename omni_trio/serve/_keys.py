@@ -378,7 +378,7 @@ def tenant_request(request: GenerationRequest, scope: Mapping[str, Any]) -> Gene
 def require_admin(scope: Mapping[str, Any], action: str = "this route") -> None:
     """Refuse ``action`` (what the route does, for the message) unless an admin key sent it.
 
-    The one check every admin route makes (loading and unloading adapters, L88).
+    The one check every admin route makes (loading and unloading adapters).
     On an open server (no keys) every caller may: it is open by its operator's
     choice, and says so in its log at start.
 
