@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import TYPE_CHECKING, TypeVar
 
 from ._request import MAX_TENANT_CHARS
@@ -115,9 +114,8 @@ class EngineConfig:
     max_parked_bytes: int | None = None
     torch_threads: int | None = None
     default_cache: StepCache | None = None
-    # Left out of the hash (a read-only mapping has none); still compared.
-    tenant_weights: Mapping[str, float] = field(default_factory=dict, hash=False)
-    tenant_max_waiting: Mapping[str, int] = field(default_factory=dict, hash=False)
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    tenant_max_waiting: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in (
@@ -241,4 +239,38 @@ def _tenant_table(name: str, table: object, check: Callable[[str, object], V]) -
         if not 0 < len(tenant) <= MAX_TENANT_CHARS:
             fail_config(name, f"tenant names must have 1 to {MAX_TENANT_CHARS} characters")
         copy[tenant] = check(f"{name}[{tenant!r}]", value)
-    return MappingProxyType(copy)
+    return FrozenMapping(copy)
+
+
+K = TypeVar("K")
+
+
+class FrozenMapping(Mapping[K, V]):
+    """A read-only copy of a mapping that hashes, compares and pickles as its items do.
+
+    Not ``MappingProxyType``: a config travels to other processes (a Ray replica's
+    options are pickled) and is hashable.
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[K, V]) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: K) -> V:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._items.items()))
+
+    def __repr__(self) -> str:
+        return repr(self._items)
+
+    def __reduce__(self) -> tuple[type[FrozenMapping[K, V]], tuple[dict[K, V]]]:
+        return type(self), (self._items,)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import pickle
 from dataclasses import dataclass, field
 
 import anyio
@@ -285,7 +286,8 @@ def test_bad_tenant_weights_are_refused_at_construction(weights: object, message
 
 
 def test_tenant_tables_are_frozen_copies() -> None:
-    """L58: the config keeps read-only copies: changing the caller's dict changes nothing."""
+    """L58: the config keeps read-only copies: changing the caller's dict changes nothing;
+    it still hashes and pickles."""
     weights = {"a": 2}
     limits = {"a": 3}
     config = ot.EngineConfig(tenant_weights=weights, tenant_max_waiting=limits)
@@ -295,7 +297,11 @@ def test_tenant_tables_are_frozen_copies() -> None:
     assert dict(config.tenant_max_waiting) == {"a": 3}
     with pytest.raises(TypeError):
         config.tenant_weights["a"] = 1.0  # type: ignore[index]
-    hash(config)  # still hashable
+    # Hashable and picklable (a Ray replica's options travel pickled).
+    assert hash(config) == hash(
+        ot.EngineConfig(tenant_weights={"a": 2.0}, tenant_max_waiting={"a": 3})
+    )
+    assert pickle.loads(pickle.dumps(config)) == config
     with pytest.raises(ValueError, match="tenant_max_waiting"):
         ot.EngineConfig(tenant_max_waiting={"a": 0})
 

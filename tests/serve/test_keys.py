@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,15 @@ import pytest
 from starlette.routing import Route
 
 import omni_trio as ot
-from omni_trio.serve import ApiKey, ApiKeys, Service, TenantLimits, load_keys_file, require_admin
+from omni_trio.serve import (
+    ApiKey,
+    ApiKeys,
+    Service,
+    ServiceOptions,
+    TenantLimits,
+    load_keys_file,
+    require_admin,
+)
 from omni_trio.serve._keys import CALLER, KeyGate, RateLimiter, check_running_jobs
 from omni_trio.serve._ray_ingress import REPLICA_HEADER, ReplicaIngress
 from omni_trio.testing import FakeRunner
@@ -277,6 +286,15 @@ def test_keys_compare_by_digest_and_hide_it() -> None:
         ApiKeys(keys=(ApiKey.of("k1", tenant="t"), ApiKey.of("k2", tenant="t", weight=2)))
     with pytest.raises(ValueError, match="twice"):
         ApiKeys(keys=(ApiKey.of("k1", tenant="t"), ApiKey.of("k1", tenant="u")))
+
+
+def test_the_keys_travel_to_a_replica_as_digests() -> None:
+    """L55: ``ServiceOptions.keys`` pickles (Ray sends a replica its options) and holds
+    no key: only digests, which no ``repr`` shows."""
+    options = ServiceOptions(model="fake", keys=KEYS)
+    data = pickle.dumps(options)
+    assert pickle.loads(data) == options
+    assert SECRET.encode() not in data and SECRET not in repr(options)
 
 
 def test_a_keys_file_in_toml_or_json(tmp_path: Path) -> None:
