@@ -29,8 +29,8 @@ With all priorities equal and one tenant this is admission order (FIFO).
 Complexity, with n requests waiting and t tenants: ``push`` is O(log n);
 ``remove`` is O(1) amortised plus the fair share's bookkeeping (the entry is
 forgotten at once and skipped when it reaches the top of its heap; the heaps are
-rebuilt, in O(n log n), only once they hold more withdrawn entries than waiting
-ones, so they stay O(n) in size); ``take`` is O(log n) per entry it pops or
+rebuilt, in O(n), only once they hold more withdrawn entries than waiting ones,
+so they stay O(n) in size); ``take`` is O(log n) per entry it pops or
 refreshes (each request taken, each withdrawn entry it skips, once, and the
 tenant heads whose tag moved); ``drain`` is O(n log n) (it sorts); ``len`` and
 membership are O(1) and exact.
@@ -305,18 +305,39 @@ class WaitingQueue(Generic[T]):
 
         Called after every withdrawal and take, so the heaps never hold more than
         ``max(_MIN_REBUILD, n)`` withdrawn entries or superseded heads (memory
-        stays O(n)). A rebuild costs O(n log n) and follows more than n
-        withdrawals: O(log n) amortised.
+        stays O(n)). A rebuild costs O(n) (heapify) and follows more than n
+        withdrawals: O(1) amortised.
         """
         live = len(self._entries)
         bound = max(_MIN_REBUILD, live)
         if self._held - live <= bound and self._heads - live <= bound:
             return
-        self._levels.clear()
-        self._order.clear()
-        self._held = self._heads = 0
+        levels: dict[int, _Level[T]] = {}
         for entry in self._entries.values():
-            self._place(entry)
+            level = levels.get(entry[5])
+            if level is None:
+                level = levels[entry[5]] = _Level()
+            sub = level.subs.get(entry[6])
+            if sub is None:
+                sub = level.subs[entry[6]] = _Sub()
+            sub.heap.append(entry)
+            sub.live += 1
+            level.live += 1
+        share = self._share
+        for priority, level in levels.items():
+            for tenant, sub in level.subs.items():
+                heapq.heapify(sub.heap)
+                self._stamp += 1
+                sub.stamp = self._stamp
+                head = sub.heap[0]
+                tag = share.tag(priority, tenant)
+                level.heads.append((tag, head[0], head[1], sub.stamp, tenant))
+            heapq.heapify(level.heads)
+        self._levels = levels
+        self._order = [-priority for priority in levels]
+        heapq.heapify(self._order)
+        self._held = live
+        self._heads = sum(len(level.heads) for level in levels.values())
 
     def _best(self) -> tuple[_FairRank, _Entry[T]] | None:
         """The best-ranked waiting entry and its rank, after popping stale entries off the top."""

@@ -14,6 +14,7 @@ import itertools
 import math
 import pickle
 from dataclasses import dataclass, field
+from unittest import mock
 
 import anyio
 import pytest
@@ -21,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import omni_trio as ot
+from omni_trio import _queue as queue_module
 from omni_trio._fairshare import FairShare
 from omni_trio._queue import WaitingQueue, take
 from omni_trio.testing import assume_step_cost
@@ -128,16 +130,21 @@ fair_ops = st.lists(
 
 
 @settings(max_examples=300)
-@given(fair_ops, st.sampled_from([{}, {"a": 3.0}, {"a": 0.5, "b": 2.0}]))
+@given(
+    fair_ops,
+    st.sampled_from([{}, {"a": 3.0}, {"a": 0.5, "b": 2.0}]),
+    st.sampled_from([0, queue_module._MIN_REBUILD]),
+)
 def test_queue_matches_the_fair_share_model(
-    operations: list[tuple[str, object]], weights: dict[str, float]
+    operations: list[tuple[str, object]], weights: dict[str, float], rebuild: int
 ) -> None:
     """L57: take returns the best by (-priority, tenant's tag, deadline, admission), charging
     each tenant its cost over its weight, from two queues that share one ``FairShare``.
 
     The model scans a list; the queues keep heaps of tenants' heads that are
     refreshed lazily. They must agree at every take, and ``drain`` must give the
-    model's order.
+    model's order. With ``rebuild`` 0 the heaps are rebuilt at every withdrawal or
+    take that leaves more withdrawn entries than waiting ones.
     """
     share = FairShare(weights)
     queues: tuple[WaitingQueue[Item], WaitingQueue[Item]] = (
@@ -145,6 +152,16 @@ def test_queue_matches_the_fair_share_model(
         WaitingQueue(share),
     )
     model = FairModel(weights)
+    with mock.patch.object(queue_module, "_MIN_REBUILD", rebuild):
+        _replay(operations, queues, model, share)
+
+
+def _replay(
+    operations: list[tuple[str, object]],
+    queues: tuple[WaitingQueue[Item], WaitingQueue[Item]],
+    model: FairModel,
+    share: FairShare,
+) -> None:
     created: list[Item] = []
     key_of: dict[Item, int] = {}
     sequence = itertools.count()
@@ -183,6 +200,25 @@ def test_queue_matches_the_fair_share_model(
     assert sorted(drained, key=expected.index) == expected
     for tenant in (None, "a", "b", "c"):
         assert share.waiting(tenant) == 0
+
+
+def test_a_rebuild_keeps_each_tenants_order() -> None:
+    """L57, L62: once withdrawn entries outnumber the waiting ones the heaps are rebuilt
+    from the waiting items, in admission order, and still give each tenant's earliest
+    deadline first, and the tenants in their tags' order."""
+    queue: WaitingQueue[Item] = WaitingQueue(FairShare())
+    late, soon, other = Item("late"), Item("soon"), Item("other")
+    gone = [Item(f"gone{i}") for i in range(4)]
+    queue.push(late, 0, tenant="a", cost=1.0)
+    for item in gone:
+        queue.push(item, 0, tenant="a", deadline=0.5, cost=1.0)
+    queue.push(soon, 0, tenant="a", deadline=1.0, cost=1.0)
+    queue.push(other, 0, tenant="b", cost=1.0)
+    with mock.patch.object(queue_module, "_MIN_REBUILD", 0):
+        for item in gone:
+            assert queue.remove(item)
+        assert queue._held == len(queue)  # rebuilt: no withdrawn entry left
+        assert queue.take(batch_key=None, free=3, can_join=True) == [soon, other, late]
 
 
 arrivals = st.lists(st.sampled_from([0.5, 1.0, 2.0, 4.0]), min_size=1, max_size=40)
