@@ -12,6 +12,7 @@ preview     step time with previews read vs off (tiny SD)
 pipeline    one request at a time, engine vs the pipeline's own call
 devices     throughput with 1, 2 and 4 workers sharing one queue (FakeRunner; tiny SD)
 deadline    goodput under a 2x overload, with deadlines vs FIFO (FakeRunner)
+fairness    a heavy tenant flooding beside a light one: fair share vs FIFO; admission cost
 priority    an urgent request behind background batches: FIFO, priorities, preemption
 serve       open-loop HTTP load with impatient clients, omni-trio serve vs naive
 cache       step caching: block work, wall time, PSNR, batch invariance; diffusers' hook (tiny DiTs)

@@ -17,6 +17,7 @@ from .cache import plot_cache, run_cache, table_cache
 from .common import Options, machine
 from .deadline import plot_deadline, run_deadline, table_deadline
 from .devices import plot_devices, run_devices, table_devices
+from .fairness import plot_fairness, run_fairness, table_fairness
 from .jobs import plot_jobs, run_jobs, table_jobs
 from .join import plot_join, run_join, table_join
 from .leak import plot_leak, run_leak, table_leak
@@ -175,6 +176,16 @@ BENCHMARKS: dict[str, Benchmark] = {
             run=run_jobs,
             table=table_jobs,
             plot=plot_jobs,
+        ),
+        Benchmark(
+            name="fairness",
+            what=(
+                "a heavy tenant flooding beside a light one: fair share vs FIFO"
+                " (the policy on a virtual clock); the cost of admission with 100 tenants"
+            ),
+            run=run_fairness,
+            table=table_fairness,
+            plot=plot_fairness,
         ),
         Benchmark(
             name="cache",

@@ -410,6 +410,36 @@ TARGETS: tuple[Target, ...] = (
         ),
         met=_ray_met,
     ),
+    Target(
+        bench="fairness",
+        label="light tenant's p99 latency beside a 10x flood at 2x capacity, over alone",
+        target="≤ 1.5x",
+        figure=lambda r: (
+            f"{_s(r)['light_p99_over_idle_fair']:.2f}x with fair share"
+            f" (FIFO {_s(r)['light_p99_over_idle_fifo']:.1f}x)"
+        ),
+        met=lambda r: _s(r)["light_p99_over_idle_fair"] <= 1.5,
+    ),
+    Target(
+        bench="fairness",
+        label="shares of step-seconds while both wait, vs the weights' (1:1, 3:1)",
+        target="within 5 %",
+        figure=lambda r: (
+            f"off by {100 * _s(r)['share_error_1to1']:.1f} % and"
+            f" {100 * _s(r)['share_error_3to1']:.1f} %"
+        ),
+        met=lambda r: max(_s(r)["share_error_1to1"], _s(r)["share_error_3to1"]) <= 0.05,
+    ),
+    Target(
+        bench="fairness",
+        label="cost per admission and per take, 100 tenants over none",
+        target="flat (≤ 1.5x)",
+        figure=lambda r: (
+            f"submit {_s(r)['admit_ratio']:.2f}x ({_s(r)['admit_us_100_tenants']:.0f} µs),"
+            f" take {_s(r)['take_ratio']:.2f}x ({_s(r)['take_us_100_tenants']:.1f} µs)"
+        ),
+        met=lambda r: max(_s(r)["admit_ratio"], _s(r)["take_ratio"]) <= 1.5,
+    ),
 )
 
 

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
 
+from ._request import MAX_TENANT_CHARS
 from ._stepcache import StepCache
-from ._validate import check_float, check_int, fail_config, fail_request
+from ._validate import check_float, check_int, check_text, fail_config, fail_request
 
 if TYPE_CHECKING:
     from ._request import GenerationRequest
 
-__all__ = ["EngineConfig"]
+__all__ = ["MAX_TENANT_WEIGHT", "EngineConfig"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,6 +86,14 @@ class EngineConfig:
             (``GenerationRequest.cache`` is ``None``); ``None``: no caching. A
             request opts out with ``StepCache(kind="none")``. ``open_engine``
             refuses one its runners cannot apply.
+        tenant_weights: each named tenant's weight in fair share (L57, L58):
+            within a priority level, backlogged tenants get device step-seconds
+            in proportion to their weights. A tenant not named here (and the
+            default tenant, ``None``) weighs 1. Weights are finite numbers > 0 and
+            at most ``MAX_TENANT_WEIGHT`` (1e6); stored as a read-only copy.
+        tenant_max_waiting: the most requests a named tenant may have waiting
+            (suspended ones included); ``submit`` raises ``QueueFullError`` beyond
+            it (L56). A tenant not named here is bounded by ``max_waiting`` only.
     """
 
     max_batch_size: int = 4
@@ -104,6 +114,8 @@ class EngineConfig:
     max_parked_bytes: int | None = None
     torch_threads: int | None = None
     default_cache: StepCache | None = None
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    tenant_max_waiting: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in (
@@ -155,6 +167,23 @@ class EngineConfig:
             if step == 0.0:
                 fail_config("max_step_s", "must be > 0 (None: no bound), got 0.0")
             object.__setattr__(self, "max_step_s", step)
+        weights = _tenant_table(
+            "tenant_weights",
+            self.tenant_weights,
+            lambda name, value: check_float(
+                fail_config, name, value, minimum=0.0, maximum=MAX_TENANT_WEIGHT
+            ),
+        )
+        for tenant, weight in weights.items():
+            if not weight > 0.0:
+                fail_config("tenant_weights", f"the weight of {tenant!r} must be > 0, got {weight}")
+        object.__setattr__(self, "tenant_weights", weights)
+        limits = _tenant_table(
+            "tenant_max_waiting",
+            self.tenant_max_waiting,
+            lambda name, value: check_int(fail_config, name, value, minimum=1, maximum=sys.maxsize),
+        )
+        object.__setattr__(self, "tenant_max_waiting", limits)
 
     def check_request(self, request: GenerationRequest) -> None:
         """Raise ``InvalidRequestError`` naming the first field over this config's limits."""
@@ -188,3 +217,60 @@ class EngineConfig:
         if request.cache is not None or self.default_cache is None:
             return request
         return dataclasses.replace(request, cache=self.default_cache)
+
+
+#: The largest tenant weight accepted: far more contrast than fair share needs,
+#: and small enough that a cost over a weight stays a normal float.
+MAX_TENANT_WEIGHT = 1e6
+
+
+V = TypeVar("V")
+
+
+def _tenant_table(name: str, table: object, check: Callable[[str, object], V]) -> Mapping[str, V]:
+    """A read-only copy of a mapping of tenant names (text, 1 to 256 characters) to values."""
+    if not isinstance(table, Mapping):
+        fail_config(name, f"must be a mapping of tenant names, got {type(table).__name__}")
+    copy: dict[str, V] = {}
+    for tenant, value in list(table.items()):
+        if not isinstance(tenant, str):
+            fail_config(name, f"tenant names must be str, got {type(tenant).__name__}")
+        tenant = check_text(fail_config, name, tenant, what="a tenant name")
+        if not 0 < len(tenant) <= MAX_TENANT_CHARS:
+            fail_config(name, f"tenant names must have 1 to {MAX_TENANT_CHARS} characters")
+        copy[tenant] = check(f"{name}[{tenant!r}]", value)
+    return FrozenMapping(copy)
+
+
+K = TypeVar("K")
+
+
+class FrozenMapping(Mapping[K, V]):
+    """A read-only copy of a mapping that hashes, compares and pickles as its items do.
+
+    Not ``MappingProxyType``: a config travels to other processes (a Ray replica's
+    options are pickled) and is hashable.
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[K, V]) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: K) -> V:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._items.items()))
+
+    def __repr__(self) -> str:
+        return repr(self._items)
+
+    def __reduce__(self) -> tuple[type[FrozenMapping[K, V]], tuple[dict[K, V]]]:
+        return type(self), (self._items,)

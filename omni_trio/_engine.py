@@ -97,7 +97,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         self._config = config
         _check_default_cache(config, self._capabilities)
         self._inbox: LoopInbox[Message[WorkItem]] = LoopInbox(self._dispatch)
-        self._pool = Pool()
+        self._pool = Pool(weights=self._config.tenant_weights)
         number = next(_engine_numbers)
         several = len(runners) > 1
         self._workers = [
@@ -171,7 +171,8 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         Raises:
             InvalidRequestError: a field is invalid or over a limit (L4).
             DuplicateRequestError: a live request has this id (L2).
-            QueueFullError: ``max_waiting`` requests wait already (L5).
+            QueueFullError: ``max_waiting`` requests wait already (L5), or
+                its tenant's ``tenant_max_waiting`` of them (L56).
             DeadlineError: the engine's estimate says ``deadline_s`` cannot be
                 met (L62).
             EngineClosedError: shutdown has begun (L30).
@@ -236,14 +237,18 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         )
         record.checkpoint = checkpoint
         record.resume_from = resume_from
-        if not self._pool.enqueue(
+        full = self._pool.enqueue(
             record,
             limit=self._config.max_waiting,
+            tenant_limit=(
+                None
+                if request.tenant is None
+                else self._config.tenant_max_waiting.get(request.tenant)
+            ),
             deadline=math.inf if deadline is None else deadline,
-        ):
-            raise QueueFullError(
-                f"{self._config.max_waiting} requests are waiting already", request_id=request_id
-            )
+        )
+        if full is not None:
+            raise QueueFullError(full, request_id=request_id)
         if deadline is not None:
             self._deadlines.add(record, deadline)
         self._live[request_id] = record

@@ -83,6 +83,11 @@ class RequestHandle(metaclass=NoPublicConstructor, made_by="Engine.submit()"):
         return self._record.request_id
 
     @property
+    def tenant(self) -> str | None:
+        """The request's tenant (``GenerationRequest.tenant``, L58); ``None``: the default."""
+        return self._record.request.tenant
+
+    @property
     def status(self) -> RequestStatus:
         """The request's status now."""
         return self._record.status

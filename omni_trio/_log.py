@@ -8,7 +8,9 @@ only a ``NullHandler`` to ``omni_trio``: where the lines go is the application's
 choice (``omni-trio serve`` configures stderr).
 
 Records about one request carry its id as ``record.request_id`` (the
-``extra={"request_id": ...}`` convention), so a handler can filter or index on it.
+``extra={"request_id": ...}`` convention), so a handler can filter or index on it;
+a request's last line carries its tenant too, as ``record.tenant`` (``None`` for
+the default tenant, L56).
 """
 
 from __future__ import annotations
@@ -105,7 +107,11 @@ def log_finished(record: Record, status: RequestStatus, outcome: object) -> None
     ENGINE.log(
         level,
         " ".join(parts[:3]) + "".join(parts[3:]),
-        extra={"request_id": record.request_id, "outcome": status.value},
+        extra={
+            "request_id": record.request_id,
+            "outcome": status.value,
+            "tenant": record.request.tenant,
+        },
     )
 
 

@@ -13,15 +13,20 @@ idle, a busy one takes nothing new into its batch (the idle one starts it alone,
 on its own device) and preempts nothing for a new request; and an idle worker
 that wakes to several waiting requests takes its share of them (the waiting ones
 divided among the idle workers), not a whole batch that leaves the others idle.
+
+Fair share (L57): the queues share one ``FairShare`` (the tenants' tags), and
+``costs`` holds what the workers measured a step to cost per batch key, which
+prices each request at admission: its steps times its step's estimated seconds.
 """
 
 from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from ._fairshare import FairShare, StepCosts
 from ._queue import WaitingQueue
 
 if TYPE_CHECKING:
@@ -47,22 +52,38 @@ class Withdrawal(enum.Enum):
 class Pool:
     """The shared lock, the queue of new requests and the workers that take from it."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, weights: Mapping[str, float] | None = None) -> None:
         self.cond = threading.Condition()
-        self.fresh: WaitingQueue[WorkItem] = WaitingQueue()
+        # The tenants' tags, shared by the queue of new requests and every
+        # worker's queue of suspended ones (``new_queue``).
+        self.share = FairShare(weights)
+        self.costs = StepCosts()
+        self.fresh: WaitingQueue[WorkItem] = self.new_queue()
         self.workers: list[Worker] = []
         # Workers waiting for work in ``cond.wait`` (woken or not yet running).
         self.idle = 0
         self.stopping = False
 
-    def enqueue(self, item: WorkItem, *, limit: int, deadline: float) -> bool:
-        """Queue ``item`` unless ``limit`` items wait already; return whether queued.
+    def new_queue(self) -> WaitingQueue[WorkItem]:
+        """A queue that ranks with this pool's fair share (a worker's parked one)."""
+        return WaitingQueue(self.share)
 
-        ``deadline`` is its absolute deadline, for ranking (``math.inf``: none).
+    def enqueue(
+        self, item: WorkItem, *, limit: int, tenant_limit: int | None, deadline: float
+    ) -> str | None:
+        """Queue ``item`` unless a limit is reached; return ``None``, or why not.
+
+        ``limit`` bounds the items waiting, ``tenant_limit`` (``None``: none) those
+        of its tenant; ``deadline`` is its absolute deadline, for ranking
+        (``math.inf``: none). Its cost for fair share is its steps times the
+        step's estimated seconds (``StepCosts``), fixed now.
         """
+        tenant = item.request.tenant
         with self.cond:
             if self._waiting() >= limit:
-                return False
+                return f"{limit} requests are waiting already"
+            if tenant_limit is not None and self.share.waiting(tenant) >= tenant_limit:
+                return f"{tenant_limit} requests of tenant {tenant!r} are waiting already"
             item.rank_deadline = deadline
             item.sequence = self.fresh.push(
                 item,
@@ -70,9 +91,11 @@ class Pool:
                 priority=item.request.priority,
                 deadline=deadline,
                 steps=item.steps_total,
+                tenant=tenant,
+                cost=item.steps_total * self.costs.step_s(item.batch_key, item.step_pixels),
             )
             self.cond.notify()
-        return True
+        return None
 
     def _waiting(self) -> int:
         return len(self.fresh) + sum(len(worker.parked) for worker in self.workers)

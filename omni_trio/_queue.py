@@ -3,26 +3,37 @@
 No I/O, no threads, no locks: the worker and the pool call these under the pool's
 lock (see ``_pool``, ``_worker``).
 
-Ranking (L60): every waiting request has a rank, ``(-priority, deadline,
-admission sequence)``, compared as a tuple; the smallest is the best-ranked.
-Higher priority goes first; among equal priorities the earliest deadline (L62;
-``+inf`` for a request without one), then the earlier admission. The deadline is
-an absolute time on any one clock the caller picks (the engine uses its event
-loop's): the queue only compares the numbers.
+Ranking (L60, L57): every waiting request has a rank, ``(-priority, tag,
+deadline, admission sequence)``, compared as a tuple; the smallest is the
+best-ranked. Higher priority goes first; within a priority level the tenant
+whose fair-share tag is smallest (``_fairshare``: weighted fair queueing over
+device step-seconds); within a tenant the earliest deadline (L62; ``+inf`` for a
+request without one), then the earlier admission. With one tenant (the default)
+the tag is the same for every request and the rank is ``(-priority, deadline,
+sequence)``. The deadline is an absolute time on any one clock the caller picks
+(the engine uses its event loop's): the queue only compares the numbers. A tag
+moves when its tenant is served, so it is not stored with the request: the
+queue keeps, per priority, one heap per tenant ordered by ``(deadline,
+sequence)`` and a heap of the tenants' heads ordered by ``(tag, deadline,
+sequence)``, refreshed lazily (a head whose tag moved, or that left, is
+re-pushed when it reaches the top; tags only grow, so a stale head is never
+found too late).
 
 Batch formation: a request joins a running batch only when its batch key equals
 the batch's key and it is the best-ranked waiting request, so a stream of
 compatible newcomers never starves a better-ranked request with another key (the
 batch drains, then that request starts the next one). An idle worker takes the
 best-ranked request, then the next best-ranked ones while they have its key.
-With all priorities equal this is admission order (FIFO).
+With all priorities equal and one tenant this is admission order (FIFO).
 
-Complexity, with n requests waiting: ``push`` is O(log n); ``remove`` is O(1)
-amortised (the entry is forgotten at once and skipped when it reaches the top of
-the heap; the heap is rebuilt, in O(n), only once it holds more withdrawn entries
-than waiting ones, so it stays O(n) in size); ``take`` is O(log n) per heap entry
-it pops (each request taken, and each withdrawn entry it skips, once); ``drain``
-is O(n log n) (it sorts); ``len`` and membership are O(1) and exact.
+Complexity, with n requests waiting and t tenants: ``push`` is O(log n);
+``remove`` is O(1) amortised plus the fair share's bookkeeping (the entry is
+forgotten at once and skipped when it reaches the top of its heap; the heaps are
+rebuilt, in O(n), only once they hold more withdrawn entries than waiting ones,
+so they stay O(n) in size); ``take`` is O(log n) per entry it pops or
+refreshes (each request taken, each withdrawn entry it skips, once, and the
+tenant heads whose tag moved); ``drain`` is O(n log n) (it sorts); ``len`` and
+membership are O(1) and exact.
 
 Admission's estimate (L62) asks ``steps_ahead``: the steps of the items ranked
 ahead of a newcomer. A running sum of steps is kept per priority, and per
@@ -30,7 +41,9 @@ priority the steps of the items with a deadline in a ``DeadlineSums`` (prefix
 sums by deadline, ``_stepsums``): ``steps_ahead`` is O(k + log n), k the number of
 distinct priorities waiting, never a scan of the queue. Keeping them adds
 O(log n) to ``push``, to ``remove`` and to each item ``take`` pops, for items
-with a deadline only.
+with a deadline only. Across tenants it counts every tenant's items of an equal
+priority with an earlier deadline: fair share may run another tenant's work
+first, or this one's later, and the estimate does not model the interleaving.
 """
 
 from __future__ import annotations
@@ -40,6 +53,7 @@ import math
 from collections.abc import Hashable, Sequence
 from typing import Generic, TypeVar
 
+from ._fairshare import FairShare, Tenant
 from ._stepsums import DeadlineSums
 
 __all__ = ["Rank", "WaitingQueue", "best_of", "take"]
@@ -49,29 +63,80 @@ T = TypeVar("T", bound=Hashable)
 #: A rank as the queue compares them: ``(-priority, deadline, sequence)``.
 Rank = tuple[int, float, int]
 
-# The heap entry: (-priority, deadline, sequence, item, batch key, steps). The
-# sequence is unique, so tuple comparison never reaches the item or the key (which
-# need not be orderable).
-_Entry = tuple[int, float, int, T, Hashable, int]
+#: A rank with its fair-share tag: ``(-priority, tag, deadline, sequence)``.
+_FairRank = tuple[int, float, float, int]
 
-#: Below this many withdrawn entries the heap is never rebuilt, so a short queue
+# A tenant's heap entry: (deadline, sequence, item, batch key, steps, priority,
+# tenant, cost). The sequence is unique, so tuple comparison never reaches the
+# item or the key (which need not be orderable).
+_Entry = tuple[float, int, T, Hashable, int, int, Tenant, float]
+
+# A level's heap of tenant heads: (tag, deadline, sequence, stamp, tenant). An
+# entry is live when its stamp is its tenant's (older ones were superseded by a
+# better head) and stale when its tag or its head moved since.
+_Head = tuple[float, float, int, int, Tenant]
+
+#: Below this many withdrawn entries the heaps are never rebuilt, so a short queue
 #: with a few aborts does not rebuild at every one (picked without measurement).
 _MIN_REBUILD = 64
+
+
+class _Sub(Generic[T]):
+    """One tenant's waiting items at one priority: a heap by (deadline, sequence)."""
+
+    __slots__ = ("heap", "live", "stamp")
+
+    def __init__(self) -> None:
+        self.heap: list[_Entry[T]] = []
+        self.live = 0
+        self.stamp = 0
+
+
+class _Level(Generic[T]):
+    """One priority's tenants and the heap of their heads."""
+
+    __slots__ = ("heads", "live", "subs")
+
+    def __init__(self) -> None:
+        self.subs: dict[Tenant, _Sub[T]] = {}
+        self.heads: list[_Head] = []
+        self.live = 0
 
 
 class WaitingQueue(Generic[T]):
     """Admitted requests waiting for the worker, best-ranked first.
 
-    Items are compared by identity (the admission), never by request id.
+    Items are compared by identity (the admission), never by request id. Queues
+    that are taken from together (``take``, ``best_of``) share one ``FairShare``.
     """
 
-    __slots__ = ("_by_deadline", "_entries", "_heap", "_sequence", "_steps")
+    __slots__ = (
+        "_by_deadline",
+        "_entries",
+        "_heads",
+        "_held",
+        "_levels",
+        "_order",
+        "_sequence",
+        "_share",
+        "_stamp",
+        "_steps",
+    )
 
-    def __init__(self) -> None:
-        # The waiting items and their live heap entries: the exact count and
-        # O(1) membership. The heap may also hold entries of withdrawn items.
+    def __init__(self, share: FairShare | None = None) -> None:
+        # The fair share's tags, shared with the queues taken from together.
+        self._share = FairShare() if share is None else share
+        # The waiting items and their live entries: the exact count and O(1)
+        # membership. The tenants' heaps may also hold entries of withdrawn items.
         self._entries: dict[T, _Entry[T]] = {}
-        self._heap: list[_Entry[T]] = []
+        self._levels: dict[int, _Level[T]] = {}
+        # The priorities waiting, as -priority (may repeat or name emptied ones).
+        self._order: list[int] = []
+        # Entries in the tenants' heaps, and heads in the levels' (compaction).
+        self._held = 0
+        self._heads = 0
+        # Numbers the tenants' heads: a head is live while its sub carries its stamp.
+        self._stamp = 0
         self._sequence = 0
         # The steps of the waiting items, summed per priority (for admission's
         # estimate, ``steps_ahead``); a priority whose sum reaches 0 is removed.
@@ -95,6 +160,8 @@ class WaitingQueue(Generic[T]):
         deadline: float = math.inf,
         steps: int = 0,
         sequence: int | None = None,
+        tenant: Tenant = None,
+        cost: float = 0.0,
     ) -> int:
         """Admit ``item`` with its batch ``key``, ``priority`` (higher first) and ``deadline``.
 
@@ -102,13 +169,16 @@ class WaitingQueue(Generic[T]):
             item: what waits.
             key: its batch key.
             priority: higher ranks first.
-            deadline: an absolute time; among equal priorities the earliest ranks
-                first (``math.inf``: none).
+            deadline: an absolute time; within a tenant of one priority the
+                earliest ranks first (``math.inf``: none).
             steps: its step count, summed for ``steps_ahead``.
             sequence: the admission sequence a queue's ``push`` returned when
                 ``item`` was first admitted, for an item that comes back (a
                 suspended request, L61), possibly into another queue: it keeps its
                 place among equals. ``None``: a new one, numbered by this queue.
+            tenant: whose it is (``None``: the default tenant), for fair share.
+            cost: what its tenant is charged when it is taken (device seconds;
+                0 for one that comes back, charged already).
 
         Returns:
             The item's admission sequence.
@@ -123,9 +193,10 @@ class WaitingQueue(Generic[T]):
             self._sequence += 1
         # A returning item's old entry left its heap when it was taken, so its
         # sequence is unique among the heaps' entries again.
-        entry: _Entry[T] = (-priority, deadline, sequence, item, key, steps)
+        entry: _Entry[T] = (deadline, sequence, item, key, steps, priority, tenant, cost)
         self._entries[item] = entry
-        heapq.heappush(self._heap, entry)
+        self._share.joined(priority, tenant)
+        self._place(entry)
         if steps:
             self._steps[priority] = self._steps.get(priority, 0) + steps
             if deadline != math.inf:
@@ -135,13 +206,35 @@ class WaitingQueue(Generic[T]):
                 sums.add(deadline, sequence, steps)
         return sequence
 
+    def _place(self, entry: _Entry[T]) -> None:
+        """Put a live ``entry`` in its tenant's heap, and its head in its level's."""
+        priority, tenant = entry[5], entry[6]
+        level = self._levels.get(priority)
+        if level is None:
+            level = self._levels[priority] = _Level()
+            heapq.heappush(self._order, -priority)
+        sub = level.subs.get(tenant)
+        if sub is None:
+            sub = level.subs[tenant] = _Sub()
+        heapq.heappush(sub.heap, entry)
+        sub.live += 1
+        level.live += 1
+        self._held += 1
+        if sub.heap[0] is entry:
+            # A new head for the tenant: it supersedes the tenant's older ones.
+            self._stamp += 1
+            sub.stamp = self._stamp
+            tag = self._share.tag(priority, tenant)
+            heapq.heappush(level.heads, (tag, entry[0], entry[1], sub.stamp, tenant))
+            self._heads += 1
+
     def best(self) -> tuple[T, Hashable, int] | None:
         """The best-ranked waiting item, its batch key and its priority; ``None`` if none.
 
-        O(1) amortised (it pops the withdrawn entries it finds on top).
+        O(1) amortised (it pops the withdrawn and stale entries it finds on top).
         """
-        entry = self._best()
-        return None if entry is None else (entry[3], entry[4], -entry[0])
+        found = self._best()
+        return None if found is None else (found[1][2], found[1][3], found[1][5])
 
     def steps_ahead(self, priority: int, deadline: float) -> int:
         """The steps of the waiting items ranked ahead of a newcomer (L62).
@@ -157,7 +250,7 @@ class WaitingQueue(Generic[T]):
         return ahead if sums is None else ahead + sums.through(deadline)
 
     def _forget_steps(self, entry: _Entry[T]) -> None:
-        priority, deadline, sequence, steps = -entry[0], entry[1], entry[2], entry[5]
+        deadline, sequence, steps, priority = entry[0], entry[1], entry[4], entry[5]
         if not steps:
             return
         left = self._steps[priority] - steps
@@ -172,56 +265,143 @@ class WaitingQueue(Generic[T]):
                 del self._by_deadline[priority]
 
     def remove(self, item: T) -> bool:
-        """Withdraw ``item``; return whether it was waiting."""
+        """Withdraw ``item``; return whether it was waiting. Its tenant is charged nothing."""
+        return self._leave(item, served=False)
+
+    def claim(self, item: T) -> bool:
+        """Take ``item`` out for a worker, as ``take`` would; return whether it was waiting.
+
+        Its tenant is charged its cost (a preemption's newcomer, reserved, L61).
+        """
+        return self._leave(item, served=True)
+
+    def _leave(self, item: T, *, served: bool) -> bool:
         entry = self._entries.pop(item, None)
         if entry is None:
             return False
         self._forget_steps(entry)
-        # Lazy deletion: the entry stays in the heap until it is popped.
+        # Lazy deletion: the entry stays in its tenant's heap until it is popped.
+        self._left(entry, served=served)
         self._compact()
         return True
 
+    def _left(self, entry: _Entry[T], *, served: bool) -> None:
+        """Count ``entry`` out of its tenant and level (it left ``_entries``)."""
+        priority, tenant = entry[5], entry[6]
+        self._share.left(priority, tenant, cost=entry[7] if served else None)
+        level = self._levels[priority]
+        sub = level.subs[tenant]
+        sub.live -= 1
+        level.live -= 1
+        if not sub.live:
+            self._held -= len(sub.heap)
+            del level.subs[tenant]
+            if not level.live:
+                self._heads -= len(level.heads)
+                del self._levels[priority]
+
     def _compact(self) -> None:
-        """Rebuild the heap once withdrawn entries outnumber the waiting ones.
+        """Rebuild the heaps once withdrawn entries outnumber the waiting ones.
 
-        Called after every withdrawal and take, so the heap never holds more
-        than ``max(_MIN_REBUILD, n)`` withdrawn entries (memory stays O(n)). A
-        rebuild costs O(n) and follows more than n withdrawals: O(1) amortised.
+        Called after every withdrawal and take, so the heaps never hold more than
+        ``max(_MIN_REBUILD, n)`` withdrawn entries or superseded heads (memory
+        stays O(n)). A rebuild costs O(n) (heapify) and follows more than n
+        withdrawals: O(1) amortised.
         """
-        withdrawn = len(self._heap) - len(self._entries)
-        if withdrawn > _MIN_REBUILD and withdrawn > len(self._entries):
-            self._heap = list(self._entries.values())
-            heapq.heapify(self._heap)
+        live = len(self._entries)
+        bound = max(_MIN_REBUILD, live)
+        if self._held - live <= bound and self._heads - live <= bound:
+            return
+        levels: dict[int, _Level[T]] = {}
+        for entry in self._entries.values():
+            level = levels.get(entry[5])
+            if level is None:
+                level = levels[entry[5]] = _Level()
+            sub = level.subs.get(entry[6])
+            if sub is None:
+                sub = level.subs[entry[6]] = _Sub()
+            sub.heap.append(entry)
+            sub.live += 1
+            level.live += 1
+        share = self._share
+        for priority, level in levels.items():
+            for tenant, sub in level.subs.items():
+                heapq.heapify(sub.heap)
+                self._stamp += 1
+                sub.stamp = self._stamp
+                head = sub.heap[0]
+                tag = share.tag(priority, tenant)
+                level.heads.append((tag, head[0], head[1], sub.stamp, tenant))
+            heapq.heapify(level.heads)
+        self._levels = levels
+        self._order = [-priority for priority in levels]
+        heapq.heapify(self._order)
+        self._held = live
+        self._heads = sum(len(level.heads) for level in levels.values())
 
-    def _best(self) -> _Entry[T] | None:
-        """The best-ranked waiting entry, after popping withdrawn ones off the top."""
-        heap = self._heap
-        while heap:
-            entry = heap[0]
-            # ``is``: an item withdrawn and pushed again has a new entry.
-            if self._entries.get(entry[3]) is entry:
-                return entry
-            heapq.heappop(heap)
+    def _best(self) -> tuple[_FairRank, _Entry[T]] | None:
+        """The best-ranked waiting entry and its rank, after popping stale entries off the top."""
+        order = self._order
+        while order:
+            priority = -order[0]
+            level = self._levels.get(priority)
+            if level is None:
+                heapq.heappop(order)
+                continue
+            tag, entry = self._head(level, priority)
+            return (-priority, tag, entry[0], entry[1]), entry
         return None
+
+    def _head(self, level: _Level[T], priority: int) -> tuple[float, _Entry[T]]:
+        """The best tenant head of a non-empty ``level`` and its tag, refreshing stale heads."""
+        heads, entries, share = level.heads, self._entries, self._share
+        while True:
+            tag, deadline, sequence, stamp, tenant = heads[0]
+            sub = level.subs.get(tenant)
+            if sub is None or stamp != sub.stamp:
+                heapq.heappop(heads)  # its tenant left, or a better head superseded it
+                self._heads -= 1
+                continue
+            heap = sub.heap
+            # ``is``: an item withdrawn and pushed again has a new entry.
+            while entries.get(heap[0][2]) is not heap[0]:
+                heapq.heappop(heap)
+                self._held -= 1
+            entry = heap[0]
+            current = share.tag(priority, tenant)
+            if tag == current and entry[0] == deadline and entry[1] == sequence:
+                return tag, entry
+            heapq.heapreplace(heads, (current, entry[0], entry[1], stamp, tenant))
 
     def take(self, *, batch_key: Hashable | None, free: int, can_join: bool) -> list[T]:
         """Remove and return the requests that may enter the batch now (see ``take``)."""
         return take((self,), batch_key=batch_key, free=free, can_join=can_join)
 
     def _pop(self, entry: _Entry[T]) -> None:
-        """Remove the best entry, which ``_best`` just returned."""
-        heapq.heappop(self._heap)
-        del self._entries[entry[3]]
+        """Take the best entry, which ``_best`` just returned, and charge its tenant."""
+        sub = self._levels[entry[5]].subs[entry[6]]
+        heapq.heappop(sub.heap)
+        self._held -= 1
+        del self._entries[entry[2]]
         self._forget_steps(entry)
+        self._left(entry, served=True)
 
     def drain(self) -> list[T]:
         """Remove and return every waiting item, best-ranked first (rank order)."""
-        entries = sorted(self._entries.values())
+        share = self._share
+        entries = sorted(
+            self._entries.values(),
+            key=lambda e: (-e[5], share.tag(e[5], e[6]), e[0], e[1]),
+        )
+        for entry in entries:
+            share.left(entry[5], entry[6])
         self._entries.clear()
-        self._heap.clear()
+        self._levels.clear()
+        self._order.clear()
+        self._held = self._heads = 0
         self._steps.clear()
         self._by_deadline.clear()
-        return [entry[3] for entry in entries]
+        return [entry[2] for entry in entries]
 
 
 def best_of(
@@ -229,17 +409,24 @@ def best_of(
 ) -> tuple[T, Hashable, int, WaitingQueue[T]] | None:
     """The best-ranked waiting item of several queues: item, key, priority and its queue.
 
-    The queues' items must have ranks from one numbering (distinct sequences).
+    The queues' items must have ranks from one numbering (distinct sequences) and
+    one ``FairShare``.
     """
-    found: tuple[_Entry[T], WaitingQueue[T]] | None = None
-    for queue in queues:
-        entry = queue._best()
-        if entry is not None and (found is None or entry[:3] < found[0][:3]):
-            found = (entry, queue)
+    found = _best_entry(queues)
     if found is None:
         return None
     entry, queue = found
-    return entry[3], entry[4], -entry[0], queue
+    return entry[2], entry[3], entry[5], queue
+
+
+def _best_entry(queues: Sequence[WaitingQueue[T]]) -> tuple[_Entry[T], WaitingQueue[T]] | None:
+    """The best-ranked waiting entry of several queues, and its queue."""
+    found: tuple[_FairRank, _Entry[T], WaitingQueue[T]] | None = None
+    for queue in queues:
+        best = queue._best()
+        if best is not None and (found is None or best[0] < found[0]):
+            found = (best[0], best[1], queue)
+    return None if found is None else (found[1], found[2])
 
 
 def take(
@@ -248,10 +435,13 @@ def take(
     """Remove and return the requests that may enter the batch now, from several queues.
 
     The queues are taken from as if they were one (a worker's own suspended
-    requests beside the shared queue): each item taken is the best-ranked of all.
+    requests beside the shared queue): each item taken is the best-ranked of all,
+    and its tenant is charged its cost as it is taken, which may change the rank
+    of the next.
 
     Args:
-        queues: where to take from; their ranks share one numbering.
+        queues: where to take from; their ranks share one numbering and one
+            ``FairShare``.
         batch_key: the key of the running batch, ``None`` when none runs.
         free: places left in the batch.
         can_join: whether requests may join a batch that is already running.
@@ -265,17 +455,16 @@ def take(
     taken: list[T] = []
     key = batch_key
     while len(taken) < free:
-        found = best_of(queues)
+        found = _best_entry(queues)
         if found is None:
             break
-        item, item_key, _, queue = found
+        entry, queue = found
         if key is None:
-            key = item_key
-        elif item_key != key:
+            key = entry[3]
+        elif entry[3] != key:
             break
-        entry = queue._entries[item]
         queue._pop(entry)
-        taken.append(item)
+        taken.append(entry[2])
     for queue in queues:
         queue._compact()
     return taken

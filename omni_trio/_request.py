@@ -29,6 +29,7 @@ __all__ = [
     "MAX_GUIDANCE_SCALE",
     "MAX_NUM_FRAMES",
     "MAX_PRIORITY",
+    "MAX_TENANT_CHARS",
     "GenerationRequest",
     "ImageInput",
     "RequestKind",
@@ -64,6 +65,10 @@ MAX_PRIORITY = 2**31 - 1
 #: generation, and small enough that the absolute deadline (the loop's clock plus
 #: this) stays an exact, finite float.
 MAX_DEADLINE_S = 1e6
+
+#: The longest ``tenant`` accepted: a name, as an id is, never a document (it is
+#: a log field and a metrics label's value).
+MAX_TENANT_CHARS = 256
 
 #: The most ``num_frames`` accepted: three minutes at 24 frames a second, beyond what
 #: today's video models make in one generation (Wan: 81, LTX-Video: 257), so no
@@ -127,6 +132,11 @@ class GenerationRequest:
             runner has loaded, or more than ``RunnerCapabilities.max_adapters``.
             Never part of a batch key: requests with different adapters share
             batches (L86).
+        tenant: whose request this is, for fair share (L57, L58): within a
+            priority level, workers share device time between tenants by their
+            weights (``EngineConfig.tenant_weights``), counted in step-seconds.
+            ``None``, the default tenant, is one tenant like any other. Text, as
+            ``prompt``, of 1 to ``MAX_TENANT_CHARS`` (256) characters.
 
     Equality compares every field, images by value; ``repr`` leaves the images out.
 
@@ -152,6 +162,7 @@ class GenerationRequest:
     num_frames: int | None = None
     cache: StepCache | None = None
     adapters: Mapping[str, float] | AdapterPairs = ()
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         fail = fail_request
@@ -202,6 +213,11 @@ class GenerationRequest:
         if self.cache is not None and not isinstance(self.cache, StepCache):
             fail("cache", f"must be a StepCache or None, got {type(self.cache).__name__}")
         store(self, "adapters", check_adapter_pairs(fail, self.adapters))
+        if self.tenant is not None:
+            tenant = check_text(fail, "tenant", self.tenant)
+            if not 0 < len(tenant) <= MAX_TENANT_CHARS:
+                fail("tenant", f"must be a non-empty str of at most {MAX_TENANT_CHARS} characters")
+            store(self, "tenant", tenant)
         self._check_edit()
 
     def _check_edit(self) -> None:

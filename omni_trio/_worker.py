@@ -52,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, cast
 
@@ -140,7 +140,7 @@ class Worker:
         self._rules_no_preemption = dataclasses.replace(self._rules, preempting=False)
         self._park_on_host = config.park_on_host
         self._max_parked_bytes = config.max_parked_bytes
-        self.parked: WaitingQueue[WorkItem] = WaitingQueue()
+        self.parked: WaitingQueue[WorkItem] = pool.new_queue()
         self._parked_sizes: dict[WorkItem, int] = {}
         # Suspended requests the engine ended because this worker died (L43);
         # the exiting thread discards their state.
@@ -402,14 +402,16 @@ class Worker:
             pixel_s=self._pixel_s,
         )
 
-    def _measured(self, elapsed: float, pixels: int) -> None:
+    def _measured(self, elapsed: float, key: Hashable, pixels: int) -> None:
         """Fold one batch step's duration, over ``pixels`` in all, into the moving averages.
 
-        One average per worker, not one per batch key: admission's estimates are
-        coarse anyway. The next ``_publish`` hands them to admission.
+        One average per worker, not one per batch key, for admission's estimates
+        (coarse anyway; the next ``_publish`` hands them to admission); and the
+        pool's per batch key, which prices requests for fair share (L57).
         """
         self._step_s = _averaged(self._step_s, elapsed)
         self._pixel_s = _averaged(self._pixel_s, elapsed / max(1, pixels))
+        self._pool.costs.measured(key, elapsed, pixels)
 
     def _members(self, running: list[WorkItem]) -> list[Member[WorkItem]]:
         """The running batch as the boundary policy sees it; under the lock."""
@@ -506,8 +508,8 @@ class Worker:
             stands = fits and self._replan(running) == plan
             if stands:
                 # Reserved: it is this worker's from now on, whatever the suspensions do.
-                if not self._pool.fresh.remove(newcomer):
-                    self.parked.remove(newcomer)
+                if not self._pool.fresh.claim(newcomer):
+                    self.parked.claim(newcomer)
                 self._taken([newcomer])
                 self._publish([*running, newcomer])
         if not stands:
@@ -549,6 +551,7 @@ class Worker:
             deadline=item.rank_deadline,
             steps=item.steps_total - item.steps_done,
             sequence=item.sequence,
+            tenant=item.request.tenant,
         )
         self._parked_sizes[item] = size
         self.parked_bytes += size
@@ -675,7 +678,7 @@ class Worker:
             return
         elapsed = time.perf_counter() - started
         self.batch_steps += 1
-        self._measured(elapsed, sum(item.step_pixels for item in running))
+        self._measured(elapsed, running[0].batch_key, sum(item.step_pixels for item in running))
         stepped = [(item, self._stepped(item, elapsed)) for item in running]
         running[:] = [
             item for item, error in stepped if error is None and item.steps_done < item.steps_total
@@ -730,7 +733,7 @@ class Worker:
                 item.steps_total = total
             now = time.perf_counter()
             self.batch_steps += 1
-            self._measured(now - last, item.step_pixels)
+            self._measured(now - last, item.batch_key, item.step_pixels)
             error = self._stepped(item, now - last)
             self._publish((item,))
             last = self._step_started = now

@@ -39,6 +39,7 @@ THREAD_SIDE = (
     "_scheduler",
     "_queue",
     "_stepsums",
+    "_fairshare",
     "_workitem",
     "_messages",
     "_cancelpoint",
@@ -152,8 +153,8 @@ def test_the_thread_side_imports_no_event_loop(name: str) -> None:
     assert not crossing(core(name), tuple(f"omni_trio.{m}" for m in LOOP_SIDE)), name
 
 
-#: The pure modules: the waiting queue, its step sums and the boundary policy.
-PURE = ("_scheduler", "_queue", "_stepsums")
+#: The pure modules: the waiting queue, its step sums, fair share and the boundary policy.
+PURE = ("_scheduler", "_queue", "_stepsums", "_fairshare")
 
 
 @pytest.mark.parametrize("name", PURE)

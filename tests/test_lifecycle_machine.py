@@ -49,10 +49,18 @@ from hypothesis import HealthCheck, given, settings
 
 import omni_trio as ot
 from omni_trio._worker import Worker
-from omni_trio.testing import assert_nothing_left
+from omni_trio.testing import assert_nothing_left, assume_step_cost
 from tests.lifecycle.clock import virtual_clock_options
 from tests.lifecycle.model import Machine, MachineRunner, hook_submit, note
-from tests.lifecycle.ops import MAX_SIZE, MAX_STEPS, Advance, Plan, plans, two_worker_plans
+from tests.lifecycle.ops import (
+    MAX_SIZE,
+    MAX_STEPS,
+    PIXEL_S,
+    Advance,
+    Plan,
+    plans,
+    two_worker_plans,
+)
 from tests.support.core import BUDGET, WorkerKilled
 
 WAITING = ot.RequestStatus.WAITING
@@ -126,11 +134,15 @@ async def run_plan(plan: Plan) -> None:
         max_height=MAX_SIZE,
         max_width=MAX_SIZE,
         max_preemptions=plan.max_preemptions,
+        tenant_weights=plan.tenant_weights,
     )
     machine: Machine | None = None
     death: ot.EngineDeadError | None = None
     try:
         async with ot.open_engine(runners if plan.workers > 1 else runners[0], config) as engine:
+            # Fair share's costs from the requests alone, so the worker model
+            # predicts its order (L57).
+            assume_step_cost(engine, PIXEL_S)
             try:
                 async with anyio.create_task_group() as tg:
                     machine = Machine(runners, engine, tg, plan)
@@ -185,7 +197,7 @@ async def run_plan(plan: Plan) -> None:
 @settings(settings.get_profile(PROFILE))
 @given(plan=plans)
 async def test_lifecycle_state_machine(plan: Plan) -> None:
-    """L1-L19, L22, L23, L30-L36, L60-L62: any sequence of operations keeps every invariant.
+    """L1-L19, L22, L23, L30-L36, L57, L60-L62: any sequence of operations keeps every invariant.
 
     After each operation: every request ends exactly once and nothing follows its
     end (L15); the statistics add up and match each handle's status (L19); ids are
@@ -193,7 +205,9 @@ async def test_lifecycle_state_machine(plan: Plan) -> None:
     holds exactly the running requests' states (L8); undisturbed requests complete
     with the right images (L3, L9); aborts land within one step (L6, L7); after
     shutdown no thread is left and nothing is held (L31-L35); the worker takes
-    requests by priority, then deadline, then admission (L60, L62); each batch is
+    requests by priority, then fair share between tenants, then deadline, then
+    admission (L57, L60, L62), and two tenants waiting together never drift apart
+    by more than one request's cost over their weights (L57); each batch is
     the one the worker model predicts, suspensions included: a strictly higher
     priority that cannot start suspends the lowest-ranked member or the whole
     batch, at most max_preemptions times each, and the suspended request resumes

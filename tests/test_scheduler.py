@@ -216,7 +216,8 @@ def test_queue_matches_ranked_model(operations: list[tuple[str, object]], rebuil
                 )
             assert all(item in queue for _, item in model)
             # Withdrawn entries never outnumber the waiting ones past the threshold.
-            assert len(queue._heap) - len(queue) <= max(rebuild, len(queue))
+            assert queue._held - len(queue) <= max(rebuild, len(queue))
+            assert queue._heads - len(queue) <= max(rebuild, len(queue))
         assert queue.drain() == [item for _, item in sorted(model, key=lambda entry: entry[0])]
     assert len(queue) == 0
 
@@ -276,7 +277,7 @@ def test_better_ranked_request_with_other_key_is_not_starved() -> None:
 
 
 def test_withdrawn_entries_are_skipped_and_memory_stays_bounded() -> None:
-    """Many withdrawals: the count stays exact, the heap is rebuilt, the order holds."""
+    """Many withdrawals: the count stays exact, the heaps are rebuilt, the order holds."""
     queue: WaitingQueue[Item] = WaitingQueue()
     items = [Item(0) for _ in range(1000)]
     for index, item in enumerate(items):
@@ -285,7 +286,7 @@ def test_withdrawn_entries_are_skipped_and_memory_stays_bounded() -> None:
         assert queue.remove(item)
     assert not queue.remove(items[0])
     assert len(queue) == 100
-    assert len(queue._heap) <= 2 * len(queue) + queue_module._MIN_REBUILD
+    assert queue._held <= 2 * len(queue) + queue_module._MIN_REBUILD
     # Priority index % 3, highest first; then admission order.
     best_first = [item for _, _, item in sorted((-(i % 3), i, items[i]) for i in range(900, 1000))]
     assert queue.take(batch_key=None, free=1000, can_join=True) == best_first
@@ -316,7 +317,7 @@ def test_a_take_that_leaves_withdrawn_entries_behind_compacts_the_heap() -> None
         assert queue.remove(item)  # as many withdrawn as waiting: no rebuild yet
     assert queue.take(batch_key=None, free=half // 2, can_join=True) == items[: half // 2]
     assert len(queue) == half - half // 2
-    assert len(queue._heap) - len(queue) <= max(queue_module._MIN_REBUILD, len(queue))
+    assert queue._held - len(queue) <= max(queue_module._MIN_REBUILD, len(queue))
 
 
 # -- the boundary policy -------------------------------------------------------

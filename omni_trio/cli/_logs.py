@@ -36,7 +36,8 @@ class JsonFormatter(logging.Formatter):
 
     Keys: ``time`` (ISO 8601, UTC, milliseconds), ``level``, ``logger``,
     ``message``; ``request_id`` when the record concerns a request (its
-    ``extra``); ``exc`` with the traceback when the record has one.
+    ``extra``), and ``tenant`` when that request has one (L56); ``exc`` with the
+    traceback when the record has one.
     """
 
     def format(self, record: logging.LogRecord) -> str:
@@ -50,6 +51,9 @@ class JsonFormatter(logging.Formatter):
         request_id = getattr(record, "request_id", None)
         if request_id is not None:
             entry["request_id"] = request_id
+        tenant = getattr(record, "tenant", None)
+        if tenant is not None:
+            entry["tenant"] = tenant
         if record.exc_info and not record.exc_text:
             record.exc_text = self.formatException(record.exc_info)
         if record.exc_text:

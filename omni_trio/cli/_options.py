@@ -18,6 +18,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from .._config import EngineConfig
+from ..serve._keys import ApiKeys, load_keys_file
 from ..serve._models import MODELS, LoadedModel, ModelError, model_folder
 from ..serve._options import OptionError, ServiceOptions, build_service
 from ..serve._upload import UploadLimits
@@ -159,7 +160,30 @@ def service_options(args: argparse.Namespace) -> ServiceOptions:
         adapters=tuple(args.adapter),
         adapter_dir=args.adapter_dir,
         allow_adapter_admin=args.allow_adapter_admin,
+        keys=_keys(args),
     )
+
+
+def _keys(args: argparse.Namespace) -> ApiKeys | None:
+    """The keys of ``--api-key`` (``OMNI_TRIO_API_KEYS``), ``--keys-file`` and ``--metrics-auth``.
+
+    Raises:
+        UsageError: a keys file that cannot be read or is wrong, or
+            ``--metrics-auth`` without any key.
+    """
+    given: list[str] = []
+    # Each --api-key is a list (comma-separated); from the variable, one list.
+    for value in args.api_keys or ():
+        given += value if isinstance(value, list) else [value]
+    keys = ApiKeys.from_keys(given, metrics_auth=args.metrics_auth)
+    if args.keys_file is not None:
+        try:
+            keys = keys.merged(load_keys_file(args.keys_file))
+        except ValueError as exc:
+            raise UsageError(f"--keys-file: {exc}") from None
+    if args.metrics_auth and not keys:
+        raise UsageError("--metrics-auth: needs an API key (--api-key or --keys-file)")
+    return keys if keys else None
 
 
 def load(options: ServiceOptions) -> LoadedModel:

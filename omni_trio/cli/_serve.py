@@ -37,6 +37,7 @@ from ._servers import run_hypercorn, run_uvicorn
 from ._sockets import address, check_port
 from ._types import (
     adapter,
+    api_keys,
     count,
     finite,
     interval,
@@ -54,6 +55,24 @@ _log = logging.getLogger("omni_trio.serve")
 
 #: Seconds other threads get to end after the server returned (they were told to).
 THREAD_EXIT_S = 2.0
+
+
+class _AppendKeys(argparse.Action):
+    """``append``, where the command line replaces a default from the environment.
+
+    argparse's own ``append`` would append to the variable's value (``_env``): the
+    command line wins, as for every other option.
+    """
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        given = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, [*(given if isinstance(given, list) else ()), values])
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -302,6 +321,34 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=seconds,
         default=0.05,
         help="simulated compute per step of the fake model (default 0.05)",
+    )
+    keys = parser.add_argument_group(
+        "API keys and tenants (with any key, every route but /health needs one)"
+    )
+    keys.add_argument(
+        # "--api-keys" first: its variable is OMNI_TRIO_API_KEYS, comma-separated.
+        "--api-keys",
+        "--api-key",
+        dest="api_keys",
+        action=_AppendKeys,
+        type=api_keys,
+        default=None,
+        metavar="KEY",
+        help="accept this key as 'Authorization: Bearer KEY' (repeatable, or several"
+        " comma-separated): tenants key1, key2, ..., admin keys (default: none, an open"
+        " server)",
+    )
+    keys.add_argument(
+        "--keys-file",
+        default=None,
+        metavar="PATH",
+        help="TOML (.toml) or JSON file of keys (or their sha256:<hex>), each with its"
+        " tenant, weight, limits and admin flag (see docs/serving.md)",
+    )
+    keys.add_argument(
+        "--metrics-auth",
+        action="store_true",
+        help="/metrics needs a key too (default: open, for a scraper)",
     )
     logs = parser.add_argument_group("logging (stderr)")
     logs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

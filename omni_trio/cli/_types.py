@@ -18,6 +18,7 @@ from .._stepcache import StepCache, parse_step_cache
 
 __all__ = [
     "adapter",
+    "api_keys",
     "count",
     "finite",
     "fraction",
@@ -114,6 +115,17 @@ def fraction(text: str) -> float:
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}")
     return value
+
+
+def api_keys(text: str) -> list[str]:
+    """API keys, comma-separated (L55); never quoted back in an error: they are secrets."""
+    keys = [key.strip() for key in text.split(",")]
+    if not all(keys) or any(not key.isprintable() or " " in key for key in keys):
+        raise argparse.ArgumentTypeError(
+            "expected keys of printable characters without spaces, comma-separated"
+            " (the value is not shown: it is a secret)"
+        )
+    return keys
 
 
 def seconds(text: str) -> float:

@@ -4,6 +4,9 @@
   app's lifespan (``ImageService`` is the deprecated old name of ``Service``);
 - ``ServeConfig``: the HTTP layer's own settings (model name, defaults, body limit);
 - ``UploadLimits``: how large an edit's upload may be (bytes, pixels);
+- ``ApiKeys``, ``ApiKey``, ``TenantLimits``, ``load_keys_file`` (``_keys``): the
+  API keys a service accepts, their tenants, weights and limits (L55, L56), and
+  ``require_admin``, the check of an admin route;
 - ``VideoConfig``: a video model's jobs (``/v1/videos``): fps, how many, how long;
 - ``ServiceOptions`` and ``build_service`` (``_options``): the one way a service is
   built from a model's name and settings: ``python -m omni_trio serve`` (the
@@ -32,7 +35,8 @@ checks), ``_errors`` (OpenAI-style errors, the engine's mapped to them),
 (images to files), ``_upload`` (uploaded images within limits, their headers read
 before their pixels) and ``_config`` (``ServeConfig``; ``with_defaults``, the one
 filling of a request's defaults, which the Ray handle shares; ``Admission``, the
-engine's limits checked before a body costs work).
+engine's limits checked before a body costs work) and ``_keys`` (the key check
+before routing, the caller's tenant on its requests, the tenants' limits).
 An endpoint imports the plumbing, never another endpoint nor ``_app``
 (tests/test_layers.py checks it).
 """
@@ -48,6 +52,11 @@ from ._app import create_app as create_app
 from ._asgi import CLIENT_GONE as CLIENT_GONE
 from ._config import ServeConfig as ServeConfig
 from ._errors import ApiError as ApiError
+from ._keys import ApiKey as ApiKey
+from ._keys import ApiKeys as ApiKeys
+from ._keys import TenantLimits as TenantLimits
+from ._keys import load_keys_file as load_keys_file
+from ._keys import require_admin as require_admin
 from ._metrics import OUTCOMES as OUTCOMES
 from ._models import MODELS as MODELS
 from ._models import LoadedModel as LoadedModel
@@ -64,17 +73,22 @@ __all__ = [
     "MODELS",
     "OUTCOMES",
     "ApiError",
+    "ApiKey",
+    "ApiKeys",
     "LoadedModel",
     "ModelError",
     "OptionError",
     "ServeConfig",
     "Service",
     "ServiceOptions",
+    "TenantLimits",
     "UploadLimits",
     "VideoConfig",
     "build_service",
     "create_app",
+    "load_keys_file",
     "load_model",
+    "require_admin",
 ]
 
 if typing.TYPE_CHECKING:

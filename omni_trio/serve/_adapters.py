@@ -8,9 +8,10 @@
   into every runner; 201 and the adapter. ``DELETE /v1/adapters/{name}``: unload
   it; refused (409) while a request in flight holds it.
 
-Loading and unloading are admin actions: ``require_admin`` is the one check every
-admin route makes (403 unless ``ServeConfig.allow_adapter_admin``, off by default;
-the place where admin keys will be checked). A client never names an arbitrary
+Loading and unloading are admin actions: ``check_admin`` is the one check every
+admin route makes (403 unless ``ServeConfig.allow_adapter_admin``, off by default,
+and, with keys configured, unless the caller's key is an admin's: ``require_admin``,
+L55). A client never names an arbitrary
 file: ``adapter_file`` resolves ``path`` inside the folder and refuses an absolute
 path, ``..``, anything that resolves outside the folder (a symlink out of it
 included), and any file that is not a ``.safetensors``.
@@ -31,21 +32,26 @@ from .._errors import InvalidRequestError
 from ._asgi import error_response
 from ._config import ServeConfig
 from ._errors import ApiError, invalid
+from ._keys import require_admin
 
 if TYPE_CHECKING:
     from .._engine import Engine
 
-__all__ = ["AdaptersApi", "adapter_card", "adapter_file", "require_admin"]
+__all__ = ["AdaptersApi", "adapter_card", "adapter_file", "check_admin"]
 
 #: The statuses of refused loads and unloads, by ``AdapterError.reason``.
 _STATUS = {"invalid": 400, "unknown": 404, "exists": 409, "in-use": 409, "full": 409}
 
 
-def require_admin(request: Request, config: ServeConfig) -> None:
-    """Refuse an admin action (loading, unloading adapters) the server does not allow.
+def check_admin(request: Request, config: ServeConfig, action: str) -> None:
+    """Refuse an admin action (loading, unloading adapters) the server or the key does not allow.
+
+    The server must allow them (``config.allow_adapter_admin``), and with keys
+    configured the caller's must be an admin key (``require_admin``, L55).
 
     Raises:
-        ApiError: 403 unless ``config.allow_adapter_admin``.
+        ApiError: 403 ``admin_not_allowed`` when the server does not allow them,
+            403 ``admin_required`` when the key is not an admin's.
     """
     if not config.allow_adapter_admin:
         raise ApiError(
@@ -54,6 +60,7 @@ def require_admin(request: Request, config: ServeConfig) -> None:
             type="permission_error",
             code="admin_not_allowed",
         )
+    require_admin(request.scope, action)
 
 
 def adapter_file(folder: str, given: str) -> Path:
@@ -118,7 +125,7 @@ class AdaptersApi:
         Cancellation: a load under way finishes and is undone (``Engine.load_adapter``).
         """
         try:
-            require_admin(request, self._config)
+            check_admin(request, self._config, "loading an adapter")
             name, given = _load_body(await request.body())
             folder = self._config.adapter_dir
             if folder is None:
@@ -141,7 +148,7 @@ class AdaptersApi:
         """
         name = request.path_params["name"]
         try:
-            require_admin(request, self._config)
+            check_admin(request, self._config, "unloading an adapter")
             await self._engine().unload_adapter(name)
         except ApiError as error:
             return error_response(error)

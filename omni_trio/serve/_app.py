@@ -7,6 +7,7 @@ asyncio, or any ASGI server) owns it the way it owns its connections.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -16,6 +17,7 @@ from typing import Any
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -30,6 +32,7 @@ from ._config import Admission, ServeConfig
 from ._edits import parse_edit_form
 from ._errors import ApiError, unexpected_error
 from ._images import ImagesEndpoint
+from ._keys import ApiKeys, KeyGate
 from ._metrics import ServeMetrics
 from ._schema import ImageJob
 from ._upload import UploadLimits
@@ -78,6 +81,12 @@ class Service:
         config: the HTTP layer's configuration.
         upload_limits: how large an edit's upload may be (bytes, pixels).
         video_config: a video model's jobs: fps, the bound, the time-to-live.
+        keys: the API keys it accepts (L55, L56): with any, every route but
+            ``/health`` (and ``/metrics`` unless ``keys.metrics_auth``) needs
+            ``Authorization: Bearer <key>``, requests run as the key's tenant,
+            and the tenants' weights and waiting bounds join ``engine_config``'s
+            (``tenant_weights``, ``tenant_max_waiting``). ``None``: an open
+            server, as it says in its log at start.
     """
 
     def __init__(
@@ -88,16 +97,30 @@ class Service:
         config: ServeConfig | None = None,
         upload_limits: UploadLimits | None = None,
         video_config: VideoConfig | None = None,
+        keys: ApiKeys | None = None,
     ) -> None:
         self.config = config if config is not None else ServeConfig()
         self.upload_limits = upload_limits if upload_limits is not None else UploadLimits()
-        self.engine_config = engine_config if engine_config is not None else EngineConfig()
+        engine_config = engine_config if engine_config is not None else EngineConfig()
+        self.keys = keys if keys else None
+        if self.keys is not None:
+            engine_config = dataclasses.replace(
+                engine_config,
+                tenant_weights={**engine_config.tenant_weights, **self.keys.weights()},
+                tenant_max_waiting={
+                    **engine_config.tenant_max_waiting,
+                    **self.keys.max_waiting(),
+                },
+            )
+        self.engine_config = engine_config
         self._runner = runner
         self._engine: Engine | None = None
         self._draining = False
         self._started = False
         self._created = int(time.time())
         self.metrics = ServeMetrics(self._statistics, lambda: self.is_draining)
+        if self.keys is not None:
+            self.metrics.set_tenants(self.keys.tenants)
         first = runner if not isinstance(runner, Sequence) else (runner[0] if runner else None)
         capabilities = getattr(first, "capabilities", None)
         if not isinstance(capabilities, RunnerCapabilities):
@@ -161,6 +184,8 @@ class Service:
             ],
             lifespan=self._lifespan,
             exception_handlers={HTTPException: self._http_error, Exception: self._unexpected},
+            # The key check comes before routing: an unknown path needs a key too.
+            middleware=[Middleware(KeyGate, keys=self.keys, refused=self._refused)],
         )
         self.app.state.service = self
 
@@ -181,6 +206,9 @@ class Service:
     def is_ready(self) -> bool:
         """Whether new generation requests are admitted."""
         return self._engine is not None and not self.is_draining
+
+    def _refused(self, error: ApiError, tenant: str | None) -> None:
+        self.metrics.count(error.outcome, tenant)
 
     def _statistics(self) -> EngineStatistics | None:
         return self._engine.statistics() if self._engine is not None else None
@@ -290,6 +318,15 @@ class Service:
         if self._started:
             raise RuntimeError("a Service runs once: its engine closes the runner")
         self._started = True
+        if self.keys is None:
+            _log.info("no API keys: every route is open to anyone who can reach this server")
+        else:
+            _log.info(
+                "%d API keys for %d tenants; /metrics %s",
+                len(self.keys.keys),
+                len(self.keys.tenants),
+                "needs a key" if self.keys.metrics_auth else "is open",
+            )
         async with open_engine(self._runner, self.engine_config) as engine:
             self._engine = engine
             left: BaseException | None = None

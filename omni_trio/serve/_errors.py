@@ -70,11 +70,24 @@ FIELD_PARAMS: Mapping[str, str] = MappingProxyType(
 
 #: The metrics outcome of each rejecting status.
 _OUTCOMES: Mapping[int, str] = MappingProxyType(
-    {400: "invalid", 413: "too_large", 429: "queue_full", 503: "unavailable"}
+    {
+        400: "invalid",
+        401: "unauthorized",
+        403: "unauthorized",
+        413: "too_large",
+        429: "queue_full",
+        503: "unavailable",
+    }
 )
 
 #: Outcomes of codes that share a status with another refusal.
-_CODE_OUTCOMES: Mapping[str, str] = MappingProxyType({"deadline_unmeetable": "deadline_refused"})
+_CODE_OUTCOMES: Mapping[str, str] = MappingProxyType(
+    {
+        "deadline_unmeetable": "deadline_refused",
+        "rate_limited": "rate_limited",
+        "tenant_jobs_full": "rate_limited",
+    }
+)
 
 
 class ApiError(Exception):

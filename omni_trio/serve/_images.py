@@ -34,6 +34,7 @@ from .._errors import OmniTrioError
 from ._asgi import Client, Receive, Scope, Send, header, read_body, send_error, send_json, sse_event
 from ._encode import b64, encode_images
 from ._errors import ApiError, api_error_from, invalid
+from ._keys import caller_tenant, tenant_request
 from ._schema import DEADLINE_HEADER, ImageJob, parse_generation_body
 
 if TYPE_CHECKING:
@@ -111,17 +112,19 @@ class ImagesEndpoint:
             engine = self._admitting_engine()
             body = await read_body(scope, receive, self._max_body_bytes)
             if body is None:
-                metrics.count("disconnected")
+                metrics.count("disconnected", caller_tenant(scope))
                 return
             job = await self._parse(scope, body)
-            handle = engine.submit(job.request, request_id=f"img-{uuid.uuid4().hex}")
+            handle = engine.submit(
+                tenant_request(job.request, scope), request_id=f"img-{uuid.uuid4().hex}"
+            )
         except OmniTrioError as exc:
             error = api_error_from(exc, retry_after_s=config.retry_after_s)
-            metrics.count(error.outcome)
+            metrics.count(error.outcome, caller_tenant(scope))
             await send_error(send, error)
             return
         except ApiError as error:
-            metrics.count(error.outcome)
+            metrics.count(error.outcome, caller_tenant(scope))
             await send_error(send, error)
             return
         client = Client(receive, send, handle)

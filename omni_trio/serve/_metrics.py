@@ -26,13 +26,24 @@ omni_trio_cache_blocks_total{decision}    counter    step-cached row-blocks, com
 omni_trio_cache_loosened_total            counter    requests whose threshold was loosened (L84)
 omni_trio_video_jobs{status}              gauge      video jobs held now by status (L73)
 omni_trio_video_bytes                     gauge      MP4 bytes the finished video jobs hold now
+omni_trio_tenant_requests_total           counter    generation requests by tenant and outcome
+{tenant,outcome}                                     (L56; the tenants below)
+omni_trio_tenant_queue_wait_seconds       histogram  ``queue_wait_seconds`` by tenant
+{tenant}
 ========================================  =========  ==========================================
 
 Outcomes: ``completed``, ``disconnected`` (the client went away; aborted),
 ``shutdown`` (cut off by shutdown), ``deadline`` (aborted when its deadline passed),
 ``aborted``, ``failed`` (the model raised), and the refusals ``invalid`` (400),
 ``too_large`` (413), ``queue_full`` (429), ``deadline_refused`` (429: the deadline
-cannot be met), ``unavailable`` (503).
+cannot be met), ``unavailable`` (503), and with API keys (L55, L56) ``unauthorized``
+(401, 403) and ``rate_limited`` (429: the tenant's requests per minute, or its
+running video jobs).
+
+The ``tenant`` label takes a bounded set of values: the tenants of the server's
+keys (``set_tenants``), ``default`` for a request without one (an open server),
+and ``other`` for any other name (a library caller's own), so a client cannot
+make series.
 
 Next to them, the standard series every Prometheus client exports: ``process_*``
 (CPU seconds, resident and virtual memory, open file descriptors, start time; on
@@ -46,7 +57,7 @@ change every registry of the process.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -68,7 +79,7 @@ from .._reasons import AbortReason
 if TYPE_CHECKING:
     from .._handle import RequestHandle
 
-__all__ = ["OUTCOMES", "ServeMetrics"]
+__all__ = ["DEFAULT_TENANT_LABEL", "OTHER_TENANT_LABEL", "OUTCOMES", "ServeMetrics"]
 
 OUTCOMES = (
     "completed",
@@ -82,7 +93,14 @@ OUTCOMES = (
     "queue_full",
     "deadline_refused",
     "unavailable",
+    "unauthorized",
+    "rate_limited",
 )
+
+#: The ``tenant`` label of a request without a tenant, and of a tenant not named
+#: by the server's keys.
+DEFAULT_TENANT_LABEL = "default"
+OTHER_TENANT_LABEL = "other"
 
 # Bucket bounds, in seconds. Picked without measurement to span a tiny CPU model
 # (milliseconds per step) to a large GPU model (seconds per step, minutes queued).
@@ -235,6 +253,21 @@ class ServeMetrics:
             "Requests whose step-cache threshold was loosened to meet their deadline.",
             registry=registry,
         )
+        # L56: per tenant, with a bounded set of label values (``tenant_label``).
+        self._tenants: frozenset[str] = frozenset()
+        self.tenant_requests = Counter(
+            "omni_trio_tenant_requests",
+            "Generation requests by tenant and outcome.",
+            ["tenant", "outcome"],
+            registry=registry,
+        )
+        self.tenant_queue_wait = Histogram(
+            "omni_trio_tenant_queue_wait_seconds",
+            "Time from admission to the worker taking the request, by tenant.",
+            ["tenant"],
+            buckets=_SLOW,
+            registry=registry,
+        )
         self.abort_latency = Histogram(
             "omni_trio_abort_latency_seconds",
             "Time from an abort request to the worker releasing the request.",
@@ -285,9 +318,20 @@ class ServeMetrics:
         """Export the video jobs by status and the bytes they hold (read at scrape time)."""
         self.registry.register(_VideoCollector(counts, held))
 
-    def count(self, outcome: str) -> None:
-        """Count one request that ended with ``outcome``."""
+    def set_tenants(self, tenants: Iterable[str]) -> None:
+        """Name the tenants that get a ``tenant`` label value of their own (the keys')."""
+        self._tenants = frozenset(tenants)
+
+    def tenant_label(self, tenant: str | None) -> str:
+        """The ``tenant`` label of ``tenant``: its name if the keys name it (see above)."""
+        if tenant is None:
+            return DEFAULT_TENANT_LABEL
+        return tenant if tenant in self._tenants else OTHER_TENANT_LABEL
+
+    def count(self, outcome: str, tenant: str | None = None) -> None:
+        """Count one request of ``tenant`` that ended with ``outcome``."""
         self.requests.labels(outcome=outcome).inc()
+        self.tenant_requests.labels(tenant=self.tenant_label(tenant), outcome=outcome).inc()
 
     def account(self, handle: RequestHandle, *, gone: bool = False) -> None:
         """Count a terminal request's outcome and its timings.
@@ -308,9 +352,11 @@ class ServeMetrics:
             outcome = str(reason) if reason in stops else "aborted"
         else:
             outcome = "failed"
-        self.count(outcome)
+        self.count(outcome, handle.tenant)
         if handle.metrics is not None:
             self.observe(handle.metrics)
+            label = self.tenant_label(handle.tenant)
+            self.tenant_queue_wait.labels(tenant=label).observe(handle.metrics.queue_wait_s)
 
     def observe(self, metrics: RequestMetrics) -> None:
         """Record a terminal request's timings, and what its step cache did."""

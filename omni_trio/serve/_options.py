@@ -26,6 +26,7 @@ from .._request import GenerationRequest
 from .._runner import AdapterRunner
 from ._app import Service
 from ._config import ServeConfig, with_defaults
+from ._keys import ApiKeys
 from ._models import FALLBACK_FPS, LoadedModel, load_model
 from ._upload import UploadLimits
 from ._video_body import default_frames
@@ -105,6 +106,9 @@ class ServiceOptions:
         adapters: ``(name, file)`` pairs: adapters every runner loads at start (L88).
         adapter_dir: as ``ServeConfig``'s: where admin loads read from.
         allow_adapter_admin: as ``ServeConfig``'s: loads and unloads over HTTP.
+        keys: the API keys the service accepts, their tenants and limits (L55,
+            L56; ``Service``'s ``keys``); ``None``: an open server. Only digests
+            travel: the keys themselves are never kept.
     """
 
     model: str
@@ -132,6 +136,7 @@ class ServiceOptions:
     adapters: tuple[tuple[str, str], ...] = ()
     adapter_dir: str | None = None
     allow_adapter_admin: bool = False
+    keys: ApiKeys | None = None
 
     def with_serve_config(self, config: ServeConfig) -> ServiceOptions:
         """These options with every setting of ``config``: its defaults, not the model's."""
@@ -206,6 +211,7 @@ def build_service(options: ServiceOptions, *, model: LoadedModel | None = None) 
         config=config,
         upload_limits=options.upload_limits,
         video_config=videos,
+        keys=options.keys,
     )
 
 

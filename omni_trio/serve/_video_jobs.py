@@ -687,6 +687,10 @@ class VideoJobs:
         job.handle = handle
         self._tasks.start_soon(self._run, job, handle, name=f"video job {job.id}")
 
+    def running_of(self, tenant: str) -> int:
+        """How many of ``tenant``'s jobs are not finished (L56); O(jobs held)."""
+        return sum(1 for job in self._jobs.values() if not job.is_finished and job.tenant == tenant)
+
     def new_id(self) -> str:
         """A fresh job id: ``video_`` + its sequence number + random hex."""
         self._seq += 1

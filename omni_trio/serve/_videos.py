@@ -38,6 +38,7 @@ from ._asgi import (
 )
 from ._errors import ApiError, api_error_from, invalid
 from ._forms import read_form
+from ._keys import caller, caller_tenant, check_running_jobs, tenant_request
 from ._schema import DEADLINE_HEADER, shown
 from ._upload import UploadLimits
 from ._video_body import parse_video_body, with_reference
@@ -109,9 +110,9 @@ class VideosApi:
             if job is not None:
                 await send_json(send, 200, job.body(), {"X-Request-Id": job.id})
             else:
-                self._metrics.count("disconnected")
+                self._metrics.count("disconnected", caller_tenant(scope))
             return
-        self._metrics.count(error.outcome)
+        self._metrics.count(error.outcome, caller_tenant(scope))
         await send_error(send, error)
 
     async def _create(self, scope: Scope, receive: Receive) -> VideoJob | None:
@@ -137,10 +138,17 @@ class VideosApi:
             admission=self._admission,
             limits=self._uploads,
         )
+        key = caller(scope)
+        if key is not None:
+            self._jobs.check_room()
+            check_running_jobs(key, self._jobs.running_of(key.tenant), self._config.retry_after_s)
         if spec.reference is not None:
             # L69: admitted but for its image: decode it now, off the loop.
             spec = await anyio.to_thread.run_sync(with_reference, spec)
-        return await self._jobs.create(engine, spec, self._config.model_name)
+        spec = dataclasses.replace(spec, request=tenant_request(spec.request, scope))
+        return await self._jobs.create(
+            engine, spec, self._config.model_name, tenant=spec.request.tenant
+        )
 
     # -- the other routes -------------------------------------------------------
 

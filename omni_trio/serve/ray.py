@@ -35,6 +35,7 @@ from .._request import GenerationRequest
 from .._runner import Runner
 from ._app import Service
 from ._config import ServeConfig, with_defaults
+from ._keys import ApiKeys
 from ._options import ServiceOptions, build_service
 from ._ray_ingress import REPLICA_HEADER, App, ReplicaIngress
 from ._video_body import default_frames
@@ -122,11 +123,14 @@ ImageDeployment = serve.deployment(name="omni_trio")(serve.ingress()(_ImageRepli
 
 
 def _runner_service(
-    make_runners: RunnerFactory, engine_config: EngineConfig, serve_config: ServeConfig | None
+    make_runners: RunnerFactory,
+    engine_config: EngineConfig,
+    serve_config: ServeConfig | None,
+    keys: ApiKeys | None = None,
 ) -> Service:
     """Call ``make_runners`` here (on the replica) and serve what it returns."""
     config = serve_config if serve_config is not None else ServeConfig()
-    return Service(make_runners(), engine_config=engine_config, config=config)
+    return Service(make_runners(), engine_config=engine_config, config=config, keys=keys)
 
 
 def application(
@@ -177,6 +181,7 @@ def deployment(
     graceful_shutdown_timeout_s: float | None = None,
     autoscaling_config: Mapping[str, Any] | None = None,
     name: str = "omni_trio",
+    keys: ApiKeys | None = None,
 ) -> Application:
     """A Ray Serve application that serves ``model``, one engine per replica.
 
@@ -207,6 +212,9 @@ def deployment(
         autoscaling_config: Ray Serve's autoscaling (``min_replicas``,
             ``max_replicas``, ``target_ongoing_requests``, ...).
         name: the deployment's name.
+        keys: the API keys every replica's HTTP routes accept (L55, as
+            ``Service``'s; only their digests travel). The deployment handle's
+            ``generate`` is a call inside the cluster and takes none.
 
     Returns:
         The bound application, for ``serve.run``.
@@ -231,12 +239,13 @@ def deployment(
             devices=None if devices is None else tuple(devices),
             step_seconds=step_seconds,
             engine_config=config,
+            keys=keys,
         )
         if serve_config is not None:
             options = options.with_serve_config(serve_config)
         make = functools.partial(build_service, options)
     else:
-        make = functools.partial(_runner_service, model, config, serve_config)
+        make = functools.partial(_runner_service, model, config, serve_config, keys)
     return application(
         make,
         shutdown_grace=config.shutdown_grace,

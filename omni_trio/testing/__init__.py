@@ -26,6 +26,7 @@ from ._invariants import engine_settled as engine_settled
 from ._probe import EngineProbe as EngineProbe
 from ._probe import RequestProbe as RequestProbe
 from ._probe import WorkerProbe as WorkerProbe
+from ._probe import assume_step_cost as assume_step_cost
 from ._probe import assume_step_time as assume_step_time
 from ._probe import cancel_at_delivery as cancel_at_delivery
 from ._probe import probe as probe
@@ -44,6 +45,7 @@ __all__ = [
     "assert_engine_idle",
     "assert_no_engine_threads",
     "assert_nothing_left",
+    "assume_step_cost",
     "assume_step_time",
     "cancel_at_delivery",
     "check_engine_invariants",

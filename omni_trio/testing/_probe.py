@@ -241,6 +241,17 @@ def assume_step_time(
     engine._workers[worker].assume_step_time(step_s, pixel_s=pixel_s)
 
 
+def assume_step_cost(engine: Engine, pixel_s: float | None) -> None:
+    """Price every request of ``engine`` for fair share at ``pixel_s`` per pixel-step (L57).
+
+    A request admitted from now on costs its steps times ``pixel_s`` times its
+    ``num_images x height x width x max(1, num_frames)``, whatever the workers
+    measure, so the order fair share picks depends on the requests alone (tests,
+    simulations). ``None``: back to the measured costs.
+    """
+    engine._pool.costs.pin(pixel_s)
+
+
 class _CancelOnDelivery:
     """Stands in for a record's ``done`` event: cancels ``scope`` as the outcome lands."""
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from omni_trio import EngineConfig
+from omni_trio.cli._env import resolve_environment
 from omni_trio.cli._errors import EXIT_ERROR, EXIT_USAGE, CommandError, UsageError, summary
 from omni_trio.cli._options import check_model, load, make_service, service_options
 from omni_trio.cli._serve import add_serve_arguments
@@ -114,3 +115,47 @@ def test_a_default_the_model_refuses_names_its_option(argv: list[str], line: str
     with pytest.raises(UsageError) as refused:
         make_service(options, load(options))
     assert str(refused.value).startswith(line)
+
+
+def test_api_keys_from_the_command_line_the_environment_and_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L55: ``--api-key`` (repeatable, or comma-separated), ``OMNI_TRIO_API_KEYS`` and
+    ``--keys-file`` give ``ServiceOptions.keys``; none: an open server (``None``)."""
+    assert service_options(parse("--model", "fake")).keys is None
+    options = service_options(
+        parse("--model", "fake", "--api-key", "k-1", "--api-key", "k-2,k-3", "--metrics-auth")
+    )
+    assert options.keys is not None and options.keys.metrics_auth
+    assert options.keys.tenants == ("key1", "key2", "key3")
+    assert options.keys.find("k-3") is not None
+    monkeypatch.setenv("OMNI_TRIO_API_KEYS", "e-1,e-2")
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--model", "fake"])
+    resolve_environment(args)
+    from_env = service_options(args).keys
+    assert from_env is not None and from_env.find("e-2") is not None
+    keys_file = tmp_path / "keys.json"
+    keys_file.write_text('{"keys": [{"key": "f-1", "tenant": "acme", "weight": 2}]}')
+    both = service_options(
+        parse("--model", "fake", "--api-key", "k-1", "--keys-file", str(keys_file))
+    )
+    assert both.keys is not None and both.keys.tenants == ("key1", "acme")
+
+
+def test_wrong_keys_are_usage_errors_that_never_show_a_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """L55: a bad key, a bad keys file or ``--metrics-auth`` alone are refused by their
+    option, and no message quotes a key."""
+    with pytest.raises(SystemExit):
+        parse("--model", "fake", "--api-key", "sk-hidden one")
+    assert "sk-hidden" not in capsys.readouterr().err
+    bad = tmp_path / "keys.toml"
+    bad.write_text("[[keys]]\nkey = 'sk-hidden-two'\ntenant = 'a'\nweight = -1\n")
+    with pytest.raises(UsageError, match=r"^--keys-file: .*entry 1: weight") as refused:
+        service_options(parse("--model", "fake", "--keys-file", str(bad)))
+    assert "sk-hidden" not in str(refused.value)
+    with pytest.raises(UsageError, match=r"^--metrics-auth: needs an API key"):
+        service_options(parse("--model", "fake", "--metrics-auth"))

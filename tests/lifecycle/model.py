@@ -51,6 +51,7 @@ from .ops import (
     MAX_SIZE,
     MAX_STEPS,
     PICKS,
+    PIXEL_S,
     SLOTS,
     TIGHT_DEADLINE,
     TIGHT_PRIORITY,
@@ -326,7 +327,10 @@ class Machine:
         self.counters = Counters(self.runners)
         if len(self.runners) == 1:
             self.sim = WorkerModel(
-                max_batch=self.plan.max_batch_size, max_preemptions=self.plan.max_preemptions
+                max_batch=self.plan.max_batch_size,
+                max_preemptions=self.plan.max_preemptions,
+                weights=dict(self.plan.tenant_weights),
+                pixel_s=PIXEL_S,
             )
 
     # -- helpers --
@@ -639,7 +643,11 @@ class Machine:
         for request in taken:
             first = by_request[id(request)]
             for waiting in still:
-                assert first.rank < waiting.rank, (
+                # Between tenants of one priority fair share decides (L57; the
+                # worker model checks it): here only priority, and the rank
+                # within a tenant.
+                same = first.request.tenant == waiting.request.tenant
+                assert (first.rank < waiting.rank) if same else first.rank[0] <= waiting.rank[0], (
                     f"L60: {first.request_id!r} {first.rank} was taken while"
                     f" {waiting.request_id!r} {waiting.rank} waited"
                 )
@@ -755,6 +763,7 @@ class Machine:
                 await self.generate(MAX_STEPS, cancel=True)
             case Generate(steps):
                 await self.generate(steps, cancel=False)
+
             case Result(pick):
                 await self.result(pick)
             case Drop(pick):
@@ -861,7 +870,11 @@ class Machine:
             size = running[0].request.height
             if len(running) < self.plan.max_batch_size:
                 size = 8 if size == 16 else 16
-        ranked: dict[str, Any] = {"deadline_s": deadline_s, "priority": priority}
+        ranked: dict[str, Any] = {
+            "deadline_s": deadline_s,
+            "priority": priority,
+            "tenant": op.tenant,
+        }
         request = request_for(op, size, ranked)
         tight = deadline == "tight" and op.invalid != "type"
         expected = self.expected_admission_error(request_id or None, op.invalid, tight=tight)

@@ -8,7 +8,7 @@ operation: a frozen dataclass here, a weighted strategy in ``WEIGHTED``, a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from hypothesis import strategies as st
@@ -21,6 +21,9 @@ ABSENT_ID = "r9"
 PICKS = 8
 MAX_STEPS = 6
 MAX_SIZE = 16
+#: Fair share's price of a pixel-step (``assume_step_cost``): a request's cost is
+#: its steps times 1 (8 x 8) or 4 (16 x 16), whatever the steps measured (L57).
+PIXEL_S = 1 / 64
 #: Deadlines are whole multiples of this many seconds of virtual time, and the
 #: clock jumps by whole multiples of it (see ``clock``): so whether a deadline has
 #: passed depends on the plan alone, never on the real time an operation took (a
@@ -60,6 +63,8 @@ class Submit:
     priority: int = 0
     # Raise the priority above every running request's: preemption's premise.
     urgent: bool = False
+    # Whose request it is (L57): fair share between tenants at each priority.
+    tenant: str | None = None
 
 
 @dataclass(frozen=True)
@@ -158,10 +163,14 @@ class Plan:
     # EngineConfig.max_preemptions (0: none, L61) and the number of workers (L42).
     max_preemptions: int = 2
     workers: int = 1
+    # EngineConfig.tenant_weights (L57, L58).
+    tenant_weights: dict[str, float] = field(default_factory=dict)
 
 
 slots = st.integers(0, SLOTS - 1)
 picks = st.integers(0, PICKS - 1)
+#: The default tenant and two named ones (L57).
+tenants = st.sampled_from([None, "a", "b"])
 submits = st.builds(
     Submit,
     slot=st.one_of(st.none(), slots),
@@ -174,6 +183,7 @@ submits = st.builds(
     deadline=st.sampled_from([None, None, 1, 1, 2, 3, "tight"]),
     priority=st.sampled_from([0, 0, 0, -1, 1, 2]),
     urgent=st.sampled_from([False, False, True]),
+    tenant=tenants,
 )
 #: Valid urgent submits under fresh ids: what makes a running request give way (L61).
 urgent_submits = st.builds(
@@ -188,6 +198,7 @@ urgent_submits = st.builds(
     deadline=st.sampled_from([None, None, 1, 2]),
     priority=st.sampled_from([0, 1]),
     urgent=st.just(True),
+    tenant=tenants,
 )
 #: How often each operation comes, per hundred (picked by hand, not measured).
 WEIGHTED: list[tuple[int, st.SearchStrategy[Op]]] = [
@@ -227,6 +238,25 @@ _KINDS = [index for index, (weight, _) in enumerate(WEIGHTED) for _ in range(wei
 operations: st.SearchStrategy[Op] = st.sampled_from(_KINDS).flatmap(lambda i: WEIGHTED[i][1])
 
 
+@st.composite
+def floods(draw: st.DrawFn) -> list[Op]:
+    """A heavy tenant's two to four submits in a row, then a light one's one or two (L57)."""
+    heavy = draw(tenants)
+    light = draw(tenants.filter(lambda tenant: tenant != heavy))
+    steps = draw(st.integers(1, MAX_STEPS))
+    size = draw(st.sampled_from([8, 16]))
+    counts = ((heavy, draw(st.integers(2, 4))), (light, draw(st.integers(1, 2))))
+    return [
+        Submit(None, steps, size, seed, 0, False, None, tenant=tenant)
+        for tenant, count in counts
+        for seed in range(count)
+    ]
+
+
+#: Runs of operations: mostly one, sometimes a flood (one in twelve, by hand).
+runs: st.SearchStrategy[list[Op]] = st.one_of(*[operations.map(lambda op: [op])] * 11, floods())
+
+
 def plans_for(workers: int) -> st.SearchStrategy[Plan]:
     """Plans for an engine of ``workers`` workers, one ``GatedRunner`` each."""
     return st.builds(
@@ -235,10 +265,13 @@ def plans_for(workers: int) -> st.SearchStrategy[Plan]:
         max_waiting=st.sampled_from([1, 2, 4, 8]),
         event_buffer=st.integers(1, 4),
         shutdown_grace=st.sampled_from([0.0, 30.0]),
-        ops=st.lists(operations, min_size=10, max_size=40),
+        ops=st.lists(runs, min_size=10, max_size=40).map(
+            lambda runs: [op for run in runs for op in run]
+        ),
         final=st.one_of(st.none(), st.builds(Shutdown, background=st.booleans())),
         max_preemptions=st.sampled_from([0, 1, 2, 2]),
         workers=st.just(workers),
+        tenant_weights=st.sampled_from([{}, {"a": 2.0}, {"a": 0.5, "b": 3.0}]),
     )
 
 

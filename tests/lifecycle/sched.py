@@ -19,6 +19,15 @@ design rules (``docs/design.md``, "Preemption"), not from the engine's code:
 - otherwise it takes the best-ranked waiting requests while they have the
   batch's key and places are free (L60); a suspended one resumes from the step it
   reached, keeping its rank;
+- the rank within a priority level is fair share's (L57, docs/design.md,
+  "Scheduling"): the tenant with the smallest tag first, then the earliest
+  deadline and admission; taking a new request moves its level's virtual time
+  to its tenant's tag and the tag on by its cost over the tenant's weight (a
+  resumed one is not charged again); a tenant that starts waiting takes the
+  later of the virtual time and its tag; a level where nothing waits forgets
+  its tags. The model checks the share it implies: while two tenants both wait
+  at a level, the step-seconds each was charged since, over its weight, differ
+  by at most one request's cost (the most either sent) over its weight;
 - a released step fails the whole batch when a member is about to run the armed
   step (L22), kills the worker when a kill is armed (L23), and otherwise counts a
   step for each member; a member whose last step ran completes, unless its token
@@ -71,6 +80,16 @@ class Job:
     def priority(self) -> int:
         return self.request.priority
 
+    @property
+    def tenant(self) -> str | None:
+        return self.request.tenant
+
+    def cost(self, pixel_s: float) -> float:
+        """What fair share charges for it, priced at ``pixel_s`` per pixel-step."""
+        request = self.request
+        pixels = request.num_images * request.height * request.width
+        return request.num_steps * (pixel_s * pixels)
+
     def __repr__(self) -> str:
         cut = "" if self.token is None else f" cut({self.token}{', loose' if self.loose else ''})"
         steps = f"{self.steps}/{self.request.num_steps}"
@@ -98,10 +117,88 @@ class WorkerModel:
     stopping: bool = False
     dead: bool = False
     exited: bool = False
+    # Fair share (L57): the tenants' weights and the price of a pixel-step; per
+    # level the virtual time and the tenants' tags; per level and tenant the
+    # fair-share cost charged so far over the weight, the most one request of it
+    # costs, and the pairs of tenants waiting together since the charges given.
+    weights: dict[str, float] = field(default_factory=dict)
+    pixel_s: float = 1.0
+    virtual: dict[int, float] = field(default_factory=dict)
+    tags: dict[tuple[int, str | None], float] = field(default_factory=dict)
+    charged: dict[tuple[int, str | None], float] = field(default_factory=dict)
+    largest: dict[tuple[int, str | None], float] = field(default_factory=dict)
+    together: dict[tuple[int, str | None, str | None], tuple[float, float]] = field(
+        default_factory=dict
+    )
 
     def admit(self, job: Job) -> None:
         assert not self.exited and not self.dead
+        self._join(job)
         self.fresh.append(job)
+
+    # -- fair share --
+
+    def _weight(self, tenant: str | None) -> float:
+        return 1.0 if tenant is None else self.weights.get(tenant, 1.0)
+
+    def _waits(self, priority: int, tenant: str | None) -> bool:
+        return any(
+            job.priority == priority and job.tenant == tenant for job in [*self.fresh, *self.parked]
+        )
+
+    def _tag(self, priority: int, tenant: str | None) -> float:
+        now = self.virtual.setdefault(priority, 0.0)
+        return self.tags.setdefault((priority, tenant), now)
+
+    def _join(self, job: Job) -> None:
+        """``job`` is about to wait (admitted, or suspended); call before it is listed."""
+        level, tenant = job.priority, job.tenant
+        place = (level, tenant)
+        self.largest[place] = max(self.largest.get(place, 0.0), job.cost(self.pixel_s))
+        if self._waits(level, tenant):
+            return
+        now = self.virtual.setdefault(level, 0.0)
+        self.tags[place] = max(now, self.tags.get(place, now))
+        for other in {j.tenant for j in [*self.fresh, *self.parked] if j.priority == level}:
+            pair = (level, tenant, other)
+            self.together[pair] = (self.charged.get(place, 0.0), self.charged.get(pair[::2], 0.0))
+
+    def _left(self, job: Job, *, charge: bool) -> None:
+        """``job`` stopped waiting (taken, when ``charge``, or ended); it is unlisted."""
+        level, tenant = job.priority, job.tenant
+        place = (level, tenant)
+        if charge:
+            start = self._tag(level, tenant)
+            self.virtual[level] = max(self.virtual[level], start)
+            share = job.cost(self.pixel_s) / self._weight(tenant)
+            self.tags[place] = start + share
+            self.charged[place] = self.charged.get(place, 0.0) + share
+            self._check_share(level)
+        if not self._waits(level, tenant):
+            self.together = {
+                pair: base
+                for pair, base in self.together.items()
+                if not (pair[0] == level and tenant in pair[1:])
+            }
+        if not any(j.priority == level for j in [*self.fresh, *self.parked]):
+            self.virtual.pop(level, None)
+            self.tags = {place: tag for place, tag in self.tags.items() if place[0] != level}
+
+    def _check_share(self, level: int) -> None:
+        """L57: no tenant's charged share drifts from another's beyond one request's cost."""
+        for (at, first, second), (base_first, base_second) in self.together.items():
+            if at != level:
+                continue
+            drift = (self.charged.get((at, first), 0.0) - base_first) - (
+                self.charged.get((at, second), 0.0) - base_second
+            )
+            bound = self.largest[at, first] / self._weight(first)
+            bound += self.largest[at, second] / self._weight(second)
+            assert abs(drift) <= bound + 1e-9, (
+                f"L57: tenants {first!r} and {second!r} waited together at priority {at}"
+                f" and their charged step-seconds over their weights drifted {drift:g} apart"
+                f" (bound {bound:g})"
+            )
 
     def cancel(self, job: Job, reason: str, *, taken: bool) -> None:
         """Its token was set (before the next released step; ``taken``: the runner had it).
@@ -161,23 +258,34 @@ class WorkerModel:
 
     # -- one boundary, one step --
 
+    def _rank(self, job: Job) -> tuple[int, float, float, int]:
+        """Fair share's rank: (-priority, its tenant's tag, deadline, admission)."""
+        rank = job.rank
+        return (rank[0], self._tag(job.priority, job.tenant), rank[1], rank[2])
+
     def _best(self) -> Job | None:
         waiting = [*self.fresh, *self.parked]
-        return min(waiting, key=lambda job: job.rank) if waiting else None
+        return min(waiting, key=self._rank) if waiting else None
 
     def _end(self, job: Job, status: _S | None) -> None:
+        waited = job in self.fresh or job in self.parked
         for jobs in (self.fresh, self.parked, self.running):
             if job in jobs:
                 jobs.remove(job)
+        if waited:
+            self._left(job, charge=False)
         job.where = "ended"
         job.end = None if (job.loose and job.token is not None) or self.dead else status
 
     def _start(self, job: Job) -> None:
-        if job in self.parked:
+        resumed = job in self.parked
+        if resumed:
             self.parked.remove(job)
             self.resumes += 1
         else:
             self.fresh.remove(job)
+        # A resumed request was charged when it was first taken.
+        self._left(job, charge=not resumed)
         job.where = "running"
         self.running.append(job)
 
@@ -233,13 +341,15 @@ class WorkerModel:
             victims = eligible if len(eligible) == len(self.running) else []
         if not victims:
             return False
+        # The engine reserves the newcomer first, then parks the victims.
+        self._start(newcomer)
         for job in victims:
             self.running.remove(job)
             job.where = "parked"
             job.preemptions += 1
             self.preemptions += 1
+            self._join(job)
             self.parked.append(job)
-        self._start(newcomer)
         return True
 
     def _run(self, *, fail_at: int | None, kill: bool) -> None:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
-from omni_trio.serve import ServeConfig, Service
+from omni_trio.serve import ApiKey, ApiKeys, ServeConfig, Service
 from omni_trio.serve._options import OptionError, ServiceOptions, build_service
 from tests.support.adapters import make_lora
 from tests.support.serve import PATH, serving
@@ -45,7 +45,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return inside
 
 
-def service(folder: Path, *, admin: bool = False, load: bool = True) -> Service:
+def service(
+    folder: Path, *, admin: bool = False, load: bool = True, keys: ApiKeys | None = None
+) -> Service:
     runner = DiffusersRunner(_pipe())
     if load:
         runner.load_adapter("ink", folder / "ink.safetensors")
@@ -57,7 +59,7 @@ def service(folder: Path, *, admin: bool = False, load: bool = True) -> Service:
         allow_adapter_admin=admin,
         adapter_dir=str(folder) if admin else None,
     )
-    return Service(runner, config=config)
+    return Service(runner, config=config, keys=keys)
 
 
 async def image(client: httpx.AsyncClient, **fields: Any) -> bytes:
@@ -128,6 +130,32 @@ async def test_admin_loads_only_files_inside_the_folder(folder: Path) -> None:
         assert (await client.delete("/v1/adapters/film")).status_code == 404
         response = await client.post(PATH, json={**BODY, "adapters": {"film": 1.0}})
         assert response.status_code == 400
+
+
+async def test_with_keys_only_an_admin_key_loads_and_unloads(folder: Path) -> None:
+    """L88, L55: on a keyed server that allows admin actions, a tenant's key gets 403
+    ``admin_required`` for a load and an unload, and changes nothing; an admin key loads
+    and unloads."""
+    keys = ApiKeys(
+        keys=(
+            ApiKey.of("sk-tenant-1", tenant="acme"),
+            ApiKey.of("sk-admin-1", tenant="ops", admin=True),
+        )
+    )
+    tenant = {"Authorization": "Bearer sk-tenant-1"}
+    admin = {"Authorization": "Bearer sk-admin-1"}
+    load = {"name": "film", "path": "film.safetensors"}
+    async with serving(service(folder, admin=True, keys=keys)) as client:
+        for response in (
+            await client.post("/v1/adapters", json=load, headers=tenant),
+            await client.delete("/v1/adapters/ink", headers=tenant),
+        ):
+            assert response.status_code == 403, response.text
+            assert response.json()["error"]["code"] == "admin_required"
+        listed = (await client.get("/v1/adapters", headers=tenant)).json()["data"]
+        assert [a["id"] for a in listed] == ["ink"]
+        assert (await client.post("/v1/adapters", json=load, headers=admin)).status_code == 201
+        assert (await client.delete("/v1/adapters/film", headers=admin)).status_code == 200
 
 
 async def test_adapters_load_at_start(folder: Path) -> None:
