@@ -132,7 +132,7 @@ from ._request import GenerationRequest as GenerationRequest
 from ._stepcache import CacheMetrics as CacheMetrics
 from ._stepcache import StepCache as StepCache
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AbortReason",

@@ -41,8 +41,8 @@ SERVE_EXTRA = (
 def test_version(tmp_path: Path) -> None:
     """--version prints the package's version on stdout and exits 0."""
     result = omni_trio_command("--version", cwd=tmp_path)
-    assert (result.returncode, result.stdout, result.stderr) == (0, "omni-trio 0.1.0\n", "")
-    assert omni_trio.__version__ == "0.1.0"
+    assert (result.returncode, result.stdout, result.stderr) == (0, "omni-trio 0.2.0\n", "")
+    assert omni_trio.__version__ == "0.2.0"
 
 
 def test_console_script_is_main(capsys: pytest.CaptureFixture[str]) -> None:
@@ -53,7 +53,7 @@ def test_console_script_is_main(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         entry(["--version"])
     assert info.value.code == 0
-    assert capsys.readouterr().out == "omni-trio 0.1.0\n"
+    assert capsys.readouterr().out == "omni-trio 0.2.0\n"
     assert entry(["demo", "--steps", "0"]) == 2
     assert capsys.readouterr().err == "omni-trio: error: --steps: must be >= 1, got 0\n"
 
