@@ -35,6 +35,8 @@ The loop side (runs in the event loop's thread only):
 
 - ``_engine``: ``open_engine`` and ``Engine``: admission, abort, statistics, the
   shutdown sequence, and ``_dispatch``, where every state change happens.
+- ``_runner_adapters``: ``RunnerAdapters``, the engine's adapters across its runners:
+  admission's check of the names, all-or-nothing loads, unloads, the listing (L85, L87).
 - ``_record``: ``Record``, one admission as the loop sees it, and its state machine.
 - ``_handle``: ``RequestHandle``, the consumer's side of one record.
 - ``_owner``: ``RequestOwner``, the three calls a handle may make on its engine.

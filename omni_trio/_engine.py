@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, assert_never, cast, final
 import anyio
 import anyio.lowlevel
 
-from ._adapters import AdapterError, AdapterInfo, unknown_adapters
+from ._adapters import AdapterInfo
 from ._checkpoint import CheckpointPolicy
 from ._config import EngineConfig
 from ._construct import NoPublicConstructor
@@ -53,12 +53,12 @@ from ._reasons import AbortReason
 from ._record import Record, wait_shielded
 from ._request import GenerationRequest
 from ._runner import (
-    AdapterRunner,
     Runner,
     RunnerCapabilities,
     runner_sequence,
     shared_capabilities,
 )
+from ._runner_adapters import RunnerAdapters
 from ._threads import set_torch_threads, worker_name
 from ._validate import check_text, fail_request
 from ._worker import Worker
@@ -85,15 +85,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         self._capabilities = shared_capabilities(runners)
-        # L85: the runners that load adapters (every one, or none: capabilities agree).
-        self._adapter_runners: list[AdapterRunner[Any]] = []
-        if self._capabilities.max_adapters:
-            for runner in runners:
-                if not callable(getattr(runner, "load_adapter", None)):
-                    raise TypeError(
-                        f"{type(runner).__name__} declares max_adapters but has no load_adapter"
-                    )
-                self._adapter_runners.append(cast("AdapterRunner[Any]", runner))
+        self._adapters = RunnerAdapters(runners, self._capabilities)
         self._config = config
         _check_default_cache(config, self._capabilities)
         self._inbox: LoopInbox[Message[WorkItem]] = LoopInbox(self._dispatch)
@@ -211,7 +203,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         try:
             self._config.check_request(request)
             self._capabilities.check_request(request)
-            self._check_adapter_names(request)
+            self._adapters.check_request(request)
             check_step_time(
                 request,
                 workers=[self._workers[index] for index in self._alive],
@@ -279,19 +271,6 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         if self._closing:
             raise EngineClosedError("the engine is shutting down")
 
-    def _check_adapter_names(self, request: GenerationRequest) -> None:
-        """L85: every adapter a request names is loaded in every runner (or evicted, L87)."""
-        if not request.adapters:
-            return
-        names = [name for name, _ in request.adapter_pairs]
-        missing = unknown_adapters(names, (r.adapter_names() for r in self._adapter_runners))
-        if missing:
-            known = ", ".join(sorted(self._adapter_runners[0].adapter_names())) or "none"
-            raise InvalidRequestError(
-                f"no adapter named {', '.join(map(repr, missing))} is loaded (loaded: {known})",
-                field="adapters",
-            )
-
     # -- adapters ------------------------------------------------------------
 
     async def load_adapter(
@@ -312,18 +291,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         Cancellation: the load under way finishes (shielded) and is undone, then the
             cancellation propagates.
         """
-        runners = self._loading_runners(name)
-        done: list[AdapterRunner[Any]] = []
-        try:
-            for runner in runners:
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(runner.load_adapter, name, source)
-                done.append(runner)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                for runner in done:
-                    await anyio.to_thread.run_sync(runner.unload_adapter, name)
-            raise
+        await self._adapters.load(name, source)
 
     async def unload_adapter(self, name: str) -> None:
         """Unload ``name`` from every runner (L85); refused while a live request holds it.
@@ -339,43 +307,11 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         Cancellation: the unload under way finishes (shielded), then the cancellation
             propagates.
         """
-        runners = [r for r in self._loading_runners(name) if name in r.adapter_names()]
-        held = sum(i.holders for r in runners for i in r.adapters() if i.name == name)
-        if not runners or held:
-            raise AdapterError(
-                f"adapter {name!r} is held by {held} live request(s); unload it when they are done"
-                if held
-                else f"no adapter {name!r} is loaded",
-                reason="in-use" if held else "unknown",
-                name=name,
-            )
-        for runner in runners:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(runner.unload_adapter, name)
+        await self._adapters.unload(name)
 
     def adapters(self) -> tuple[AdapterInfo, ...]:
         """The adapters the runners know, by name (holders summed over the runners)."""
-        merged: dict[str, AdapterInfo] = {}
-        for runner in self._adapter_runners:
-            for info in runner.adapters():
-                seen = merged.get(info.name)
-                if seen is not None:
-                    info = AdapterInfo(
-                        name=info.name,
-                        bytes=max(seen.bytes, info.bytes),
-                        holders=seen.holders + info.holders,
-                        loaded=seen.loaded and info.loaded,
-                        source=info.source,
-                    )
-                merged[info.name] = info
-        return tuple(merged[name] for name in sorted(merged))
-
-    def _loading_runners(self, name: str) -> list[AdapterRunner[Any]]:
-        if not self._adapter_runners:
-            raise AdapterError(
-                "this engine's runners take no adapters", reason="invalid", name=name
-            )
-        return self._adapter_runners
+        return self._adapters.infos()
 
     # -- abort ---------------------------------------------------------------
 

@@ -27,7 +27,16 @@ PACKAGE = ROOT / "omni_trio"
 EVENT_LOOP = ("anyio", "trio", "asyncio", "sniffio")
 
 #: The loop side: runs in the event loop's thread only.
-LOOP_SIDE = ("_engine", "_record", "_handle", "_owner", "_channel", "_deadlines", "_inbox")
+LOOP_SIDE = (
+    "_engine",
+    "_runner_adapters",
+    "_record",
+    "_handle",
+    "_owner",
+    "_channel",
+    "_deadlines",
+    "_inbox",
+)
 
 #: The thread side: runs in the engine's own threads only, and posts messages.
 THREAD_SIDE = (
