@@ -78,7 +78,7 @@ def tenant_counts(total: int, tenants: Sequence[tuple[str, float]]) -> dict[str,
 
     Each tenant gets the whole part of ``total * rate / sum of rates``; the
     arrivals left go one each to the largest remainders (the earlier tenant on a
-    tie), so the counts add up to ``total`` and none is off by one or more.
+    tie), so the counts add up to ``total``, each within one of its exact share.
 
     Args:
         total: the arrivals to split.
