@@ -15,6 +15,12 @@ that knows it can refuse or drop what it cannot finish in time), and
 clients, drawn per arrival from a stream of its own, so the arrival times and
 give-ups stay those of the seed.
 
+Tenants (``LoadConfig.tenants``): several clients in one run, each a ``Tenant``
+with a relative rate and, for a server with API keys (L55), a key it sends as
+``Authorization: Bearer KEY``. They split the same arrivals by rate
+(``poisson_schedule``); a key is never logged, and ``as_json`` says only whether a
+tenant had one.
+
 The module logs (``omni_trio.load``) and never prints.
 """
 
@@ -43,6 +49,7 @@ __all__ = [
     "PATH",
     "LoadConfig",
     "LoadResult",
+    "Tenant",
     "check_reachable",
     "endpoint_url",
     "run_load",
@@ -85,6 +92,43 @@ def endpoint_url(url: str) -> str:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Tenant:
+    """One client of a run with tenants.
+
+    Args:
+        name: its name in the summary (the server knows it by its key, not this).
+        rate: its rate relative to the other tenants' (the run's ``rate`` is the
+            total), > 0.
+        key: the API key it sends as ``Authorization: Bearer KEY``, or ``None``
+            to send none (an open server). Never shown: ``repr`` leaves it out.
+
+    Raises:
+        ValueError: an empty name, a rate that is not a finite number > 0, or a
+            key that cannot be a header value (the message never holds the key).
+    """
+
+    name: str
+    rate: float = 1.0
+    key: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("tenant: a name must not be empty")
+        if not (math.isfinite(self.rate) and self.rate > 0):
+            raise ValueError(
+                f"tenant {self.name!r}: rate must be a finite number > 0, got {self.rate!r}"
+            )
+        key = self.key
+        if key is not None and not (key and key.isascii() and key.isprintable() and " " not in key):
+            raise ValueError(f"tenant {self.name!r}: a key must be printable ASCII without spaces")
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The headers its requests carry: its ``Authorization``, if it has a key."""
+        return {} if self.key is None else {"Authorization": f"Bearer {self.key}"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LoadConfig:
     """One load run.
 
@@ -110,6 +154,8 @@ class LoadConfig:
         priority_share: that share, 0 to 1.
         count: exactly this many requests in the window (see
             ``poisson_schedule``), or ``None`` for a Poisson count at ``rate``.
+        tenants: the tenants that share the arrivals by rate, each with its
+            key (distinct names), or none: one client, as before.
 
     Raises:
         ValueError: a value out of range; the message names it.
@@ -132,6 +178,7 @@ class LoadConfig:
     priority: int | None = None
     priority_share: float = 1.0
     count: int | None = None
+    tenants: tuple[Tenant, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("rate", "duration_s", "slo_s", "timeout_s"):
@@ -153,6 +200,10 @@ class LoadConfig:
             raise ValueError(f"priority_share: must be from 0 to 1, got {self.priority_share!r}")
         if self.count is not None and self.count < 0:
             raise ValueError(f"count: must be >= 0, got {self.count!r}")
+        names = [tenant.name for tenant in self.tenants]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"tenants: {name!r} is given twice")
 
     @property
     def give_up_span(self) -> tuple[float, float]:
@@ -170,7 +221,15 @@ class LoadConfig:
             priority=self.priority,
             priority_share=self.priority_share,
             count=self.count,
+            tenants=[(tenant.name, tenant.rate) for tenant in self.tenants],
         )
+
+    def headers_of(self, tenant: str | None) -> dict[str, str]:
+        """The headers of a request that ``tenant`` sends (``Tenant.headers``)."""
+        for candidate in self.tenants:
+            if candidate.name == tenant:
+                return candidate.headers
+        return {}
 
     def body(self, index: int, priority: int | None = None) -> dict[str, Any]:
         """The JSON body of request ``index`` (its seed is the index: reproducible).
@@ -193,10 +252,14 @@ class LoadConfig:
         return body
 
     def as_json(self) -> dict[str, Any]:
-        """The configuration as JSON values (headers by name only: they may hold secrets)."""
+        """The configuration as JSON values (headers by name only, tenants with no key:
+        they may hold secrets; ``keyed``: whether a tenant sends one)."""
         fields = asdict(self)
         fields["give_up_s"] = list(self.give_up_span)
         fields["headers"] = [name for name, _ in self.headers]
+        fields["tenants"] = [
+            {"name": t.name, "rate": t.rate, "keyed": t.key is not None} for t in self.tenants
+        ]
         return fields
 
 
@@ -264,6 +327,7 @@ async def _send(
             latency_s=latency,
             give_up_s=arrival.give_up_s,
             priority=arrival.priority,
+            tenant=arrival.tenant,
             **extra,
         )
 
@@ -273,7 +337,9 @@ async def _send(
     with anyio.move_on_after(give_up):
         try:
             response = await client.post(
-                config.url, json=config.body(arrival.index, arrival.priority)
+                config.url,
+                json=config.body(arrival.index, arrival.priority),
+                headers=config.headers_of(arrival.tenant),
             )
         except httpx.TimeoutException:
             return record("error", error=f"no answer within {config.timeout_s:g} s")
@@ -392,6 +458,14 @@ async def run_load(
         config.seed,
         config.url,
     )
+    if config.tenants:
+        sends = Counter(a.tenant for a in arrivals)
+        _log.info(
+            "load: tenants %s",
+            ", ".join(
+                f"{t.name} {sends[t.name]}{' (key)' if t.key else ''}" for t in config.tenants
+            ),
+        )
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     sent = 0
     stopped: float | None = None

@@ -9,6 +9,11 @@ requests still unanswered are cut, and the summary of what ended so far is print
 and saved as a whole run's is; the command then exits 130 (143 for SIGTERM), as
 shells report a death by that signal. A signal that this process was started
 ignoring (a background job's SIGINT) stays ignored.
+
+``--tenants heavy=10,light=1`` splits the run between tenants by relative rate;
+their keys come from ``--tenant-key NAME=KEY`` or from ``TENANT_KEYS_VARIABLE``
+(``NAME=KEY,...``, so that no key is on the command line; ``--tenant-key`` wins
+for a name in both). A mistake is a usage error that never holds a key.
 """
 
 from __future__ import annotations
@@ -27,11 +32,22 @@ import anyio
 
 from ._errors import PROG, CommandError, UsageError, exit_status_for
 from ._given import Unused, refuse_unused
-from ._loadtest import PATH, LoadConfig, LoadResult, check_reachable, endpoint_url, run_load
+from ._loadtest import (
+    PATH,
+    LoadConfig,
+    LoadResult,
+    Tenant,
+    check_reachable,
+    endpoint_url,
+    run_load,
+)
 from ._loadtest_math import format_summary, priority_class
 from ._types import count, fraction, header, integer, positive, span
 
-__all__ = ["add_load_arguments", "run_load_command"]
+__all__ = ["TENANT_KEYS_VARIABLE", "add_load_arguments", "run_load_command"]
+
+#: The variable ``--tenants``' keys may come from: ``NAME=KEY,NAME=KEY``.
+TENANT_KEYS_VARIABLE = "OMNI_TRIO_LOAD_TENANT_KEYS"
 
 
 def add_load_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,12 +137,81 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
         help="share of clients that send --priority, drawn per arrival (default 1: all)",
     )
     parser.add_argument(
+        "--tenants",
+        default=None,
+        metavar="NAME=RATE,...",
+        help="clients as tenants by relative rate (the total is --rate), e.g. heavy=10,light=1",
+    )
+    parser.add_argument(
+        "--tenant-key",
+        action="append",
+        default=[],
+        metavar="NAME=KEY",
+        help=f"a tenant's API key, sent as a Bearer (repeatable; or {TENANT_KEYS_VARIABLE})",
+    )
+    parser.add_argument(
         "--json",
         type=Path,
         default=None,
         metavar="PATH",
         help="write every record and the summary (also of a run Ctrl-C stopped)",
     )
+
+
+def _tenant_rates(spec: str) -> dict[str, float]:
+    """``--tenants``' ``NAME=RATE,...`` as names (in order) to rates."""
+    rates: dict[str, float] = {}
+    for item in spec.split(","):
+        name, sep, rate = (part.strip() for part in item.partition("="))
+        if not sep or not name:
+            raise UsageError(
+                f"--tenants: expected NAME=RATE,... e.g. heavy=10,light=1, got {item!r}"
+            )
+        if name in rates:
+            raise UsageError(f"--tenants: tenant {name!r} is given twice")
+        try:
+            value = positive(rate)
+        except argparse.ArgumentTypeError as exc:
+            raise UsageError(f"--tenants: tenant {name!r}: {exc}") from None
+        rates[name] = value
+    return rates
+
+
+def _tenant_keys(entries: list[str], where: str, rates: Mapping[str, float]) -> dict[str, str]:
+    """``NAME=KEY`` entries as names to keys; the errors name ``where``, never a key."""
+    keys: dict[str, str] = {}
+    for entry in entries:
+        name, sep, key = entry.partition("=")
+        name = name.strip()
+        if not sep or not name or not key:
+            raise UsageError(f"{where}: expected NAME=KEY (the key not shown)")
+        if name not in rates:
+            known = ", ".join(rates)
+            raise UsageError(f"{where}: no tenant {name!r} in --tenants ({known})")
+        if name in keys:
+            raise UsageError(f"{where}: tenant {name!r} has two keys")
+        keys[name] = key
+    return keys
+
+
+def _tenants(args: argparse.Namespace) -> tuple[Tenant, ...]:
+    """``--tenants`` with their keys (``--tenant-key``, else the variable's)."""
+    if args.tenants is None:
+        if args.tenant_key:
+            raise UsageError("--tenant-key: give --tenants too (the tenants the keys are for)")
+        return ()
+    rates = _tenant_rates(args.tenants)
+    variable = os.environ.get(TENANT_KEYS_VARIABLE, "")
+    keys = _tenant_keys([e for e in variable.split(",") if e.strip()], TENANT_KEYS_VARIABLE, rates)
+    keys |= _tenant_keys(args.tenant_key, "--tenant-key", rates)
+    if keys and any(name.lower() == "authorization" for name, _ in args.header):
+        raise UsageError(
+            "--tenant-key: give tenant keys or --header 'Authorization: ...', not both"
+        )
+    try:
+        return tuple(Tenant(name=n, rate=r, key=keys.get(n)) for n, r in rates.items())
+    except ValueError as exc:
+        raise UsageError(f"--tenants: {exc}") from None
 
 
 def _config(args: argparse.Namespace) -> LoadConfig:
@@ -163,6 +248,7 @@ def _config(args: argparse.Namespace) -> LoadConfig:
             priority=args.priority,
             priority_share=1.0 if args.priority_share is None else args.priority_share,
             count=args.requests,
+            tenants=_tenants(args),
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -248,6 +334,13 @@ def _scheduling(config: LoadConfig, summary: Mapping[str, Any]) -> str:
     if config.priority is not None:
         sent = summary["by_priority"].get(priority_class(config.priority), {}).get("requests", 0)
         words += f"; {sent} send priority {config.priority}"
+    if config.tenants:
+        by_tenant = summary["by_tenant"]
+        words += "; tenants " + ", ".join(
+            f"{t.name} {by_tenant.get(t.name, {}).get('requests', 0)}"
+            + (" (with a key)" if t.key is not None else "")
+            for t in config.tenants
+        )
     return words
 
 

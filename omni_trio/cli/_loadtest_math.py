@@ -7,7 +7,11 @@ seeded generator: the same seed and rate give the same schedule, on any server.
 With ``count`` the window holds exactly that many arrivals, at the moments of a
 Poisson process conditioned on that count (sorted uniform moments): the bursts of
 a Poisson process without the run-to-run noise of its count, which in a short run
-moves the offered load by tens of percent.
+moves the offered load by tens of percent. With ``tenants`` (names and relative
+rates) the same arrivals are split between them: each tenant gets its share of
+them exactly (``tenant_counts``: largest remainders), and which arrivals are
+whose is a seeded shuffle, so each tenant's arrivals are the moments of a Poisson
+process conditioned on its count, at its share of the rate.
 
 Every request ends one way (``OUTCOMES``): ``completed`` (a 200 with its
 images), ``gave_up``, ``refused`` (any other status, kept per status and error
@@ -17,11 +21,14 @@ is not an images answer).
 received within ``slo_s`` of their request, per second of the arrival window),
 the throughput (every image received, per second of the window), and the p50 and
 p99 latencies of the completed requests, split by the priority sent
-(``by_priority``); ``format_summary`` makes them the command's table.
+(``by_priority``) and per tenant (``by_tenant``, with each tenant's refusals by
+code and its share of the completed requests); ``format_summary`` makes them the
+command's table.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -39,6 +46,7 @@ __all__ = [
     "poisson_schedule",
     "priority_class",
     "summarize",
+    "tenant_counts",
 ]
 
 #: How a request can end, in the order the table shows them.
@@ -55,12 +63,36 @@ class Arrival:
         give_up_s: seconds after sending at which its client gives up, or
             ``None`` for a client that waits for the answer.
         priority: the ``priority`` its body carries, or ``None`` for none.
+        tenant: the tenant that sends it, or ``None`` (a run without tenants).
     """
 
     index: int
     at_s: float
     give_up_s: float | None
     priority: int | None = None
+    tenant: str | None = None
+
+
+def tenant_counts(total: int, tenants: Sequence[tuple[str, float]]) -> dict[str, int]:
+    """How many of ``total`` arrivals each tenant sends: its share by rate, exactly.
+
+    Each tenant gets the whole part of ``total * rate / sum of rates``; the
+    arrivals left go one each to the largest remainders (the earlier tenant on a
+    tie), so the counts add up to ``total``, each within one of its exact share.
+
+    Args:
+        total: the arrivals to split.
+        tenants: ``(name, rate)`` pairs, rates > 0, names distinct.
+    """
+    whole = sum(rate for _, rate in tenants)
+    exact = [(name, total * rate / whole) for name, rate in tenants]
+    counts = {name: math.floor(share) for name, share in exact}
+    by_remainder = sorted(
+        range(len(exact)), key=lambda i: exact[i][1] - counts[exact[i][0]], reverse=True
+    )
+    for i in by_remainder[: total - sum(counts.values())]:
+        counts[exact[i][0]] += 1
+    return counts
 
 
 def poisson_schedule(
@@ -73,6 +105,7 @@ def poisson_schedule(
     priority: int | None = None,
     priority_share: float = 1.0,
     count: int | None = None,
+    tenants: Sequence[tuple[str, float]] = (),
 ) -> tuple[Arrival, ...]:
     """The arrivals of a Poisson process at ``rate`` per second within ``duration_s``.
 
@@ -84,7 +117,10 @@ def poisson_schedule(
     priorities, and the n-th arrival's class depends on ``seed`` and
     ``priority_share`` alone. With ``count``, the ``count`` moments are drawn
     first (uniform in the window, then sorted), then each arrival's two give-up
-    numbers.
+    numbers. ``tenants`` split the arrivals after they are drawn (times,
+    give-ups and priorities as without them): ``tenant_counts`` says how many
+    each sends, and a third generator, seeded by ``seed``, shuffles who sends
+    which.
 
     Args:
         rate: mean arrivals per second, > 0.
@@ -96,6 +132,8 @@ def poisson_schedule(
         priority_share: the probability that an arrival sends ``priority``.
         count: exactly this many arrivals (``rate`` is then not read), or
             ``None`` for a Poisson count.
+        tenants: ``(name, rate)`` pairs: the tenants that share the arrivals by
+            relative rate (``rate`` stays the total), or none.
 
     Returns:
         The arrivals, in time order.
@@ -115,17 +153,22 @@ def poisson_schedule(
             priority=priority if prioritized else None,
         )
 
+    arrivals: list[Arrival] = []
     if count is not None:
         # random() is in [0, 1): every moment falls inside the window.
         moments = sorted(duration_s * rng.random() for _ in range(count))
-        return tuple(arrival(index, at) for index, at in enumerate(moments))
-    arrivals: list[Arrival] = []
-    at = 0.0
-    while True:
-        at += rng.expovariate(rate)
-        if at >= duration_s:
-            return tuple(arrivals)
-        arrivals.append(arrival(len(arrivals), at))
+        arrivals = [arrival(index, at) for index, at in enumerate(moments)]
+    else:
+        at = rng.expovariate(rate)
+        while at < duration_s:
+            arrivals.append(arrival(len(arrivals), at))
+            at += rng.expovariate(rate)
+    if not tenants:
+        return tuple(arrivals)
+    counts = tenant_counts(len(arrivals), tenants)
+    senders = [name for name, _ in tenants for _ in range(counts[name])]
+    random.Random(f"tenant-{seed}").shuffle(senders)
+    return tuple(dataclasses.replace(a, tenant=t) for a, t in zip(arrivals, senders, strict=True))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,6 +190,7 @@ class RequestRecord:
         priority: the ``priority`` its body carried (``Arrival.priority``).
         code: a refusal's error ``code`` (``{"error": {"code": ...}}``), if it had one.
         message: a refusal's error ``message`` (its first line), if it had one.
+        tenant: the tenant that sent it (``Arrival.tenant``).
     """
 
     index: int
@@ -160,6 +204,7 @@ class RequestRecord:
     priority: int | None = None
     code: str | None = None
     message: str | None = None
+    tenant: str | None = None
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -235,7 +280,10 @@ def summarize(
         requests (``None`` if none completed); ``by_priority``: per priority
         sent (``priority_class``: its number as a string, ``"default"`` for
         none), that class's ``requests``, ``completed``, images, goodput,
-        throughput and latencies as above; ``duration_s`` and ``slo_s``.
+        throughput and latencies as above; ``by_tenant``: per tenant sent (none
+        in a run without tenants), the same figures, its ``counts`` per outcome,
+        its ``refused_by_reason`` and its ``share`` of the run's completed
+        requests (0 to 1; 0 when none completed); ``duration_s`` and ``slo_s``.
     """
     counts = Counter(record.outcome for record in records)
     refused_records = [r for r in records if r.outcome == "refused"]
@@ -246,8 +294,24 @@ def summarize(
         if r.message is not None:
             messages.setdefault(_reason(r), r.message)
     classes: dict[str, list[RequestRecord]] = {}
+    tenants: dict[str, list[RequestRecord]] = {}
     for record in records:
         classes.setdefault(priority_class(record.priority), []).append(record)
+        if record.tenant is not None:
+            tenants.setdefault(record.tenant, []).append(record)
+    completed = counts["completed"]
+
+    def tenant(members: Sequence[RequestRecord]) -> dict[str, Any]:
+        figures = _rates(members, duration_s=duration_s, slo_s=slo_s)
+        outcomes = Counter(r.outcome for r in members)
+        why = Counter(_reason(r) for r in members if r.outcome == "refused")
+        return {
+            **figures,
+            "counts": {outcome: outcomes[outcome] for outcome in OUTCOMES},
+            "refused_by_reason": dict(sorted(why.items())),
+            "share": figures["completed"] / completed if completed else 0.0,
+        }
+
     return {
         **_rates(records, duration_s=duration_s, slo_s=slo_s),
         "impatient": sum(r.give_up_s is not None for r in records),
@@ -259,6 +323,7 @@ def summarize(
             name: _rates(members, duration_s=duration_s, slo_s=slo_s)
             for name, members in sorted(classes.items())
         },
+        "by_tenant": {name: tenant(members) for name, members in sorted(tenants.items())},
         "duration_s": duration_s,
         "slo_s": slo_s,
     }
@@ -273,7 +338,9 @@ def format_summary(summary: Mapping[str, Any]) -> str:
 
     Each kind of refusal has its line, and under it the server's message (of its
     first refusal). With more than one priority class (or any priority sent), a
-    line per class follows: its goodput and p99 latency.
+    line per class follows: its goodput and p99 latency. With tenants, a line per
+    tenant: its requests, completions (and share of them), p50 and p99 latency,
+    and under it a line per kind of its refusals.
     """
     counts = summary["counts"]
     messages = summary["refusal_messages"]
@@ -302,4 +369,14 @@ def format_summary(summary: Mapping[str, Any]) -> str:
                 f" ({figures['good_images']} of {figures['requests']} requests),"
                 f" p99 {_seconds(figures['p99_latency_s'])}"
             )
+    for name, figures in summary["by_tenant"].items():
+        lines.append(
+            f"  tenant {name}: {figures['requests']} requests, {figures['completed']} completed"
+            f" ({figures['share']:.1%} of completed), p50 {_seconds(figures['p50_latency_s'])},"
+            f" p99 {_seconds(figures['p99_latency_s'])}"
+        )
+        lines += [
+            f"    {f'refused ({reason})':<30}{count:>7}"
+            for reason, count in figures["refused_by_reason"].items()
+        ]
     return "\n".join(lines) + "\n"

@@ -40,7 +40,8 @@ import sniffio
 
 from omni_trio import EngineConfig
 from omni_trio.cli import main
-from omni_trio.cli._loadtest import PATH, LoadConfig, endpoint_url, run_load
+from omni_trio.cli._loadtest import PATH, LoadConfig, Tenant, endpoint_url, run_load
+from omni_trio.cli._loadtest_command import TENANT_KEYS_VARIABLE
 from omni_trio.cli._loadtest_math import (
     DEFAULT_CLASS,
     OUTCOMES,
@@ -49,6 +50,7 @@ from omni_trio.cli._loadtest_math import (
     percentile,
     poisson_schedule,
     summarize,
+    tenant_counts,
 )
 from omni_trio.serve import ServeConfig, Service
 from omni_trio.testing import FakeRunner, GatedRunner, assume_step_time
@@ -142,6 +144,52 @@ def test_a_count_gives_exactly_that_many_arrivals_in_the_window() -> None:
     assert poisson_schedule(**common, seed=2, count=0) == ()
     config = LoadConfig(url="http://h", rate=9.0, duration_s=2.0, slo_s=1.0, count=7)
     assert len(config.schedule()) == 7
+
+
+def test_tenants_split_the_arrivals_exactly_by_rate_for_a_seed() -> None:
+    """``tenants``: the same arrivals (times, give-ups, priorities), each tenant sending its
+    share by rate exactly (largest remainders), who sends which a seeded shuffle: the same
+    for a seed, other for another."""
+    common: dict[str, Any] = {
+        "rate": 11.0,
+        "duration_s": 10.0,
+        "give_up_fraction": 0.3,
+        "give_up_s": (0.0, 1.0),
+        "priority": 1,
+        "priority_share": 0.5,
+    }
+    tenants = [("heavy", 10.0), ("light", 1.0)]
+    split = poisson_schedule(**common, seed=4, count=110, tenants=tenants)
+    plain = poisson_schedule(**common, seed=4, count=110)
+    assert [dataclasses.replace(a, tenant=None) for a in split] == list(plain)
+    assert [a.tenant for a in split].count("heavy") == 100
+    assert [a.tenant for a in split].count("light") == 10
+    assert split == poisson_schedule(**common, seed=4, count=110, tenants=tenants)
+    other = poisson_schedule(**common, seed=5, count=110, tenants=tenants)
+    assert [a.tenant for a in other] != [a.tenant for a in split]
+    # A Poisson count: the split of whatever count the seed drew.
+    drawn = poisson_schedule(**common, seed=4, tenants=tenants)
+    sends = {name: [a.tenant for a in drawn].count(name) for name, _ in tenants}
+    assert sends == tenant_counts(len(drawn), tenants)
+    assert tenant_counts(7, [("a", 1.0), ("b", 1.0), ("c", 1.0)]) == {"a": 3, "b": 2, "c": 2}
+    assert tenant_counts(10, [("a", 1.0), ("b", 3.0)]) == {"a": 3, "b": 7}  # 2.5, 7.5: a tie
+    assert tenant_counts(0, tenants) == {"heavy": 0, "light": 0}
+    config = LoadConfig(
+        url="http://h",
+        rate=1.0,
+        duration_s=1.0,
+        slo_s=1.0,
+        count=4,
+        tenants=(Tenant(name="a", rate=3.0, key="sk-a"), Tenant(name="b")),
+    )
+    assert [a.tenant for a in config.schedule()].count("a") == 3
+    assert config.headers_of("a") == {"Authorization": "Bearer sk-a"}
+    assert config.headers_of("b") == {} == config.headers_of(None)
+    assert "sk-a" not in repr(config) and "sk-a" not in json.dumps(config.as_json())
+    assert config.as_json()["tenants"] == [
+        {"name": "a", "rate": 3.0, "keyed": True},
+        {"name": "b", "rate": 1.0, "keyed": False},
+    ]
 
 
 # -- the summary -----------------------------------------------------------------------
@@ -249,6 +297,63 @@ def test_the_summary_of_nothing_completed() -> None:
 def test_the_table_shows_refusals_per_status() -> None:
     s = summarize([rec(0, "refused", 0.1, status=429)], duration_s=1.0, slo_s=1.0)
     assert "refused (429)         1" in format_summary(s)
+
+
+def test_the_summary_per_tenant_adds_up_to_the_totals() -> None:
+    """``by_tenant``: each tenant's requests, outcomes, refusals by code, latencies and share
+    of the completed requests; they add up to the run's totals, which stay as they were."""
+    records = [
+        rec(0, "completed", 0.5, tenant="heavy"),
+        rec(1, "completed", 1.5, tenant="heavy"),
+        rec(2, "refused", 0.01, status=429, code="rate_limited", tenant="heavy"),
+        rec(3, "refused", 0.01, status=429, code="queue_full", tenant="light"),
+        rec(4, "completed", 0.2, tenant="light"),
+        rec(5, "gave_up", 0.3, give_up_s=0.3, tenant="light"),
+        rec(6, "refused", 0.01, status=429, code="rate_limited", tenant="light"),
+    ]
+    s = summarize(records, duration_s=2.0, slo_s=1.0)
+    assert {k: v for k, v in s.items() if k != "by_tenant"} == {
+        k: v
+        for k, v in summarize(
+            [dataclasses.replace(r, tenant=None) for r in records], duration_s=2.0, slo_s=1.0
+        ).items()
+        if k != "by_tenant"
+    }
+    heavy, light = s["by_tenant"]["heavy"], s["by_tenant"]["light"]
+    assert list(s["by_tenant"]) == ["heavy", "light"]
+    assert (heavy["requests"], heavy["completed"], light["requests"], light["completed"]) == (
+        3,
+        2,
+        4,
+        1,
+    )
+    assert heavy["refused_by_reason"] == {"429 rate_limited": 1}
+    assert light["refused_by_reason"] == {"429 queue_full": 1, "429 rate_limited": 1}
+    assert light["counts"] == {"completed": 1, "gave_up": 1, "refused": 2, "error": 0}
+    assert (heavy["share"], light["share"]) == (2 / 3, 1 / 3)
+    assert (heavy["p50_latency_s"], light["p99_latency_s"]) == (1.0, 0.2)
+    tenants = s["by_tenant"].values()
+    assert sum(t["requests"] for t in tenants) == s["requests"]
+    for outcome in OUTCOMES:
+        assert sum(t["counts"][outcome] for t in tenants) == s["counts"][outcome]
+    merged: dict[str, int] = {}
+    for t in tenants:
+        for reason, n in t["refused_by_reason"].items():
+            merged[reason] = merged.get(reason, 0) + n
+    assert merged == s["refused_by_reason"]
+    assert sum(t["share"] for t in tenants) == pytest.approx(1.0)
+    table = format_summary(s)
+    assert (
+        "  tenant heavy: 3 requests, 2 completed (66.7% of completed), p50 1.000 s, p99 1.490 s\n"
+        "    refused (429 rate_limited)          1\n"
+        "  tenant light: 4 requests, 1 completed (33.3% of completed)"
+    ) in table
+    assert summarize(records[:1], duration_s=1, slo_s=1)["by_tenant"]["heavy"]["share"] == 1.0
+    # Nothing completed: every share 0; no tenants: no tenant lines.
+    assert summarize(records[2:4], duration_s=1, slo_s=1)["by_tenant"]["light"]["share"] == 0.0
+    assert "tenant" not in format_summary(
+        summarize([rec(0, "completed", 0.1)], duration_s=1, slo_s=1)
+    )
 
 
 # -- the configuration and the command's errors ------------------------------------------
@@ -365,6 +470,58 @@ def test_a_config_out_of_range_names_the_field(fields: dict[str, Any], message: 
         (
             ["load", "http://h", "--give-up-fraction", "0", "--give-up-after", "5"],
             "--give-up-after: applies when some clients give up (--give-up-fraction above 0)",
+        ),
+        (
+            ["load", "http://h", "--tenants", "heavy=10,light"],
+            "--tenants: expected NAME=RATE,... e.g. heavy=10,light=1, got 'light'",
+        ),
+        (
+            ["load", "http://h", "--tenants", "heavy=0"],
+            "--tenants: tenant 'heavy': expected a number > 0, got '0'",
+        ),
+        (
+            ["load", "http://h", "--tenants", "heavy=ten"],
+            "--tenants: tenant 'heavy': expected a finite number, got 'ten'",
+        ),
+        (
+            ["load", "http://h", "--tenants", "heavy=10,light=1,heavy=2"],
+            "--tenants: tenant 'heavy' is given twice",
+        ),
+        (
+            ["load", "http://h", "--tenants", "heavy=1", "--tenant-key", "other=sk-secret"],
+            "--tenant-key: no tenant 'other' in --tenants (heavy)",
+        ),
+        (
+            ["load", "http://h", "--tenants", "heavy=1", "--tenant-key", "sk-secret"],
+            "--tenant-key: expected NAME=KEY (the key not shown)",
+        ),
+        (
+            [
+                "load",
+                "http://h",
+                "--tenants",
+                "a=1",
+                "--tenant-key",
+                "a=k1",
+                "--tenant-key",
+                "a=k2",
+            ],
+            "--tenant-key: tenant 'a' has two keys",
+        ),
+        (
+            ["load", "http://h", "--tenant-key", "a=sk-secret"],
+            "--tenant-key: give --tenants too (the tenants the keys are for)",
+        ),
+        (
+            ["load", "http://h", "--tenants", "a=1", "--tenant-key", "a=sk secret"],
+            "--tenants: tenant 'a': a key must be printable ASCII without spaces",
+        ),
+        (
+            [
+                *("load", "http://h", "--tenants", "a=1", "--tenant-key", "a=k"),
+                *("--header", "Authorization: Bearer k0"),
+            ],
+            "--tenant-key: give tenant keys or --header 'Authorization: ...', not both",
         ),
     ],
 )
@@ -701,15 +858,20 @@ class HoldingServer(ThreadingHTTPServer):
 
     ``received`` counts the POSTs; ``read`` the answers whose client then closed its
     connection (it read the answer: the load client keeps no connection alive).
+    ``authorization`` holds each POST's ``Authorization`` header (``None``: none) by
+    its body's ``seed`` (the arrival's index); one named in ``refusing`` is answered
+    429 with that error code instead of an image, as a server's tenant limit does.
     """
 
     daemon_threads = True
 
-    def __init__(self, answered: int) -> None:
+    def __init__(self, answered: int, refusing: dict[str, str] | None = None) -> None:
         super().__init__(("127.0.0.1", 0), _HoldingHandler)
         self.answered = answered
+        self.refusing = refusing or {}
         self.received = 0
         self.read = 0
+        self.authorization: dict[int, str | None] = {}
         self.lock = threading.Lock()
         self.released = threading.Event()
 
@@ -724,15 +886,20 @@ class _HoldingHandler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         self.close_connection = True
-        self.rfile.read(int(self.headers["Content-Length"]))
+        seed = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["seed"]
+        authorization = self.headers.get("Authorization")
         with self.server.lock:
             self.server.received += 1
+            self.server.authorization[seed] = authorization
             held = self.server.received > self.server.answered
         if held:
             self.server.released.wait(BUDGET_S)
             return
-        body = b'{"created": 0, "data": [{"b64_json": ""}]}'
-        self.send_response(200)
+        status, body = 200, b'{"created": 0, "data": [{"b64_json": ""}]}'
+        if authorization in self.server.refusing:
+            code = self.server.refusing[authorization]
+            status, body = 429, json.dumps({"error": {"code": code, "message": "slow"}}).encode()
+        self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -747,8 +914,10 @@ class _HoldingHandler(BaseHTTPRequestHandler):
 
 
 @contextmanager
-def holding_server(answered: int) -> Iterator[HoldingServer]:
-    server = HoldingServer(answered)
+def holding_server(
+    answered: int, refusing: dict[str, str] | None = None
+) -> Iterator[HoldingServer]:
+    server = HoldingServer(answered, refusing)
     thread = threading.Thread(target=server.serve_forever)
     thread.start()
     try:
@@ -800,3 +969,72 @@ def test_ctrl_c_stops_the_run_and_prints_and_saves_what_ended(tmp_path: Path) ->
     assert out.startswith(f"2 requests at 20/s for the first {data['stopped_s']:.1f} s of 600 s")
     assert f"stopped by SIGINT: {data['unanswered']} request(s) still unanswered were cut" in out
     assert f"  {'completed':<16}{2:>7}\n" in out
+
+
+# -- tenants ---------------------------------------------------------------------------
+
+
+def test_tenants_send_their_own_keys_and_no_key_is_shown(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--tenants`` with keys from ``--tenant-key`` and the variable: the server sees each
+    request's tenant's ``Authorization`` (none for a tenant without a key); the summary
+    splits per tenant (the light tenant's 429s by code) and adds up to the totals; no
+    key is in the table, the JSON, stderr or any log record."""
+    monkeypatch.setenv(TENANT_KEYS_VARIABLE, "light=sk-light-secret")
+    caplog.set_level(logging.DEBUG)
+    saved = tmp_path / "load.json"
+    args = ["--requests", "12", "--duration", "0.2", "--seed", "5", "--give-up-fraction", "0"]
+    args += ["--tenants", "heavy=3,light=2,open=1", "--tenant-key", "heavy=sk-heavy-secret"]
+    args += ["--json", str(saved)]
+    refusing = {"Bearer sk-light-secret": "rate_limited"}
+    with holding_server(answered=1000, refusing=refusing) as server:
+        status = main(["load", server.url, *args])
+        seen = dict(server.authorization)
+    out, err = capsys.readouterr()
+    assert (status, err) == (0, "")
+    data = json.loads(saved.read_text())
+    records = data["records"]
+    assert [r["tenant"] for r in records].count("heavy") == 6
+    assert [r["tenant"] for r in records].count("light") == 4
+    headers = {"heavy": "Bearer sk-heavy-secret", "light": "Bearer sk-light-secret", "open": None}
+    assert seen == {r["index"]: headers[r["tenant"]] for r in records}
+    summary = data["summary"]
+    assert summary["counts"] == dict.fromkeys(OUTCOMES, 0) | {"completed": 8, "refused": 4}
+    assert summary["refused_by_reason"] == {"429 rate_limited": 4}
+    by_tenant = summary["by_tenant"]
+    assert [by_tenant[t]["requests"] for t in ("heavy", "light", "open")] == [6, 4, 2]
+    assert [by_tenant[t]["completed"] for t in ("heavy", "light", "open")] == [6, 0, 2]
+    assert by_tenant["light"]["refused_by_reason"] == {"429 rate_limited": 4}
+    assert [by_tenant[t]["share"] for t in ("heavy", "light", "open")] == [0.75, 0.0, 0.25]
+    assert sum(t["requests"] for t in by_tenant.values()) == summary["requests"] == 12
+    assert data["config"]["tenants"] == [
+        {"name": "heavy", "rate": 3.0, "keyed": True},
+        {"name": "light", "rate": 2.0, "keyed": True},
+        {"name": "open", "rate": 1.0, "keyed": False},
+    ]
+    assert "; tenants heavy 6 (with a key), light 4 (with a key), open 2\n" in out
+    assert "  tenant light: 4 requests, 0 completed (0.0% of completed)" in out
+    assert "    refused (429 rate_limited)          4\n" in out
+    logged = "\n".join(f"{r.getMessage()} {r.args!r}" for r in caplog.records)
+    assert "load: tenants heavy 6 (key), light 4 (key), open 2" in logged
+    for text in (out, err, saved.read_text(), logged):
+        assert "secret" not in text
+
+
+def test_a_tenant_key_from_the_variable_is_checked_as_one_from_the_command_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The variable's entries: a tenant not in ``--tenants`` or an entry without ``=`` is a
+    usage error naming the variable, never showing the key."""
+    for value, line in [
+        ("other=sk-secret", f"{TENANT_KEYS_VARIABLE}: no tenant 'other' in --tenants (a, b)"),
+        ("a=k,sk-secret", f"{TENANT_KEYS_VARIABLE}: expected NAME=KEY (the key not shown)"),
+    ]:
+        monkeypatch.setenv(TENANT_KEYS_VARIABLE, value)
+        assert main(["load", "http://h", "--tenants", "a=1,b=1"]) == 2
+        out, err = capsys.readouterr()
+        assert (out, err) == ("", f"omni-trio: error: {line}\n")
