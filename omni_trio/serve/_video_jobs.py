@@ -269,9 +269,18 @@ class VideoJob:
             self.changed()
 
     def end(
-        self, mp4: bytes | None, error: dict[str, str] | None, expires_at: int, *, size: int
+        self,
+        mp4: bytes | None,
+        error: dict[str, str] | None,
+        expires_at: int,
+        *,
+        size: int,
+        completed_at: int | None = None,
     ) -> None:
-        """The job completed (``size`` bytes of MP4: ``mp4``, or a file) or failed (``error``)."""
+        """The job completed (``size`` bytes of MP4: ``mp4``, or a file) or failed (``error``).
+
+        ``completed_at``: the time the store recorded, so that a restart shows the same.
+        """
         self.mp4 = mp4
         self.size = size
         if error is not None:
@@ -279,7 +288,9 @@ class VideoJob:
         else:
             self.progress = 100
         self._ended = "failed" if error is not None else "completed"
-        if self.completed_at is None:
+        if completed_at is not None:
+            self.completed_at = completed_at
+        elif self.completed_at is None:
             self.completed_at = int(time.time())
         self.expires_at = expires_at
         self.handle = None
@@ -822,8 +833,8 @@ class VideoJobs:
         record = None if error is None else error_record(error)
         size = 0 if mp4 is None else len(mp4)
         store = self.store
+        finished = int(time.time())
         if store is not None:
-            finished = int(time.time())
             if mp4 is not None:
                 kept = await self._stored(
                     store.completed, job.id, mp4, completed_at=finished, expires_at=expires
@@ -844,7 +855,7 @@ class VideoJobs:
         if job.removed:
             return
         self._expiries[job.id] = self.config.clock() + self.config.ttl_s
-        job.end(mp4, record, int(expires), size=size)
+        job.end(mp4, record, int(expires), size=size, completed_at=finished)
         self._nudge()
 
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni_trio.runners import DiffusersRunner
-from tests.support.parallel import close, group, guided_requests, images_of
-from tests.support.runners import tiny
+from tests.support.parallel import close, closed_images_of, group, guided_requests, images_of
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +31,6 @@ def test_every_family_makes_the_single_process_output(kind: str, layout: str) ->
     over two ranks, Wan (video) and Qwen-Image (its text padded, masked, to the ranks) run
     sequence parallel, and each makes the single-process runner's output."""
     [request] = guided_requests(kind)[:1]
-    expected = images_of(DiffusersRunner(tiny(kind)), request)
+    expected = closed_images_of(kind, request)
     with group(kind, layout) as runner:
         assert close([images_of(runner, request)], [expected])

@@ -29,6 +29,7 @@ from omni_trio.runners import DiffusersRunner
 from omni_trio.testing import probe, wait_until
 from tests.support.core import BUDGET
 from tests.support.parallel import (
+    Declaring,
     children,
     group,
     hangs_on_flag,
@@ -86,7 +87,8 @@ async def test_a_hung_rank_fails_its_group_within_the_timeout_and_the_other_work
     with group("sd", "cfg", factory=factory, timeout_s=3.0) as runner:
         ranks = set(runner.pids)
         with anyio.fail_after(BUDGET):
-            workers: list[Any] = [runner, DiffusersRunner(tiny("sd"))]
+            beside = Declaring(DiffusersRunner(tiny("sd")), runner.capabilities)
+            workers: list[Any] = [runner, beside]
             async with ot.open_engine(workers) as engine:
                 handles = [engine.submit(request("sd", seed=seed)) for seed in (1, 2)]
                 await wait_until(lambda: all(probe(h).worker is not None for h in handles))

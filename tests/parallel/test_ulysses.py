@@ -22,6 +22,7 @@ from tests.support.core import BUDGET
 from tests.support.parallel import (
     Kept,
     abort_inside_a_step,
+    capabilities_of,
     close,
     group,
     guided_requests,
@@ -48,17 +49,14 @@ async def test_ulysses_equals_one_rank(ulysses: ParallelRunner) -> None:
     expected = await outputs(DiffusersRunner(tiny("flux")), requests)
     assert close(await outputs(Kept(ulysses), requests[:1]), expected[:1])
     assert close(await outputs(Kept(ulysses), requests), expected)
-    assert (
-        ulysses.capabilities.size_multiple
-        == 2 * DiffusersRunner(tiny("flux")).capabilities.size_multiple
-    )
+    assert ulysses.capabilities.size_multiple == 2 * capabilities_of("flux").size_multiple
 
 
 async def test_a_parallel_worker_refuses_step_caching(ulysses: ParallelRunner) -> None:
     """L49 (L80): a cached request on a parallel worker is refused at admission, naming
     ``cache``, where one rank of the same model would cache it: a rank computes a slice
     of the rows, and a skip would be that rank's decision alone."""
-    assert "first-block" in DiffusersRunner(tiny("flux")).capabilities.step_cache
+    assert "first-block" in capabilities_of("flux").step_cache
     assert not ulysses.capabilities.step_cache
     cached = request("flux", cache=ot.StepCache(kind="first-block", threshold=0.1))
     with anyio.fail_after(BUDGET):

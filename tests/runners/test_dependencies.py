@@ -28,7 +28,9 @@ FIRST_RELEASE = {
     "StableDiffusion3Pipeline": "0.29.0",
     "FluxPipeline": "0.30.0",
     "LTXPipeline": "0.32.0",
+    "LTXImageToVideoPipeline": "0.32.0",
     "WanPipeline": "0.33.0",
+    "WanImageToVideoPipeline": "0.33.0",
     "QwenImagePipeline": "0.35.0",
     # Wan 2.2's second expert (WanPipeline.transformer_2, boundary_ratio).
     "Wan 2.2 (transformer_2, boundary_ratio)": "0.35.0",

@@ -13,8 +13,10 @@ Determinism rules:
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import io
+import multiprocessing
 import signal
 import sqlite3
 import threading
@@ -25,6 +27,7 @@ import anyio
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
 from omni_trio.serve import ServeConfig, Service, VideoConfig
@@ -54,7 +57,16 @@ def held(folder: Path, point: str) -> bool:
 
 
 def uninterrupted() -> bytes:
-    """The MP4 of the job on an in-process service that nothing interrupts."""
+    """The MP4 of the job on a service that nothing interrupts, in a fresh process as the
+    server is: this process's state after other tests (torch's threads, an attention
+    backend a parallel group left set) must not change the frames the codec sees."""
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+        return pool.submit(_uninterrupted_here).result(timeout=BUDGET)
+
+
+def _uninterrupted_here() -> bytes:
+    torch.set_num_threads(1)  # as the server's --torch-threads 1
 
     async def run() -> bytes:
         service = Service(

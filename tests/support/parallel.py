@@ -22,10 +22,10 @@ import torch
 
 import omni_trio as ot
 from omni_trio.parallel import ParallelRunner, RankReport
-from omni_trio.runners import tiny_pipeline
+from omni_trio.runners import DiffusersRunner, tiny_pipeline
 from omni_trio.testing import probe, wait_until
 from tests.support.core import BUDGET
-from tests.support.runners import ModuleGate, request
+from tests.support.runners import ModuleGate, request, tiny
 
 __all__ = [
     "ATOL",
@@ -117,6 +117,38 @@ class Kept:
 
     def close(self) -> None:
         """The engine is done with it; the test module closes it."""
+
+
+class Declaring:
+    """A runner that declares ``capabilities`` of another: an engine's workers must agree,
+    and a parallel group takes no step cache, adapters nor checkpoints, which a
+    ``DiffusersRunner`` beside it would declare."""
+
+    def __init__(self, runner: Any, capabilities: Any) -> None:
+        self.runner = runner
+        self.capabilities = capabilities
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+
+def capabilities_of(kind: str) -> Any:
+    """The single-process runner's capabilities for ``kind`` (the runner closed again:
+    a live one keeps the cached pipeline's blocks wrapped for its step cache)."""
+    runner = DiffusersRunner(tiny(kind))
+    try:
+        return runner.capabilities
+    finally:
+        runner.close()
+
+
+def closed_images_of(kind: str, request: ot.GenerationRequest) -> torch.Tensor:
+    """``images_of`` a fresh single-process runner of ``kind``, closed after."""
+    runner = DiffusersRunner(tiny(kind))
+    try:
+        return images_of(runner, request)
+    finally:
+        runner.close()
 
 
 def children(pid: int | None = None) -> set[int]:
