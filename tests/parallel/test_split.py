@@ -10,7 +10,6 @@ model load per rank. Both ranks use one torch thread.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 
 import anyio
@@ -29,6 +28,7 @@ from tests.support.parallel import (
     group,
     guided_requests,
     outputs,
+    random_aborts_then_one,
     report,
     same_states,
 )
@@ -94,26 +94,7 @@ async def test_twenty_random_aborts_leave_every_rank_equal(split: ParallelRunner
     a step, where the ranks leave at one agreed cancel point): no rank hangs, none keeps
     a state, and the next request runs with bitwise equal states on every rank and makes
     the single-process image."""
-    rng = random.Random(2540)
-    after = request("sd", seed=99, prompt="after", num_steps=6)
-    [expected] = await outputs(DiffusersRunner(tiny("sd")), [after])
-    with anyio.fail_after(4 * BUDGET):
-        async with ot.open_engine(Kept(split)) as engine:
-            for index in range(20):
-                async with engine.submit(
-                    request("sd", seed=index, num_steps=6), request_id=f"a{index}"
-                ) as handle:
-                    await wait_until(lambda: probe(handle).steps_done >= rng.randrange(0, 5))
-                    await anyio.sleep(rng.uniform(0.0, 0.03))
-                    assert await handle.abort()
-                reports = await report(split)
-                assert same_states(reports) and not reports[0].states, index
-            async with engine.submit(after, request_id="after") as handle:
-                await wait_until(lambda: probe(handle).steps_done >= 3)
-                reports = await report(split)
-                assert same_states(reports) and set(reports[0].states) == {"after"}
-                got = (await handle.result()).images
-    assert close([got], [expected])
+    await random_aborts_then_one(split, "sd", aborts=20, seed=2540, pause_s=0.03)
 
 
 async def test_a_preempted_request_parks_on_every_rank_and_resumes_exactly(

@@ -8,7 +8,6 @@ state digests). One Ulysses group on tiny Flux serves the module (``Kept``).
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 
 import anyio
@@ -17,7 +16,6 @@ import pytest
 import omni_trio as ot
 from omni_trio.parallel import ParallelRunner
 from omni_trio.runners import DiffusersRunner
-from omni_trio.testing import probe, wait_until
 from tests.support.core import BUDGET
 from tests.support.parallel import (
     Kept,
@@ -27,6 +25,7 @@ from tests.support.parallel import (
     group,
     guided_requests,
     outputs,
+    random_aborts_then_one,
     report,
     same_states,
 )
@@ -71,26 +70,7 @@ async def test_random_aborts_leave_every_ulysses_rank_equal(ulysses: ParallelRun
     which exchange tokens in every block, leave one block later, at the point rank 0
     announced): no rank hangs or keeps a state; the next request's states are bitwise
     equal on every rank and its image is one rank's."""
-    rng = random.Random(2541)
-    after = request("flux", seed=99, prompt="after", num_steps=6)
-    [expected] = await outputs(DiffusersRunner(tiny("flux")), [after])
-    with anyio.fail_after(2 * BUDGET):
-        async with ot.open_engine(Kept(ulysses)) as engine:
-            for index in range(8):
-                async with engine.submit(
-                    request("flux", seed=index, num_steps=6), request_id=f"a{index}"
-                ) as handle:
-                    await wait_until(lambda: probe(handle).steps_done >= rng.randrange(0, 5))
-                    await anyio.sleep(rng.uniform(0.0, 0.02))
-                    assert await handle.abort()
-                reports = await report(ulysses)
-                assert same_states(reports) and not reports[0].states, index
-            async with engine.submit(after, request_id="after") as handle:
-                await wait_until(lambda: probe(handle).steps_done >= 3)
-                reports = await report(ulysses)
-                assert same_states(reports) and set(reports[0].states) == {"after"}
-                got = (await handle.result()).images
-    assert close([got], [expected])
+    await random_aborts_then_one(ulysses, "flux", aborts=8, seed=2541, pause_s=0.02)
 
 
 async def test_an_abort_inside_a_ulysses_step_leaves_it_at_the_announced_block(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
+import random
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -117,6 +118,35 @@ class Kept:
 
     def close(self) -> None:
         """The engine is done with it; the test module closes it."""
+
+
+async def random_aborts_then_one(
+    group: ParallelRunner, kind: str, *, aborts: int, seed: int, pause_s: float
+) -> None:
+    """Abort ``aborts`` requests of ``kind`` at random moments (after 0 to 4 steps and a
+    pause of up to ``pause_s``: at a boundary or inside a step), each time checking that
+    no rank keeps a state and all agree; then run one more request, whose states are
+    bitwise equal on every rank and whose image is the single-process runner's."""
+    rng = random.Random(seed)
+    after = request(kind, seed=99, prompt="after", num_steps=6)
+    [expected] = await outputs(DiffusersRunner(tiny(kind)), [after])
+    with anyio.fail_after(BUDGET * max(2, aborts // 5)):
+        async with ot.open_engine(Kept(group)) as engine:
+            for index in range(aborts):
+                async with engine.submit(
+                    request(kind, seed=index, num_steps=6), request_id=f"a{index}"
+                ) as handle:
+                    await wait_until(lambda: probe(handle).steps_done >= rng.randrange(0, 5))
+                    await anyio.sleep(rng.uniform(0.0, pause_s))
+                    assert await handle.abort()
+                reports = await report(group)
+                assert same_states(reports) and not reports[0].states, index
+            async with engine.submit(after, request_id="after") as handle:
+                await wait_until(lambda: probe(handle).steps_done >= 3)
+                reports = await report(group)
+                assert same_states(reports) and set(reports[0].states) == {"after"}
+                got = (await handle.result()).images
+    assert close([got], [expected])
 
 
 class Declaring:
