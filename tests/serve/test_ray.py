@@ -142,6 +142,9 @@ def apps() -> Iterator[tuple[Cluster, Cluster]]:
         from omni_trio.serve.ray import deployment
 
     port = free_port()
+    # Processes this session started before (multiprocessing's resource tracker, which the
+    # parallel tests start and which lives as long as pytest) are not Ray's to end.
+    before = descendants(os.getpid())
     ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=4, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -170,10 +173,10 @@ def apps() -> Iterator[tuple[Cluster, Cluster]]:
         yield Cluster(url, pair), Cluster(url + "/solo", solo, replicas=1)
         serve.shutdown()
     finally:
-        started = descendants(os.getpid())
+        started = descendants(os.getpid()) - before
         ray.shutdown()
-    # Ray's raylet, GCS and workers take their time on a busy 2-core machine (20 s was
-    # once not enough); a process still alive after a minute is a leak.
+    # Ray's raylet, GCS and workers take a few seconds to exit on a busy 2-core machine; a
+    # process of Ray's still alive after a minute is a leak.
     poll_until(lambda: not alive(started), timeout=60, what="every Ray process to exit")
 
 
