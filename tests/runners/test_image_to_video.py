@@ -10,6 +10,7 @@ returns the text, as ``ftfy.fix_text`` does for plain ASCII, is put in its place
 from __future__ import annotations
 
 import types
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -19,6 +20,7 @@ import torch
 
 import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
+from omni_trio.runners._load import load_pipeline
 from tests.support.core import BUDGET
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
@@ -118,3 +120,27 @@ async def test_an_image_to_video_request_is_checked_by_name() -> None:
         with pytest.raises(ot.InvalidRequestError) as caught:
             engine.submit(request(1))
         assert caught.value.field == "image"
+
+
+@pytest.mark.parametrize("kind", ["wan-i2v", "ltx-i2v"])
+async def test_a_saved_image_to_video_folder_loads_to_the_same_output(
+    kind: str, tmp_path: Path
+) -> None:
+    """L69: a folder ``save_pretrained`` wrote (the vision encoder and image processor
+    too) loads to the same class, whose output is the tiny pipeline's.
+
+    To float rounding, not bitwise: safetensors maps the loaded weights at addresses not
+    64-byte aligned, and the CPU's matrix kernels round such operands differently (tiny
+    LTX-Video's timestep embedding differs by 1.5e-7 in one linear layer; equal weights).
+    """
+    tiny(kind).save_pretrained(tmp_path)
+    loaded = load_pipeline(tmp_path)
+    assert type(loaded) is type(tiny(kind))
+    videos = []
+    for pipe in (tiny(kind), loaded):
+        with anyio.fail_after(BUDGET):
+            async with ot.open_engine(DiffusersRunner(pipe)) as engine:
+                output = await engine.generate(request(1, kind, num_steps=2))
+        assert output.video is not None
+        videos.append(output.video)
+    torch.testing.assert_close(*videos, rtol=0, atol=1e-5)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import random
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -282,6 +283,55 @@ async def test_cache_state_is_the_admissions_a_reused_id_starts_afresh() -> None
     assert runner.live_states == 0
 
 
+class Faulting(DiffusersRunner):
+    """A tiny runner whose third step fails (``"failure"``) or overruns (``"deadline"``);
+    it keeps every state it prepared, to see their caches after the release."""
+
+    def __init__(self, pipe: Any, fault: str) -> None:
+        super().__init__(pipe)
+        self.fault = fault
+        self.steps = 0
+        self.states: list[RequestState] = []
+
+    def prepare(self, request: ot.GenerationRequest, request_id: str) -> RequestState:
+        state = super().prepare(request, request_id)
+        self.states.append(state)
+        return state
+
+    def step(self, states: Any) -> None:
+        self.steps += 1
+        if self.steps == 3:
+            if self.fault == "failure":
+                raise RuntimeError("a model fault")
+            time.sleep(1.0)  # past the request's 0.5 s deadline (whenever it passed)
+        super().step(states)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("fault", ["failure", "deadline"])
+async def test_a_failed_or_overdue_cached_request_drops_its_cache(fault: str) -> None:
+    """L82: a cached request failed by its runner, or ended by its deadline, leaves no cache
+    state: the release discards it with the request's state, as for a finish or an abort.
+    """
+    runner = Faulting(tiny("flux"), fault)
+    r = cached("flux", first_block(0.4), seed=10, deadline_s=0.5)
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner) as engine:
+            async with engine.submit(r, request_id="faulty") as handle:
+                with pytest.raises(
+                    ot.RequestFailedError if fault == "failure" else ot.RequestError
+                ):
+                    await handle.result()
+            if fault == "deadline":
+                assert handle.status is ot.RequestStatus.ABORTED
+                assert handle.abort_reason == "deadline"
+            else:
+                assert handle.status is ot.RequestStatus.FAILED
+    [state] = runner.states
+    assert state.cache is None
+    assert runner.live_states == 0
+
+
 def test_a_step_left_at_a_cancel_point_leaves_the_cache_as_it_was() -> None:
     """L83: a step left at a block's cancel point (StopRun from the pre-hook before the tail
     block) commits nothing: counters, pattern and tensors are those before the step, and
@@ -368,6 +418,36 @@ def test_wan_two_experts_keep_a_cache_each() -> None:
         for seed in range(2):
             _, churned = churning(runner, "wan", r, random.Random(seed))
             assert churned.pattern == solo.pattern
+    finally:
+        runner.close()
+
+
+def test_a_loosened_threshold_applies_from_the_next_call() -> None:
+    """L84: ``set_cache_threshold`` on a first-block request: stepped at threshold 0 (every
+    call computed), then raised, it skips from the next step on, and its metrics say it
+    was loosened to what; a request without a first-block cache is refused.
+    """
+    runner = DiffusersRunner(tiny("flux"))
+    try:
+        r = cached("flux", first_block(0.0), seed=9)
+        state = runner.prepare(r, "loosened")
+        for _ in range(3):
+            runner.step([state])
+        before = metrics_of(runner, state)
+        assert (before.calls_skipped, before.loosened, before.threshold) == (0, False, 0.0)
+        runner.set_cache_threshold(state, 0.6)
+        for _ in range(3, r.denoise_steps):
+            runner.step([state])
+        after = metrics_of(runner, state)
+        assert (after.loosened, after.threshold) == (True, 0.6)
+        assert after.calls_skipped > 0
+        assert all(row[:3] == "CCC" and "S" in row[3:] for row in after.pattern)
+        runner.discard(state)
+        for policy in (None, ot.StepCache(kind="taylorseer")):
+            other = runner.prepare(cached("flux", policy), "other")
+            with pytest.raises(ValueError, match="no first-block cache"):
+                runner.set_cache_threshold(other, 0.6)
+            runner.discard(other)
     finally:
         runner.close()
 

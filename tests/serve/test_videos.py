@@ -14,6 +14,7 @@ Determinism rules:
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from collections.abc import AsyncIterator
@@ -623,6 +624,49 @@ def test_a_frame_count_refused_for_the_seconds_sent_names_seconds() -> None:
     )
     assert refusal({"num_frames": 13}).param == "num_frames"
     assert refusal({}).param == "num_frames"  # the default length: no seconds were sent
+
+
+class FromTwoSteps(FakeRunner):
+    """An instant 4k + 1 video runner that runs 2 steps or more, as LTX-Video does."""
+
+    def __init__(self) -> None:
+        super().__init__(frames=RULE)
+        self._capabilities = dataclasses.replace(self._capabilities, min_steps=2)
+
+
+async def test_steps_the_model_cannot_run_and_too_many_frame_pixels_are_400s() -> None:
+    """L4 (amended), L73: over HTTP, a step count under the runner's fewest is a 400 naming
+    ``num_inference_steps``, and a video over ``max_frame_pixels`` a 400 naming the field
+    sent (``num_frames``, or ``seconds`` when the length came from it) and the bound;
+    nothing reaches the engine, and what is within both runs.
+    """
+    config = ServeConfig(
+        model_name="fake-video", default_width=SIZE, default_height=SIZE, default_steps=4
+    )
+    bound = SIZE * SIZE * 9  # 9 frames of 16 x 16
+    service = Service(
+        FromTwoSteps(),
+        engine_config=ot.EngineConfig(max_height=64, max_width=64, max_frame_pixels=bound),
+        config=config,
+        video_config=VideoConfig(fps=FPS),
+    )
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        ({"num_inference_steps": 1, "num_frames": 9}, "num_inference_steps", "at least 2 steps"),
+        ({"num_frames": 13}, "num_frames", f"max_frame_pixels of {bound:,}"),
+        ({"seconds": "2"}, "seconds", f"max_frame_pixels of {bound:,}"),
+    ]
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            for fields, param, words in cases:
+                response = await client.post("/v1/videos", json={"prompt": "a fox", **fields})
+                assert response.status_code == 400, (fields, response.text)
+                error = error_of(response)
+                assert error["param"] == param, (fields, error)
+                assert words in error["message"] and "\n" not in error["message"], error
+            engine = service.engine
+            assert engine is not None and engine.statistics().admitted == 0
+            job = await create(client, num_frames=9, num_inference_steps=2)
+            assert (await finished(client, job["id"]))["status"] == "completed"
 
 
 async def test_a_failed_job_reports_a_generic_error_and_has_no_content() -> None:
