@@ -22,6 +22,7 @@ import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
 from omni_trio.runners._load import load_pipeline
 from tests.support.core import BUDGET
+from tests.support.runners import assert_loaded_output_matches
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -127,11 +128,8 @@ async def test_a_saved_image_to_video_folder_loads_to_the_same_output(
     kind: str, tmp_path: Path
 ) -> None:
     """L69: a folder ``save_pretrained`` wrote (the vision encoder and image processor
-    too) loads to the same class, whose output is the tiny pipeline's.
-
-    To float rounding, not bitwise: safetensors maps the loaded weights at addresses not
-    64-byte aligned, and the CPU's matrix kernels round such operands differently (tiny
-    LTX-Video's timestep embedding differs by 1.5e-7 in one linear layer; equal weights).
+    too) loads to the same class, whose output is the tiny pipeline's (to float rounding:
+    ``assert_loaded_output_matches``).
     """
     tiny(kind).save_pretrained(tmp_path)
     loaded = load_pipeline(tmp_path)
@@ -143,4 +141,4 @@ async def test_a_saved_image_to_video_folder_loads_to_the_same_output(
                 output = await engine.generate(request(1, kind, num_steps=2))
         assert output.video is not None
         videos.append(output.video)
-    torch.testing.assert_close(*videos, rtol=0, atol=1e-5)
+    assert_loaded_output_matches(*videos)
