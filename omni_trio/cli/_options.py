@@ -161,6 +161,7 @@ def service_options(args: argparse.Namespace) -> ServiceOptions:
         adapter_dir=args.adapter_dir,
         allow_adapter_admin=args.allow_adapter_admin,
         keys=_keys(args),
+        warm_up=args.warm_up and args.model != "fake",
     )
 
 
@@ -252,6 +253,9 @@ def unused_options(args: argparse.Namespace) -> list[Unused]:
                 dest="step_seconds", option="--step-seconds", reason="applies to --model fake only"
             )
         )
+    else:
+        fake = "applies to a real model (the fake one's step is --step-seconds)"
+        unused.append(Unused(dest="warm_up", option="--no-warm-up", reason=fake))
     return unused
 
 

@@ -322,6 +322,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.05,
         help="simulated compute per step of the fake model (default 0.05)",
     )
+    parser.add_argument(
+        "--no-warm-up",
+        dest="warm_up",
+        action="store_false",
+        help="answer at once, without the warm-up request (the fewest steps at the default"
+        " size) that measures a step first, so that the engine's 30 s bound on one step"
+        " holds for the first client's request too (default: a real model warms up)",
+    )
     keys = parser.add_argument_group(
         "API keys and tenants (with any key, every route but /health needs one)"
     )

@@ -38,6 +38,7 @@ from ._schema import ImageJob
 from ._upload import UploadLimits
 from ._video_jobs import VideoConfig, VideoJobs
 from ._videos import VideosApi
+from ._warmup import warm_up, warm_up_request
 
 __all__ = ["NOT_STARTED", "Service", "create_app"]
 
@@ -329,6 +330,9 @@ class Service:
             )
         async with open_engine(self._runner, self.engine_config) as engine:
             self._engine = engine
+            capabilities = self._admission.capabilities
+            if self.config.warm_up and capabilities is not None:
+                await warm_up(engine, warm_up_request(capabilities, self.config))
             left: BaseException | None = None
             async with anyio.create_task_group() as jobs:
                 # A video model's jobs, from the durable store if there is one (L77).

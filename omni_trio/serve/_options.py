@@ -109,6 +109,7 @@ class ServiceOptions:
         keys: the API keys the service accepts, their tenants and limits (L55,
             L56; ``Service``'s ``keys``); ``None``: an open server. Only digests
             travel: the keys themselves are never kept.
+        warm_up: as ``ServeConfig``'s: one request before the service answers.
     """
 
     model: str
@@ -137,6 +138,7 @@ class ServiceOptions:
     adapter_dir: str | None = None
     allow_adapter_admin: bool = False
     keys: ApiKeys | None = None
+    warm_up: bool = False
 
     def with_serve_config(self, config: ServeConfig) -> ServiceOptions:
         """These options with every setting of ``config``: its defaults, not the model's."""
@@ -151,6 +153,7 @@ class ServiceOptions:
             max_priority=config.max_priority,
             adapter_dir=config.adapter_dir,
             allow_adapter_admin=config.allow_adapter_admin,
+            warm_up=config.warm_up,
         )
 
     def load_model(self) -> LoadedModel:
@@ -233,6 +236,7 @@ def _serve_config(options: ServiceOptions, model: LoadedModel) -> ServeConfig:
         max_priority=options.max_priority,
         adapter_dir=options.adapter_dir,
         allow_adapter_admin=options.allow_adapter_admin,
+        warm_up=options.warm_up,
     )
 
 

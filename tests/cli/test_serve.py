@@ -63,6 +63,7 @@ def test_a_bad_option_is_one_line_and_status_2(args: list[str], text: str) -> No
             ["--model", "tiny-sd", "--step-seconds", "0.1"],
             "--step-seconds: applies to --model fake",
         ),
+        (["--model", "fake", "--no-warm-up"], "--no-warm-up: applies to a real model"),
         # Found once the model loaded: what it is decides.
         (["--model", "fake", "--video-fps", "10"], "--video-fps: applies to video models only"),
         (["--model", "fake", "--video-jobs", "2"], "--video-jobs: applies to video models only"),
@@ -218,6 +219,8 @@ def test_every_log_line_is_a_record_with_a_real_model(
         assert [line for line in lines if not TEXT_LINE.match(line)] == []
         messages = lines
     assert any("serving tiny-sd (" in m for m in messages), messages
+    # A real model warms up before it answers (L4: max_step_s holds from the first client).
+    assert any("warm-up: 1 step(s) of 64x64 in " in m for m in messages), messages
     assert any("stopped; engine threads left: none" in m for m in messages), messages
 
 

@@ -1,0 +1,115 @@
+"""The warm-up (``ServeConfig.warm_up``): a step measured before the first client (L4).
+
+``EngineConfig.max_step_s`` refuses a request whose one step would outlast it, by the
+worker's measured cost per pixel; before a step is measured, it admits. The warm-up
+runs one request inside the lifespan, so the first client's request is measured too.
+
+Determinism: the fake runner sleeps 50 ms per step (at least: a sleep never ends
+early), so a 16 x 16 warm-up step measures at least 195 us per pixel, and one step of
+256 x 256 is estimated at 12.8 s or more, over the 5 s bound, however busy the
+machine; a 16 x 16 step is estimated at what it measured, far under 5 s.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+import pytest
+
+import omni_trio as ot
+from omni_trio.runners import RunnerCapabilities
+from omni_trio.serve import ServeConfig, Service
+from omni_trio.serve._warmup import WARM_UP_ID, warm_up_request
+from omni_trio.testing import FakeRunner
+from tests.support.core import BUDGET
+from tests.support.serve import serving
+
+pytestmark = pytest.mark.anyio
+
+SMALL = 16
+LARGE = "256x256"
+
+
+def service(*, warm_up: bool, runner: FakeRunner | None = None) -> Service:
+    """A 16 x 16 image service on a fake runner of 50 ms steps, its steps bounded at 5 s."""
+    config = ServeConfig(
+        model_name="fake", default_width=SMALL, default_height=SMALL, default_steps=2,
+        warm_up=warm_up,
+    )  # fmt: skip
+    return Service(
+        runner if runner is not None else FakeRunner(step_seconds=0.05),
+        engine_config=ot.EngineConfig(max_step_s=5.0),
+        config=config,
+    )
+
+
+async def test_the_warm_up_bounds_the_first_clients_step() -> None:
+    """L4: with the warm-up, the first client's request whose one step would outlast
+    ``max_step_s`` is a 400 naming ``size`` and the bound; a small one is served; the
+    warm-up was one request of the fewest steps. Without it, the same first request is
+    admitted and holds the worker for its whole step.
+    """
+    warmed = service(warm_up=True)
+    with anyio.fail_after(BUDGET):
+        async with serving(warmed) as client:
+            engine = warmed.engine
+            assert engine is not None
+            stats = engine.statistics()
+            assert (stats.admitted, stats.completed) == (1, 1)
+            large = await client.post(
+                "/v1/images/generations", json={"prompt": "a fox", "size": LARGE}
+            )
+            assert large.status_code == 400, large.text
+            error = large.json()["error"]
+            assert error["param"] == "size" and "max_step_s of 5 s" in error["message"]
+            small = await client.post("/v1/images/generations", json={"prompt": "a fox"})
+            assert small.status_code == 200, small.text
+            assert engine.statistics().admitted == 2
+    cold = service(warm_up=False)
+    with anyio.fail_after(BUDGET):
+        async with serving(cold) as client:
+            engine = cold.engine
+            assert engine is not None and engine.statistics().admitted == 0
+            large = await client.post(
+                "/v1/images/generations",
+                json={"prompt": "a fox", "size": LARGE, "num_inference_steps": 1},
+            )
+            assert large.status_code == 200, large.text
+
+
+async def test_a_failed_warm_up_is_one_log_line_and_the_server_answers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A model that fails its warm-up is one line of the server's log (the exception's
+    type; the engine's own line says how it failed) and the service starts: ``/health``
+    answers."""
+    failing = service(warm_up=True, runner=FakeRunner(fail_at_step=1))
+    with anyio.fail_after(BUDGET), caplog.at_level(logging.INFO, logger="omni_trio.serve"):
+        async with serving(failing) as client:
+            assert (await client.get("/health")).status_code == 200
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "omni_trio.serve" and "warm-up" in r.getMessage()
+    ]
+    assert lines == ["warm-up request failed (RequestFailedError); serving without it"]
+
+
+def test_the_warm_up_is_the_cheapest_request_the_runner_takes() -> None:
+    """The fewest steps at the default size (a fixed size where the model has one); one
+    frame under a 4k + 1 rule, 8 under 8k; a grey picture of that size for image to video."""
+    config = ServeConfig(default_width=32, default_height=48)
+    plain = warm_up_request(RunnerCapabilities(min_steps=2), config)
+    assert (plain.num_steps, plain.width, plain.height, plain.num_frames) == (2, 32, 48, None)
+    assert plain.image is None
+    fixed = warm_up_request(RunnerCapabilities(fixed_size=(64, 80)), config)
+    assert (fixed.height, fixed.width) == (64, 80)
+    assert warm_up_request(RunnerCapabilities(frames=(4, 1)), config).num_frames == 1
+    assert warm_up_request(RunnerCapabilities(frames=(8, 0)), config).num_frames == 8
+    i2v = warm_up_request(
+        RunnerCapabilities(frames=(4, 1), image_input=True, image_to_video=True), config
+    )
+    assert i2v.image is not None and i2v.image.shape == (3, 48, 32)
+    assert bool((i2v.image == 0.5).all())
+    assert WARM_UP_ID == "omni_trio-warm-up"
