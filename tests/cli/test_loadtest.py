@@ -929,15 +929,33 @@ def holding_server(
         thread.join(BUDGET)
 
 
-@pytest.mark.timeout(300)  # a subprocess start, then a stop: once past 120 s under coverage in CI
+#: How long the load client may take to stop after SIGINT (it takes well under a second).
+STOP_S = 60
+
+
+def why_it_hangs(process: subprocess.Popen[str]) -> str:
+    """What a process that did not stop was doing: its signal masks, every thread's stack."""
+    try:
+        lines = Path(f"/proc/{process.pid}/status").read_text().splitlines()
+        masks = "\n".join(line for line in lines if line.startswith(("Sig", "Shd")))
+    except OSError:
+        masks = "(no /proc status)"
+    process.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+    _, err = process.communicate(timeout=BUDGET_S)
+    return f"SIGINT did not stop it within {STOP_S} s\n{masks}\n{err}"
+
+
+@pytest.mark.timeout(300)  # a subprocess start, then a stop; on a hang, its stacks
 def test_ctrl_c_stops_the_run_and_prints_and_saves_what_ended(tmp_path: Path) -> None:
     """SIGINT during a run: no exception group, exit 130; the summary of the requests
     that ended so far is printed and written to --json, the requests still unanswered
     are cut and counted apart (it used to print a 55-line traceback, exit 1 and leave
     an empty --json file)."""
     saved = tmp_path / "load.json"
-    command = [sys.executable, "-m", "omni_trio", "load", "--give-up-fraction", "0"]
-    command += ["--rate", "20", "--duration", "600", "--json", str(saved)]
+    # -X faulthandler: on a hang, SIGABRT makes the client print every thread's stack.
+    command = [sys.executable, "-X", "faulthandler", "-m", "omni_trio", "load"]
+    command += ["--give-up-fraction", "0", "--rate", "20", "--duration", "600"]
+    command += ["--json", str(saved)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with holding_server(answered=2) as server:
         process = subprocess.Popen(
@@ -957,7 +975,10 @@ def test_ctrl_c_stops_the_run_and_prints_and_saves_what_ended(tmp_path: Path) ->
 
             poll_until(two_read_one_held, timeout=BUDGET_S, what="two answers read, one held")
             process.send_signal(signal.SIGINT)
-            out, err = process.communicate(timeout=BUDGET_S)
+            try:
+                out, err = process.communicate(timeout=STOP_S)
+            except subprocess.TimeoutExpired:
+                pytest.fail(why_it_hangs(process))
         finally:
             if process.poll() is None:
                 process.kill()
