@@ -33,8 +33,10 @@ The data (no threads, no event loop):
 
 The loop side (runs in the event loop's thread only):
 
-- ``_engine``: ``open_engine`` and ``Engine``: admission, abort, statistics, the
-  shutdown sequence, and ``_dispatch``, where every state change happens.
+- ``_open``: ``open_engine``, the structured entry: workers and the deadline timer
+  started in its task group, the shutdown sequence run shielded on leaving.
+- ``_engine``: ``Engine``: admission, abort, statistics, the shutdown sequence, and
+  ``_dispatch``, where every state change happens.
 - ``_runner_adapters``: ``RunnerAdapters``, the engine's adapters across its runners:
   admission's check of the names, all-or-nothing loads, unloads, the listing (L85, L87).
 - ``_record``: ``Record``, one admission as the loop sees it, and its state machine.
@@ -110,7 +112,6 @@ from ._checkpoint import CheckpointError as CheckpointError
 from ._checkpoint import CheckpointPolicy as CheckpointPolicy
 from ._config import EngineConfig as EngineConfig
 from ._engine import Engine as Engine
-from ._engine import open_engine as open_engine
 from ._errors import DeadlineError as DeadlineError
 from ._errors import DuplicateRequestError as DuplicateRequestError
 from ._errors import EngineClosedError as EngineClosedError
@@ -123,6 +124,7 @@ from ._errors import RequestAbortedError as RequestAbortedError
 from ._errors import RequestError as RequestError
 from ._errors import RequestFailedError as RequestFailedError
 from ._handle import RequestHandle as RequestHandle
+from ._open import open_engine as open_engine
 from ._outputs import EngineStatistics as EngineStatistics
 from ._outputs import GenerationOutput as GenerationOutput
 from ._outputs import RequestMetrics as RequestMetrics

@@ -14,12 +14,14 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
+from ._errors import InvalidRequestError
 from ._request import MAX_TENANT_CHARS
 from ._stepcache import StepCache
 from ._validate import check_float, check_int, check_text, fail_config, fail_request
 
 if TYPE_CHECKING:
     from ._request import GenerationRequest
+    from ._runner import RunnerCapabilities
 
 __all__ = ["MAX_TENANT_WEIGHT", "EngineConfig"]
 
@@ -211,6 +213,15 @@ class EngineConfig:
                     f" pixels, over the engine's max_frame_pixels of"
                     f" {self.max_frame_pixels:,}",
                 )
+
+    def check_default_cache(self, capabilities: RunnerCapabilities) -> None:
+        """Refuse a ``default_cache`` the runners cannot apply, before any request (L80)."""
+        if self.default_cache is None:
+            return
+        try:
+            capabilities.check_cache(self.default_cache.kind)
+        except InvalidRequestError as exc:
+            raise ValueError(f"default_{exc}") from None  # "default_cache: this runner ..."
 
     def with_default_cache(self, request: GenerationRequest) -> GenerationRequest:
         """``request`` as admitted: with ``default_cache`` when it gives no policy (L80)."""

@@ -1,4 +1,4 @@
-"""The engine: admission, abort, statistics and the shutdown sequence.
+"""The engine: admission, abort, statistics and the shutdown sequence (``_open`` starts it).
 
 Everything here runs in the event loop's thread. The engine's threads (see
 ``_worker``) only post messages, which ``_dispatch`` applies in order; so every
@@ -14,8 +14,7 @@ import os
 import threading
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, assert_never, cast, final
 
 import anyio
@@ -39,14 +38,13 @@ from ._estimate import check_deadline, check_step_time
 from ._failure import format_traceback
 from ._handle import RequestHandle
 from ._inbox import LoopInbox
-from ._log import ENGINE, log_exception, log_finished
+from ._log import ENGINE, log_exception, log_finished, log_stuck
 from ._messages import Completed, Died, Exited, Message, Released, Stepped, died
 from ._outputs import (
     EngineStatistics,
     GenerationOutput,
     RequestStatus,
     StepEvent,
-    WorkerStatistics,
 )
 from ._pool import Pool, Withdrawal
 from ._reasons import AbortReason
@@ -54,27 +52,21 @@ from ._record import Record, wait_shielded
 from ._request import GenerationRequest
 from ._runner import (
     Runner,
-    RunnerCapabilities,
-    runner_sequence,
     shared_capabilities,
 )
 from ._runner_adapters import RunnerAdapters
-from ._threads import set_torch_threads, worker_name
-from ._validate import check_text, fail_request
+from ._threads import worker_name
+from ._validate import check_request_id
 from ._worker import Worker
 from ._workitem import WorkItem
 
 if TYPE_CHECKING:
     from ._owner import RequestOwner
 
-__all__ = ["Engine", "open_engine"]
+__all__ = ["Engine"]
 
 _engine_numbers = itertools.count()
 StateT = TypeVar("StateT")
-
-#: Longest request id ``submit`` accepts (ids go into logs, headers and JSON; picked
-#: generously, not measured: a UUID is 36 characters).
-MAX_REQUEST_ID_CHARS = 1024
 
 
 @final
@@ -87,7 +79,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         self._capabilities = shared_capabilities(runners)
         self._adapters = RunnerAdapters(runners, self._capabilities)
         self._config = config
-        _check_default_cache(config, self._capabilities)
+        config.check_default_cache(self._capabilities)
         self._inbox: LoopInbox[Message[WorkItem]] = LoopInbox(self._dispatch)
         self._pool = Pool(weights=self._config.tenant_weights)
         number = next(_engine_numbers)
@@ -178,16 +170,9 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
                 "this runner takes no checkpoints (it declares no checkpoints capability)",
                 field="checkpoint",
             )
-        if request_id is None:
-            request_id = f"req-{uuid.uuid4().hex}"
-        else:
-            # The same text rule as prompts: ids end up in logs, headers and JSON.
-            request_id = check_text(fail_request, "request_id", request_id)
-            if not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
-                raise InvalidRequestError(
-                    f"must be a non-empty str of at most {MAX_REQUEST_ID_CHARS} characters",
-                    field="request_id",
-                )
+        request_id = (
+            f"req-{uuid.uuid4().hex}" if request_id is None else check_request_id(request_id)
+        )
         if not isinstance(request, GenerationRequest):
             raise InvalidRequestError(
                 f"must be a GenerationRequest, got {type(request).__name__}",
@@ -386,17 +371,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         counts = self._counts
         waiting, suspended = self._pool.counts()
         workers = tuple(
-            WorkerStatistics(
-                name=worker.name,
-                alive=worker.index in self._alive,
-                running=worker.running,
-                steps_run=worker.steps_run,
-                batch_steps=worker.batch_steps,
-                preemptions=worker.preemptions,
-                holding=worker.holding,
-                in_step_s=worker.in_step_s,
-            )
-            for worker in self._workers
+            worker.statistics(alive=worker.index in self._alive) for worker in self._workers
         )
         ended = (
             counts[RequestStatus.COMPLETED]
@@ -462,28 +437,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
     def _log_stuck(self) -> None:
         """Log, at ERROR, each worker that has not exited ``stop_timeout_s`` after the cut."""
         stuck = [w for w in self._workers if w.index not in self._exited_workers]
-        for worker in stuck:
-            batch = worker.batch
-            steps = {
-                member.item: f"step {done + 1} of {total}"
-                for member, (done, total) in zip(batch.members, batch.steps, strict=True)
-            }
-            in_step = worker.in_step_s
-            held = [
-                f"{request_id} ({steps.get(request_id, 'decoding')}"
-                + (f", {in_step:.1f} s in this step)" if in_step is not None else ")")
-                for request_id in worker.holding
-            ]
-            ENGINE.error(
-                "the engine's worker %s has not exited %g s after shutdown cut its requests"
-                " (threads alive: %s); it holds %s; still waiting for it: a runner call"
-                " without a cancel point cannot be stopped",
-                worker.name,
-                self._config.stop_timeout_s,
-                ", ".join(worker.thread_names) or "none",
-                ", ".join(held) or "no request",
-                extra={"request_ids": worker.holding, "worker": worker.name},
-            )
+        log_stuck(stuck, self._config.stop_timeout_s)
 
     def _begin_shutdown(self) -> None:
         if self._closing:
@@ -675,69 +629,3 @@ class _HandleOwner:
 
     def forget(self, record: Record, handle: RequestHandle) -> None:
         self._engine._forget(record, handle)
-
-
-def _check_default_cache(config: EngineConfig, capabilities: RunnerCapabilities) -> None:
-    """Refuse a ``default_cache`` the runners cannot apply, before any request (L80)."""
-    default = config.default_cache
-    if default is None:
-        return
-    try:
-        capabilities.check_cache(default.kind)
-    except InvalidRequestError as exc:
-        raise ValueError(f"default_{exc}") from None  # "default_cache: this runner ..."
-
-
-@asynccontextmanager
-async def open_engine(
-    runners: Runner[StateT] | Sequence[Runner[StateT]], config: EngineConfig | None = None
-) -> AsyncIterator[Engine]:
-    """Start an engine on one runner, or one runner per device; shut it down on exit.
-
-    Args:
-        runners: the model runner (see ``omni_trio.abc.Runner``), or a
-            sequence of them, typically the same pipeline loaded once per device
-            (``omni_trio.runners.for_devices``): each gets its own worker, all
-            share one queue (L42). They must declare the same capabilities.
-        config: the engine's configuration; defaults to ``EngineConfig()``.
-
-    Raises:
-        ValueError: no runner, runners that declare different capabilities, or a
-            ``config.default_cache`` they cannot apply.
-        EngineDeadError: on exit, if every worker died while the block ran and
-            the block itself raised nothing.
-
-    Exception policy: an exception raised in the block propagates unchanged
-    (never in an exception group); the shutdown sequence still runs first.
-
-    Cancellation:
-        The shutdown sequence runs shielded when the block is left, so leaving
-        waits for ``shutdown_grace`` plus at most one step.
-    """
-    config = config if config is not None else EngineConfig()
-    runner_list = runner_sequence(runners)
-    engine = Engine._create(runner_list, config)
-    set_torch_threads(config, len(runner_list))
-    for worker in engine._workers:
-        worker.start()
-    # The block's exception is held, not raised inside the task group, which would
-    # wrap it in an exception group; it is raised unchanged once the group is left.
-    raised: BaseException | None = None
-    async with anyio.create_task_group() as group:
-        try:
-            await group.start(engine._deadlines.run)
-            yield engine
-        except BaseException as exc:
-            raised = exc
-        finally:
-            with anyio.CancelScope(shield=True):
-                await engine.aclose()
-            # The timer holds nothing: told to stop, it returns at once.
-            engine._deadlines.close()
-    if raised is not None:
-        try:
-            raise raised
-        finally:
-            raised = None  # no reference cycle through this frame
-    if engine._dead is not None:
-        raise engine._dead_error()

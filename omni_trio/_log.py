@@ -22,9 +22,12 @@ from ._outputs import RequestStatus
 from ._reasons import AbortReason
 
 if TYPE_CHECKING:
-    from ._record import Record
+    from collections.abc import Sequence
 
-__all__ = ["ENGINE", "SERVE", "WORKER", "log_exception", "log_finished"]
+    from ._record import Record
+    from ._worker import Worker
+
+__all__ = ["ENGINE", "SERVE", "WORKER", "log_exception", "log_finished", "log_stuck"]
 
 logging.getLogger("omni_trio").addHandler(logging.NullHandler())
 
@@ -118,3 +121,30 @@ def log_finished(record: Record, status: RequestStatus, outcome: object) -> None
 def _summary(outcome: object) -> str:
     """The type and message of an engine error (formatted already: never the runner's code)."""
     return f"{type(outcome).__name__}: {outcome}" if isinstance(outcome, Exception) else "?"
+
+
+def log_stuck(workers: Sequence[Worker], stop_timeout_s: float) -> None:
+    """Log, at ERROR, each of ``workers``, which have not exited ``stop_timeout_s`` after
+    shutdown cut their requests: its threads, and each request it holds at which step."""
+    for worker in workers:
+        batch = worker.batch
+        steps = {
+            member.item: f"step {done + 1} of {total}"
+            for member, (done, total) in zip(batch.members, batch.steps, strict=True)
+        }
+        in_step = worker.in_step_s
+        held = [
+            f"{request_id} ({steps.get(request_id, 'decoding')}"
+            + (f", {in_step:.1f} s in this step)" if in_step is not None else ")")
+            for request_id in worker.holding
+        ]
+        ENGINE.error(
+            "the engine's worker %s has not exited %g s after shutdown cut its requests"
+            " (threads alive: %s); it holds %s; still waiting for it: a runner call"
+            " without a cancel point cannot be stopped",
+            worker.name,
+            stop_timeout_s,
+            ", ".join(worker.thread_names) or "none",
+            ", ".join(held) or "no request",
+            extra={"request_ids": worker.holding, "worker": worker.name},
+        )

@@ -22,10 +22,12 @@ from typing import Any, NoReturn
 from ._errors import InvalidRequestError
 
 __all__ = [
+    "MAX_REQUEST_ID_CHARS",
     "Fail",
     "check_float",
     "check_image",
     "check_int",
+    "check_request_id",
     "check_text",
     "fail_config",
     "fail_request",
@@ -184,3 +186,19 @@ def check_image(fail: Fail, name: str, value: object, *, channels: int) -> Any:
     if low < 0.0 or high > 1.0:
         fail(name, f"values must be in [0, 1], got [{low:g}, {high:g}]")
     return tensor
+
+
+#: Longest request id ``submit`` accepts (ids go into logs, headers and JSON; picked
+#: generously, not measured: a UUID is 36 characters).
+MAX_REQUEST_ID_CHARS = 1024
+
+
+def check_request_id(request_id: object) -> str:
+    """``request_id`` if it is a valid id: the text rule of prompts, 1 to 1024 characters."""
+    # Ids end up in logs, headers and JSON.
+    text = check_text(fail_request, "request_id", request_id)
+    if not 0 < len(text) <= MAX_REQUEST_ID_CHARS:
+        fail_request(
+            "request_id", f"must be a non-empty str of at most {MAX_REQUEST_ID_CHARS} characters"
+        )
+    return text

@@ -63,6 +63,7 @@ from ._imagecheck import checked_images
 from ._log import WORKER
 from ._materialize import Materializer
 from ._messages import Exited, Post, Stepped, died, discard_quietly, release
+from ._outputs import WorkerStatistics
 from ._queue import WaitingQueue
 from ._reasons import AbortReason
 from ._runner import CheckpointRunner, Runner, StopRun, SuspendableRunner, WholeCallRunner
@@ -206,6 +207,19 @@ class Worker:
         """How long the step running now has run, in seconds; ``None`` between steps."""
         started = self._step_started
         return None if started is None else time.perf_counter() - started
+
+    def statistics(self, *, alive: bool) -> WorkerStatistics:
+        """Its counts now (L43): ``alive`` is the engine's word, which learns of a death."""
+        return WorkerStatistics(
+            name=self.name,
+            alive=alive,
+            running=self.running,
+            steps_run=self.steps_run,
+            batch_steps=self.batch_steps,
+            preemptions=self.preemptions,
+            holding=self.holding,
+            in_step_s=self.in_step_s,
+        )
 
     @property
     def thread_names(self) -> tuple[str, ...]:

@@ -28,6 +28,7 @@ EVENT_LOOP = ("anyio", "trio", "asyncio", "sniffio")
 
 #: The loop side: runs in the event loop's thread only.
 LOOP_SIDE = (
+    "_open",
     "_engine",
     "_runner_adapters",
     "_record",
@@ -100,16 +101,28 @@ def is_module(name: str) -> bool:
 
 
 @cache
-def imports(path: Path) -> frozenset[tuple[str, str | None]]:
+def imports(path: Path, *, type_only: bool = True) -> frozenset[tuple[str, str | None]]:
     """``(module, name)`` for every import in ``path``: ``name`` is ``None`` for ``import m``.
 
     Relative imports are made absolute; ``from m import x`` where ``m.x`` is a module
-    gives ``(m.x, None)`` too.
+    gives ``(m.x, None)`` too. ``type_only=False`` leaves out the imports under ``if
+    TYPE_CHECKING:``, which never run.
     """
     own = module_name(path)
     package = own if path.name == "__init__.py" else own.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    skipped = set()
+    if not type_only:
+        skipped = {
+            id(inner)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+            for inner in ast.walk(node)
+        }
     found: set[tuple[str, str | None]] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             found.update((alias.name, None) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -265,3 +278,26 @@ def test_nothing_imports_another_modules_underscore_names() -> None:
         if name is not None and name.startswith("_") and not name.startswith("__")
     ]
     assert not private, private
+
+
+def test_no_module_imports_itself_back_when_it_runs() -> None:
+    """No import cycle: no module reaches itself through the imports that run (those under
+    ``TYPE_CHECKING`` never do; a package's ``__init__``, which imports its modules, is
+    left out: a module may read its package's version from it, inside a function)."""
+    packages = {module_name(path) for path in modules() if path.name == "__init__.py"}
+    graph = {
+        module_name(path): {m for m, _ in imports(path, type_only=False)} - packages
+        for path in modules()
+        if path.name != "__init__.py"
+    }
+    cycles = []
+    for start in graph:
+        seen: set[str] = set()
+        frontier = set(graph[start])
+        while frontier:
+            if start in frontier:
+                cycles.append(start)
+                break
+            seen |= frontier
+            frontier = {m for f in frontier for m in graph.get(f, ())} - seen
+    assert not cycles, cycles

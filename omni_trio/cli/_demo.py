@@ -21,8 +21,8 @@ import anyio
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 from .._config import EngineConfig
-from .._engine import open_engine
 from .._errors import InvalidRequestError, RequestAbortedError, RequestFailedError
+from .._open import open_engine
 from .._outputs import RequestMetrics
 from .._request import GenerationRequest
 from .._runner import Runner, RunnerCapabilities

@@ -23,7 +23,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .._config import EngineConfig
-from .._engine import Engine, open_engine
+from .._engine import Engine
+from .._open import open_engine
 from .._outputs import EngineStatistics
 from .._runner import Runner, RunnerCapabilities
 from ._adapters import AdaptersApi, adapter_card
