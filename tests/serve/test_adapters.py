@@ -2,23 +2,35 @@
 ``/v1/adapters`` as admin actions from one folder, ``--adapter`` at start.
 
 The in-process app inside its lifespan, on trio and asyncio, over tiny Stable
-Diffusion with tiny random LoRAs (``tests/support/adapters.py``).
+Diffusion with tiny random LoRAs (``tests/support/adapters.py``); edits and video
+jobs over ``Adapted``, a fake runner that knows three adapters, takes two a request,
+and records the requests it prepares.
 """
 
 from __future__ import annotations
 
 import base64
-from functools import cache
+import dataclasses
+import io
+import os
+import threading
+from collections.abc import Mapping
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
+from PIL import Image
 
+import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
-from omni_trio.serve import ApiKey, ApiKeys, ServeConfig, Service
+from omni_trio.serve import ApiKey, ApiKeys, ServeConfig, Service, VideoConfig
 from omni_trio.serve._options import OptionError, ServiceOptions, build_service
+from omni_trio.testing import FakeRunner, FakeState, wait_until
 from tests.support.adapters import make_lora
+from tests.support.core import BUDGET
 from tests.support.serve import PATH, serving
 
 pytestmark = pytest.mark.anyio
@@ -168,3 +180,128 @@ async def test_adapters_load_at_start(folder: Path) -> None:
     with pytest.raises(OptionError) as caught:
         build_service(ServiceOptions(model="fake", adapters=(("ink", "x.safetensors"),)))
     assert caught.value.option == "adapters"
+
+
+# -- edits and video jobs -------------------------------------------------------------
+
+
+class Adapted(FakeRunner):
+    """A FakeRunner that declares ``max_adapters`` 2 (and takes an input image, or makes
+    videos), knows ``ink``, ``film`` and ``dust``, and records the requests it prepares."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.names = frozenset({"ink", "film", "dust"})
+        self.prepared: list[ot.GenerationRequest] = []
+        self._recording = threading.Lock()
+
+    @property
+    def capabilities(self) -> ot.abc.RunnerCapabilities:
+        image = super().capabilities.frames is None
+        return dataclasses.replace(super().capabilities, max_adapters=2, image_input=image)
+
+    def prepare(self, request: ot.GenerationRequest, request_id: str) -> FakeState:
+        with self._recording:
+            self.prepared.append(request)
+        return super().prepare(request, request_id)
+
+    def load_adapter(self, name: str, source: str | os.PathLike[str] | Mapping[str, Any]) -> None:
+        raise ot.AdapterError("this fake loads nothing", reason="invalid", name=name)
+
+    def unload_adapter(self, name: str) -> None:
+        raise ot.AdapterError("this fake unloads nothing", reason="in-use", name=name)
+
+    def adapters(self) -> tuple[ot.AdapterInfo, ...]:
+        return tuple(
+            ot.AdapterInfo(name=name, bytes=8, holders=0, loaded=True, source=None)
+            for name in sorted(self.names)
+        )
+
+    def adapter_names(self) -> frozenset[str]:
+        return self.names
+
+
+def prepared(runner: Adapted, count: int) -> bool:
+    return len(runner.prepared) >= count
+
+
+def png() -> bytes:
+    data = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 40, 40)).save(data, format="PNG")
+    return data.getvalue()
+
+
+#: Bad adapter fields of a form, as text (every value of a form is), each a 400 naming
+#: ``adapters``: a scale that is no number, a name no runner has, more than
+#: ``max_adapters``, a name that is no adapter's name.
+BAD_FORM_ADAPTERS = ("ink:x", "nope:1", "ink,film:0.5,dust", "ink:1,:2")
+
+
+async def test_an_edit_sends_its_adapters_to_the_engine() -> None:
+    """L88: an edit's form takes ``adapters`` (the text form) and ``lora``: the request
+    the runner prepares names them with their scales; a bad one is a 400 naming it,
+    and nothing more reaches the runner."""
+    runner = Adapted()
+    config = ServeConfig(model_name="fake", default_width=64, default_height=64, default_steps=2)
+    image = {"image": ("photo.png", png(), "image/png")}
+    with anyio.fail_after(BUDGET):
+        async with serving(Service(runner, config=config)) as client:
+            for field, text, pairs in (
+                ("adapters", "ink:0.8,film", (("ink", 0.8), ("film", 1.0))),
+                ("lora", "film:-0.5", (("film", -0.5),)),
+            ):
+                form = {"prompt": "a cat", "strength": "0.5", field: text}
+                response = await client.post("/v1/images/edits", data=form, files=image)
+                assert response.status_code == 200, response.text
+                assert runner.prepared[-1].adapter_pairs == pairs
+                assert runner.prepared[-1].image is not None  # an edit indeed
+            for text in BAD_FORM_ADAPTERS:
+                form = {"prompt": "a cat", "adapters": text}
+                response = await client.post("/v1/images/edits", data=form, files=image)
+                assert response.status_code == 400, text
+                assert response.json()["error"]["param"] == "adapters", response.text
+    assert len(runner.prepared) == 2
+
+
+async def test_a_video_job_sends_its_adapters_to_the_engine() -> None:
+    """L88: a video job's JSON body (``adapters`` as a map or as text, ``lora`` as a
+    list) and its form (``adapters`` as text) reach the engine with their scales; a
+    bad one is a 400 naming the field, and makes no job."""
+    runner = Adapted(frames=(4, 1))
+    config = ServeConfig(model_name="fake-video", default_width=16, default_height=16)
+    service = Service(runner, config=config, video_config=VideoConfig(fps=8.0))
+    body = {"prompt": "a fox", "num_frames": 5, "num_inference_steps": 2}
+    sent: list[tuple[dict[str, Any], tuple[tuple[str, float], ...]]] = [
+        ({"json": {**body, "adapters": {"ink": 0.8, "film": 0.3}}}, (("ink", 0.8), ("film", 0.3))),
+        ({"json": {**body, "adapters": "film:0.25"}}, (("film", 0.25),)),
+        ({"json": {**body, "lora": [{"name": "ink", "scale": -1.0}]}}, (("ink", -1.0),)),
+    ]
+    form = {key: str(value) for key, value in body.items()}
+    # A form (what the OpenAI SDK sends): httpx makes one of ``files``.
+    parts = {key: (None, value) for key, value in {**form, "adapters": "ink:0.6,film"}.items()}
+    sent.append(({"files": parts}, (("ink", 0.6), ("film", 1.0))))
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            for index, (request, pairs) in enumerate(sent):
+                response = await client.post("/v1/videos", **request)
+                assert response.status_code == 200, response.text
+                await wait_until(partial(prepared, runner, index + 1))
+                assert runner.prepared[index].adapter_pairs == pairs
+                assert runner.prepared[index].num_frames == 5  # a video indeed
+            bad: list[tuple[dict[str, Any], str]] = [
+                ({"json": {**body, "adapters": {"nope": 1.0}}}, "adapters"),
+                ({"json": {**body, "adapters": {"ink": "0.8"}}}, "adapters"),
+                ({"json": {**body, "adapters": ["ink"]}}, "adapters"),
+                ({"json": {**body, "lora": [{"name": "ink", "weight": 1}]}}, "lora"),
+                ({"json": {**body, "adapters": "ink", "lora": "film"}}, "lora"),
+            ]
+            for text in BAD_FORM_ADAPTERS:
+                fields = {**form, "adapters": text}
+                bad.append(({"files": {k: (None, v) for k, v in fields.items()}}, "adapters"))
+            for request, param in bad:
+                response = await client.post("/v1/videos", **request)
+                assert response.status_code == 400, request
+                assert response.json()["error"]["param"] == param, response.text
+            listed = (await client.get("/v1/videos")).json()["data"]
+    assert len(listed) == len(sent)
+    assert len(runner.prepared) == len(sent)
