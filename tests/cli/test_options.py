@@ -1,8 +1,9 @@
 """The model ``serve`` names: the serve package's errors name no option, the command's
-name ``--model``.
+name ``--model``; the options that become ``ServiceOptions`` (keys, ``--adapter``).
 
 Pure calls in this process: a missing folder, and a folder whose ``model_index.json``
-is not JSON (diffusers fails to load it, with no download).
+is not JSON (diffusers fails to load it, with no download); the tiny SD pipeline and a
+tiny random LoRA for the adapters loaded at start.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ import pytest
 from omni_trio import EngineConfig
 from omni_trio.cli._env import resolve_environment
 from omni_trio.cli._errors import EXIT_ERROR, EXIT_USAGE, CommandError, UsageError, summary
+from omni_trio.cli._main import main
 from omni_trio.cli._options import check_model, load, make_service, service_options
 from omni_trio.cli._serve import add_serve_arguments
 from omni_trio.serve._jobstore import default_jobs_dir
 from omni_trio.serve._models import MODELS, ModelError, load_model
 from omni_trio.serve._options import ServiceOptions
+from tests.support.adapters import make_lora
+from tests.support.runners import tiny
 
 BUILT_IN = f"the built-in models are {', '.join(MODELS)}"
 
@@ -159,3 +163,60 @@ def test_wrong_keys_are_usage_errors_that_never_show_a_key(
     assert "sk-hidden" not in str(refused.value)
     with pytest.raises(UsageError, match=r"^--metrics-auth: needs an API key"):
         service_options(parse("--model", "fake", "--metrics-auth"))
+
+
+def test_adapters_at_start_are_repeatable_and_comma_separated() -> None:
+    """L88: ``--adapter NAME=PATH``, repeated or comma-separated, gives
+    ``ServiceOptions.adapters`` in the order given; none: no adapters."""
+    assert service_options(parse("--model", "fake")).adapters == ()
+    argv = ["--adapter", "ink=a/ink.safetensors,film=film.safetensors"]
+    argv += ["--adapter", "dust=/b/dust.safetensors"]
+    assert service_options(parse("--model", "fake", *argv)).adapters == (
+        ("ink", "a/ink.safetensors"),
+        ("film", "film.safetensors"),
+        ("dust", "/b/dust.safetensors"),
+    )
+
+
+@pytest.mark.parametrize("value", ["ink.safetensors", "ink=a.safetensors,film"])
+def test_an_adapter_without_a_name_is_one_line_and_status_2(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """L88: ``serve --adapter`` without ``NAME=`` stops at parsing: one line, status 2,
+    naming the option and the item at fault."""
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--model", "fake", "--adapter", value])
+    assert exited.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("omni-trio: error: argument --adapter: expected NAME=PATH"), err
+    item = value.rpartition(",")[2]
+    assert f"got {item!r}" in err and err.count("\n") == 1
+
+
+def test_an_adapter_file_that_is_missing_names_the_option(tmp_path: Path) -> None:
+    """L88: the adapters load when the service is made: a missing file, or a model that
+    takes none, is a usage error naming ``--adapter``; a file that is there loads."""
+    made = make_lora(tiny("sd"), tmp_path, "ink", seed=1)
+    missing = tmp_path / "film.safetensors"
+    options = service_options(parse("--model", "tiny-sd", "--adapter", f"ink={made}"))
+    model = load(options)
+    try:
+        make_service(options, model)
+        assert [info.name for info in model.runners[0].adapters()] == ["ink"]
+    finally:
+        model.runners[0].close()
+    options = service_options(
+        parse("--model", "tiny-sd", "--adapter", f"ink={made}", "--adapter", f"film={missing}")
+    )
+    model = load(options)
+    try:
+        with pytest.raises(UsageError) as refused:
+            make_service(options, model)
+    finally:
+        model.runners[0].close()
+    assert str(refused.value) == f"--adapter: adapter 'film': no file {missing.resolve()}"
+    assert refused.value.exit_status == EXIT_USAGE
+    options = service_options(parse("--model", "fake", "--adapter", f"ink={made}"))
+    with pytest.raises(UsageError) as refused:
+        make_service(options, load(options))
+    assert str(refused.value) == "--adapter: ink: this model takes no adapters"

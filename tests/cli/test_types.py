@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from omni_trio.cli._types import (
+    adapter,
     count,
     finite,
     fraction,
@@ -39,7 +40,17 @@ ACCEPTED: list[tuple[Callable[[str], Any], str, Any]] = [
     (gpus, "0.5", 0.5),
     (size, "64x32", (64, 32)),
     (header, " Authorization :  Bearer x ", ("Authorization", "Bearer x")),
+    (adapter, "ink=ink.safetensors", [("ink", "ink.safetensors")]),
+    # Comma-separated, spaces around each; a path keeps any '=' after the first.
+    (
+        adapter,
+        "ink=a/ink.safetensors, film=b=2.safetensors",
+        [("ink", "a/ink.safetensors"), ("film", "b=2.safetensors")],
+    ),
 ]
+
+#: What ``adapter`` says for a value it refuses (``NAME=PATH`` and the name's rule).
+NAME_PATH = "expected NAME=PATH (a name of letters, digits, '_', '.', '-'), got "
 
 REFUSED: list[tuple[Callable[[str], Any], str, str]] = [
     (count(0, 65535), "http", "expected an integer from 0 to 65535, got 'http'"),
@@ -62,6 +73,12 @@ REFUSED: list[tuple[Callable[[str], Any], str, str]] = [
     (size, "0x64", "expected WIDTHxHEIGHT, e.g. 64x64, got '0x64'"),
     (header, "Authorization", "expected 'Name: value', got 'Authorization'"),
     (header, ": x", "expected 'Name: value', got ': x'"),
+    (adapter, "ink.safetensors", NAME_PATH + "'ink.safetensors'"),
+    (adapter, "=ink.safetensors", NAME_PATH + "'=ink.safetensors'"),
+    (adapter, "ink=", NAME_PATH + "'ink='"),
+    (adapter, "ink=a.safetensors,film", NAME_PATH + "'film'"),
+    (adapter, "ink=a.safetensors,", NAME_PATH + "''"),
+    (adapter, "my ink=a.safetensors", NAME_PATH + "'my ink=a.safetensors'"),
 ]
 
 
