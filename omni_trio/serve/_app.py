@@ -26,7 +26,8 @@ from .._config import EngineConfig
 from .._engine import Engine
 from .._open import open_engine
 from .._outputs import EngineStatistics
-from .._runner import Runner, RunnerCapabilities
+from .._runner import Runner, RunnerCapabilities, runner_sequence
+from .._runner_adapters import RunnerAdapters
 from ._adapters import AdaptersApi, adapter_card
 from ._asgi import Asgi, Scope, error_response
 from ._config import Admission, ServeConfig
@@ -131,7 +132,11 @@ class Service:
         self.frames: tuple[int, int] | None = getattr(capabilities, "frames", None)
         self._takes_adapters = bool(getattr(capabilities, "max_adapters", 0))
         # What the engine admits, checked where a body costs work to become a request.
-        self._admission = Admission(engine=self.engine_config, capabilities=capabilities)
+        self._admission = Admission(
+            engine=self.engine_config,
+            capabilities=capabilities,
+            adapters=_admission_adapters(runner, capabilities),
+        )
         self.videos = VideoJobs(
             video_config if video_config is not None else VideoConfig(),
             self.metrics,
@@ -451,3 +456,20 @@ def create_app(
     The app's ``state.service`` is its ``Service``.
     """
     return Service(runner, engine_config=engine_config, config=config).app
+
+
+def _admission_adapters(
+    runner: Runner[Any] | Sequence[Runner[Any]], capabilities: RunnerCapabilities | None
+) -> RunnerAdapters | None:
+    """The runners' adapters for ``Admission``: the names the engine admits, read from the
+    same runners (any thread; never waits for a step); ``None`` when they take none.
+
+    Runners that declare adapters without the calls get ``None``: the engine refuses
+    them as it opens (L85), the place to say so.
+    """
+    if capabilities is None or not capabilities.max_adapters:
+        return None
+    try:
+        return RunnerAdapters(runner_sequence(runner), capabilities)
+    except TypeError:
+        return None

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from .._config import EngineConfig
     from .._request import GenerationRequest
     from .._runner import RunnerCapabilities
+    from .._runner_adapters import RunnerAdapters
 
 __all__ = ["Admission", "ServeConfig", "with_defaults"]
 
@@ -140,16 +141,21 @@ class Admission:
 
     ``Engine.submit`` checks the same (L4); a route checks them first where a body
     would cost work to turn into a request (an edit's upload is decoded, resized
-    and copied), so that a request the engine refuses costs none (L4, amended).
+    and copied; a video job takes a place), so that a request the engine refuses
+    costs none (L4, amended).
 
     Args:
         engine: the engine's configuration (steps, sizes, ``n``, prompt lengths).
         capabilities: the runner's (size rules, a fixed size, images taken);
             ``None`` for a runner that declares none.
+        adapters: the runners' adapters, read as the engine reads them (a request
+            names only adapters every runner has, L85); ``None`` for runners that
+            take none.
     """
 
     engine: EngineConfig
     capabilities: RunnerCapabilities | None = None
+    adapters: RunnerAdapters | None = None
 
     @property
     def takes_images(self) -> bool:
@@ -178,3 +184,5 @@ class Admission:
             if image_to_come and capabilities.image_to_video:
                 capabilities = dataclasses.replace(capabilities, image_to_video=False)
             capabilities.check_request(request)
+        if self.adapters is not None:
+            self.adapters.check_request(request)

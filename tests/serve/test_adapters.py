@@ -31,7 +31,7 @@ from omni_trio.serve._options import OptionError, ServiceOptions, build_service
 from omni_trio.testing import FakeRunner, FakeState, wait_until
 from tests.support.adapters import make_lora
 from tests.support.core import BUDGET
-from tests.support.serve import PATH, serving
+from tests.support.serve import PATH, PixelWork, serving
 
 pytestmark = pytest.mark.anyio
 
@@ -237,10 +237,11 @@ def png() -> bytes:
 BAD_FORM_ADAPTERS = ("ink:x", "nope:1", "ink,film:0.5,dust", "ink:1,:2")
 
 
-async def test_an_edit_sends_its_adapters_to_the_engine() -> None:
-    """L88: an edit's form takes ``adapters`` (the text form) and ``lora``: the request
-    the runner prepares names them with their scales; a bad one is a 400 naming it,
-    and nothing more reaches the runner."""
+async def test_an_edit_sends_its_adapters_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """L88, L4 (amended): an edit's form takes ``adapters`` (the text form) and ``lora``:
+    the request the runner prepares names them with their scales; a bad one, an unknown
+    name included, is a 400 naming it before its upload is decoded or resized, and
+    nothing more reaches the runner."""
     runner = Adapted()
     config = ServeConfig(model_name="fake", default_width=64, default_height=64, default_steps=2)
     image = {"image": ("photo.png", png(), "image/png")}
@@ -255,21 +256,26 @@ async def test_an_edit_sends_its_adapters_to_the_engine() -> None:
                 assert response.status_code == 200, response.text
                 assert runner.prepared[-1].adapter_pairs == pairs
                 assert runner.prepared[-1].image is not None  # an edit indeed
+            work = PixelWork(monkeypatch)
             for text in BAD_FORM_ADAPTERS:
-                form = {"prompt": "a cat", "adapters": text}
+                form = {"prompt": "a cat", "adapters": text, "size": "32x32"}
                 response = await client.post("/v1/images/edits", data=form, files=image)
                 assert response.status_code == 400, text
                 assert response.json()["error"]["param"] == "adapters", response.text
+                assert work.done == (0, 0), text
     assert len(runner.prepared) == 2
 
 
 async def test_a_video_job_sends_its_adapters_to_the_engine() -> None:
-    """L88: a video job's JSON body (``adapters`` as a map or as text, ``lora`` as a
-    list) and its form (``adapters`` as text) reach the engine with their scales; a
-    bad one is a 400 naming the field, and makes no job."""
+    """L88, L4 (amended): a video job's JSON body (``adapters`` as a map or as text,
+    ``lora`` as a list) and its form (``adapters`` as text) reach the engine with their
+    scales; a bad one, an unknown name included, is a 400 naming the field before it
+    takes a place: with the server's jobs at their bound it is still a 400, not the
+    429 of a full server, and makes no job."""
     runner = Adapted(frames=(4, 1))
     config = ServeConfig(model_name="fake-video", default_width=16, default_height=16)
-    service = Service(runner, config=config, video_config=VideoConfig(fps=8.0))
+    videos = VideoConfig(fps=8.0, max_jobs=4)  # the four jobs sent below fill it
+    service = Service(runner, config=config, video_config=videos)
     body = {"prompt": "a fox", "num_frames": 5, "num_inference_steps": 2}
     sent: list[tuple[dict[str, Any], tuple[tuple[str, float], ...]]] = [
         ({"json": {**body, "adapters": {"ink": 0.8, "film": 0.3}}}, (("ink", 0.8), ("film", 0.3))),
@@ -302,6 +308,8 @@ async def test_a_video_job_sends_its_adapters_to_the_engine() -> None:
                 response = await client.post("/v1/videos", **request)
                 assert response.status_code == 400, request
                 assert response.json()["error"]["param"] == param, response.text
+            full = await client.post("/v1/videos", json=body)  # a good one: no room
+            assert full.status_code == 429, full.text
             listed = (await client.get("/v1/videos")).json()["data"]
     assert len(listed) == len(sent)
     assert len(runner.prepared) == len(sent)
