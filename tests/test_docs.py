@@ -122,3 +122,60 @@ def test_performance_page_is_what_the_json_renders() -> None:
     assert (DOCS / "performance.md").read_text() == docs_page(DOCS / "perf", DOCS), (
         "docs/performance.md is stale: python -m benchmarks.docs"
     )
+
+
+def _nav_section(title: str) -> list[str]:
+    """The pages mkdocs.yml's nav lists under the section ``title``, in order."""
+    lines = (ROOT / "mkdocs.yml").read_text().splitlines()
+    start = lines.index(f"  - {title}:")
+    pages = []
+    for line in lines[start + 1 :]:
+        if not line.startswith("      "):
+            break
+        pages.append(line.rsplit(": ", 1)[1])
+    assert pages, title
+    return pages
+
+
+def _where_next() -> str:
+    """docs/index.md's "Where next" section."""
+    text = (DOCS / "index.md").read_text()
+    return text.split("\n## Where next\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_home_page_links_every_how_to_and_reference_page() -> None:
+    """docs/index.md's "Where next" names every how-to of the nav and every reference
+    module of mkdocs.yml's ``extra.reference``: a new page or module needs its link."""
+    links = set(re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", _where_next()))
+    for page in _nav_section("How-to guides"):
+        assert page in links, f"docs/index.md's Where next does not link {page}"
+    config = (ROOT / "mkdocs.yml").read_text()
+    modules = re.findall(r"^    - (omni_trio[\w.]*)$", config, flags=re.MULTILINE)
+    assert "omni_trio.serve.ray" in modules
+    for module in modules:
+        assert f"reference/{module}.md" in links, module
+
+
+def _contract_sections() -> dict[str, str]:
+    """Each rule of docs/contract.md and the anchor of the section that defines it."""
+    anchor, sections = "", {}
+    for line in (DOCS / "contract.md").read_text().splitlines():
+        if line.startswith("## "):
+            title = re.sub(r"[^\w\s-]", "", line[3:]).strip().lower()
+            anchor = re.sub(r"[\s-]+", "-", title)
+        elif match := re.match(r"^\| (L\d+) \|", line):
+            sections[match.group(1)] = anchor
+    return sections
+
+
+def test_the_home_pages_failures_link_their_rules_sections() -> None:
+    """Each rule docs/index.md's table cites links the contract's section that defines it."""
+    sections = _contract_sections()
+    table = (DOCS / "index.md").read_text().split("## What it removes", 1)[1].split("\n## ")[0]
+    cited = re.findall(r"\[(L\d+)(?:-(L\d+))?\]\(contract\.md#([\w-]+)\)", table)
+    assert len(cited) >= 20, cited
+    for first, last, anchor in cited:
+        for rule in filter(None, (first, last)):
+            assert sections.get(rule) == anchor, (rule, anchor, sections.get(rule))
+    for rule in ("L40", "L57", "L78", "L81", "L86"):
+        assert rule in {first for first, _, _ in cited}, rule
