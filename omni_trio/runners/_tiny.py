@@ -27,9 +27,10 @@ The video kinds (``TINY_VIDEO_KINDS``) make ``[N, F, C, H, W]`` frames
 (``pipe(...).frames``): Wan 4k + 1 frames (a temporal compression of 4), LTX-Video
 8k + 1 (8). Their ``__call__`` defaults are the real models' sizes (81 or 161
 frames at 480x832 or 512x704): pass ``height``, ``width`` and ``num_frames``
-(32 x 32 and 9 frames: a step in milliseconds). ``wan-i2v`` is Wan 2.1's image to
-video (L69): the same parts, a transformer that takes the image's latents and a tiny
-CLIP vision encoder's embedding; call it with ``image=``.
+(32 x 32 and 9 frames: a step in milliseconds). The image-to-video kinds (L69), called
+with ``image=`` too: ``wan-i2v`` is Wan 2.1's image to video, Wan's parts with a
+transformer that takes the image's latents and a tiny CLIP vision encoder's embedding;
+``ltx-i2v`` is ``ltx``'s parts in an ``LTXImageToVideoPipeline``.
 
 FluxPipeline's and QwenImagePipeline's default size is hard-wired to 1024 px (128
 latent rows, 4096 tokens): always pass ``height`` and ``width``. A step at 64 px costs a
