@@ -301,6 +301,26 @@ async def test_a_resumed_video_job_runs_as_its_tenant(tmp_path: Path) -> None:
     assert metric(text, completed, tenant="default", outcome="completed") == 0.0
 
 
+@pytest.mark.anyio
+async def test_a_tenant_the_keys_do_not_name_is_counted_as_other(tmp_path: Path) -> None:
+    """L56: the ``tenant`` label is a tenant of the keys, ``default`` or ``other``. Every
+    request a route admits runs as its key's tenant, so ``other`` is what a video job of
+    a tenant whose keys were taken away counts as when it runs again after the restart:
+    no series is made for a name the keys do not hold."""
+    ops_only = ApiKeys(keys=(KEYS.keys[1],))
+    assert ops_only.tenants == ("ops",)
+    with anyio.fail_after(BUDGET):
+        job_id = await cut_video_job_of_acme(tmp_path)
+        runner = FakeRunner(frames=(4, 1), checkpoints=True)
+        async with serving(durable_video_service(tmp_path, ops_only, runner)) as client:
+            text = await resumed_to_its_end(client, job_id, ADMIN)
+    completed = "omni_trio_tenant_requests_total"
+    assert metric(text, completed, tenant="other", outcome="completed") == 1.0
+    assert metric(text, "omni_trio_tenant_queue_wait_seconds_count", tenant="other") == 1.0
+    assert 'tenant="acme"' not in text
+    assert metric(text, completed, tenant="default", outcome="completed") == 0.0
+
+
 def test_admin_routes_need_an_admin_key() -> None:
     """L55: ``require_admin`` refuses a tenant's key (403 ``admin_required``), lets an
     admin key through, and every caller of an open server."""
