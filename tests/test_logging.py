@@ -51,8 +51,8 @@ def seen() -> Iterator[Seen]:
         library.setLevel(level)
 
 
-def request(steps: int = 3) -> ot.GenerationRequest:
-    return ot.GenerationRequest(prompt="x", num_steps=steps, width=64, height=64)
+def request(steps: int = 3, tenant: str | None = None) -> ot.GenerationRequest:
+    return ot.GenerationRequest(prompt="x", num_steps=steps, width=64, height=64, tenant=tenant)
 
 
 def test_the_library_adds_only_a_null_handler() -> None:
@@ -102,6 +102,40 @@ async def test_an_aborted_request_logs_its_reason_and_shutdown_warns() -> None:
         assert lines[0][1].endswith(", reason client left")
         assert lines[1][1].startswith("request cut aborted: steps 1/5,")
         assert lines[1][1].endswith(", reason shutdown")
+
+
+async def test_a_requests_last_line_carries_its_tenant(caplog: pytest.LogCaptureFixture) -> None:
+    """L56: a request's last line carries its tenant as ``record.tenant``, its name or
+    ``None`` for the default tenant, whether it completed or was aborted (running or
+    waiting)."""
+    runner = GatedRunner()
+    config = ot.EngineConfig(max_batch_size=1)
+    with anyio.fail_after(BUDGET), caplog.at_level(logging.INFO, logger="omni_trio.engine"):
+        async with ot.open_engine(runner, config) as engine:
+            running = engine.submit(request(5, tenant="acme"), request_id="acme-aborted")
+            waiting = engine.submit(request(5), request_id="default-aborted")
+            async with running, waiting:
+                await wait_until(lambda: running.status is ot.RequestStatus.RUNNING)
+                assert waiting.status is ot.RequestStatus.WAITING  # one at a time
+                assert engine.abort_nowait("default-aborted")
+                assert engine.abort_nowait("acme-aborted")  # at its next step boundary
+                runner.open_gate()
+                for handle in (running, waiting):
+                    with pytest.raises(ot.RequestAbortedError):
+                        await handle.result()
+            await engine.generate(request(tenant="acme"), request_id="acme-completed")
+            await engine.generate(request(), request_id="default-completed")
+    last: dict[str, logging.LogRecord] = {}
+    for record in caplog.records:
+        if record.name == "omni_trio.engine" and hasattr(record, "request_id"):
+            last[record.request_id] = record
+    assert {name: (r.outcome, r.tenant) for name, r in last.items()} == {  # type: ignore[attr-defined]
+        "acme-aborted": ("aborted", "acme"),
+        "default-aborted": ("aborted", None),
+        "acme-completed": ("completed", "acme"),
+        "default-completed": ("completed", None),
+    }
+    assert all(r.getMessage().startswith(f"request {name} ") for name, r in last.items())
 
 
 async def test_a_failed_batch_logs_its_traceback_once_naming_every_request() -> None:

@@ -42,8 +42,9 @@ running video jobs).
 
 The ``tenant`` label takes a bounded set of values: the tenants of the server's
 keys (``set_tenants``), ``default`` for a request without one (an open server),
-and ``other`` for any other name (a library caller's own), so a client cannot
-make series.
+and ``other`` for any other name, so a client cannot make series. The routes run
+every request as its key's tenant, so ``other`` counts the video jobs that run
+again after a restart (L77) for a tenant the keys no longer name.
 
 Next to them, the standard series every Prometheus client exports: ``process_*``
 (CPU seconds, resident and virtual memory, open file descriptors, start time; on

@@ -508,6 +508,10 @@ class VideoJobs:
             self._seq = max(self._seq, int(match[1], 16) if match else row.seq)
             try:
                 spec = spec_from_record(row.spec)
+                if row.tenant is not None:
+                    # Its tenant's request again (L57): fair share, bounds, /metrics.
+                    request = dataclasses.replace(spec.request, tenant=row.tenant)
+                    spec = dataclasses.replace(spec, request=request)
             except Exception:
                 _log.exception("video job %s: its record is unreadable; dropped", row.id)
                 await self._stored(self._store().delete, row.id)

@@ -17,6 +17,7 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import httpx2
 import openai
@@ -27,15 +28,19 @@ import omni_trio as ot
 from omni_trio.serve import (
     ApiKey,
     ApiKeys,
+    ServeConfig,
     Service,
     ServiceOptions,
     TenantLimits,
+    VideoConfig,
     load_keys_file,
     require_admin,
 )
+from omni_trio.serve._jobstore import JobStore
 from omni_trio.serve._keys import CALLER, KeyGate, RateLimiter, check_running_jobs
 from omni_trio.serve._ray_ingress import REPLICA_HEADER, ReplicaIngress
 from omni_trio.testing import FakeRunner
+from tests.support.core import BUDGET
 from tests.support.serve import PATH, make_service, metric, serving
 
 SECRET = "sk-acme-0123456789"
@@ -238,6 +243,82 @@ def test_running_video_jobs_are_bounded_per_tenant() -> None:
     assert refused.value.status == 429 and refused.value.code == "tenant_jobs_full"
     assert refused.value.headers["Retry-After"] == "7"
     check_running_jobs(ApiKey.of(SECRET, tenant="acme"), 100, 1)  # no bound
+
+
+def durable_video_service(folder: Path, keys: ApiKeys, runner: FakeRunner) -> Service:
+    """A video service with ``keys`` whose jobs live in ``folder`` (L77)."""
+    config = ServeConfig(
+        model_name="fake-video", default_width=16, default_height=16, default_steps=4
+    )
+    return Service(
+        runner,
+        engine_config=ot.EngineConfig(max_height=64, max_width=64, shutdown_grace=0.0),
+        config=config,
+        video_config=VideoConfig(fps=8.0, jobs_dir=folder, checkpoint_every_s=0.0),
+        keys=keys,
+    )
+
+
+async def cut_video_job_of_acme(folder: Path) -> str:
+    """The id of an "acme" video job that shutdown cut mid-steps: it runs again after a
+    restart on ``folder``."""
+    slow = FakeRunner(frames=(4, 1), checkpoints=True, step_seconds=0.02)
+    async with serving(durable_video_service(folder, KEYS, slow)) as client:
+        body = {"prompt": "a fox", "seed": 1, "num_frames": 5, "num_inference_steps": 200}
+        response = await client.post("/v1/videos", json=body, headers=bearer(SECRET))
+        assert response.status_code == 200, response.text
+        job_id: str = response.json()["id"]
+        while slow.steps_run < 1:
+            await anyio.sleep(0.005)
+    [row] = await anyio.to_thread.run_sync(JobStore(folder).open)
+    assert (row.id, row.tenant) == (job_id, "acme")
+    assert row.status in ("queued", "in_progress")  # not finished: it runs again
+    return job_id
+
+
+async def resumed_to_its_end(client: httpx.AsyncClient, job_id: str, key: str) -> str:
+    """Wait for the resumed job ``job_id`` to finish; ``/metrics`` then."""
+    while True:
+        job = (await client.get(f"/v1/videos/{job_id}", headers=bearer(key))).json()
+        if job["status"] in ("completed", "failed"):
+            assert job["status"] == "completed", job
+            return (await client.get("/metrics")).text
+        await anyio.sleep(0.001)
+
+
+@pytest.mark.anyio
+async def test_a_resumed_video_job_runs_as_its_tenant(tmp_path: Path) -> None:
+    """L56, L57, L77: a video job cut by shutdown runs again after the restart as the
+    tenant that created it (its fair share, its ``/metrics`` label), not as the default
+    tenant."""
+    with anyio.fail_after(BUDGET):
+        job_id = await cut_video_job_of_acme(tmp_path)
+        service = durable_video_service(tmp_path, KEYS, FakeRunner(frames=(4, 1), checkpoints=True))
+        async with serving(service) as client:
+            text = await resumed_to_its_end(client, job_id, SECRET)
+    completed = "omni_trio_tenant_requests_total"
+    assert metric(text, completed, tenant="acme", outcome="completed") == 1.0
+    assert metric(text, completed, tenant="default", outcome="completed") == 0.0
+
+
+@pytest.mark.anyio
+async def test_a_tenant_the_keys_do_not_name_is_counted_as_other(tmp_path: Path) -> None:
+    """L56: the ``tenant`` label is a tenant of the keys, ``default`` or ``other``. Every
+    request a route admits runs as its key's tenant, so ``other`` is what a video job of
+    a tenant whose keys were taken away counts as when it runs again after the restart:
+    no series is made for a name the keys do not hold."""
+    ops_only = ApiKeys(keys=(KEYS.keys[1],))
+    assert ops_only.tenants == ("ops",)
+    with anyio.fail_after(BUDGET):
+        job_id = await cut_video_job_of_acme(tmp_path)
+        runner = FakeRunner(frames=(4, 1), checkpoints=True)
+        async with serving(durable_video_service(tmp_path, ops_only, runner)) as client:
+            text = await resumed_to_its_end(client, job_id, ADMIN)
+    completed = "omni_trio_tenant_requests_total"
+    assert metric(text, completed, tenant="other", outcome="completed") == 1.0
+    assert metric(text, "omni_trio_tenant_queue_wait_seconds_count", tenant="other") == 1.0
+    assert 'tenant="acme"' not in text
+    assert metric(text, completed, tenant="default", outcome="completed") == 0.0
 
 
 def test_admin_routes_need_an_admin_key() -> None:
