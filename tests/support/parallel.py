@@ -120,6 +120,10 @@ class Kept:
         """The engine is done with it; the test module closes it."""
 
 
+#: The steps of each request ``random_aborts_then_one`` aborts.
+ABORTED_STEPS = 40
+
+
 async def random_aborts_then_one(
     group: ParallelRunner, kind: str, *, aborts: int, seed: int, pause_s: float
 ) -> None:
@@ -133,11 +137,19 @@ async def random_aborts_then_one(
     with anyio.fail_after(BUDGET * max(2, aborts // 5)):
         async with ot.open_engine(Kept(group)) as engine:
             for index in range(aborts):
+                # ABORTED_STEPS: far more than the at most 4 steps and the pause that pass
+                # before the abort, which must find the request running (with 6, a fast
+                # machine once finished it in the pause).
                 async with engine.submit(
-                    request(kind, seed=index, num_steps=6), request_id=f"a{index}"
+                    request(kind, seed=index, num_steps=ABORTED_STEPS), request_id=f"a{index}"
                 ) as handle:
-                    await wait_until(lambda: probe(handle).steps_done >= rng.randrange(0, 5))
-                    await anyio.sleep(rng.uniform(0.0, pause_s))
+                    steps, pause = rng.randrange(0, 5), rng.uniform(0.0, pause_s)
+
+                    def reached(h: ot.RequestHandle = handle, n: int = steps) -> bool:
+                        return probe(h).steps_done >= n
+
+                    await wait_until(reached)
+                    await anyio.sleep(pause)
                     assert await handle.abort()
                 reports = await report(group)
                 assert same_states(reports) and not reports[0].states, index
