@@ -438,13 +438,27 @@ def events_call(video_id: str) -> AsgiCall:
 # -- errors ----------------------------------------------------------------------------
 
 
+#: A body's fields, the field a 400 must name, and words its message must hold.
+Refusals = list[tuple[dict[str, Any], str, str]]
+
+
+async def refused_by_name(client: httpx.AsyncClient, cases: Refusals) -> None:
+    """Each case's ``/v1/videos`` body is a 400 naming its field, in one line with its words."""
+    for fields, param, words in cases:
+        response = await client.post("/v1/videos", json={"prompt": "a fox", **fields})
+        assert response.status_code == 400, (fields, response.text)
+        error = error_of(response)
+        assert error["param"] == param, (fields, error)
+        assert words in error["message"] and "\n" not in error["message"], error
+
+
 async def test_bad_input_gets_a_400_naming_the_field_and_changes_nothing() -> None:
     """L73, L52: bad seconds, both seconds and num_frames, frames off the rule, a bad size,
     an unknown field, an input_reference or another model's id get a 400 naming the field,
     in one line; nothing reaches the engine.
     """
     service, _ = make_service()
-    cases: list[tuple[dict[str, Any], str, str]] = [
+    cases: Refusals = [
         ({"seconds": "four"}, "seconds", "positive number"),
         ({"seconds": "0"}, "seconds", "> 0"),
         ({"seconds": "1e9"}, "seconds", "positive number"),
@@ -463,12 +477,7 @@ async def test_bad_input_gets_a_400_naming_the_field_and_changes_nothing() -> No
     ]
     with anyio.fail_after(BUDGET):
         async with serving(service) as client:
-            for fields, param, words in cases:
-                response = await client.post("/v1/videos", json={"prompt": "a fox", **fields})
-                assert response.status_code == 400, (fields, response.text)
-                error = error_of(response)
-                assert error["param"] == param, (fields, error)
-                assert words in error["message"] and "\n" not in error["message"], error
+            await refused_by_name(client, cases)
             response = await client.post(
                 "/v1/videos", content=b"{", headers={"content-type": "application/json"}
             )
@@ -650,19 +659,14 @@ async def test_steps_the_model_cannot_run_and_too_many_frame_pixels_are_400s() -
         config=config,
         video_config=VideoConfig(fps=FPS),
     )
-    cases: list[tuple[dict[str, Any], str, str]] = [
+    cases: Refusals = [
         ({"num_inference_steps": 1, "num_frames": 9}, "num_inference_steps", "at least 2 steps"),
         ({"num_frames": 13}, "num_frames", f"max_frame_pixels of {bound:,}"),
         ({"seconds": "2"}, "seconds", f"max_frame_pixels of {bound:,}"),
     ]
     with anyio.fail_after(BUDGET):
         async with serving(service) as client:
-            for fields, param, words in cases:
-                response = await client.post("/v1/videos", json={"prompt": "a fox", **fields})
-                assert response.status_code == 400, (fields, response.text)
-                error = error_of(response)
-                assert error["param"] == param, (fields, error)
-                assert words in error["message"] and "\n" not in error["message"], error
+            await refused_by_name(client, cases)
             engine = service.engine
             assert engine is not None and engine.statistics().admitted == 0
             job = await create(client, num_frames=9, num_inference_steps=2)
