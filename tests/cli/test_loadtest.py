@@ -929,20 +929,74 @@ def holding_server(
         thread.join(BUDGET)
 
 
-#: How long the load client may take to stop after SIGINT (it takes well under a second).
+#: How long the load client may take to stop after a signal (it takes well under a second).
 STOP_S = 60
 
 
 def why_it_hangs(process: subprocess.Popen[str]) -> str:
     """What a process that did not stop was doing: its signal masks, every thread's stack."""
-    try:
-        lines = Path(f"/proc/{process.pid}/status").read_text().splitlines()
-        masks = "\n".join(line for line in lines if line.startswith(("Sig", "Shd")))
-    except OSError:
-        masks = "(no /proc status)"
     process.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
     _, err = process.communicate(timeout=BUDGET_S)
-    return f"SIGINT did not stop it within {STOP_S} s\n{masks}\n{err}"
+    return f"it did not stop within {STOP_S} s\n{err}"
+
+
+def ignores_sigint(pid: int) -> bool:
+    """Whether process ``pid`` ignores SIGINT (``SigIgn`` of /proc/PID/status, bit 2)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGINT - 1) & 1)
+    raise AssertionError(f"no SigIgn line for {pid}")
+
+
+@contextmanager
+def load_client(
+    tmp_path: Path, server: HoldingServer, *, sigint: Any
+) -> Iterator[subprocess.Popen[str]]:
+    """``omni-trio load`` at 20/s for 600 s against ``server``, started with SIGINT's
+    disposition ``sigint``; yielded once it read two answers and one more request waits.
+
+    A child inherits an ignored SIGINT (a handler becomes the default at exec): a test run
+    in a background job or under ``nohup`` ignores SIGINT, and so would the client, which
+    keeps a signal it was started ignoring ignored. The disposition is set for the start.
+    """
+    # -X faulthandler: on a hang, SIGABRT makes the client print every thread's stack.
+    command = [sys.executable, "-X", "faulthandler", "-m", "omni_trio", "load"]
+    command += ["--give-up-fraction", "0", "--rate", "20", "--duration", "600"]
+    command += ["--json", str(tmp_path / "load.json"), server.url]
+    previous = signal.signal(signal.SIGINT, sigint)
+    try:
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+
+        def two_read_one_held() -> bool:
+            assert process.poll() is None, process.communicate()
+            with server.lock:
+                return server.read == 2 and server.received >= 3
+
+        poll_until(two_read_one_held, timeout=BUDGET_S, what="two answers read, one held")
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate(timeout=BUDGET_S)
+
+
+def stopped_by(process: subprocess.Popen[str], signum: signal.Signals) -> tuple[str, str]:
+    """Send ``signum``; return the client's stdout and stderr once it exits."""
+    process.send_signal(signum)
+    try:
+        return process.communicate(timeout=STOP_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{signum.name}: " + why_it_hangs(process))
 
 
 @pytest.mark.timeout(300)  # a subprocess start, then a stop; on a hang, its stacks
@@ -951,46 +1005,41 @@ def test_ctrl_c_stops_the_run_and_prints_and_saves_what_ended(tmp_path: Path) ->
     that ended so far is printed and written to --json, the requests still unanswered
     are cut and counted apart (it used to print a 55-line traceback, exit 1 and leave
     an empty --json file)."""
-    saved = tmp_path / "load.json"
-    # -X faulthandler: on a hang, SIGABRT makes the client print every thread's stack.
-    command = [sys.executable, "-X", "faulthandler", "-m", "omni_trio", "load"]
-    command += ["--give-up-fraction", "0", "--rate", "20", "--duration", "600"]
-    command += ["--json", str(saved)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with holding_server(answered=2) as server:
-        process = subprocess.Popen(
-            [*command, server.url],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=tmp_path,
-            env=env,
-        )
-        try:
-
-            def two_read_one_held() -> bool:
-                assert process.poll() is None, process.communicate()
-                with server.lock:
-                    return server.read == 2 and server.received >= 3
-
-            poll_until(two_read_one_held, timeout=BUDGET_S, what="two answers read, one held")
-            process.send_signal(signal.SIGINT)
-            try:
-                out, err = process.communicate(timeout=STOP_S)
-            except subprocess.TimeoutExpired:
-                pytest.fail(why_it_hangs(process))
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.communicate(timeout=BUDGET_S)
+    with (
+        holding_server(answered=2) as server,
+        load_client(tmp_path, server, sigint=signal.default_int_handler) as process,
+    ):
+        out, err = stopped_by(process, signal.SIGINT)
     assert (process.returncode, err) == (130, ""), err
-    data = json.loads(saved.read_text())
+    data = json.loads((tmp_path / "load.json").read_text())
     assert data["summary"]["counts"] == dict.fromkeys(OUTCOMES, 0) | {"completed": 2}
     assert [r["outcome"] for r in data["records"]] == ["completed", "completed"]
     assert data["unanswered"] >= 1 and data["stopped_s"] > 0
     assert out.startswith(f"2 requests at 20/s for the first {data['stopped_s']:.1f} s of 600 s")
     assert f"stopped by SIGINT: {data['unanswered']} request(s) still unanswered were cut" in out
     assert f"  {'completed':<16}{2:>7}\n" in out
+
+
+@pytest.mark.timeout(300)
+def test_a_client_started_ignoring_sigint_keeps_it_ignored_and_stops_on_sigterm(
+    tmp_path: Path,
+) -> None:
+    """A client started with SIGINT ignored (a background job's, ``nohup``'s) leaves it
+    ignored: SIGINT changes nothing, it sends on; SIGTERM stops it as SIGINT would have,
+    exit 143 with the summary so far."""
+    with (
+        holding_server(answered=2) as server,
+        load_client(tmp_path, server, sigint=signal.SIG_IGN) as process,
+    ):
+        assert ignores_sigint(process.pid)
+        process.send_signal(signal.SIGINT)
+        with server.lock:
+            received = server.received
+        poll_until(lambda: server.received >= received + 2, timeout=BUDGET_S, what="two more sent")
+        assert process.poll() is None
+        out, err = stopped_by(process, signal.SIGTERM)
+    assert (process.returncode, err) == (143, ""), err
+    assert "stopped by SIGTERM: " in out
 
 
 # -- tenants ---------------------------------------------------------------------------
