@@ -15,7 +15,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, assert_never, cast, final
+from typing import TYPE_CHECKING, Any, assert_never, cast, final
 
 import anyio
 import anyio.lowlevel
@@ -66,7 +66,6 @@ if TYPE_CHECKING:
 __all__ = ["Engine"]
 
 _engine_numbers = itertools.count()
-StateT = TypeVar("StateT")
 
 
 @final
