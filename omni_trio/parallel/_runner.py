@@ -202,7 +202,10 @@ class ParallelRunner:
         context = multiprocessing.get_context("spawn")
         self._flags = new_flags(context)
         self._lock = threading.Lock()  # the control pipes: one sender at a time
-        self._ops_lock = threading.Lock()
+        # Rank 0's book: the live states, their state changes and the ops queued for
+        # the other ranks change together under it, so a report sees rank 0 exactly
+        # as the plan it sends leaves the others (reentrant: ``_send`` drains the ops).
+        self._book_lock = threading.RLock()
         self._ops: list[Op] = []
         self._keys = itertools.count(1)
         self._seq = 0
@@ -383,15 +386,18 @@ class ParallelRunner:
             request = dataclasses.replace(request, seed=secrets.randbits(63))
         key = next(self._keys)
         join = Op(kind=OpKind.JOIN, key=key, request=request_fields(request), request_id=request_id)
+        # Under the plan lock throughout: no report falls between the join the other
+        # ranks apply and rank 0's own state.
         with self._lock:
             self._send(PlanKind.OPS, extra=(join,))
-        try:
-            inner = self._model.prepare(request, request_id)
-        except BaseException:
-            self._queue(Op(kind=OpKind.DROP, key=key))
-            raise
-        state = ParallelState(key, request_id, inner)
-        self._live[key] = state
+            try:
+                inner = self._model.prepare(request, request_id)
+            except BaseException:
+                self._queue(Op(kind=OpKind.DROP, key=key))
+                raise
+            state = ParallelState(key, request_id, inner)
+            with self._book_lock:
+                self._live[key] = state
         return state
 
     def step(self, states: Sequence[ParallelState]) -> None:
@@ -425,9 +431,10 @@ class ParallelRunner:
 
     def discard(self, state: ParallelState) -> None:
         """Free the state on rank 0 now, on the other ranks at the next plan."""
-        self._live.pop(state.key, None)
-        self._queue(Op(kind=OpKind.DROP, key=state.key))
-        self._model.discard(state.inner)
+        with self._book_lock:
+            self._live.pop(state.key, None)
+            self._queue(Op(kind=OpKind.DROP, key=state.key))
+            self._model.discard(state.inner)
 
     def state_bytes(self, state: ParallelState) -> int:
         """What rank 0 would park (each rank parks as much)."""
@@ -435,13 +442,15 @@ class ParallelRunner:
 
     def suspend(self, state: ParallelState, *, to_host: bool) -> None:
         """Park the state on every rank (the others at the next plan)."""
-        self._model.suspend(state.inner, to_host=to_host)
-        self._queue(Op(kind=OpKind.SUSPEND, key=state.key, to_host=to_host))
+        with self._book_lock:
+            self._model.suspend(state.inner, to_host=to_host)
+            self._queue(Op(kind=OpKind.SUSPEND, key=state.key, to_host=to_host))
 
     def resume(self, state: ParallelState) -> None:
         """Bring the state back on every rank (the others at the next plan)."""
-        self._model.resume(state.inner)
-        self._queue(Op(kind=OpKind.RESUME, key=state.key))
+        with self._book_lock:
+            self._model.resume(state.inner)
+            self._queue(Op(kind=OpKind.RESUME, key=state.key))
 
     def report(self) -> tuple[RankReport, ...]:
         """What every rank holds now, rank 0 first; waits for a step in progress.
@@ -454,13 +463,12 @@ class ParallelRunner:
             ParallelGroupError: the group broke.
         """
         with self._lock:
-            self._send(PlanKind.REPORT)
-            reports = [
-                RankReport(
-                    rank=0,
-                    states={s.request_id: state_digest(s.inner) for s in self._live.values()},
-                )
-            ]
+            # Rank 0's digests are of the book the plan leaves: a discard on the
+            # worker's thread comes wholly before it (its drop in the plan) or after.
+            with self._book_lock:
+                self._send(PlanKind.REPORT)
+                ours = {s.request_id: state_digest(s.inner) for s in self._live.values()}
+            reports = [RankReport(rank=0, states=ours)]
             try:
                 for connection in self._connections:
                     message = receive(connection, self._timeout_s)
@@ -504,7 +512,7 @@ class ParallelRunner:
     # -- the plans ------------------------------------------------------------
 
     def _queue(self, op: Op) -> None:
-        with self._ops_lock:
+        with self._book_lock:
             self._ops.append(op)
 
     def _send(
@@ -521,7 +529,7 @@ class ParallelRunner:
             raise ParallelGroupError(self._broken)
         if self._closed and kind is not PlanKind.STOP:
             raise ParallelGroupError("the runner is closed")
-        with self._ops_lock:
+        with self._book_lock:
             ops, self._ops = tuple(self._ops), []
         self._seq += 1
         plan = Plan(

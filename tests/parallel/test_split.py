@@ -10,6 +10,7 @@ model load per rank. Both ranks use one torch thread.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import anyio
@@ -56,6 +57,32 @@ async def test_a_split_request_equals_the_single_process_runner(split: ParallelR
     assert same_states(await report(split))
 
 
+async def test_reports_agree_while_rank_0_joins_and_drops_requests(
+    split: ParallelRunner,
+) -> None:
+    """L40: reports read while another thread joins and drops requests on rank 0 name the
+    same states on every rank, each time. (Rank 0's live states, and the drops queued for
+    the other ranks, changed outside the lock a report reads them under: a report once
+    failed with "dictionary changed size during iteration".)"""
+
+    def churn(stop: threading.Event) -> int:
+        joined = 0
+        while not stop.is_set() or joined < 20:
+            split.discard(split.prepare(request("sd", seed=joined), f"churn{joined}"))
+            joined += 1
+        return joined
+
+    stop = threading.Event()
+    with anyio.fail_after(BUDGET):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, churn, stop)
+            agreed = [same_states(await report(split)) for _ in range(40)]
+            stop.set()
+    assert agreed == [True] * 40
+    reports = await report(split)
+    assert same_states(reports) and not reports[0].states
+
+
 async def test_requests_join_and_leave_across_ranks(split: ParallelRunner) -> None:
     """L40, L49: a request joins a running one mid-way, a third is aborted mid-way: every
     rank holds exactly the live requests, bitwise equal, at every step the test looks;
@@ -65,15 +92,18 @@ async def test_requests_join_and_leave_across_ranks(split: ParallelRunner) -> No
     aborted = request("sd", seed=3, prompt="a dog", num_steps=8)
     expected = await outputs(DiffusersRunner(tiny("sd")), [long, joining])
     with anyio.fail_after(BUDGET):
-        async with ot.open_engine(Kept(split), ot.EngineConfig(max_batch_size=4)) as engine:
+        kept = Kept(split)
+        async with ot.open_engine(kept, ot.EngineConfig(max_batch_size=4)) as engine:
             a = engine.submit(long, request_id="long")
-            await wait_until(lambda: probe(a).steps_done >= 2)
-            b = engine.submit(joining, request_id="joining")
-            c = engine.submit(aborted, request_id="aborted")
-            await wait_until(lambda: probe(b).steps_done >= 1 and probe(c).steps_done >= 1)
-            reports = await report(split)
-            assert same_states(reports)
-            assert set(reports[0].states) == {"long", "joining", "aborted"}
+            async with kept.held(lambda steps: steps.get("long", 0) >= 2):
+                b = engine.submit(joining, request_id="joining")
+                c = engine.submit(aborted, request_id="aborted")
+            async with kept.held(
+                lambda steps: min(steps.get("joining", 0), steps.get("aborted", 0)) >= 1
+            ):
+                reports = await report(split)
+                assert same_states(reports)
+                assert set(reports[0].states) == {"long", "joining", "aborted"}
             await c.abort()
             reports = await report(split)
             assert same_states(reports)
@@ -106,15 +136,16 @@ async def test_a_preempted_request_parks_on_every_rank_and_resumes_exactly(
     high = request("sd", seed=12, prompt="high", num_steps=8, priority=1)
     config = ot.EngineConfig(max_batch_size=1)
     with anyio.fail_after(BUDGET):
-        async with ot.open_engine(Kept(split), config) as engine:
+        kept = Kept(split)
+        async with ot.open_engine(kept, config) as engine:
             uninterrupted = (await engine.generate(low)).images
             a = engine.submit(low, request_id="low")
-            await wait_until(lambda: probe(a).steps_done >= 2)
-            b = engine.submit(high, request_id="high")
-            await wait_until(lambda: probe(b).steps_done >= 1)
-            assert a.status is ot.RequestStatus.WAITING
-            reports = await report(split)
-            assert same_states(reports) and set(reports[0].states) == {"low", "high"}
+            async with kept.held(lambda steps: steps.get("low", 0) >= 2):
+                b = engine.submit(high, request_id="high")
+            async with kept.held(lambda steps: steps.get("high", 0) >= 1):
+                assert a.status is ot.RequestStatus.WAITING
+                reports = await report(split)
+                assert same_states(reports) and set(reports[0].states) == {"low", "high"}
             async with b:
                 await b.result()
             async with a:

@@ -12,9 +12,10 @@ import functools
 import multiprocessing
 import os
 import random
+import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -108,13 +109,43 @@ def hangs_on_flag(kind: str, flag: str) -> Any:
 
 
 class Kept:
-    """A ``ParallelRunner`` lent to one engine after another: ``close`` leaves it open."""
+    """A ``ParallelRunner`` lent to one engine after another: ``close`` leaves it open.
+
+    ``held`` stops the engine's worker before a chosen step, so that a test looks at
+    the group at an exact point instead of racing the steps that run on.
+    """
 
     def __init__(self, runner: ParallelRunner) -> None:
         self.runner = runner
+        self._when: Callable[[dict[str, int]], bool] | None = None
+        self._held = threading.Event()
+        self._go = threading.Event()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)
+
+    def step(self, states: Sequence[Any]) -> None:
+        """The runner's step, after a hold if this step is the one ``held`` waits for."""
+        when = self._when
+        if when is not None and when({s.request_id: s.inner.steps_done for s in states}):
+            self._when = None
+            self._held.set()
+            self._go.wait(BUDGET)
+        self.runner.step(states)
+
+    @asynccontextmanager
+    async def held(self, when: Callable[[dict[str, int]], bool]) -> AsyncIterator[None]:
+        """Enter once the worker stops before the first step whose members (request
+        id -> steps done) satisfy ``when``; it steps on when the body is left."""
+        self._held.clear()
+        self._go.clear()
+        self._when = when
+        try:
+            await wait_until(self._held.is_set, max_interval=0.02)
+            yield
+        finally:
+            self._when = None
+            self._go.set()
 
     def close(self) -> None:
         """The engine is done with it; the test module closes it."""
