@@ -51,6 +51,7 @@ __all__ = [
     "load_keys_file",
     "require_admin",
     "tenant_request",
+    "viewer",
 ]
 
 _log = logging.getLogger("omni_trio.serve")
@@ -347,6 +348,13 @@ def caller_tenant(scope: Mapping[str, Any]) -> str | None:
     """The caller's tenant, for metrics; ``None`` on an open server."""
     key = caller(scope)
     return None if key is None else key.tenant
+
+
+def viewer(scope: Mapping[str, Any]) -> str | None:
+    """The tenant whose video jobs alone the caller sees (L55): a key's that is not an
+    admin key; ``None`` (every job) for an admin key and on an open server."""
+    key = caller(scope)
+    return None if key is None or key.admin else key.tenant
 
 
 def check_running_jobs(key: ApiKey, running: int, retry_after_s: int) -> None:

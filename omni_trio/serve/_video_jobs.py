@@ -580,15 +580,20 @@ class VideoJobs:
         job.changed()
         return job
 
-    def get(self, job_id: str) -> VideoJob:
+    def get(self, job_id: str, *, tenant: str | None = None) -> VideoJob:
         """The job ``job_id``.
 
+        Args:
+            tenant: with a name, only that tenant's jobs are seen (a key that is not an
+                admin key, L55); ``None``: every job.
+
         Raises:
-            ApiError: 404 ``video_not_found``: no such job (never made, deleted, expired).
+            ApiError: 404 ``video_not_found``: no such job (never made, deleted,
+                expired), or another tenant's, which reads the same.
         """
         self.purge()
         job = self._jobs.get(job_id)
-        if job is None:
+        if job is None or (tenant is not None and job.tenant != tenant):
             raise ApiError(
                 404,
                 f"no video {shown_id(job_id)}: never made, deleted, or expired",
@@ -711,18 +716,18 @@ class VideoJobs:
         self._seq += 1
         return f"video_{self._seq:08x}{uuid.uuid4().hex[:24]}"
 
-    async def delete(self, job_id: str) -> VideoJob:
+    async def delete(self, job_id: str, *, tenant: str | None = None) -> VideoJob:
         """Drop the job now; abort its request (reason ``deleted``) and cancel its task.
 
         With a store, the answer waits for the record's deletion (durable).
 
         Raises:
-            ApiError: 404, as ``get``.
+            ApiError: 404, as ``get`` (``tenant`` as there).
 
         Cancellation:
             Shielded once the job is dropped.
         """
-        job = self.get(job_id)
+        job = self.get(job_id, tenant=tenant)
         handle = job.handle
         if handle is not None:
             handle.abort_nowait(reason=DELETED)
@@ -734,8 +739,11 @@ class VideoJobs:
             await self._stored(self._store().delete, job_id)
         return dropped
 
-    def page(self, *, limit: int, after: str | None, order: str) -> tuple[list[VideoJob], bool]:
-        """Up to ``limit`` jobs after the cursor, newest first (``desc``) or oldest first.
+    def page(
+        self, *, limit: int, after: str | None, order: str, tenant: str | None = None
+    ) -> tuple[list[VideoJob], bool]:
+        """Up to ``limit`` jobs after the cursor, newest first (``desc``) or oldest first;
+        with ``tenant``, only that tenant's (as ``get``).
 
         Returns:
             The jobs and whether more follow.
@@ -753,6 +761,8 @@ class VideoJobs:
                 raise invalid(f"after: must be a video id, got {shown_id(after)}", "after")
             cursor = int(match[1], 16)
             jobs = (j for j in jobs if (j.seq < cursor if order == "desc" else j.seq > cursor))
+        if tenant is not None:
+            jobs = (j for j in jobs if j.tenant == tenant)
         chosen: list[VideoJob] = []
         for job in jobs:
             if len(chosen) == limit:

@@ -38,7 +38,7 @@ from ._asgi import (
 )
 from ._errors import ApiError, api_error_from, invalid
 from ._forms import read_form
-from ._keys import caller, caller_tenant, check_running_jobs, tenant_request
+from ._keys import caller, caller_tenant, check_running_jobs, tenant_request, viewer
 from ._schema import DEADLINE_HEADER, shown
 from ._upload import UploadLimits
 from ._video_body import parse_video_body, with_reference
@@ -160,7 +160,9 @@ class VideosApi:
             order = params.get("order", "desc")
             if order not in ("asc", "desc"):
                 raise invalid(f"order: must be 'asc' or 'desc', got {shown(order)}", "order")
-            jobs, more = self._jobs.page(limit=limit, after=params.get("after"), order=order)
+            jobs, more = self._jobs.page(
+                limit=limit, after=params.get("after"), order=order, tenant=viewer(request.scope)
+            )
         except ApiError as error:
             return error_response(error)
         data = [job.body() for job in jobs]
@@ -177,11 +179,12 @@ class VideosApi:
     async def job(self, request: Request) -> Response:
         """``GET`` the job, or ``DELETE`` it (abort its request, drop it, answer at once)."""
         job_id = request.path_params["video_id"]
+        tenant = viewer(request.scope)
         try:
             if request.method == "DELETE":
-                await self._jobs.delete(job_id)
+                await self._jobs.delete(job_id, tenant=tenant)
                 return JSONResponse({"id": job_id, "object": "video.deleted", "deleted": True})
-            return JSONResponse(self._jobs.get(job_id).body())
+            return JSONResponse(self._jobs.get(job_id, tenant=tenant).body())
         except ApiError as error:
             return error_response(error)
 
@@ -195,7 +198,7 @@ class VideosApi:
                     "variant",
                     "unsupported_value",
                 )
-            job = self._jobs.get(request.path_params["video_id"])
+            job = self._jobs.get(request.path_params["video_id"], tenant=viewer(request.scope))
             if job.status != "completed":
                 state = "failed" if job.is_finished else f"{job.status} ({job.progress}%)"
                 raise invalid(
@@ -219,7 +222,7 @@ class VideosApi:
             Stops the stream; the job goes on.
         """
         try:
-            job = self._jobs.get(scope["path_params"]["video_id"])
+            job = self._jobs.get(scope["path_params"]["video_id"], tenant=viewer(scope))
         except ApiError as error:
             await send_error(send, error)
             return

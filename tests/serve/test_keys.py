@@ -471,3 +471,44 @@ def test_keys_hold_through_the_ray_replica_ingress() -> None:
             return missing.status_code, wrong.status_code, right.status_code
 
     assert asyncio.run(asyncio.wait_for(main(), 30)) == (401, 401, 200)
+
+
+@pytest.mark.anyio
+async def test_a_tenant_sees_only_its_own_video_jobs(tmp_path: Path) -> None:
+    """L55: a key that is not an admin key sees its tenant's video jobs only: another
+    tenant's job is 404 ``video_not_found`` on GET, content, events and DELETE (which
+    leaves it be), and the list leaves it out; an admin key sees every job."""
+    other = "sk-beta-1111111111"
+    keys = ApiKeys(keys=(*KEYS.keys, ApiKey.of(other, tenant="beta")))
+    runner = FakeRunner(frames=(4, 1), checkpoints=True)
+    with anyio.fail_after(BUDGET):
+        async with serving(durable_video_service(tmp_path, keys, runner)) as client:
+            body = {"prompt": "a fox", "seed": 1, "num_frames": 5}
+            created = await client.post("/v1/videos", json=body, headers=bearer(SECRET))
+            assert created.status_code == 200, created.text
+            job_id = created.json()["id"]
+            path = f"/v1/videos/{job_id}"
+            while (await client.get(path, headers=bearer(SECRET))).json()["status"] != "completed":
+                await anyio.sleep(0.001)
+            for method, url in [
+                ("GET", path),
+                ("GET", f"{path}/content"),
+                ("GET", f"{path}/events"),
+                ("DELETE", path),
+            ]:
+                refused = await client.request(method, url, headers=bearer(other))
+                assert refused.status_code == 404, (method, url, refused.text)
+                assert refused.json()["error"]["code"] == "video_not_found"
+            listed = {
+                key: [
+                    job["id"]
+                    for job in (await client.get("/v1/videos", headers=bearer(key))).json()["data"]
+                ]
+                for key in (SECRET, other, ADMIN)
+            }
+            assert listed == {SECRET: [job_id], other: [], ADMIN: [job_id]}
+            assert (await client.get(f"{path}/content", headers=bearer(SECRET))).status_code == 200
+            assert (await client.get(path, headers=bearer(ADMIN))).status_code == 200
+            deleted = await client.delete(path, headers=bearer(ADMIN))
+            assert deleted.json()["deleted"] is True
+            assert (await client.get(path, headers=bearer(SECRET))).status_code == 404
