@@ -188,11 +188,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             self._config.check_request(request)
             self._capabilities.check_request(request)
             self._adapters.check_request(request)
-            check_step_time(
-                request,
-                workers=[self._workers[index] for index in self._alive],
-                limit=self._config.max_step_s,
-            )
+            self.check_step_time(request)
         except InvalidRequestError as exc:
             exc.request_id = request_id
             raise
@@ -230,6 +226,21 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         self._live[request_id] = record
         self._admitted += 1
         return RequestHandle._create(self._owner, record)
+
+    def check_step_time(self, request: GenerationRequest) -> None:
+        """Refuse ``request`` as ``submit`` does if one step of it alone would outlast
+        ``EngineConfig.max_step_s`` (L4), by the live workers' measured cost per pixel;
+        admits while a live worker has measured no step. For a server that checks a
+        request before it costs work (an upload to decode, a job's place).
+
+        Raises:
+            InvalidRequestError: naming the field to make smaller.
+        """
+        check_step_time(
+            request,
+            workers=[self._workers[index] for index in self._alive],
+            limit=self._config.max_step_s,
+        )
 
     async def generate(
         self, request: GenerationRequest, *, request_id: str | None = None

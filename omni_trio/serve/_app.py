@@ -26,6 +26,7 @@ from .._config import EngineConfig
 from .._engine import Engine
 from .._open import open_engine
 from .._outputs import EngineStatistics
+from .._request import GenerationRequest
 from .._runner import Runner, RunnerCapabilities, runner_sequence
 from .._runner_adapters import RunnerAdapters
 from ._adapters import AdaptersApi, adapter_card
@@ -136,6 +137,7 @@ class Service:
             engine=self.engine_config,
             capabilities=capabilities,
             adapters=_admission_adapters(runner, capabilities),
+            step_time=self._check_step_time,
         )
         self.videos = VideoJobs(
             video_config if video_config is not None else VideoConfig(),
@@ -216,6 +218,11 @@ class Service:
 
     def _refused(self, error: ApiError, tenant: str | None) -> None:
         self.metrics.count(error.outcome, tenant)
+
+    def _check_step_time(self, request: GenerationRequest) -> None:
+        """``max_step_s`` by the open engine's measured steps (L4); none before it opens."""
+        if self._engine is not None:
+            self._engine.check_step_time(request)
 
     def _statistics(self) -> EngineStatistics | None:
         return self._engine.statistics() if self._engine is not None else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -151,11 +151,14 @@ class Admission:
         adapters: the runners' adapters, read as the engine reads them (a request
             names only adapters every runner has, L85); ``None`` for runners that
             take none.
+        step_time: the open engine's ``Engine.check_step_time`` (``max_step_s``, by
+            the steps it measured), or ``None``.
     """
 
     engine: EngineConfig
     capabilities: RunnerCapabilities | None = None
     adapters: RunnerAdapters | None = None
+    step_time: Callable[[GenerationRequest], None] | None = None
 
     @property
     def takes_images(self) -> bool:
@@ -186,3 +189,5 @@ class Admission:
             capabilities.check_request(request)
         if self.adapters is not None:
             self.adapters.check_request(request)
+        if self.step_time is not None:
+            self.step_time(request)

@@ -12,11 +12,14 @@ machine; a 16 x 16 step is estimated at what it measured, far under 5 s.
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import logging
 
 import anyio
 import pytest
 import torch
+from PIL import Image
 
 import omni_trio as ot
 from omni_trio.runners import RunnerCapabilities
@@ -24,7 +27,7 @@ from omni_trio.serve import ServeConfig, Service
 from omni_trio.serve._warmup import WARM_UP_ID, warm_up_request
 from omni_trio.testing import FakeRunner
 from tests.support.core import BUDGET
-from tests.support.serve import serving
+from tests.support.serve import PixelWork, serving
 
 pytestmark = pytest.mark.anyio
 
@@ -77,6 +80,51 @@ async def test_the_warm_up_bounds_the_first_clients_step() -> None:
                 json={"prompt": "a fox", "size": LARGE, "num_inference_steps": 1},
             )
             assert large.status_code == 200, large.text
+
+
+class EditingRunner(FakeRunner):
+    """The fake runner, taking an input image (edits)."""
+
+    @property
+    def capabilities(self) -> RunnerCapabilities:
+        return dataclasses.replace(super().capabilities, image_input=True)
+
+
+async def test_an_edit_whose_step_would_outlast_max_step_s_decodes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """L4 (amended), L76: an edit whose one step would outlast ``max_step_s`` is a 400
+    naming ``size`` and the bound before its upload is decoded or resized, and a video
+    job whose step would is a 400 naming its frames before it takes a place (both routes
+    check what ``submit`` checks, the measured step time too)."""
+    upload = io.BytesIO()
+    Image.new("RGB", (SMALL, SMALL), (10, 200, 30)).save(upload, format="PNG")
+    edits = service(warm_up=True, runner=EditingRunner(step_seconds=0.05))
+    with anyio.fail_after(BUDGET):
+        async with serving(edits) as client:
+            work = PixelWork(monkeypatch)
+            large = await client.post(
+                "/v1/images/edits",
+                files=[("image", ("image.png", upload.getvalue(), "image/png"))],
+                data={"prompt": "a fox", "size": LARGE},
+            )
+            assert large.status_code == 400, large.text
+            error = large.json()["error"]
+            assert error["param"] == "size" and "max_step_s of 5 s" in error["message"]
+            assert work.done == (0, 0)
+            engine = edits.engine
+            assert engine is not None and engine.statistics().admitted == 1  # the warm-up
+    videos = service(warm_up=True, runner=FakeRunner(step_seconds=0.05, frames=(4, 1)))
+    with anyio.fail_after(BUDGET):
+        async with serving(videos) as client:
+            body = {"prompt": "a fox", "size": "64x64", "num_frames": 9}
+            long = await client.post("/v1/videos", json=body)
+            assert long.status_code == 400, long.text
+            error = long.json()["error"]
+            assert error["param"] == "num_frames" and "max_step_s of 5 s" in error["message"]
+            assert videos.videos.counts() == dict.fromkeys(videos.videos.counts(), 0)
+            listed = await client.get("/v1/videos")
+            assert listed.json()["data"] == []
 
 
 async def test_a_failed_warm_up_is_one_log_line_and_the_server_answers(
