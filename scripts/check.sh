@@ -8,7 +8,10 @@ bash scripts/bootstrap.sh
 .venv/bin/ruff check omni_trio tests examples benchmarks
 .venv/bin/mypy
 .venv/bin/python -m coverage erase
-.venv/bin/python -m coverage run -m pytest "$@"
+# Two workers (the tests' groups keep what must not overlap apart: tests/conftest.py);
+# coverage follows them into the workers. OMNI_TRIO_TEST_WORKERS=0 runs in one process.
+.venv/bin/python -m pytest -n "${OMNI_TRIO_TEST_WORKERS:-2}" --dist loadgroup \
+    --cov=omni_trio --cov-report= "$@"
 if [ $# -eq 0 ]; then
     # The core (the engine's own modules, omni_trio/_*.py) keeps a floor: see CONTRIBUTING.md.
     .venv/bin/python -m coverage report --include='omni_trio/_*.py' \

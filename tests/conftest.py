@@ -23,6 +23,22 @@ from omni_trio.testing import assert_no_engine_threads
 pytest.register_assert_rewrite("tests.support")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Keep what must not run at once on one worker of ``pytest -n`` (scripts/check.sh
+    runs two, ``--dist loadgroup``): each module's tests together (a module-scoped
+    fixture, a parallel group or a Ray cluster, starts once), the Ray tests of every
+    module in one group (one local cluster at a time), and the parallel groups' modules
+    in one (their ranks' collectives each get a core's share)."""
+    for item in items:
+        if item.get_closest_marker("ray") is not None:
+            group = "ray"
+        elif item.nodeid.startswith("tests/parallel/"):
+            group = "parallel"
+        else:
+            group = item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(autouse=True)
 def _own_state_home(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
