@@ -212,7 +212,11 @@ class VideoJob:
             return self._ended
         if not self._started:
             handle = self.handle
-            self._started = handle is not None and handle.status is not RequestStatus.WAITING
+            if handle is not None and handle.status is not RequestStatus.WAITING:
+                # Latched by whoever reads it first: wake the others, whose next read
+                # says so (an event stream waits for a change, L73).
+                self._started = True
+                self.changed()
         return "in_progress" if self._started else "queued"
 
     @property

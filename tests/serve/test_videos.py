@@ -226,6 +226,37 @@ async def test_a_suspended_job_stays_in_progress_and_its_progress_never_goes_bac
     assert ranks[-1] == 2 and progress[-1] == 100
 
 
+async def test_the_event_stream_says_in_progress_once_any_reader_saw_it() -> None:
+    """L73: a job whose request is running reads ``in_progress`` before its first step
+    ends (which rounds to 0 %); once a GET read it so, its event stream says it too,
+    without waiting for a progress to change. (The first reader latched the status
+    without waking the stream, which stayed at ``queued``: a race once seen by
+    test_a_suspended_job_stays_in_progress_and_its_progress_never_goes_back.)"""
+    runner = GatedRunner(frames=RULE, max_batch_size=1)
+    service, _ = make_service(runner)
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            first = (await create(client, num_frames=5, num_inference_steps=1))["id"]
+            await runner.wait_arrived(1)  # the first job holds the worker
+            vid = (await create(client, num_frames=5, num_inference_steps=200))["id"]
+            watcher = events_call(vid)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watcher.run, service)
+
+                def statuses() -> list[str]:
+                    return [d["status"] for _, d in parse_sse(watcher.body.decode())]
+
+                await wait_until(lambda: statuses() == ["queued"])
+                runner.release(1)  # the first job ends; this one's step 1 held at the gate
+                await runner.wait_arrived(2)
+                got = (await client.get(f"/v1/videos/{vid}")).json()
+                assert (got["status"], got["progress"]) == ("in_progress", 0)
+                await wait_until(lambda: statuses()[-1:] == ["in_progress"])
+                runner.open_gate()
+            assert (await finished(client, first))["status"] == "completed"
+            assert (await finished(client, vid))["status"] == "completed"
+
+
 async def test_a_jobs_progress_never_decreases() -> None:
     """L73 (amended): a step event behind the job's progress leaves it where it is, and the
     first step starts the job even when it rounds to 0 %."""
