@@ -24,8 +24,9 @@ from starlette.routing import Route
 
 from .._config import EngineConfig
 from .._engine import Engine
+from .._errors import EngineClosedError, OmniTrioError
 from .._open import open_engine
-from .._outputs import EngineStatistics
+from .._outputs import EngineStatistics, GenerationOutput
 from .._request import GenerationRequest
 from .._runner import Runner, RunnerCapabilities, runner_sequence
 from .._runner_adapters import RunnerAdapters
@@ -33,7 +34,7 @@ from ._adapters import AdaptersApi, adapter_card
 from ._asgi import Asgi, Scope, error_response
 from ._config import Admission, ServeConfig
 from ._edits import parse_edit_form
-from ._errors import ApiError, unexpected_error
+from ._errors import ApiError, api_error_from, unexpected_error
 from ._images import ImagesEndpoint
 from ._keys import ApiKeys, KeyGate
 from ._metrics import ServeMetrics
@@ -226,6 +227,35 @@ class Service:
 
     def _statistics(self) -> EngineStatistics | None:
         return self._engine.statistics() if self._engine is not None else None
+
+    async def generate(
+        self, request: GenerationRequest, *, request_id: str | None = None
+    ) -> GenerationOutput:
+        """Generate ``request`` on the open engine, counted in ``/metrics`` as the routes
+        count theirs: its outcome, its timings, its tenant. For callers beside the HTTP
+        app in the same process (Ray Serve's handle, ``ImageDeployment.generate``).
+
+        Raises:
+            EngineClosedError: the service is not serving (starting or draining).
+            RequestError: as ``Engine.generate``.
+
+        Cancellation:
+            As ``Engine.generate``: the request is aborted, and the call returns once
+            the engine released it (L11); it is counted as ``aborted``.
+        """
+        engine = self._engine
+        if engine is None or not self.is_ready:
+            raise EngineClosedError("the service is not serving")
+        try:
+            handle = engine.submit(request, request_id=request_id)
+        except OmniTrioError as exc:
+            self.metrics.count(api_error_from(exc).outcome, request.tenant)
+            raise
+        try:
+            async with handle:
+                return await handle.result()
+        finally:
+            self.metrics.account(handle)
 
     def engine_for_requests(self) -> Engine:
         """The engine, if it admits requests now.

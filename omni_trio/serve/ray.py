@@ -97,13 +97,15 @@ class _ImageReplica:
             ``DeploymentResponse.cancel()`` (a native cancellation of this call)
             aborts the request at its next step boundary (reason ``cancelled``);
             the call returns only once the worker released it (L11).
+
+        The replica's ``/metrics`` counts the call as its HTTP routes count theirs
+        (``Service.generate``).
         """
         if not isinstance(request, GenerationRequest):
             request = GenerationRequest(**_filled(request, self._service))
-        engine = self._service.engine
-        if engine is None or not self._service.is_ready:
+        if not self._service.is_ready:
             raise EngineClosedError(f"replica {self.replica_id} is not serving")
-        return await engine.generate(request, request_id=request_id)
+        return await self._service.generate(request, request_id=request_id)
 
     def statistics(self) -> tuple[str, EngineStatistics | None]:
         """This replica's id and its engine's statistics (``None`` before it opened)."""

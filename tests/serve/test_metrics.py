@@ -6,6 +6,7 @@ asyncio, with an instant ``FakeRunner`` and a hang budget.
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import sys
 
@@ -15,8 +16,10 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+import omni_trio as ot
+from omni_trio.testing import FakeRunner, wait_until
 from tests.support.core import BUDGET
-from tests.support.serve import make_service, serving
+from tests.support.serve import make_service, metric, serving
 
 pytestmark = pytest.mark.anyio
 
@@ -81,3 +84,33 @@ async def test_two_apps_and_the_process_keep_their_own_series() -> None:
     registry = CollectorRegistry()
     Counter("user_events", "A counter of the application's own.", registry=registry)
     assert b"user_events_created" in generate_latest(registry)
+
+
+async def test_a_python_callers_requests_are_counted_as_the_routes_count_theirs() -> None:
+    """``Service.generate`` (what a Ray Serve handle call runs on its replica) counts its
+    requests in ``/metrics`` as the HTTP routes do: completed, refused by the engine
+    (``invalid``), cancelled by the caller (``aborted``, once released), with their
+    timings; a service that is not serving refuses with ``EngineClosedError``."""
+    service, runner = make_service(FakeRunner(step_seconds=0.001))
+    request = ot.GenerationRequest(prompt="a cat", num_steps=2, width=64, height=64)
+    with pytest.raises(ot.EngineClosedError):
+        await service.generate(request)
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            output = await service.generate(request, request_id="py-1")
+            assert output.metrics.steps_done == 2
+            with pytest.raises(ot.InvalidRequestError):
+                await service.generate(dataclasses.replace(request, height=4096))
+            with anyio.move_on_after(BUDGET) as scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(service.generate, dataclasses.replace(request, num_steps=1000))
+                    await wait_until(lambda: runner.steps_run >= 5, max_interval=0.02)
+                    scope.cancel()
+            assert runner.live_states == 0
+            text = await scrape(client)
+    counted = {
+        outcome: metric(text, "omni_trio_requests_total", outcome=outcome)
+        for outcome in ("completed", "invalid", "aborted")
+    }
+    assert counted == {"completed": 1.0, "invalid": 1.0, "aborted": 1.0}
+    assert metric(text, "omni_trio_queue_wait_seconds_count") == 2.0

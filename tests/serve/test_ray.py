@@ -259,10 +259,14 @@ def test_a_disconnect_aborts_within_one_step(solo: Cluster) -> None:
 def test_a_cancelled_handle_call_aborts_and_releases(solo: Cluster) -> None:
     """L46, L11 through a handle: ``DeploymentResponse.cancel()`` aborts the running request at
     its next step boundary; its replica then holds nothing and runs no more steps for it. A
-    dict that leaves fields out gets the service's defaults, as HTTP (64x32, 4 steps)."""
+    dict that leaves fields out gets the service's defaults, as HTTP (64x32, 4 steps). The
+    replica's /metrics counts handle calls as it counts HTTP requests."""
     from ray.serve.exceptions import RequestCancelledError
 
     cluster = solo
+    requests = "omni_trio_requests_total"
+    completed = cluster.total(requests, outcome="completed")
+    aborted = cluster.total(requests, outcome="aborted")
     output = cluster.handle.generate.remote(
         {"prompt": "a flower", "num_steps": 3, "width": 64, "height": 64}
     ).result(timeout_s=30)
@@ -290,6 +294,8 @@ def test_a_cancelled_handle_call_aborts_and_releases(solo: Cluster) -> None:
     assert ran < steps + ENDLESS
     assert cluster.total("omni_trio_steps_after_abort_total") - after <= 1
     assert cluster.total("omni_trio_engine_steps_total") == ran  # nothing runs on
+    assert cluster.total(requests, outcome="completed") == completed + 2
+    assert cluster.total(requests, outcome="aborted") == aborted + 1
 
 
 @pytest.mark.timeout(120)
