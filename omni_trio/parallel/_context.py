@@ -51,19 +51,36 @@ ContextKind = Literal["ulysses", "ring"]
 _DENOISERS = ("transformer", "transformer_2")
 
 
+#: Denoisers that have diffusers' context-parallel plan but do not make one rank's
+#: output split over ranks (diffusers 0.42.1, two gloo ranks): LTX-Video's text mask
+#: is split with the text tokens, which its cross-attention reads whole. Ulysses
+#: raises there (the mask keeps every head, the ranks have half); ring runs and makes
+#: another video (0.06 off one rank's on tiny LTX-Video). Refused, not served wrong.
+_WRONG_SPLIT = {"LTXVideoTransformer3DModel": "LTX-Video"}
+
+
 def context_denoisers(pipeline: Any) -> list[torch.nn.Module]:
     """The denoisers of ``pipeline`` that context parallelism applies to.
 
     Raises:
-        TypeError: the pipeline has no denoiser with a context-parallel plan.
+        TypeError: the pipeline has no denoiser with a context-parallel plan, or one
+            whose split output is wrong (LTX-Video).
     """
     models = [getattr(pipeline, name, None) for name in _DENOISERS]
     found = [model for model in models if isinstance(model, torch.nn.Module)]
     if not found or not all(getattr(model, "_cp_plan", None) for model in found):
         raise TypeError(
             f"sequence parallel needs a transformer with a context-parallel plan (Flux,"
-            f" Qwen-Image, Wan, LTX-Video); {type(pipeline).__name__} has none"
+            f" Qwen-Image, Wan); {type(pipeline).__name__} has none"
         )
+    for model in found:
+        family = _WRONG_SPLIT.get(type(model).__name__)
+        if family is not None:
+            raise TypeError(
+                f"sequence parallel: {family} is not supported (diffusers splits its text"
+                f" mask with the text, and the split output is wrong); split its"
+                f" classifier-free guidance instead (cfg)"
+            )
     return found
 
 

@@ -21,15 +21,17 @@ pytestmark = pytest.mark.slow
         ("sdxl", "cfg"),
         ("sd3", "cfg"),
         ("qwen-image", "cfg"),
+        ("ltx", "cfg"),
         ("wan", "ulysses"),
         ("qwen-image", "ulysses"),
         ("wan", "ring"),
     ],
 )
 def test_every_family_makes_the_single_process_output(kind: str, layout: str) -> None:
-    """L48: SDXL, SD3 and Qwen-Image (true CFG: a negative prompt) split their guidance
-    over two ranks, Wan (video) and Qwen-Image (its text padded, masked, to the ranks) run
-    sequence parallel, and each makes the single-process runner's output."""
+    """L48: SDXL, SD3, Qwen-Image (true CFG: a negative prompt) and LTX-Video split their
+    guidance over two ranks, Wan (video) and Qwen-Image (its text padded, masked, to the
+    ranks) run sequence parallel, and each makes the single-process runner's output.
+    (LTX-Video is refused for sequence parallel: tests/parallel/test_faults.py.)"""
     [request] = guided_requests(kind)[:1]
     expected = closed_images_of(kind, request)
     with group(kind, layout) as runner:

@@ -149,3 +149,17 @@ def test_a_killed_engine_process_takes_its_ranks_with_it() -> None:
     ranks = [int(pid) for pid in engine.stdout.split()]
     assert ranks
     assert not wait_gone(ranks, within=30.0)
+
+
+@pytest.mark.parametrize("layout", ["ulysses", "ring"])
+def test_ltx_video_is_refused_for_sequence_parallel(layout: str) -> None:
+    """L48: LTX-Video has diffusers' context-parallel plan, but its split output is wrong
+    (Ulysses raised in its cross-attention; ring made another video): the group refuses
+    it at start with ``TypeError`` saying so and naming the layout that works (cfg);
+    nothing is left running or listening."""
+    before, before_listening = children(), set(listening([os.getpid()]))
+    with pytest.raises(TypeError) as refused, group("ltx", layout):
+        pass
+    assert "LTX-Video is not supported" in str(refused.value)
+    assert "(cfg)" in str(refused.value)
+    nothing_left(before, before_listening, set())
