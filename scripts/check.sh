@@ -8,10 +8,10 @@ bash scripts/bootstrap.sh
 .venv/bin/ruff check omni_trio tests examples benchmarks
 .venv/bin/mypy
 .venv/bin/python -m coverage erase
-# Two workers (the tests' groups keep what must not overlap apart: tests/conftest.py);
-# coverage follows them into the workers. OMNI_TRIO_TEST_WORKERS=0 runs in one process.
-.venv/bin/python -m pytest -n "${OMNI_TRIO_TEST_WORKERS:-2}" --dist loadgroup \
-    --cov=omni_trio --cov-report= "$@"
+# Two workers, scheduled by the tests' groups (tests/conftest.py: what must not
+# overlap runs on one worker); coverage follows them into the workers.
+# OMNI_TRIO_TEST_WORKERS=0 runs in one process.
+.venv/bin/python -m pytest -n "${OMNI_TRIO_TEST_WORKERS:-2}" --cov=omni_trio --cov-report= "$@"
 if [ $# -eq 0 ]; then
     # The core (the engine's own modules, omni_trio/_*.py) keeps a floor: see CONTRIBUTING.md.
     .venv/bin/python -m coverage report --include='omni_trio/_*.py' \

@@ -13,6 +13,7 @@ Determinism rules for every test module here:
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -23,20 +24,32 @@ from omni_trio.testing import assert_no_engine_threads
 pytest.register_assert_rewrite("tests.support")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Keep what must not run at once on one worker of ``pytest -n`` (scripts/check.sh
-    runs two, ``--dist loadgroup``): each module's tests together (a module-scoped
-    fixture, a parallel group or a Ray cluster, starts once), the Ray tests of every
-    module in one group (one local cluster at a time), and the parallel groups' modules
-    in one (their ranks' collectives each get a core's share)."""
-    for item in items:
-        if item.get_closest_marker("ray") is not None:
-            group = "ray"
-        elif item.nodeid.startswith("tests/parallel/"):
-            group = "parallel"
-        else:
-            group = item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+def worker_group(nodeid: str) -> str:
+    """The group of ``pytest -n`` workers a test runs in, by its id: tests of one group
+    run on one worker, one after another (scripts/check.sh runs two workers).
+
+    Each module is a group (a module-scoped fixture, a parallel group or a Ray cluster,
+    starts once), every Ray test is in one (one local cluster at a time), and so are the
+    parallel ranks' modules (their ranks' collectives each get a core's share).
+    """
+    path, _, name = nodeid.partition("::")
+    if path.endswith("/test_ray.py") or name.startswith("test_ray"):
+        return "ray"
+    if path.startswith("tests/parallel/"):
+        return "parallel"
+    return path
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Schedule ``pytest -n`` by ``worker_group``. (xdist's own ``--dist loadgroup`` marks
+    ids in a way pytest 9.2 ignores: its groups would be split.)"""
+    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
+
+    class Groups(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    return Groups(config, log)
 
 
 @pytest.fixture(autouse=True)
