@@ -3,9 +3,12 @@
 Determinism rules:
 - one local Ray cluster (loopback, usage stats off) serves the module's in-process
   tests with two applications of the fake model: ``cluster``, 2 replicas, Ray sending
-  each 2 requests at a time and queueing 6 more; and ``solo``, 1 replica, for the tests
-  that read a busy replica's metrics (Ray routes a request to the less busy replica,
-  so with two, a busy one is never reached); each test leaves both idle, and a test
+  each 2 requests at a time and queueing 6 more; and ``solo``, 1 replica whose engine
+  holds 3 requests (1 running, 2 waiting) and to which Ray sends up to 32 at a time,
+  for the tests that read a busy replica's metrics (Ray routes a request to the less
+  busy replica, so with two, a busy one is never reached) and for backpressure, where
+  the engine's bound is exact and Ray's is best effort (under load Ray once held all
+  16 of 16 requests where its bound read 10); each test leaves both idle, and a test
   that starts an endless request ends it whatever happens;
 - requests that must overlap take seconds (hundreds of 10 ms steps), so that they
   overlap however slowly the threads that send them start;
@@ -48,6 +51,8 @@ STEP_S = 0.01
 #: so however slow the machine, it is cut off by the test, never finished.
 ENDLESS = 100_000
 REPLICAS = 2
+#: Requests Ray sends the solo replica at a time: more than any test sends it at once.
+SOLO_ONGOING = 32
 
 
 # -- ReplicaIngress alone ------------------------------------------------------
@@ -149,26 +154,29 @@ def apps() -> Iterator[tuple[Cluster, Cluster]]:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
 
-        def app(replicas: int) -> Any:
+        def app(replicas: int, *, ongoing: int, waiting: int) -> Any:
             return deployment(
                 "fake",
                 step_seconds=STEP_S,
                 num_replicas=replicas,
-                # The engine's own queue holds what Ray may send it (2 at a time, and
-                # Ray's count of them lags), so its 429 never races Ray's bound.
-                engine_config=ot.EngineConfig(max_batch_size=1, max_waiting=4, max_steps=ENDLESS),
+                engine_config=ot.EngineConfig(
+                    max_batch_size=1, max_waiting=waiting, max_steps=ENDLESS
+                ),
                 # Defaults unlike GenerationRequest's (512x512, 30 steps): a handle call
                 # that leaves them out must get these, as HTTP does.
                 serve_config=ot.serve.ServeConfig(
                     model_name="fake", default_width=64, default_height=32, default_steps=4
                 ),
-                max_ongoing_requests=2,
+                max_ongoing_requests=ongoing,
                 max_queued_requests=6,
                 graceful_shutdown_timeout_s=5.0,
             )
 
-        pair = serve.run(app(REPLICAS), name="images", route_prefix="/")
-        solo = serve.run(app(1), name="solo", route_prefix="/solo")
+        # The pair's engines hold what Ray may send them (2 at a time, and Ray's count
+        # of them lags), so their 429 never races Ray's bound. The solo replica's engine
+        # holds 3, and Ray sends it more than a test ever sends: its 429 decides.
+        pair = serve.run(app(REPLICAS, ongoing=2, waiting=4), name="images", route_prefix="/")
+        solo = serve.run(app(1, ongoing=SOLO_ONGOING, waiting=2), name="solo", route_prefix="/solo")
         url = f"http://127.0.0.1:{port}"
         yield Cluster(url, pair), Cluster(url + "/solo", solo, replicas=1)
         serve.shutdown()
@@ -301,23 +309,54 @@ def test_a_cancelled_handle_call_aborts_and_releases(solo: Cluster) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.ray
 @pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
-def test_backpressure_answers_at_once_never_hangs(cluster: Cluster) -> None:
-    """L47: more requests than 2 replicas x 2 ongoing + 6 queued: the rest are answered 503
-    (Ray's queue bound) or 429 (an engine's) at once; the admitted ones complete."""
-    answers: list[httpx.Response] = []
+def test_backpressure_answers_at_once_never_hangs(solo: Cluster) -> None:
+    """L47: a replica whose engine is full (1 running, 2 waiting, all held by handle calls
+    that never end by themselves) answers each of 13 more HTTP requests while those 3
+    still hold it: 429 with ``Retry-After`` from the engine, or 503 from Ray's proxy
+    (which counts requests it is still routing against ``max_queued_requests``, so 13 at
+    once pass its 6). None is admitted, none waits for a place. Then the 3 are cancelled
+    and the replica is idle: nothing hangs."""
+    from ray.serve.exceptions import RequestCancelledError
 
-    def one() -> None:
-        # Four seconds each: all 16 arrive while the first ones run, even when starting
-        # 16 clients takes seconds on a busy 2-core machine (at 2 s each, all 16 once
-        # came back 200: the first had finished before the last arrived).
-        answers.append(cluster.post({"prompt": "a flower", "num_inference_steps": 400}))
+    cluster = solo
+    refused = cluster.total("omni_trio_requests_total", outcome="queue_full")
+    held = [
+        cluster.handle.generate.remote(
+            ot.GenerationRequest(prompt="a flower", num_steps=ENDLESS, width=64, height=64)
+        )
+        for _ in range(3)
+    ]
+    try:
 
-    threads = [threading.Thread(target=one) for _ in range(16)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    codes = sorted(a.status_code for a in answers)
-    assert len(codes) == 16 and set(codes) <= {200, 429, 503}, codes
-    assert 4 <= codes.count(200) < 16, codes
+        def full() -> bool:
+            text = cluster.per_replica("/metrics").popitem()[1]
+            return (
+                metric(text, "omni_trio_requests_running") == 1
+                and metric(text, "omni_trio_requests_waiting") == 2
+            )
+
+        poll_until(full, timeout=30, what="the engine to hold 1 running and 2 waiting")
+        answers: list[httpx.Response] = []
+
+        def one() -> None:
+            answers.append(cluster.post({"prompt": "a flower", "num_inference_steps": 4}))
+
+        threads = [threading.Thread(target=one) for _ in range(13)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        codes = [a.status_code for a in answers]
+        assert len(codes) == 13 and set(codes) <= {429, 503}, [a.text for a in answers]
+        assert all(a.headers.get("Retry-After") for a in answers if a.status_code == 429)
+        assert full(), "the 3 held requests still hold the engine"
+    finally:
+        for response in held:
+            response.cancel()  # whatever happened: the endless requests must not run on
+    for response in held:
+        with pytest.raises(RequestCancelledError):
+            response.result(timeout_s=30)
     cluster.wait_idle()
+    assert cluster.total("omni_trio_requests_total", outcome="queue_full") == refused + codes.count(
+        429
+    )
