@@ -153,6 +153,7 @@ def service_options(args: argparse.Namespace) -> ServiceOptions:
         video_bytes=args.video_bytes,
         jobs_dir=args.jobs_dir,
         checkpoint_every_s=args.checkpoint_every,
+        jobs_lease_s=args.jobs_lease,
         video_fps=args.video_fps,
         video_jobs=args.video_jobs,
         video_ttl_s=args.video_ttl,
@@ -222,12 +223,6 @@ _RAY_ONLY = "applies with --ray only"
 _NOT_RAY = "does not apply with --ray (Ray Serve's proxy serves HTTP)"
 
 
-_NOT_RAY_JOBS = (
-    "does not apply with --ray yet (each replica keeps its video jobs in memory: a store"
-    " shared by replicas is not built)"
-)
-
-
 def unused_options(args: argparse.Namespace) -> list[Unused]:
     """The options ``serve``'s own arguments leave without effect (the model not loaded)."""
     unused = []
@@ -236,10 +231,6 @@ def unused_options(args: argparse.Namespace) -> list[Unused]:
             Unused(dest="server", option="--server", reason=_NOT_RAY),
             Unused(dest="close_timeout", option="--close-timeout", reason=_NOT_RAY),
             Unused(dest="access_log", option="--no-access-log", reason=_NOT_RAY),
-            # Replicas would each take the same folder's jobs: a store shared by
-            # replicas is not built yet, so under Ray each keeps its jobs in memory.
-            Unused(dest="jobs_dir", option="--jobs-dir", reason=_NOT_RAY_JOBS),
-            Unused(dest="checkpoint_every", option="--checkpoint-every", reason=_NOT_RAY_JOBS),
         ]
     else:
         unused += [
@@ -280,6 +271,7 @@ def unused_for_model(model: LoadedModel) -> list[Unused]:
             Unused(dest="video_bytes", option="--video-bytes", reason=video),
             Unused(dest="jobs_dir", option="--jobs-dir", reason=video),
             Unused(dest="checkpoint_every", option="--checkpoint-every", reason=video),
+            Unused(dest="jobs_lease", option="--jobs-lease", reason=video),
             Unused(dest="video_fps", option="--video-fps", reason=video),
             Unused(dest="video_jobs", option="--video-jobs", reason=video),
             Unused(dest="video_ttl", option="--video-ttl", reason=video),

@@ -36,8 +36,9 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
 
-from ..serve._models import MODELS
+from ..serve._models import MODELS, is_video_model
 from ..serve._options import ServiceOptions, build_service
+from ..serve._video_jobs import DEFAULT_JOBS_LEASE_S
 from ._errors import EXIT_ERROR, CommandError, UsageError, exit_status_for, reported, summary
 from ._given import refuse_unused
 from ._logs import configure_logging, log_notes
@@ -99,8 +100,13 @@ def _options(args: argparse.Namespace) -> ServiceOptions:
     if args.port == 0:
         raise UsageError("--port: Ray Serve's proxy needs a fixed port with --ray, not 0")
     check_model(args.model)
-    # Each replica keeps its video jobs in memory (see ``unused_options``).
-    options = dataclasses.replace(service_options(args), jobs_dir=None)
+    options = service_options(args)
+    if options.jobs_dir is not None and is_video_model(args.model):
+        # One folder that every replica shares (L79); the replicas run on the head node.
+        lease = options.jobs_lease_s if options.jobs_lease_s is not None else DEFAULT_JOBS_LEASE_S
+        options = dataclasses.replace(options, jobs_lease_s=lease)
+    else:
+        options = dataclasses.replace(options, jobs_dir=None, jobs_lease_s=None)
     if args.ray_address is None:
         check_port(args.host, args.port)
     return options
@@ -150,6 +156,7 @@ def _deploy(args: argparse.Namespace, options: ServiceOptions) -> None:
         num_replicas=args.replicas,
         ray_actor_options={"num_gpus": args.replica_gpus} if args.replica_gpus else None,
         name=APP_NAME,
+        shares_jobs=options.jobs_dir is not None,
     )
     try:
         serve.run(app, name=APP_NAME, route_prefix="/")
@@ -321,6 +328,13 @@ def _serve(
                 "a local cluster" if local else args.ray_address,
                 address(args.host, args.port),
             )
+            if options.jobs_dir is not None:
+                _log.info(
+                    "video jobs are kept in %s (--jobs-dir), shared by the replicas on the head"
+                    " node: a job whose replica stopped is taken over after %g s (--jobs-lease)",
+                    options.jobs_dir,
+                    options.jobs_lease_s,
+                )
             wait_for_signal()
             _log.info("stopping: the replicas drain, then the engines shut down")
             if local:

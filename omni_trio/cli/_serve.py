@@ -19,6 +19,7 @@ from collections.abc import Callable
 from .._request import MAX_PRIORITY
 from ..serve._jobstore import default_jobs_dir
 from ..serve._models import MODELS
+from ..serve._video_jobs import DEFAULT_JOBS_LEASE_S
 from ._env import read_environment, resolve_environment
 from ._errors import EXIT_ERROR, CommandError
 from ._given import refuse_unused
@@ -254,6 +255,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between two checkpoints of a running job (with --jobs-dir): a crash"
         " redoes at most this much of its steps; 0: every step (default 30)",
     )
+    videos.add_argument(
+        "--jobs-lease",
+        type=positive,
+        default=None,
+        metavar="S",
+        help="share --jobs-dir with the other servers on this host that share it: any of"
+        " them serves any job, and one whose server stopped renewing it for S seconds is"
+        " taken over from its last checkpoint (default: the folder is this server's"
+        f" alone; with --ray, the replicas share it, {DEFAULT_JOBS_LEASE_S:g} s)",
+    )
     decoding = parser.add_argument_group(
         "decodes in chunks (L72: an abort during a decode lands within one chunk)"
     )
@@ -417,11 +428,17 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     if service.frames is not None:
         where = options.jobs_dir
+        shared = (
+            f", shared with the servers on this host that share it (--jobs-lease"
+            f" {options.jobs_lease_s:g})"
+            if options.jobs_lease_s is not None
+            else ""
+        )
         _log.info(
             "video jobs are kept %s",
             "in memory (--jobs-dir none): a restart loses them"
             if where is None
-            else f"in {where} (--jobs-dir)",
+            else f"in {where} (--jobs-dir){shared}",
         )
     try:
         run(service, args)

@@ -7,13 +7,24 @@ Layout of ``--jobs-dir``::
     checkpoints/<id>.ckpt         a running job's last checkpoint (L78)
 
 Records are written through the standard library's ``sqlite3`` in WAL mode (one
-connection, a lock around it); the event loop calls ``JobStore``'s methods through
+connection per store, a lock around it); the event loop calls ``JobStore``'s methods through
 ``anyio.to_thread`` (never on the loop), the checkpoint writer (``CheckpointWriter``,
 an owned thread) directly. Files are written atomically: a temporary file in the
 same folder, ``fsync``, ``rename``, ``fsync`` of the folder; a row says
 ``completed`` only once its MP4 is in place, so a crash never leaves a half-written
 MP4 that is served. Opening the store removes what a crash may leave: temporary
 files, and files whose job is gone (deleted, or never completed).
+
+One server, or several on one host (L79). A store opened without an ``owner`` is
+one server's: it holds the folder's lock (``lock``, ``flock``) exclusively, so a
+second server on the folder is refused, and it takes every unfinished job. A store
+opened with an ``owner`` (a server's id) shares the folder with the other servers
+that do: each job row names its owner and a lease (Unix seconds) that the owner
+renews; a server takes over a job whose lease lapsed (its owner died or stalled) in
+one SQLite transaction (``claim``), and every write about a running job is fenced
+by its owner (``WHERE owner IS ?``), so a server that lost a job's lease changes
+nothing of it. SQLite's own locking decides; it needs one host's file locks, which a
+network file system does not give: the servers sharing a folder run on one host.
 
 A test hook, never set in production: ``OMNI_TRIO_TEST_HOLD=<point>`` makes the
 process stop for good at one point (``admitted``: a job's row is written, before
@@ -25,6 +36,9 @@ folder, so that a test kills the process at a known moment.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -32,14 +46,22 @@ import sqlite3
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .._checkpoint import Checkpoint
 
-__all__ = ["HOLD_VARIABLE", "CheckpointWriter", "JobRow", "JobStore", "default_jobs_dir", "hold"]
+__all__ = [
+    "HOLD_VARIABLE",
+    "CheckpointWriter",
+    "JobRow",
+    "JobStore",
+    "StoreBusyError",
+    "default_jobs_dir",
+    "hold",
+]
 
 _log = logging.getLogger("omni_trio.serve")
 
@@ -66,6 +88,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     lease REAL
 );
 CREATE INDEX IF NOT EXISTS jobs_seq ON jobs (seq);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
 
 
@@ -104,6 +127,8 @@ class JobRow:
         bytes: a completed job's MP4 size.
         checkpoint_step: the step of its checkpoint on disk, if any.
         tenant: the tenant it belongs to, where tenants are set.
+        owner: the server that runs it, in a shared store (``None``: one server's).
+        lease: until when (Unix seconds) its owner holds it, in a shared store.
     """
 
     id: str
@@ -120,6 +145,21 @@ class JobRow:
     bytes: int = 0
     checkpoint_step: int | None = None
     tenant: str | None = None
+    owner: str | None = None
+    lease: float | None = None
+
+    @property
+    def is_live(self) -> bool:
+        """Whether it is still to run (queued or in progress)."""
+        return self.status in _LIVE
+
+
+_LIVE = ("queued", "in_progress")
+
+
+class StoreBusyError(OSError):
+    """The folder is another server's: held by one that does not share it, or shared while
+    this one would hold it alone."""
 
 
 def _fsync_folder(folder: Path) -> None:
@@ -135,14 +175,18 @@ class JobStore:
 
     Args:
         folder: the jobs folder; made if missing.
+        owner: this server's id, to share the folder with other servers on this host
+            (L79; see the module's docstring); ``None``: this server's alone.
     """
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *, owner: str | None = None) -> None:
         self.folder = folder
         self.videos = folder / "videos"
         self.checkpoints = folder / "checkpoints"
+        self.owner = owner
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
+        self._held: int | None = None  # the folder lock's file descriptor
 
     # -- opening and closing ----------------------------------------------------
 
@@ -155,6 +199,7 @@ class JobStore:
         """
         for folder in (self.folder, self.videos, self.checkpoints):
             folder.mkdir(parents=True, exist_ok=True)
+        alone = self._hold_folder()
         with self._lock:
             db = sqlite3.connect(
                 self.folder / "jobs.sqlite3",
@@ -166,16 +211,56 @@ class JobStore:
             db.execute("PRAGMA synchronous=FULL")
             db.executescript(_SCHEMA)
             self._db = db
+            if self.owner is None:
+                # One server's: every unfinished job is its own, whoever ran it before.
+                db.execute(
+                    "UPDATE jobs SET owner = NULL, lease = NULL WHERE status IN (?, ?)", _LIVE
+                )
             rows = [self._row(values) for values in db.execute(_SELECT + " ORDER BY seq")]
-        self._tidy(rows)
+        if alone:
+            self._tidy(rows)
         return rows
 
+    def _hold_folder(self) -> bool:
+        """Take the folder's lock; return whether no other server has the folder open.
+
+        Raises:
+            StoreBusyError: another server holds it in the other way.
+        """
+        descriptor = os.open(self.folder / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                alone = True
+            except BlockingIOError:
+                if self.owner is None:
+                    raise StoreBusyError(
+                        f"another server keeps its video jobs in {self.folder}: give each"
+                        " server its own --jobs-dir (servers share one only under --ray)"
+                    ) from None
+                alone = False
+            if self.owner is not None:
+                try:
+                    fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise StoreBusyError(
+                        f"a server that does not share it keeps its video jobs in {self.folder}"
+                    ) from None
+        except BaseException:
+            os.close(descriptor)
+            raise
+        self._held = descriptor
+        return alone
+
     def close(self) -> None:
-        """Close the database (idempotent)."""
+        """Close the database and let go of the folder (idempotent)."""
         with self._lock:
             if self._db is not None:
                 self._db.close()
                 self._db = None
+            if self._held is not None:
+                os.close(self._held)  # the lock goes with it
+                self._held = None
 
     def _tidy(self, rows: list[JobRow]) -> None:
         """Remove temporary files, and files whose job is gone or not in that state."""
@@ -198,12 +283,30 @@ class JobStore:
             raise RuntimeError("the job store is closed")
         return self._db
 
+    @contextlib.contextmanager
+    def _owning(self, job_id: str) -> Iterator[bool]:
+        """A write transaction (SQLite's lock, across processes) in which the job is
+        known to be this store's and live, or not; files written inside it are fenced:
+        no other server takes the job, nor deletes it, until it ends."""
+        db = self._conn()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            found = db.execute(
+                "SELECT 1 FROM jobs WHERE id = ? AND status IN (?, ?) AND owner IS ?",
+                (job_id, *_LIVE, self.owner),
+            ).fetchone()
+            yield found is not None
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
     def insert(self, row: JobRow) -> None:
-        """Write a new job's row (durable when this returns)."""
+        """Write a new job's row, this store's own (durable when this returns)."""
         with self._lock:
             self._conn().execute(
-                "INSERT INTO jobs (id, seq, model, spec, status, created_at, tenant)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO jobs (id, seq, model, spec, status, created_at, tenant, owner, lease)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     row.id,
                     row.seq,
@@ -212,38 +315,52 @@ class JobStore:
                     row.status,
                     row.created_at,
                     row.tenant,
+                    self.owner,
+                    row.lease,
                 ),
             )
             hold("admitted", self.folder)
 
-    def started(self, job_id: str) -> None:
-        """The job started (its first step): it reads ``in_progress`` from now on."""
+    def started(self, job_id: str) -> bool:
+        """The job started (its first step): it reads ``in_progress`` from now on.
+
+        Returns:
+            Whether it is still this store's (not deleted, not taken over).
+        """
+        return self.progressed(job_id, 0)
+
+    def progressed(self, job_id: str, progress: int) -> bool:
+        """The job runs, at ``progress`` percent (never lower than it was).
+
+        Returns:
+            Whether it is still this store's (not deleted, not taken over).
+        """
         with self._lock:
-            self._conn().execute(
-                "UPDATE jobs SET started = 1, status = 'in_progress'"
-                " WHERE id = ? AND status = 'queued'",
-                (job_id,),
+            cursor = self._conn().execute(
+                "UPDATE jobs SET started = 1, status = 'in_progress', progress = MAX(progress, ?)"
+                " WHERE id = ? AND status IN (?, ?) AND owner IS ?",
+                (progress, job_id, *_LIVE, self.owner),
             )
+            return cursor.rowcount == 1
 
     def completed(self, job_id: str, mp4: bytes, *, completed_at: int, expires_at: float) -> bool:
         """Write the job's MP4 atomically, then mark it completed; drop its checkpoint.
 
         Returns:
-            Whether the job was still there (not deleted meanwhile).
+            Whether the job was still this store's (not deleted, not taken over).
         """
         path = self.videos / f"{job_id}.mp4"
-        with self._lock:
-            self._write(path, mp4, hold_point="write")
-            cursor = self._conn().execute(
-                "UPDATE jobs SET status = 'completed', progress = 100, bytes = ?,"
-                " completed_at = ?, expires_at = ?, checkpoint_step = NULL WHERE id = ?",
-                (len(mp4), completed_at, expires_at, job_id),
-            )
-            kept = cursor.rowcount == 1
-            if not kept:
-                path.unlink(missing_ok=True)
-            (self.checkpoints / f"{job_id}.ckpt").unlink(missing_ok=True)
-        return kept
+        with self._lock, self._owning(job_id) as mine:
+            if mine:
+                self._write(path, mp4, hold_point="write")
+                self._conn().execute(
+                    "UPDATE jobs SET status = 'completed', progress = 100, bytes = ?,"
+                    " completed_at = ?, expires_at = ?, checkpoint_step = NULL, lease = NULL"
+                    " WHERE id = ?",
+                    (len(mp4), completed_at, expires_at, job_id),
+                )
+                (self.checkpoints / f"{job_id}.ckpt").unlink(missing_ok=True)
+        return mine
 
     def failed(
         self,
@@ -253,22 +370,162 @@ class JobStore:
         progress: int,
         completed_at: int,
         expires_at: float,
-    ) -> None:
-        """Mark the job failed with ``error`` at ``progress``; drop its checkpoint."""
-        with self._lock:
-            self._conn().execute(
-                "UPDATE jobs SET status = 'failed', error = ?, progress = MAX(progress, ?),"
-                " completed_at = ?, expires_at = ?, checkpoint_step = NULL WHERE id = ?",
-                (json.dumps(dict(error)), progress, completed_at, expires_at, job_id),
-            )
-            (self.checkpoints / f"{job_id}.ckpt").unlink(missing_ok=True)
+    ) -> bool:
+        """Mark the job failed with ``error`` at ``progress``; drop its checkpoint.
 
-    def delete(self, job_id: str) -> None:
-        """Forget the job: its row first (durable), then its files."""
+        Returns:
+            Whether the job was still this store's (not deleted, not taken over).
+        """
         with self._lock:
-            self._conn().execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+            cursor = self._conn().execute(
+                "UPDATE jobs SET status = 'failed', error = ?, progress = MAX(progress, ?),"
+                " completed_at = ?, expires_at = ?, checkpoint_step = NULL, lease = NULL"
+                " WHERE id = ? AND status IN (?, ?) AND owner IS ?",
+                (
+                    json.dumps(dict(error)),
+                    progress,
+                    completed_at,
+                    expires_at,
+                    job_id,
+                    *_LIVE,
+                    self.owner,
+                ),
+            )
+            kept = cursor.rowcount == 1
+            if kept:
+                (self.checkpoints / f"{job_id}.ckpt").unlink(missing_ok=True)
+        return kept
+
+    def delete(self, job_id: str) -> bool:
+        """Forget the job: its row first (durable), then its files.
+
+        Returns:
+            Whether it was there.
+        """
+        with self._lock:
+            cursor = self._conn().execute("DELETE FROM jobs WHERE id = ?", (job_id,))
             (self.videos / f"{job_id}.mp4").unlink(missing_ok=True)
             (self.checkpoints / f"{job_id}.ckpt").unlink(missing_ok=True)
+        return cursor.rowcount == 1
+
+    # -- a shared store (L79) -----------------------------------------------------
+
+    def next_seq(self) -> int:
+        """A sequence number no job of the store had or will get from another server."""
+        with self._lock:
+            db = self._conn()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                (last,) = db.execute(
+                    "SELECT MAX(COALESCE((SELECT MAX(seq) FROM jobs), 0),"
+                    " COALESCE((SELECT value FROM meta WHERE key = 'seq'), 0))"
+                ).fetchone()
+                db.execute(
+                    "INSERT INTO meta (key, value) VALUES ('seq', ?)"
+                    " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                    (last + 1,),
+                )
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        return int(last) + 1
+
+    def row(self, job_id: str) -> JobRow | None:
+        """The job's row as the store has it now, or ``None``."""
+        with self._lock:
+            values = self._conn().execute(_SELECT + " WHERE id = ?", (job_id,)).fetchone()
+        return None if values is None else self._row(values)
+
+    def rows(
+        self, *, limit: int, after: int | None, descending: bool, tenant: str | None
+    ) -> list[JobRow]:
+        """Up to ``limit`` rows by ``seq`` (after the cursor ``after``), of ``tenant`` if named."""
+        where: list[str] = []
+        args: list[object] = []
+        if after is not None:
+            where.append("seq < ?" if descending else "seq > ?")
+            args.append(after)
+        if tenant is not None:
+            where.append("tenant = ?")
+            args.append(tenant)
+        sql = _SELECT + (" WHERE " + " AND ".join(where) if where else "")
+        sql += f" ORDER BY seq {'DESC' if descending else 'ASC'} LIMIT ?"
+        with self._lock:
+            found = self._conn().execute(sql, (*args, limit)).fetchall()
+        return [self._row(values) for values in found]
+
+    def totals(self) -> tuple[int, int]:
+        """The jobs the store holds, of any status, and their MP4 bytes."""
+        with self._lock:
+            count, size = (
+                self._conn()
+                .execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM jobs")
+                .fetchone()
+            )
+        return int(count), int(size)
+
+    def renew(self, until: float) -> set[str]:
+        """Hold this store's live jobs until ``until``; return the ids of every job of this
+        store, live or finished (one not among them was deleted, or taken over)."""
+        with self._lock:
+            db = self._conn()
+            db.execute(
+                "UPDATE jobs SET lease = ? WHERE owner IS ? AND status IN (?, ?)",
+                (until, self.owner, *_LIVE),
+            )
+            found = db.execute("SELECT id FROM jobs WHERE owner IS ?", (self.owner,)).fetchall()
+        return {job_id for (job_id,) in found}
+
+    def claim(self, now: float, until: float) -> JobRow | None:
+        """Take over the first live job (by ``seq``) whose lease lapsed before ``now``: it is
+        this store's until ``until``. One transaction: two servers never take the same."""
+        with self._lock:
+            db = self._conn()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                values = db.execute(
+                    _SELECT + " WHERE status IN (?, ?) AND (lease IS NULL OR lease < ?)"
+                    " ORDER BY seq LIMIT 1",
+                    (*_LIVE, now),
+                ).fetchone()
+                if values is not None:
+                    db.execute(
+                        "UPDATE jobs SET owner = ?, lease = ? WHERE id = ?",
+                        (self.owner, until, values[0]),
+                    )
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        if values is None:
+            return None
+        return dataclasses.replace(self._row(values), owner=self.owner, lease=until)
+
+    def release(self, job_id: str) -> None:
+        """Let another server take the job now (its lease lapses), if it is this store's."""
+        with self._lock:
+            self._conn().execute(
+                "UPDATE jobs SET lease = 0 WHERE id = ? AND owner IS ? AND status IN (?, ?)",
+                (job_id, self.owner, *_LIVE),
+            )
+
+    def expired(self, now: float) -> list[str]:
+        """Delete the finished jobs whose time-to-live ended before ``now`` (Unix seconds),
+        whoever finished them; return their ids."""
+        with self._lock:
+            found = (
+                self._conn()
+                .execute(
+                    "SELECT id FROM jobs WHERE status NOT IN (?, ?) AND expires_at <= ?",
+                    (*_LIVE, now),
+                )
+                .fetchall()
+            )
+        gone = [job_id for (job_id,) in found]
+        for job_id in gone:
+            self.delete(job_id)
+        return gone
 
     # -- files ------------------------------------------------------------------
 
@@ -310,14 +567,14 @@ class JobStore:
         path = self.checkpoints / f"{job_id}.ckpt"
         progress = min(99, 100 * checkpoint.step // max(checkpoint.total, 1))
         with self._lock:
-            self._write(path, checkpoint.data)
-            cursor = self._conn().execute(
-                "UPDATE jobs SET checkpoint_step = ?, started = 1, status = 'in_progress',"
-                " progress = MAX(progress, ?) WHERE id = ? AND status IN ('queued', 'in_progress')",
-                (checkpoint.step, progress, job_id),
-            )
-            if cursor.rowcount != 1:
-                path.unlink(missing_ok=True)  # finished or deleted meanwhile
+            with self._owning(job_id) as mine:
+                if mine:
+                    self._write(path, checkpoint.data)
+                    self._conn().execute(
+                        "UPDATE jobs SET checkpoint_step = ?, started = 1,"
+                        " status = 'in_progress', progress = MAX(progress, ?) WHERE id = ?",
+                        (checkpoint.step, progress, job_id),
+                    )
             # The hook's ``checkpoint:<k>``: the first checkpoint written of step k or later
             # (a newer checkpoint replaces one not yet written).
             wanted = os.environ.get(HOLD_VARIABLE, "")
@@ -329,7 +586,7 @@ class JobStore:
     @staticmethod
     def _row(values: tuple[Any, ...]) -> JobRow:
         (job_id, seq, model, spec, status, started, progress, created, completed) = values[:9]
-        expires, error, size, step, tenant = values[9:]
+        expires, error, size, step, tenant, owner, lease = values[9:]
         return JobRow(
             id=job_id,
             seq=seq,
@@ -345,12 +602,14 @@ class JobStore:
             bytes=size,
             checkpoint_step=step,
             tenant=tenant,
+            owner=owner,
+            lease=lease,
         )
 
 
 _SELECT = (
     "SELECT id, seq, model, spec, status, started, progress, created_at, completed_at,"
-    " expires_at, error, bytes, checkpoint_step, tenant FROM jobs"
+    " expires_at, error, bytes, checkpoint_step, tenant, owner, lease FROM jobs"
 )
 
 

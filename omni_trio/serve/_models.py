@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ __all__ = [
     "LoadedModel",
     "ModelError",
     "call_default",
+    "is_video_model",
     "load_model",
     "model_folder",
     "model_size",
@@ -58,6 +60,13 @@ MODELS = (
     "tiny-wan",
     "tiny-ltx",
     "fake",
+)
+
+#: The built-in models that make videos.
+VIDEO_MODELS = ("tiny-wan", "tiny-ltx")
+#: The pipeline classes of the video families ``DiffusersRunner`` drives (L70, L69).
+VIDEO_PIPELINES = frozenset(
+    {"WanPipeline", "WanImageToVideoPipeline", "LTXPipeline", "LTXImageToVideoPipeline"}
 )
 
 #: The default size of the tiny models (and of ``fake``), as (width, height).
@@ -147,6 +156,21 @@ def model_folder(spec: str) -> Path:
         return check_pipeline_folder(spec)
     except ValueError as exc:
         raise ValueError(f"{exc}; the built-in models are {', '.join(MODELS)}") from None
+
+
+def is_video_model(spec: str) -> bool:
+    """Whether ``spec`` (a built-in model, or a diffusers folder) makes videos; nothing loads.
+
+    A folder's pipeline class is read from its ``model_index.json``; a folder that
+    cannot be read is not a video model here (loading it says why).
+    """
+    if spec in MODELS:
+        return spec in VIDEO_MODELS
+    try:
+        index = json.loads((Path(spec) / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(index, dict) and index.get("_class_name") in VIDEO_PIPELINES
 
 
 def _folder_pipeline(folder: Path) -> Any:

@@ -97,6 +97,8 @@ class ServiceOptions:
             ``None``: in memory.
         checkpoint_every_s: seconds between a running job's checkpoints
             (``VideoConfig.checkpoint_every_s``, L78).
+        jobs_lease_s: share ``jobs_dir`` with the other servers on this host that share
+            it (``VideoConfig.lease_s``, L79); ``None``: the folder is this server's.
         video_fps: frames per second of a video model's MP4s (``VideoConfig.fps``).
         video_jobs: the most video jobs held at once (``VideoConfig.max_jobs``).
         video_ttl_s: seconds a finished video job is kept (``VideoConfig.ttl_s``).
@@ -130,6 +132,7 @@ class ServiceOptions:
     video_bytes: int | None = _VIDEO.max_bytes
     jobs_dir: str | None = None
     checkpoint_every_s: float | None = _VIDEO.checkpoint_every_s
+    jobs_lease_s: float | None = None
     video_fps: float | None = None
     video_jobs: int = _VIDEO.max_jobs
     video_ttl_s: float = _VIDEO.ttl_s
@@ -205,6 +208,7 @@ def build_service(options: ServiceOptions, *, model: LoadedModel | None = None) 
         max_bytes=options.video_bytes,
         jobs_dir=options.jobs_dir,
         checkpoint_every_s=options.checkpoint_every_s,
+        lease_s=options.jobs_lease_s if options.jobs_dir is not None else None,
     )
     _check_defaults(options.engine_config, config, videos, loaded)
     runners = loaded.runners[0] if len(loaded.runners) == 1 else list(loaded.runners)

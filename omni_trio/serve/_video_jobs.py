@@ -26,6 +26,15 @@ checkpoint (L78). A job that shutdown cuts (its request aborted with reason
 ``shutdown``) is left as the store has it, so it runs again after the restart.
 Without ``jobs_dir`` the jobs live in memory only: a restart loses them.
 
+A shared store (L79), with ``VideoConfig.lease_s`` too: several servers on one host
+(Ray Serve's replicas) keep their jobs in one folder. Each job has an owner, the
+server that runs it, which renews its lease every ``lease_s / 3`` seconds; any
+server reads, lists, downloads and deletes any job from the store; a server takes
+over (``JobStore.claim``) a job whose lease lapsed (its owner died) or that its
+owner let go at shutdown, and resumes it from its last checkpoint. An owner learns
+that its job was deleted or taken over from its next write or renewal, and aborts
+its request then.
+
 Everything here runs in the event loop's thread (the store's calls in worker
 threads, through ``anyio.to_thread``).
 """
@@ -40,6 +49,7 @@ import math
 import os
 import re
 import secrets
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -70,7 +80,7 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 
-__all__ = ["STATUSES", "VideoConfig", "VideoJob", "VideoJobs"]
+__all__ = ["DEFAULT_JOBS_LEASE_S", "STATUSES", "VideoConfig", "VideoJob", "VideoJobs"]
 
 _log = logging.getLogger("omni_trio.serve")
 
@@ -79,6 +89,15 @@ STATUSES = ("queued", "in_progress", "completed", "failed")
 
 #: The abort reason of a deleted job's request.
 DELETED = "deleted"
+#: Seconds a server of a shared store holds a job without renewing it (``--ray``'s
+#: default): then another takes it over from its last checkpoint (L79).
+DEFAULT_JOBS_LEASE_S = 10.0
+
+#: Seconds between two reads of another server's job for its event stream (L79).
+SHARED_POLL_S = 0.5
+
+#: The abort reason of a job's request on a server whose lease of it lapsed (L79).
+TAKEN_OVER = "taken_over"
 
 #: ``video_`` + the job's sequence number (8 hex digits) + 24 random hex digits, so
 #: that a list's ``after`` cursor keeps its place even once its job is gone.
@@ -106,6 +125,10 @@ class VideoConfig:
             checkpoints, a running job is checkpointed at the first step boundary
             this many seconds after the last checkpoint (0: at every boundary;
             ``None``: never, a crashed job then starts again from step 0).
+        lease_s: with ``jobs_dir``, share the folder with the other servers on this
+            host that share it (L79): a job whose owner has not renewed its lease for
+            this many seconds is taken over by another; ``None``: the folder is this
+            server's alone (a second server on it is refused).
 
     Raises:
         ValueError: a field is out of range; the message names it.
@@ -119,8 +142,17 @@ class VideoConfig:
     jobs_dir: str | os.PathLike[str] | None = None
     max_bytes: int | None = None
     checkpoint_every_s: float | None = 30.0
+    lease_s: float | None = None
 
     def __post_init__(self) -> None:
+        lease = self.lease_s
+        if lease is not None and (
+            not isinstance(lease, int | float)
+            or isinstance(lease, bool)
+            or not math.isfinite(lease)
+            or lease <= 0
+        ):
+            raise ValueError(f"lease_s: must be a finite number > 0, got {lease!r}")
         every = self.checkpoint_every_s
         if every is not None and (
             not isinstance(every, int | float)
@@ -426,6 +458,11 @@ class VideoJobs:
         self._writer: CheckpointWriter | None = None
         self._limiter: anyio.CapacityLimiter | None = None
         self._doomed: list[str] = []  # expired jobs the store still has
+        # This server's id in a shared store (L79); ``None``: the store is its alone.
+        self.owner: str | None = None
+        self._creating: set[str] = set()  # jobs whose rows are being written
+        if config.jobs_dir is not None and config.lease_s is not None:
+            self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
     # -- the lifespan ---------------------------------------------------------
 
@@ -453,12 +490,21 @@ class VideoJobs:
         rows: list[JobRow] = []
         if folder is not None and engine is not None:
             self._limiter = anyio.CapacityLimiter(1)
-            store = JobStore(Path(folder))
+            store = JobStore(Path(folder), owner=self.owner)
             rows = await anyio.to_thread.run_sync(store.open, limiter=self._limiter)
             self.store = store
             self._writer = CheckpointWriter(store)
             self._writer.start()
-            _log.info("video jobs are kept in %s (%d there)", folder, len(rows))
+            if self.owner is not None:
+                _log.info(
+                    "video jobs are kept in %s, shared (%d there; this server is %s)",
+                    folder,
+                    len(rows),
+                    self.owner,
+                )
+                rows = []  # each is read when asked for; the lapsed ones are taken over
+            else:
+                _log.info("video jobs are kept in %s (%d there)", folder, len(rows))
         try:
             async with anyio.create_task_group() as tasks:
                 self._tasks = tasks
@@ -470,8 +516,11 @@ class VideoJobs:
                     await self._restore(rows, engine)
                 del rows
                 with self._sweeper:
-                    task_status.started()
-                    await self._sweep()
+                    async with anyio.create_task_group() as keepers:
+                        if self.owner is not None and engine is not None:
+                            keepers.start_soon(self._keep, engine, name="video jobs' leases")
+                        task_status.started()
+                        await self._sweep()
                 # Closed: the jobs' tasks end by themselves (their requests are terminal
                 # after the drain), each within one MP4 encode.
         finally:
@@ -510,32 +559,99 @@ class VideoJobs:
         for row in rows:
             match = _ID.fullmatch(row.id)
             self._seq = max(self._seq, int(match[1], 16) if match else row.seq)
-            try:
-                spec = spec_from_record(row.spec)
-                if row.tenant is not None:
-                    # Its tenant's request again (L57): fair share, bounds, /metrics.
-                    request = dataclasses.replace(spec.request, tenant=row.tenant)
-                    spec = dataclasses.replace(spec, request=request)
-            except Exception:
-                _log.exception("video job %s: its record is unreadable; dropped", row.id)
-                await self._stored(self._store().delete, row.id)
+            job = await self._job_of(row)
+            if job is None:
                 continue
-            job = VideoJob(job_id=row.id, seq=row.seq, model=row.model, spec=spec)
-            job.restored(row)
             self._jobs[row.id] = job
             if job.is_finished:
                 self._expiries[row.id] = now + (row.expires_at or now_wall) - now_wall
                 continue
-            data = None
-            if row.checkpoint_step is not None:
-                data = await self._stored(self._store().checkpoint, row.id)
-            try:
-                handle = self._submit(engine, job, resume_from=data)
-            except OmniTrioError as exc:
-                await self._end(job, None, api_error_from(exc, retry_after_s=self._retry_after_s))
-                continue
-            self._start(job, handle)
+            await self._resume(job, row, engine)
         self.purge()
+
+    async def _job_of(self, row: JobRow) -> VideoJob | None:
+        """The job a row keeps; ``None`` (the row deleted) if it cannot be read."""
+        try:
+            spec = spec_from_record(row.spec)
+            if row.tenant is not None:
+                # Its tenant's request again (L57): fair share, bounds, /metrics.
+                request = dataclasses.replace(spec.request, tenant=row.tenant)
+                spec = dataclasses.replace(spec, request=request)
+        except Exception:
+            _log.exception("video job %s: its record is unreadable; dropped", row.id)
+            await self._stored(self._store().delete, row.id)
+            return None
+        job = VideoJob(job_id=row.id, seq=row.seq, model=row.model, spec=spec)
+        job.restored(row)
+        return job
+
+    async def _resume(self, job: VideoJob, row: JobRow, engine: Engine) -> bool:
+        """Submit a stored job again, from its last checkpoint; return whether it runs.
+
+        Refused by the engine: in a shared store the job is let go for another server
+        (or a later try); else it fails with the engine's reason.
+        """
+        data = None
+        if row.checkpoint_step is not None:
+            data = await self._stored(self._store().checkpoint, row.id)
+        try:
+            handle = self._submit(engine, job, resume_from=data)
+        except OmniTrioError as exc:
+            if self.owner is not None:
+                self._jobs.pop(job.id, None)
+                await self._stored(self._store().release, job.id)
+                return False
+            await self._end(job, None, api_error_from(exc, retry_after_s=self._retry_after_s))
+            return False
+        self._start(job, handle)
+        return True
+
+    async def _keep(self, engine: Engine) -> None:
+        """A shared store's leases (L79), every ``lease_s / 3``: renew this server's, drop
+        the jobs it lost, delete the expired ones, take over the lapsed ones."""
+        lease = self.config.lease_s
+        assert lease is not None
+        while True:
+            await self._keep_once(engine, lease)
+            await anyio.sleep(lease / 3)
+
+    async def _keep_once(self, engine: Engine, lease: float) -> None:
+        store = self._store()
+        # The jobs whose rows are written: a job being created is not yet in the store.
+        known = [job for job in self._jobs.values() if job.id not in self._creating]
+        ours = await self._stored(store.renew, time.time() + lease)
+        for job in known:
+            if job.id not in ours:
+                self._lost(job, DELETED if job.is_finished else TAKEN_OVER)
+        await self._stored(store.expired, time.time())
+        while not self._closed:
+            row = await self._stored(store.claim, time.time(), time.time() + lease)
+            if row is None:
+                return
+            taken = await self._job_of(row)
+            if taken is None:
+                continue
+            _log.info(
+                "video job %s: taken over from %s, from step %s",
+                row.id,
+                row.owner or "a server that stopped",
+                row.checkpoint_step or 0,
+                extra={"request_id": row.id},
+            )
+            self._jobs[row.id] = taken
+            if not await self._resume(taken, row, engine):
+                return  # the engine is full: the next pass tries again
+
+    def _lost(self, job: VideoJob, reason: str) -> None:
+        """Another server deleted the job, or took it over: stop it here, keep nothing."""
+        if job.removed:
+            return
+        if job.handle is not None:
+            job.handle.abort_nowait(reason=reason)
+        job.scope.cancel()
+        if self._writer is not None:
+            self._writer.forget(job.id)
+        self._drop(job.id)
 
     async def _sweep(self) -> None:
         """Drop expired jobs when they expire (also checked on every use of the store)."""
@@ -598,13 +714,54 @@ class VideoJobs:
         self.purge()
         job = self._jobs.get(job_id)
         if job is None or (tenant is not None and job.tenant != tenant):
-            raise ApiError(
-                404,
-                f"no video {shown_id(job_id)}: never made, deleted, or expired",
-                param="video_id",
-                code="video_not_found",
-            )
+            raise _not_found(job_id)
         return job
+
+    async def find(self, job_id: str, *, tenant: str | None = None) -> VideoJob:
+        """The job ``job_id``, as ``get``; in a shared store (L79), as the store has it
+        now, whichever server runs it (this server's own live job is its own object).
+
+        Raises:
+            ApiError: 404 ``video_not_found``, as ``get``.
+
+        Cancellation:
+            Safe.
+        """
+        if self.owner is None or self.store is None:
+            return self.get(job_id, tenant=tenant)
+        self.purge()
+        row = await self._stored(self.store.row, job_id)
+        job = self._jobs.get(job_id)
+        if job is not None and (row is None or row.owner != self.owner):
+            self._lost(job, DELETED if row is None else TAKEN_OVER)
+            job = None
+        if row is None or (tenant is not None and row.tenant != tenant):
+            raise _not_found(job_id)
+        if job is not None:
+            return job
+        view = _view(row)
+        if view is None:
+            raise _not_found(job_id)
+        return view
+
+    async def next_change(self, job: VideoJob, *, tenant: str | None = None) -> VideoJob:
+        """Wait until ``job`` changes; return it as it is then (``removed`` once it is gone).
+
+        This server's own job wakes its waiters; another server's (a shared store's,
+        L79) is read again from the store every ``SHARED_POLL_S``.
+
+        Cancellation:
+            Safe.
+        """
+        if self._jobs.get(job.id) is job:
+            await job.wait_changed()
+            return job
+        await anyio.sleep(SHARED_POLL_S)
+        try:
+            return await self.find(job.id, tenant=tenant)
+        except ApiError:
+            job.removed = True
+            return job
 
     async def content(self, job: VideoJob) -> bytes | None:
         """A completed job's MP4 (from memory, or its file); ``None`` if it is gone.
@@ -616,12 +773,15 @@ class VideoJobs:
             return job.mp4
         return await anyio.to_thread.run_sync(self._store().video, job.id)
 
-    def check_room(self) -> None:
-        """Raise unless a new job fits.
+    async def check_room(self) -> None:
+        """Raise unless a new job fits (in a shared store, counting every server's jobs).
 
         Raises:
             ApiError: 429 ``video_jobs_full`` when ``max_jobs`` jobs or ``max_bytes``
                 bytes of MP4s are held; 503 ``shutting_down`` once the task group is gone.
+
+        Cancellation:
+            Safe.
         """
         self.purge()
         if self._tasks is None or self._closed:
@@ -633,11 +793,15 @@ class VideoJobs:
                 headers={"Retry-After": str(self._retry_after_s)},
             )
         full = None
-        if len(self._jobs) >= self.config.max_jobs:
+        count, size = len(self._jobs), self.held_bytes()
+        if self.owner is not None and self.store is not None:
+            count, size = await self._stored(self.store.totals)
+            count += len(self._creating)
+        if count >= self.config.max_jobs:
             full = f"the server holds {self.config.max_jobs} video jobs already (the most it keeps)"
-        elif self.config.max_bytes is not None and self.held_bytes() >= self.config.max_bytes:
+        elif self.config.max_bytes is not None and size >= self.config.max_bytes:
             full = (
-                f"the server holds {self.held_bytes()} bytes of videos already (the most it"
+                f"the server holds {size} bytes of videos already (the most it"
                 f" keeps is {self.config.max_bytes})"
             )
         if full is not None:
@@ -661,7 +825,10 @@ class VideoJobs:
         Cancellation:
             Shielded: a job whose record is written is submitted, or forgotten.
         """
-        self.check_room()
+        await self.check_room()
+        if self.owner is not None and self.store is not None:
+            # Sequence numbers from the store: every server's ids keep one order.
+            self._seq = await self._stored(self.store.next_seq) - 1
         job_id = self.new_id()
         if self.store is not None and spec.request.seed is None:
             # A resumed run must draw what the first run drew (L78): fix the seed now.
@@ -670,8 +837,10 @@ class VideoJobs:
         job = VideoJob(job_id=job_id, seq=int(job_id[6:14], 16), model=model, spec=spec)
         job.tenant = tenant
         self._jobs[job_id] = job  # its place is taken from now on
+        self._creating.add(job_id)
         try:
             if self.store is not None:
+                lease = self.config.lease_s
                 row = JobRow(
                     id=job_id,
                     seq=job.seq,
@@ -680,6 +849,7 @@ class VideoJobs:
                     status="queued",
                     created_at=job.created_at,
                     tenant=tenant,
+                    lease=None if lease is None else time.time() + lease,
                 )
                 await self._stored(self._store().insert, row)
             handle = self._submit(engine, job)
@@ -688,6 +858,8 @@ class VideoJobs:
             if self.store is not None:
                 await self._stored(self._store().delete, job_id)
             raise
+        finally:
+            self._creating.discard(job_id)
         self._start(job, handle)
         return job
 
@@ -731,7 +903,13 @@ class VideoJobs:
         Cancellation:
             Shielded once the job is dropped.
         """
-        job = self.get(job_id, tenant=tenant)
+        job = await self.find(job_id, tenant=tenant)
+        if self._jobs.get(job_id) is not job:
+            # Another server's (L79): it aborts the request when it learns of it.
+            if self.store is None or not await self._stored(self.store.delete, job_id):
+                raise _not_found(job_id)
+            job.removed = True
+            return job
         handle = job.handle
         if handle is not None:
             handle.abort_nowait(reason=DELETED)
@@ -743,7 +921,7 @@ class VideoJobs:
             await self._stored(self._store().delete, job_id)
         return dropped
 
-    def page(
+    async def page(
         self, *, limit: int, after: str | None, order: str, tenant: str | None = None
     ) -> tuple[list[VideoJob], bool]:
         """Up to ``limit`` jobs after the cursor, newest first (``desc``) or oldest first;
@@ -754,17 +932,27 @@ class VideoJobs:
 
         Raises:
             ApiError: 400 naming ``after`` if it is not a video id.
+
+        Cancellation:
+            Safe.
         """
         self.purge()
-        jobs: Iterator[VideoJob] = iter(self._jobs.values())
-        if order == "desc":
-            jobs = reversed(self._jobs.values())
+        cursor = None
         if after is not None:
             match = _ID.fullmatch(after)
             if match is None:
                 raise invalid(f"after: must be a video id, got {shown_id(after)}", "after")
             cursor = int(match[1], 16)
-            jobs = (j for j in jobs if (j.seq < cursor if order == "desc" else j.seq > cursor))
+        if self.owner is not None and self.store is not None:
+            return await self._shared_page(limit, cursor, order == "desc", tenant)
+        jobs: Iterator[VideoJob] = iter(self._jobs.values())
+        if order == "desc":
+            jobs = reversed(self._jobs.values())
+        if cursor is not None:
+            after_seq = cursor
+            jobs = (
+                j for j in jobs if (j.seq < after_seq if order == "desc" else j.seq > after_seq)
+            )
         if tenant is not None:
             jobs = (j for j in jobs if j.tenant == tenant)
         chosen: list[VideoJob] = []
@@ -773,6 +961,24 @@ class VideoJobs:
                 return chosen, True
             chosen.append(job)
         return chosen, False
+
+    async def _shared_page(
+        self, limit: int, cursor: int | None, descending: bool, tenant: str | None
+    ) -> tuple[list[VideoJob], bool]:
+        """``page`` from a shared store: every server's jobs, as the store has them now."""
+        store = self._store()
+        rows = await self._stored(
+            store.rows, limit=limit + 1, after=cursor, descending=descending, tenant=tenant
+        )
+        chosen: list[VideoJob] = []
+        for row in rows[:limit]:
+            job = self._jobs.get(row.id)
+            if job is None or row.owner != self.owner:
+                job = _view(row)
+                if job is None:
+                    continue
+            chosen.append(job)
+        return chosen, len(rows) > limit
 
     def counts(self) -> dict[str, int]:
         """Jobs held now, by status."""
@@ -805,10 +1011,16 @@ class VideoJobs:
                 output: GenerationOutput | None = None
                 async with handle:
                     async for event in handle:
-                        started = job.status == "in_progress"
+                        started, progress = job.status == "in_progress", job.progress
                         job.stepped(event.step, event.total)
-                        if not started and self.store is not None:
-                            await self._stored(self.store.started, job.id)
+                        # Every server reads a shared store's progress (L79).
+                        shared = self.owner is not None and job.progress != progress
+                        if (
+                            self.store is not None
+                            and (not started or shared)
+                            and not await self._stored(self.store.progressed, job.id, job.progress)
+                        ):
+                            self._lost(job, TAKEN_OVER)
                     try:
                         output = await handle.result()
                     except OmniTrioError as exc:
@@ -838,6 +1050,9 @@ class VideoJobs:
             return  # deleted: its request was aborted, nothing is kept
         if cut and self.store is not None:
             job.handle = None
+            if self.owner is not None:
+                # L79: another server takes it over now, from its last checkpoint.
+                await self._stored(self.store.release, job.id)
             return  # L77: it runs again after the restart, from its last checkpoint
         if mp4 is None and error is None:
             error = unexpected_error()  # cancelled without a delete: not expected
@@ -862,7 +1077,7 @@ class VideoJobs:
                 mp4 = None  # served from its file
             else:
                 assert record is not None
-                await self._stored(
+                kept = await self._stored(
                     store.failed,
                     job.id,
                     record,
@@ -870,11 +1085,35 @@ class VideoJobs:
                     completed_at=finished,
                     expires_at=expires,
                 )
+                if not kept:
+                    return  # deleted or taken over meanwhile
         if job.removed:
             return
         self._expiries[job.id] = self.config.clock() + self.config.ttl_s
         job.end(mp4, record, int(expires), size=size, completed_at=finished)
         self._nudge()
+
+
+def _view(row: JobRow) -> VideoJob | None:
+    """Another server's job as the store has it (L79); ``None`` if its record is unreadable."""
+    try:
+        view = VideoJob(
+            job_id=row.id, seq=row.seq, model=row.model, spec=spec_from_record(row.spec)
+        )
+    except Exception:
+        _log.exception("video job %s: its record is unreadable", row.id)
+        return None
+    view.restored(row)
+    return view
+
+
+def _not_found(job_id: str) -> ApiError:
+    return ApiError(
+        404,
+        f"no video {shown_id(job_id)}: never made, deleted, or expired",
+        param="video_id",
+        code="video_not_found",
+    )
 
 
 def shown_id(text: str) -> str:

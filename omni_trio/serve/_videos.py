@@ -140,7 +140,7 @@ class VideosApi:
         )
         key = caller(scope)
         if key is not None:
-            self._jobs.check_room()
+            await self._jobs.check_room()
             check_running_jobs(key, self._jobs.running_of(key.tenant), self._config.retry_after_s)
         if spec.reference is not None:
             # L69: admitted but for its image: decode it now, off the loop.
@@ -160,7 +160,7 @@ class VideosApi:
             order = params.get("order", "desc")
             if order not in ("asc", "desc"):
                 raise invalid(f"order: must be 'asc' or 'desc', got {shown(order)}", "order")
-            jobs, more = self._jobs.page(
+            jobs, more = await self._jobs.page(
                 limit=limit, after=params.get("after"), order=order, tenant=viewer(request.scope)
             )
         except ApiError as error:
@@ -184,7 +184,7 @@ class VideosApi:
             if request.method == "DELETE":
                 await self._jobs.delete(job_id, tenant=tenant)
                 return JSONResponse({"id": job_id, "object": "video.deleted", "deleted": True})
-            return JSONResponse(self._jobs.get(job_id, tenant=tenant).body())
+            return JSONResponse((await self._jobs.find(job_id, tenant=tenant)).body())
         except ApiError as error:
             return error_response(error)
 
@@ -198,7 +198,9 @@ class VideosApi:
                     "variant",
                     "unsupported_value",
                 )
-            job = self._jobs.get(request.path_params["video_id"], tenant=viewer(request.scope))
+            job = await self._jobs.find(
+                request.path_params["video_id"], tenant=viewer(request.scope)
+            )
             if job.status != "completed":
                 state = "failed" if job.is_finished else f"{job.status} ({job.progress}%)"
                 raise invalid(
@@ -221,15 +223,16 @@ class VideosApi:
         Cancellation:
             Stops the stream; the job goes on.
         """
+        tenant = viewer(scope)
         try:
-            job = self._jobs.get(scope["path_params"]["video_id"], tenant=viewer(scope))
+            job = await self._jobs.find(scope["path_params"]["video_id"], tenant=tenant)
         except ApiError as error:
             await send_error(send, error)
             return
         client = Client(receive, send, None)
-        await client.stream(job.id, lambda: self._send_events(job, client))
+        await client.stream(job.id, lambda: self._send_events(job, client, tenant))
 
-    async def _send_events(self, job: VideoJob, client: Client) -> None:
+    async def _send_events(self, job: VideoJob, client: Client, tenant: str | None) -> None:
         sent: tuple[str, int] | None = None
         while True:
             if job.removed:
@@ -248,7 +251,7 @@ class VideosApi:
             if job.is_finished:
                 break
             # Nothing awaited since the check above: no change can slip past this wait.
-            await job.wait_changed()
+            job = await self._jobs.next_change(job, tenant=tenant)
         await client.end()
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,8 +40,10 @@ from ._keys import ApiKeys
 from ._options import ServiceOptions, build_service
 from ._ray_ingress import REPLICA_HEADER, App, ReplicaIngress
 from ._video_body import default_frames
+from ._video_jobs import DEFAULT_JOBS_LEASE_S, VideoConfig
 
 __all__ = [
+    "DEFAULT_JOBS_LEASE_S",
     "DEFAULT_MAX_QUEUED_REQUESTS",
     "REPLICA_HEADER",
     "SHUTDOWN_MARGIN_S",
@@ -57,6 +60,11 @@ SHUTDOWN_MARGIN_S = 5.0
 #: every replica is full; more get a 503 (``BackPressureError`` through a handle).
 #: Ray's own default, -1, queues without bound: a client would wait, never refused.
 DEFAULT_MAX_QUEUED_REQUESTS = 16
+
+#: A custom resource Ray gives its head node only: replicas that share a job store's
+#: folder are placed there, on the one host that holds the folder (SQLite needs one
+#: host's file locks; a network file system does not give them).
+HEAD_NODE = "node:__internal_head__"
 
 ServiceFactory = Callable[[], Service]
 """Builds a replica's service on the replica (picklable: it travels to the replica)."""
@@ -129,10 +137,17 @@ def _runner_service(
     engine_config: EngineConfig,
     serve_config: ServeConfig | None,
     keys: ApiKeys | None = None,
+    video_config: VideoConfig | None = None,
 ) -> Service:
     """Call ``make_runners`` here (on the replica) and serve what it returns."""
     config = serve_config if serve_config is not None else ServeConfig()
-    return Service(make_runners(), engine_config=engine_config, config=config, keys=keys)
+    return Service(
+        make_runners(),
+        engine_config=engine_config,
+        config=config,
+        keys=keys,
+        video_config=video_config,
+    )
 
 
 def application(
@@ -145,11 +160,14 @@ def application(
     ray_actor_options: Mapping[str, Any] | None = None,
     autoscaling_config: Mapping[str, Any] | None = None,
     name: str = "omni_trio",
+    shares_jobs: bool = False,
 ) -> Application:
     """Bind ``ImageDeployment`` to ``make_service`` with these Serve options.
 
     Ray Serve's ``graceful_shutdown_timeout_s`` is ``shutdown_grace`` plus
-    ``SHUTDOWN_MARGIN_S``. ``deployment()`` and ``omni-trio serve --ray`` call this.
+    ``SHUTDOWN_MARGIN_S``. ``shares_jobs``: the replicas share a job store's folder
+    (L79), so they are placed on the head node (``HEAD_NODE``), which holds it.
+    ``deployment()`` and ``omni-trio serve --ray`` call this.
     """
     options: dict[str, Any] = {
         "name": name,
@@ -164,8 +182,11 @@ def application(
         options["autoscaling_config"] = dict(autoscaling_config)
     else:
         options["num_replicas"] = num_replicas
-    if ray_actor_options is not None:
-        options["ray_actor_options"] = dict(ray_actor_options)
+    actor = dict(ray_actor_options) if ray_actor_options is not None else {}
+    if shares_jobs:
+        actor["resources"] = {**actor.get("resources", {}), HEAD_NODE: 0.001}
+    if actor:
+        options["ray_actor_options"] = actor
     return ImageDeployment.options(**options).bind(make_service)
 
 
@@ -184,6 +205,9 @@ def deployment(
     autoscaling_config: Mapping[str, Any] | None = None,
     name: str = "omni_trio",
     keys: ApiKeys | None = None,
+    jobs_dir: str | os.PathLike[str] | None = None,
+    checkpoint_every_s: float | None = 30.0,
+    jobs_lease_s: float = DEFAULT_JOBS_LEASE_S,
 ) -> Application:
     """A Ray Serve application that serves ``model``, one engine per replica.
 
@@ -217,6 +241,14 @@ def deployment(
         keys: the API keys every replica's HTTP routes accept (L55, as
             ``Service``'s; only their digests travel). The deployment handle's
             ``generate`` is a call inside the cluster and takes none.
+        jobs_dir: a video model's durable job store (L77), one folder that every
+            replica shares (L79): any replica reads, lists, downloads and deletes any
+            job, and a job whose replica died is taken over by another from its last
+            checkpoint. The replicas then run on the head node, which holds the
+            folder. ``None``: each replica keeps its jobs in memory.
+        checkpoint_every_s: seconds between a running job's checkpoints (L78).
+        jobs_lease_s: seconds a replica holds a job without renewing it before
+            another takes it over (a dead replica's jobs wait this long).
 
     Returns:
         The bound application, for ``serve.run``.
@@ -234,6 +266,8 @@ def deployment(
         raise ValueError(
             f"max_queued_requests: must be >= 1 (a bounded queue), got {max_queued_requests}"
         )
+    folder = None if jobs_dir is None else os.fspath(jobs_dir)
+    lease = jobs_lease_s if folder is not None else None
     make: ServiceFactory
     if isinstance(model, str):
         options = ServiceOptions(
@@ -242,12 +276,16 @@ def deployment(
             step_seconds=step_seconds,
             engine_config=config,
             keys=keys,
+            jobs_dir=folder,
+            checkpoint_every_s=checkpoint_every_s,
+            jobs_lease_s=lease,
         )
         if serve_config is not None:
             options = options.with_serve_config(serve_config)
         make = functools.partial(build_service, options)
     else:
-        make = functools.partial(_runner_service, model, config, serve_config, keys)
+        videos = VideoConfig(jobs_dir=folder, checkpoint_every_s=checkpoint_every_s, lease_s=lease)
+        make = functools.partial(_runner_service, model, config, serve_config, keys, videos)
     return application(
         make,
         shutdown_grace=config.shutdown_grace,
@@ -261,4 +299,5 @@ def deployment(
         ray_actor_options=ray_actor_options,
         autoscaling_config=autoscaling_config,
         name=name,
+        shares_jobs=folder is not None,
     )

@@ -15,87 +15,29 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import anyio
-import httpx
 import pytest
 
 import omni_trio as ot
-from omni_trio.serve import ServeConfig, Service, VideoConfig
 from omni_trio.serve._jobstore import JobStore
 from omni_trio.testing import FakeRunner
 from tests.support.core import BUDGET
+from tests.support.jobs import (
+    FPS,
+    RULE,
+    SIZE,
+    content,
+    create,
+    finished,
+    service_on,
+    serving,
+    uninterrupted,
+)
+from tests.support.serve import stored_rows
 
 pytestmark = pytest.mark.anyio
-
-RULE = (4, 1)
-FPS = 8.0
-SIZE = 16
-
-
-def service_on(
-    folder: Path, runner: FakeRunner | None = None, **video: Any
-) -> tuple[Service, FakeRunner]:
-    """A video service keeping its jobs in ``folder``; checkpoints at every step."""
-    runner = runner if runner is not None else FakeRunner(frames=RULE, checkpoints=True)
-    video.setdefault("checkpoint_every_s", 0.0)
-    config = ServeConfig(
-        model_name="fake-video", default_width=SIZE, default_height=SIZE, default_steps=4
-    )
-    service = Service(
-        runner,
-        engine_config=ot.EngineConfig(max_height=64, max_width=64, shutdown_grace=0.0),
-        config=config,
-        video_config=VideoConfig(fps=FPS, jobs_dir=folder, **video),
-    )
-    return service, runner
-
-
-@asynccontextmanager
-async def serving(service: Service) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=service.app)
-    async with (
-        service.lifespan(),
-        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
-    ):
-        yield client
-
-
-async def create(client: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
-    response = await client.post("/v1/videos", json={"prompt": "a fox", "seed": 1, **body})
-    assert response.status_code == 200, response.text
-    job: dict[str, Any] = response.json()
-    return job
-
-
-async def finished(client: httpx.AsyncClient, job_id: str) -> dict[str, Any]:
-    while True:
-        job: dict[str, Any] = (await client.get(f"/v1/videos/{job_id}")).json()
-        if job["status"] in ("completed", "failed"):
-            return job
-        await anyio.sleep(0.001)
-
-
-async def content(client: httpx.AsyncClient, job_id: str) -> bytes:
-    response = await client.get(f"/v1/videos/{job_id}/content")
-    assert response.status_code == 200, response.text
-    return response.content
-
-
-async def uninterrupted(**body: Any) -> bytes:
-    """The MP4 of one job on a fresh in-memory service: what a resumed job must equal."""
-    config = ServeConfig(
-        model_name="fake-video", default_width=SIZE, default_height=SIZE, default_steps=4
-    )
-    service = Service(FakeRunner(frames=RULE), config=config, video_config=VideoConfig(fps=FPS))
-    async with serving(service) as client:
-        job = await create(client, **body)
-        await finished(client, job["id"])
-        return await content(client, job["id"])
 
 
 async def test_a_restart_keeps_completed_failed_and_deleted_jobs_as_they_were(
@@ -148,7 +90,7 @@ async def test_jobs_cut_by_shutdown_run_again_in_order_from_their_checkpoint(
             while slow.checkpoints_taken < 2 or not any((tmp_path / "checkpoints").iterdir()):
                 await anyio.sleep(0.005)
         assert {j["status"] for j in (jobs[1], jobs[2])} == {"queued"}
-        rows = {row.id: row for row in await anyio.to_thread.run_sync(JobStore(tmp_path).open)}
+        rows = {row.id: row for row in await stored_rows(tmp_path)}
         first = rows[jobs[0]["id"]]
         assert (first.status, first.started) == ("in_progress", True)
         assert first.checkpoint_step is not None and first.checkpoint_step >= 1
@@ -298,14 +240,16 @@ def test_a_jobs_record_keeps_its_parameters_and_its_image() -> None:
 def test_the_command_lines_job_options_reach_the_store(tmp_path: Path) -> None:
     """L77, L78: ``serve``'s --jobs-dir defaults to the state folder ($XDG_STATE_HOME, which
     the tests set per test), 'none' keeps jobs in memory, --checkpoint-every takes seconds or
-    'never', --video-bytes bounds the MP4 bytes; with --ray the job options are refused."""
+    'never', --video-bytes bounds the MP4 bytes; --jobs-lease shares the folder (L79), as
+    --ray does for a video model's replicas."""
     import argparse
     import os
 
-    from omni_trio.cli._errors import UsageError
     from omni_trio.cli._given import record_given, refuse_unused
     from omni_trio.cli._options import service_options, unused_options
+    from omni_trio.cli._ray import _options as ray_options
     from omni_trio.cli._serve import add_serve_arguments
+    from omni_trio.serve._video_jobs import DEFAULT_JOBS_LEASE_S
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
@@ -319,6 +263,18 @@ def test_the_command_lines_job_options_reach_the_store(tmp_path: Path) -> None:
     args = ["--model", "tiny-wan", "--jobs-dir", "none", "--checkpoint-every", "never"]
     options = service_options(parser.parse_args([*args, "--video-bytes", "1000"]))
     assert (options.jobs_dir, options.checkpoint_every_s, options.video_bytes) == (None, None, 1000)
-    ray = parser.parse_args(["--model", "tiny-wan", "--ray", "--jobs-dir", str(tmp_path)])
-    with pytest.raises(UsageError, match="--jobs-dir: does not apply with --ray"):
-        refuse_unused(ray, unused_options(ray), from_environment=())
+    options = service_options(parser.parse_args(["--model", "tiny-wan", "--jobs-lease", "4"]))
+    assert options.jobs_lease_s == 4.0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "tiny-wan", "--jobs-lease", "0"])
+    # Under --ray (L79) the replicas of a video model share the folder, 10 s leases by default;
+    # an image model's replicas keep nothing.
+    ray = ["--ray", "--ray-address", "127.0.0.1:1", "--jobs-dir", str(tmp_path)]
+    for model, folder, lease in (
+        ("tiny-wan", str(tmp_path), DEFAULT_JOBS_LEASE_S),
+        ("tiny-sd", None, None),
+    ):
+        given = parser.parse_args(["--model", model, *ray])
+        refuse_unused(given, unused_options(given), from_environment=())  # none refused
+        options = ray_options(given)
+        assert (options.jobs_dir, options.jobs_lease_s) == (folder, lease)

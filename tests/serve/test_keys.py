@@ -36,12 +36,11 @@ from omni_trio.serve import (
     load_keys_file,
     require_admin,
 )
-from omni_trio.serve._jobstore import JobStore
 from omni_trio.serve._keys import CALLER, KeyGate, RateLimiter, check_running_jobs
 from omni_trio.serve._ray_ingress import REPLICA_HEADER, ReplicaIngress
 from omni_trio.testing import FakeRunner
 from tests.support.core import BUDGET
-from tests.support.serve import PATH, make_service, metric, serving
+from tests.support.serve import PATH, make_service, metric, serving, stored_rows
 
 SECRET = "sk-acme-0123456789"
 ADMIN = "sk-root-9876543210"
@@ -270,7 +269,7 @@ async def cut_video_job_of_acme(folder: Path) -> str:
         job_id: str = response.json()["id"]
         while slow.steps_run < 1:
             await anyio.sleep(0.005)
-    [row] = await anyio.to_thread.run_sync(JobStore(folder).open)
+    [row] = await stored_rows(folder)
     assert (row.id, row.tenant) == (job_id, "acme")
     assert row.status in ("queued", "in_progress")  # not finished: it runs again
     return job_id
