@@ -8,8 +8,11 @@ Determinism rules:
   for the tests that read a busy replica's metrics (Ray routes a request to the less
   busy replica, so with two, a busy one is never reached) and for backpressure, where
   the engine's bound is exact and Ray's is best effort (under load Ray once held all
-  16 of 16 requests where its bound read 10); each test leaves both idle, and a test
-  that starts an endless request ends it whatever happens;
+  16 of 16 requests where its bound read 10); one test deploys a third, ``videos``
+  (2 replicas of a fake video model sharing one job store, L79), and kills a replica
+  (SIGKILL) mid-job: Ray starts another, and the job is taken over once its lease (2 s)
+  lapsed; each test leaves the applications idle, and a test that starts an endless
+  request ends it whatever happens;
 - requests that must overlap take seconds (hundreds of 10 ms steps), so that they
   overlap however slowly the threads that send them start;
 - "mid-way" is a step count read from the replicas' own ``/metrics`` or progress
@@ -25,13 +28,17 @@ Determinism rules:
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import os
+import signal
+import sqlite3
 import threading
 import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -41,12 +48,17 @@ import pytest
 import omni_trio as ot
 from omni_trio.cli._ray import RAY_ENVIRONMENT
 from omni_trio.serve._ray_ingress import REPLICA_HEADER, Message, ReplicaIngress
+from omni_trio.testing import FakeRunner
 from tests.support.cli import alive, descendants
 from tests.support.serve import PATH, free_port, metric, poll_until
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None
 
 STEP_S = 0.01
+#: The video application's step and lease: a job of 300 steps runs 6 s, so a replica is
+#: killed mid-way; a dead replica's job is taken over 2 s after its last renewal.
+VIDEO_STEP_S = 0.02
+VIDEO_LEASE_S = 2.0
 #: Steps of a request that must still run when the test ends it: 1,000 s of steps,
 #: so however slow the machine, it is cut off by the test, never finished.
 ENDLESS = 100_000
@@ -103,19 +115,24 @@ class Cluster:
     url: str
     handle: Any
     replicas: int = REPLICAS
+    folder: Path | None = None
 
     def post(self, body: dict[str, Any]) -> httpx.Response:
         return httpx.post(self.url + PATH, json=body, timeout=60)
 
     def per_replica(self, path: str) -> dict[str, str]:
         """GET ``path`` until every replica answered once; their bodies by replica id."""
-        bodies: dict[str, str] = {}
+        return {r: a.text for r, a in self.answers_per_replica(path).items()}
+
+    def answers_per_replica(self, path: str) -> dict[str, httpx.Response]:
+        """GET ``path`` until every replica answered once; their answers by replica id."""
+        answers: dict[str, httpx.Response] = {}
         deadline = time.monotonic() + 30
-        while len(bodies) < self.replicas:
-            assert time.monotonic() < deadline, f"only {set(bodies)} answered {path}"
+        while len(answers) < self.replicas:
+            assert time.monotonic() < deadline, f"only {set(answers)} answered {path}"
             answer = httpx.get(self.url + path, timeout=10)
-            bodies.setdefault(answer.headers[REPLICA_HEADER], answer.text)
-        return bodies
+            answers.setdefault(answer.headers[REPLICA_HEADER], answer)
+        return answers
 
     def total(self, name: str, **labels: str) -> float:
         """The sum over the replicas of one sample of their /metrics."""
@@ -150,7 +167,9 @@ def apps() -> Iterator[tuple[Cluster, Cluster]]:
     # Processes this session started before (multiprocessing's resource tracker, which the
     # parallel tests start and which lives as long as pytest) are not Ray's to end.
     before = descendants(os.getpid())
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=4, log_to_driver=False)
+    # Five replicas of one CPU each (Ray Serve's default: the two applications and the
+    # video test's), and one to spare.
+    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=6, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
 
@@ -198,6 +217,39 @@ def cluster(apps: tuple[Cluster, Cluster]) -> Cluster:
 def solo(apps: tuple[Cluster, Cluster]) -> Cluster:
     """The application of one replica."""
     return apps[1]
+
+
+@pytest.fixture
+def videos(apps: tuple[Cluster, Cluster], tmp_path: Path) -> Iterator[Cluster]:
+    """A third application, for its one test (its start counts in that test's budget, not
+    in the first test's): two replicas of a fake video model sharing one job store (L79)."""
+    from ray import serve
+
+    from omni_trio.serve.ray import deployment
+
+    folder = tmp_path / "jobs"
+    handle = serve.run(
+        deployment(
+            functools.partial(
+                FakeRunner, frames=(4, 1), checkpoints=True, step_seconds=VIDEO_STEP_S
+            ),
+            num_replicas=REPLICAS,
+            engine_config=ot.EngineConfig(max_height=64, max_width=64, max_steps=ENDLESS),
+            serve_config=ot.serve.ServeConfig(
+                model_name="fake-video", default_width=16, default_height=16
+            ),
+            jobs_dir=folder,
+            checkpoint_every_s=0.0,
+            jobs_lease_s=VIDEO_LEASE_S,
+            graceful_shutdown_timeout_s=5.0,
+        ),
+        name="videos",
+        route_prefix="/videos",
+    )
+    try:
+        yield Cluster(apps[0].url + "/videos", handle, folder=folder)
+    finally:
+        serve.delete("videos")
 
 
 @pytest.mark.timeout(120)
@@ -360,3 +412,56 @@ def test_backpressure_answers_at_once_never_hangs(solo: Cluster) -> None:
     assert cluster.total("omni_trio_requests_total", outcome="queue_full") == refused + codes.count(
         429
     )
+
+
+@pytest.mark.timeout(300)  # its application's start (two replicas), then the job
+@pytest.mark.ray
+@pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
+def test_any_replica_serves_any_job_and_a_dead_replicas_job_is_resumed(videos: Cluster) -> None:
+    """L79: two replicas share one job store. Every replica reads a job one of them runs;
+    its replica is killed (SIGKILL) mid-way; the job is taken over and resumed from its
+    last checkpoint (the live replicas run fewer steps than the job has), completes, and
+    every replica serves the same MP4; deleted through one, it is 404 on every replica."""
+    assert videos.folder is not None
+    steps = 300
+    answer = httpx.post(
+        videos.url + "/v1/videos",
+        json={"prompt": "a fox", "seed": 1, "num_frames": 5, "num_inference_steps": steps},
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text
+    job_id = answer.json()["id"]
+
+    def row() -> tuple[str | None, int | None]:
+        with sqlite3.connect(videos.folder / "jobs.sqlite3") as db:
+            found = db.execute(
+                "SELECT owner, checkpoint_step FROM jobs WHERE id = ?", (job_id,)
+            ).fetchone()
+        assert found is not None
+        return found[0], found[1]
+
+    poll_until(lambda: (row()[1] or 0) >= 2, timeout=30, what="a checkpoint of step 2")
+    seen = videos.answers_per_replica(f"/v1/videos/{job_id}")
+    assert {a.status_code for a in seen.values()} == {200}
+    assert {a.json()["id"] for a in seen.values()} == {job_id}
+    owner, _ = row()
+    assert owner is not None
+    os.kill(int(owner.split(":")[1]), signal.SIGKILL)
+
+    def completed() -> bool:
+        try:
+            answer = httpx.get(f"{videos.url}/v1/videos/{job_id}", timeout=10)
+        except httpx.HTTPError:
+            return False  # the proxy may hold a call to the dead replica until Ray sees it
+        return answer.status_code == 200 and answer.json()["status"] == "completed"
+
+    poll_until(completed, timeout=120, what="the job to be resumed and completed")
+    assert row()[0] != owner
+    ran = videos.total("omni_trio_engine_steps_total")  # the live replicas: not the dead one
+    assert 0 < ran < steps
+    mp4s = videos.answers_per_replica(f"/v1/videos/{job_id}/content")
+    assert {a.status_code for a in mp4s.values()} == {200}
+    assert len({a.content for a in mp4s.values()}) == 1
+    assert httpx.delete(f"{videos.url}/v1/videos/{job_id}", timeout=10).status_code == 200
+    gone = videos.answers_per_replica(f"/v1/videos/{job_id}")
+    assert {a.status_code for a in gone.values()} == {404}
