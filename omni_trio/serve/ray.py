@@ -11,7 +11,10 @@ Needs the ``ray`` extra (``pip install 'omni_trio[ray]'``); ``import omni_trio``
   fields) is the Python handle method, for other deployments;
 - ``DeploymentResponse.cancel()`` on a handle call, and an HTTP client that
   disconnects, abort the request at its next step boundary; the replica's call
-  returns only once the worker released it (L11, L51).
+  returns only once the worker released it (L11, L51);
+- ``deployment(..., jobs_dir=folder)`` (``serve --ray``'s ``--jobs-dir``): a video
+  model's replicas share one job store on the head node (L79): any replica serves
+  any job, and a dead replica's jobs are taken over from their last checkpoints.
 
 The engine's lifetime is the replica's: the lifespan opens it when the replica
 starts and Ray Serve's destructor runs its shutdown sequence (L30-L35) when the
