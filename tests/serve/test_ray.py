@@ -420,7 +420,8 @@ def test_any_replica_serves_any_job_and_a_dead_replicas_job_is_resumed(videos: C
     its replica is killed (SIGKILL) mid-way; the job is taken over and resumed from its
     last checkpoint (the live replicas run fewer steps than the job has), completes, and
     every replica serves the same MP4; deleted through one, it is 404 on every replica."""
-    assert videos.folder is not None
+    folder = videos.folder
+    assert folder is not None
     steps = 300
     answer = httpx.post(
         videos.url + "/v1/videos",
@@ -431,7 +432,7 @@ def test_any_replica_serves_any_job_and_a_dead_replicas_job_is_resumed(videos: C
     job_id = answer.json()["id"]
 
     def row() -> tuple[str | None, int | None]:
-        with sqlite3.connect(videos.folder / "jobs.sqlite3") as db:
+        with sqlite3.connect(folder / "jobs.sqlite3") as db:
             found = db.execute(
                 "SELECT owner, checkpoint_step FROM jobs WHERE id = ?", (job_id,)
             ).fetchone()
