@@ -571,18 +571,9 @@ class VideoJobs:
 
     async def _job_of(self, row: JobRow) -> VideoJob | None:
         """The job a row keeps; ``None`` (the row deleted) if it cannot be read."""
-        try:
-            spec = spec_from_record(row.spec)
-            if row.tenant is not None:
-                # Its tenant's request again (L57): fair share, bounds, /metrics.
-                request = dataclasses.replace(spec.request, tenant=row.tenant)
-                spec = dataclasses.replace(spec, request=request)
-        except Exception:
-            _log.exception("video job %s: its record is unreadable; dropped", row.id)
+        job = _view(row)
+        if job is None:
             await self._stored(self._store().delete, row.id)
-            return None
-        job = VideoJob(job_id=row.id, seq=row.seq, model=row.model, spec=spec)
-        job.restored(row)
         return job
 
     async def _resume(self, job: VideoJob, row: JobRow, engine: Engine) -> bool:
@@ -1095,16 +1086,19 @@ class VideoJobs:
 
 
 def _view(row: JobRow) -> VideoJob | None:
-    """Another server's job as the store has it (L79); ``None`` if its record is unreadable."""
+    """The job a stored row keeps, with its tenant's request again (L57: fair share,
+    bounds, /metrics); ``None`` if its record is unreadable."""
     try:
-        view = VideoJob(
-            job_id=row.id, seq=row.seq, model=row.model, spec=spec_from_record(row.spec)
-        )
+        spec = spec_from_record(row.spec)
+        if row.tenant is not None:
+            request = dataclasses.replace(spec.request, tenant=row.tenant)
+            spec = dataclasses.replace(spec, request=request)
     except Exception:
         _log.exception("video job %s: its record is unreadable", row.id)
         return None
-    view.restored(row)
-    return view
+    job = VideoJob(job_id=row.id, seq=row.seq, model=row.model, spec=spec)
+    job.restored(row)
+    return job
 
 
 def _not_found(job_id: str) -> ApiError:

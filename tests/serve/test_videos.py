@@ -17,8 +17,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -42,6 +40,7 @@ from omni_trio.testing import (
     wait_until,
 )
 from tests.support.core import BUDGET
+from tests.support.jobs import create, finished, serving
 from tests.support.serve import AsgiCall, PixelWork, metric, parse_sse
 
 pytestmark = pytest.mark.anyio
@@ -86,33 +85,6 @@ def make_service(
         video_config=videos,
     )  # fmt: skip
     return service, runner
-
-
-@asynccontextmanager
-async def serving(service: Service) -> AsyncIterator[httpx.AsyncClient]:
-    """Run the service's lifespan; yield a client that calls it in-process."""
-    transport = httpx.ASGITransport(app=service.app)
-    async with (
-        service.lifespan(),
-        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
-    ):
-        yield client
-
-
-async def create(client: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
-    response = await client.post("/v1/videos", json={"prompt": "a fox", **body})
-    assert response.status_code == 200, response.text
-    job: dict[str, Any] = response.json()
-    return job
-
-
-async def finished(client: httpx.AsyncClient, job_id: str) -> dict[str, Any]:
-    """Poll the job until it completed or failed (the hang budget bounds it)."""
-    while True:
-        job: dict[str, Any] = (await client.get(f"/v1/videos/{job_id}")).json()
-        if job["status"] in ("completed", "failed"):
-            return job
-        await anyio.sleep(0.001)
 
 
 def mp4_frames(data: bytes) -> list[tuple[int, int]]:

@@ -39,6 +39,7 @@ def service_on(
 
 @asynccontextmanager
 async def serving(service: Service) -> AsyncIterator[httpx.AsyncClient]:
+    """Run the service's lifespan; yield a client that calls it in-process."""
     transport = httpx.ASGITransport(app=service.app)
     async with (
         service.lifespan(),
@@ -48,6 +49,7 @@ async def serving(service: Service) -> AsyncIterator[httpx.AsyncClient]:
 
 
 async def create(client: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
+    """Create a job (seed 1 unless ``body`` says otherwise); its JSON."""
     response = await client.post("/v1/videos", json={"prompt": "a fox", "seed": 1, **body})
     assert response.status_code == 200, response.text
     job: dict[str, Any] = response.json()
@@ -55,6 +57,7 @@ async def create(client: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
 
 
 async def finished(client: httpx.AsyncClient, job_id: str) -> dict[str, Any]:
+    """Poll the job until it completed or failed (the hang budget bounds it)."""
     while True:
         job: dict[str, Any] = (await client.get(f"/v1/videos/{job_id}")).json()
         if job["status"] in ("completed", "failed"):
