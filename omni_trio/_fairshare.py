@@ -94,10 +94,13 @@ class FairShare:
 
         With ``cost`` it was served (taken by a worker): the level's virtual time
         moves to the tenant's tag, and the tag on by ``cost / weight``. Without,
-        it was withdrawn (aborted, expired, shut down) and nothing is charged.
+        it was withdrawn (aborted, expired, shut down) and nothing is charged. A
+        cost of 0 (a suspended request taken again, charged when first taken)
+        moves nothing either: its start was its first take's, not the tag its
+        tenant's later requests start from.
         """
         level = self._levels[priority]
-        if cost is not None:
+        if cost:
             start = level.tags[tenant]
             level.virtual = max(level.virtual, start)
             level.tags[tenant] = start + cost / self.weight(tenant)

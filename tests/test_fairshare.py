@@ -271,6 +271,29 @@ def test_a_tenant_that_returns_from_idle_saves_nothing_up() -> None:
     assert got == [late[0], first[4], late[1], first[5], late[2]]
 
 
+def test_a_suspended_request_taken_again_moves_no_tag_nor_the_virtual_time() -> None:
+    """L57, L61: a suspended request comes back with cost 0 (it was charged when first
+    taken); taking it again moves neither its tenant's tag nor the level's virtual
+    time, so a tenant that starts waiting after it starts where it would have."""
+    share = FairShare()
+    queue: WaitingQueue[Item] = WaitingQueue(share)
+    a = [Item(f"a{i}") for i in range(3)]
+    b0, c0 = Item("b0"), Item("c0")
+    for item in a:
+        queue.push(item, 0, tenant="a", cost=4.0)
+    queue.push(b0, 0, tenant="b", cost=1.0)
+    assert queue.take(batch_key=None, free=1, can_join=True) == [a[0]]  # a's tag 4
+    parked: WaitingQueue[Item] = WaitingQueue(share)
+    parked.push(a[0], 0, tenant="a", sequence=0)  # suspended: back with cost 0
+    # b0 (tag 0) first, then a0 (tag 4, admitted first of "a"): the virtual time
+    # stays at b0's start, 0.
+    assert take((queue, parked), batch_key=None, free=2, can_join=True) == [b0, a[0]]
+    assert share.tag(0, "a") == 4.0
+    queue.push(c0, 0, tenant="c", cost=1.0)
+    # "c" starts at the virtual time (0), not at a's tag (4): c0 before a1.
+    assert queue.take(batch_key=None, free=2, can_join=True) == [c0, a[1]]
+
+
 def test_an_idle_tenant_ahead_of_the_virtual_time_restarts_at_the_later_of_the_two() -> None:
     """L57: a tenant served a large request then idle keeps its tag while it is ahead of
     the virtual time, and restarts at the virtual time once that passed it."""
