@@ -70,7 +70,8 @@ class EngineConfig:
             for a process to stop (Kubernetes' default grace period): a longer
             step could not be stopped before the process is killed. ``None``: no
             bound.
-        preemption: whether a waiting request of strictly higher priority may
+        preemption: whether a waiting request of strictly higher priority (or,
+            with ``tenant_preemption``, of another tenant over its share) may
             suspend a running one at a step boundary when it cannot start
             otherwise (L61; only with a runner that declares ``suspendable``).
         max_preemptions: most times one request is suspended; after that it runs
@@ -96,6 +97,16 @@ class EngineConfig:
         tenant_max_waiting: the most requests a named tenant may have waiting
             (suspended ones included); ``submit`` raises ``QueueFullError`` beyond
             it (L56). A tenant not named here is bounded by ``max_waiting`` only.
+        tenant_preemption: with ``preemption``, whether a waiting request may
+            suspend a running one of its own priority and another tenant, when
+            the batch is full and that tenant holds more places in it than its
+            weight's share (L61 amended, L57): a light tenant's request then
+            starts at the next boundary beside a heavy tenant's full batch,
+            instead of waiting for a place to free. The places are counted over
+            the worker's last 1,024 full batch steps and the batch now, so a
+            tenant that ran little lately may hold more than its share for a
+            while. Requests of one tenant (and of the default tenant alone) never
+            preempt each other.
     """
 
     max_batch_size: int = 4
@@ -118,6 +129,7 @@ class EngineConfig:
     default_cache: StepCache | None = None
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     tenant_max_waiting: Mapping[str, int] = field(default_factory=dict)
+    tenant_preemption: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -136,7 +148,7 @@ class EngineConfig:
                 fail_config, name, getattr(self, name), minimum=1, maximum=sys.maxsize
             )
             object.__setattr__(self, name, value)
-        for name in ("preemption", "park_on_host"):
+        for name in ("preemption", "park_on_host", "tenant_preemption"):
             if not isinstance(getattr(self, name), bool):
                 fail_config(name, f"must be a bool, got {type(getattr(self, name)).__name__}")
         preemptions = check_int(

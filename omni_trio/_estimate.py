@@ -90,7 +90,10 @@ def check_deadline(
         step_s = batch.step_s
         if step_s is None:
             return
-        timed.append((batch.steps_before(key=key, priority=priority, rules=worker.rules), step_s))
+        wait = batch.steps_before(
+            key=key, priority=priority, tenant=request.tenant, rules=worker.rules
+        )
+        timed.append((wait, step_s))
     if not ahead and any(wait == 0 for wait, _ in timed):
         return  # it starts at the next boundary
     shared = -(-ahead // (workers[0].max_batch * len(workers)))

@@ -56,7 +56,7 @@ from typing import Generic, TypeVar
 from ._fairshare import FairShare, Tenant
 from ._stepsums import DeadlineSums
 
-__all__ = ["Rank", "WaitingQueue", "best_of", "take"]
+__all__ = ["Rank", "WaitingQueue", "best_of", "take", "tenant_heads"]
 
 T = TypeVar("T", bound=Hashable)
 
@@ -373,6 +373,23 @@ class WaitingQueue(Generic[T]):
                 return tag, entry
             heapq.heapreplace(heads, (current, entry[0], entry[1], stamp, tenant))
 
+    def _tenant_heads(self, priority: int) -> list[tuple[_FairRank, _Entry[T]]]:
+        """Each tenant's best waiting entry at ``priority`` and its rank. O(t), t tenants
+        waiting there, plus the withdrawn entries it pops off their heaps' tops."""
+        level = self._levels.get(priority)
+        if level is None:
+            return []
+        found = []
+        for tenant, sub in level.subs.items():
+            heap = sub.heap
+            while self._entries.get(heap[0][2]) is not heap[0]:
+                heapq.heappop(heap)
+                self._held -= 1
+            entry = heap[0]
+            tag = self._share.tag(priority, tenant)
+            found.append(((-priority, tag, entry[0], entry[1]), entry))
+        return found
+
     def take(self, *, batch_key: Hashable | None, free: int, can_join: bool) -> list[T]:
         """Remove and return the requests that may enter the batch now (see ``take``)."""
         return take((self,), batch_key=batch_key, free=free, can_join=can_join)
@@ -406,8 +423,9 @@ class WaitingQueue(Generic[T]):
 
 def best_of(
     queues: Sequence[WaitingQueue[T]],
-) -> tuple[T, Hashable, int, WaitingQueue[T]] | None:
-    """The best-ranked waiting item of several queues: item, key, priority and its queue.
+) -> tuple[T, Hashable, int, Tenant, WaitingQueue[T]] | None:
+    """The best-ranked waiting item of several queues: item, key, priority, tenant and
+    its queue.
 
     The queues' items must have ranks from one numbering (distinct sequences) and
     one ``FairShare``.
@@ -416,7 +434,21 @@ def best_of(
     if found is None:
         return None
     entry, queue = found
-    return entry[2], entry[3], entry[5], queue
+    return entry[2], entry[3], entry[5], entry[6], queue
+
+
+def tenant_heads(
+    queues: Sequence[WaitingQueue[T]], priority: int
+) -> list[tuple[T, Hashable, Tenant]]:
+    """Each tenant's best-ranked waiting item at ``priority`` over several queues
+    (item, key, tenant), best-ranked first; O(t log t) for t tenants waiting there."""
+    best: dict[Tenant, tuple[_FairRank, _Entry[T]]] = {}
+    for queue in queues:
+        for rank, entry in queue._tenant_heads(priority):
+            tenant = entry[6]
+            if tenant not in best or rank < best[tenant][0]:
+                best[tenant] = (rank, entry)
+    return [(e[2], e[3], e[6]) for _, e in sorted(best.values(), key=lambda found: found[0])]
 
 
 def _best_entry(queues: Sequence[WaitingQueue[T]]) -> tuple[_Entry[T], WaitingQueue[T]] | None:

@@ -35,7 +35,10 @@ Preemption (L61), with a runner that declares ``suspendable``: when the
 best-ranked request this worker could take has a strictly higher priority than a
 running one and cannot start otherwise (the batch is full, has another batch key,
 or takes no joins), the plan names victims: the lowest-ranked running member, or
-the whole batch when only an empty batch lets the newcomer start. Outside the
+the whole batch when only an empty batch lets the newcomer start; between tenants of
+one priority, a member of a tenant over its share of a full batch (L61 amended),
+counted over the worker's recent full steps (``RecentSteps``, which the step loop
+feeds after each step that ran to its end). Outside the
 lock the worker asks the runner what parking them would hold; if that fits
 ``max_parked_bytes`` and the plan still stands (the policy, asked again under the
 lock, plans the same), it reserves the newcomer (takes it), suspends the victims
@@ -72,6 +75,7 @@ from ._scheduler import (
     BoundaryRules,
     Member,
     Preemption,
+    RecentSteps,
     RunningBatch,
     plan_boundary,
     plan_preemption,
@@ -137,8 +141,12 @@ class Worker:
             can_join=capabilities.can_join,
             preempting=self._preempting,
             max_preemptions=config.max_preemptions,
+            tenant_preemption=config.tenant_preemption,
+            weights=config.tenant_weights,
         )
         self._rules_no_preemption = dataclasses.replace(self._rules, preempting=False)
+        # The last batch steps, which tenant preemption reads (L61 amended).
+        self._recent = RecentSteps(self._rules.max_batch)
         self._park_on_host = config.park_on_host
         self._max_parked_bytes = config.max_parked_bytes
         self.parked: WaitingQueue[WorkItem] = pool.new_queue()
@@ -405,6 +413,7 @@ class Worker:
                     rank=item.rank(),
                     preemptions=item.preemptions,
                     stopped=False,
+                    tenant=item.request.tenant,
                 )
                 for item in view
             )
@@ -414,6 +423,7 @@ class Worker:
             steps=tuple((item.steps_done, item.steps_total) for item in view),
             step_s=self._step_s,
             pixel_s=self._pixel_s,
+            recent=self._recent.view(),
         )
 
     def _measured(self, elapsed: float, key: Hashable, pixels: int) -> None:
@@ -436,6 +446,7 @@ class Worker:
                 rank=item.rank(),
                 preemptions=item.preemptions,
                 stopped=item.token.reason is not None,
+                tenant=item.request.tenant,
             )
             for item in running
         ]
@@ -461,6 +472,7 @@ class Worker:
                     rules=rules,
                     stopping=pool.stopping,
                     idle=pool.idle,
+                    recent=self._recent.view(),
                 )
                 running[:] = plan.keep
                 if plan.stop:
@@ -549,7 +561,7 @@ class Worker:
         """The preemption the policy would plan now; under the lock."""
         pool = self._pool
         queues = sources(pool.fresh, self.parked, busy=bool(running), idle=pool.idle)
-        return plan_preemption(self._members(running), queues, self._rules)
+        return plan_preemption(self._members(running), queues, self._rules, self._recent.view())
 
     def _no_preemption(self, running: list[WorkItem]) -> Sequence[WorkItem]:
         plan = self._boundary(running, preempting=False)
@@ -692,6 +704,7 @@ class Worker:
             return
         elapsed = time.perf_counter() - started
         self.batch_steps += 1
+        self._recent.ran([(item.request.priority, item.request.tenant) for item in running])
         self._measured(elapsed, running[0].batch_key, sum(item.step_pixels for item in running))
         stepped = [(item, self._stepped(item, elapsed)) for item in running]
         running[:] = [
@@ -747,6 +760,7 @@ class Worker:
                 item.steps_total = total
             now = time.perf_counter()
             self.batch_steps += 1
+            self._recent.ran([(item.request.priority, item.request.tenant)])
             self._measured(now - last, item.batch_key, item.step_pixels)
             error = self._stepped(item, now - last)
             self._publish((item,))

@@ -210,7 +210,9 @@ async def test_lifecycle_state_machine(plan: Plan) -> None:
     by more than one request's cost over their weights (L57); each batch is
     the one the worker model predicts, suspensions included: a strictly higher
     priority that cannot start suspends the lowest-ranked member or the whole
-    batch, at most max_preemptions times each, and the suspended request resumes
+    batch, at most max_preemptions times each, and between tenants of one priority
+    a tenant over its share of a full batch gives a place up to another's
+    newcomer (L61 amended), and the suspended request resumes
     from the step it reached, its events neither repeated nor missing; ended while
     suspended it is released at once, undecoded, and the counts of suspended
     requests and suspensions agree (L61); a deadline the

@@ -114,7 +114,7 @@ async def test_higher_priority_suspends_the_running_request_which_resumes_exactl
 
 @pytest.mark.anyio
 async def test_equal_priorities_never_preempt() -> None:
-    """L61: a newcomer of the running request's priority waits for the batch to end."""
+    """L61: a newcomer of the running request's priority and tenant waits for the batch to end."""
     runner = RecordingRunner()
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(runner, config()) as engine:
@@ -157,6 +157,57 @@ async def test_a_full_batch_gives_up_its_lowest_ranked_member() -> None:
     assert runner.batches[:4] == [("opener",), ("a", "b"), ("a", "c"), ("a", "c")]
     assert runner.batches[4:] == [("a", "b"), ("b",), ("b",)]
     assert runner.suspends == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("newcomer", "tenant_preemption", "suspends"),
+    [("light", True, 1), ("light", False, 0), ("heavy", True, 0)],
+)
+async def test_a_tenant_over_its_share_gives_a_place_to_another_tenant(
+    newcomer: str, tenant_preemption: bool, suspends: int
+) -> None:
+    """L61 amended, L57: at one priority, a full batch held by one tenant makes room
+    for another tenant's newcomer; never for its own tenant's, nor when turned off.
+
+    "h1" and "h2" of tenant "heavy" (4 steps) fill a batch of two behind a one-step
+    "opener"; "n" (2 steps) arrives at the same priority. For tenant "light", "heavy"
+    holds both places where its weight's share is one: "h2", its lowest-ranked,
+    is suspended, "n" joins at the boundary, and "h2" resumes when "n" is done,
+    from the step it reached, with the uninterrupted image. "heavy"'s own "n", or
+    ``tenant_preemption=False``, waits for a place.
+    """
+    runner = RecordingRunner()
+    settings = config(max_batch_size=2, tenant_preemption=tenant_preemption)
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner, settings) as engine:
+            handles = [await opened(engine, runner)]
+            for name in ("h1", "h2"):
+                request = req(num_steps=4, seed=3, tenant="heavy")
+                handles.append(engine.submit(request, request_id=name))
+            runner.release(1)
+            await runner.wait_arrived(2)
+            handles.append(engine.submit(req(num_steps=2, tenant=newcomer), request_id="n"))
+            runner.open_gate()
+            outputs = []
+            for handle in handles:
+                async with handle:
+                    outputs.append(await handle.result())
+            assert engine.statistics().preemptions == suspends
+    if suspends:
+        assert runner.batches == [
+            ("opener",),
+            ("h1", "h2"),
+            *[("h1", "n")] * 2,
+            ("h1", "h2"),
+            *[("h2",)] * 2,
+        ]
+        assert outputs[2].metrics.preemptions == 1
+    else:
+        assert runner.batches == [("opener",), *[("h1", "h2")] * 4, *[("n",)] * 2]
+    assert (runner.suspends, runner.resumes, runner.parked_states) == (suspends, suspends, 0)
+    expected = expected_images(req(num_steps=4, seed=3, tenant="heavy"))
+    assert torch.equal(outputs[2].images, expected)
 
 
 @pytest.mark.anyio
@@ -418,6 +469,7 @@ def test_suspendable_capabilities_are_checked() -> None:
     [
         ("preemption", 1),
         ("park_on_host", "yes"),
+        ("tenant_preemption", "no"),
         ("max_preemptions", -1),
         ("max_preemptions", True),
         ("max_parked_bytes", -1),

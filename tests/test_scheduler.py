@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from unittest import mock
 
@@ -20,8 +22,19 @@ from hypothesis import strategies as st
 import omni_trio as ot
 from omni_trio import _queue as queue_module
 from omni_trio import _stepsums as stepsums_module
+from omni_trio._fairshare import FairShare
 from omni_trio._queue import WaitingQueue
-from omni_trio._scheduler import BoundaryRules, Member, Preemption, RunningBatch, plan_boundary
+from omni_trio._scheduler import (
+    NO_STEPS,
+    BoundaryRules,
+    Member,
+    Preemption,
+    RecentSteps,
+    RunningBatch,
+    fair_victim,
+    make_room,
+    plan_boundary,
+)
 from omni_trio._stepsums import DeadlineSums
 from tests.lifecycle.sched import Job, WorkerModel
 
@@ -342,40 +355,67 @@ class Boundary:
     running: list[Job]
     fresh: list[Job]
     parked: list[Job]
+    # Tenant preemption (L61 amended): on or off, the weights, and the worker's
+    # last full batch steps, each its members' (priority, tenant).
+    tenant_preemption: bool
+    weights: dict[str, float]
+    recent: list[tuple[tuple[int, str | None], ...]]
 
 
-def _job(where: str, priority: int, key: int, deadline: float, admission: int) -> Job:
-    request = ot.GenerationRequest(height=8 * (1 + key), width=8, priority=priority)
+_tenants = st.sampled_from([None, "a", "b"])
+
+
+def _job(
+    where: str,
+    priority: int,
+    key: int,
+    deadline: float,
+    admission: int,
+    tenant: str | None = None,
+) -> Job:
+    request = ot.GenerationRequest(height=8 * (1 + key), width=8, priority=priority, tenant=tenant)
     return Job(f"j{admission}", request, (-priority, deadline, admission), where=where)  # type: ignore[arg-type]
 
 
 @st.composite
-def boundaries(draw: st.DrawFn) -> Boundary:
-    """A batch of one key (at most ``max_batch``), some of its tokens set, and queues."""
-    max_batch = draw(st.integers(1, 3))
+def boundaries(draw: st.DrawFn, *, tenants: bool = False) -> Boundary:
+    """A batch of one key (at most ``max_batch``), some of its tokens set, and queues.
+
+    ``tenants``: what tenant preemption needs (L61 amended), most of the time: a
+    full batch and queues at one priority, preempting, not stopping.
+    """
+    levels = st.just(0) if tenants else st.sampled_from([0, 1, 2])
+    # Tenant "a" floods the batch, most of the time, and the others wait.
+    seated = st.sampled_from(["a", "a", "a", None, "b"]) if tenants else _tenants
+    max_batch = draw(st.integers(2, 4) if tenants else st.integers(1, 3))
     key = draw(st.integers(0, 1))
     admissions = itertools.count()
     running: list[Job] = []
     # A full batch half the time: what preemption needs for a newcomer that could join.
-    for _ in range(draw(st.just(max_batch) | st.integers(0, max_batch))):
-        job = _job(
-            "running", draw(st.sampled_from([0, 1, 2])), key, draw(_deadlines), next(admissions)
-        )
+    full = st.just(max_batch)
+    for _ in range(draw(full if tenants else full | st.integers(0, max_batch))):
+        job = _job("running", draw(levels), key, draw(_deadlines), next(admissions), draw(seated))
         job.preemptions = draw(st.sampled_from([0, 1]))
         # Only a running member waits for a boundary to see its token: a waiting
         # one is withdrawn at once (L6).
-        job.token = draw(st.sampled_from([None, None, None, "user"]))
+        job.token = draw(st.sampled_from([None] * (7 if tenants else 3) + ["user"]))
         running.append(job)
     # Hypothesis draws the first of a ``sampled_from`` more often: waiting priorities
     # lean higher than running ones (preemption needs a better newcomer), and most
     # boundaries preempt if they should, and do not stop.
-    waiting = st.tuples(st.sampled_from([2, 1, 0]), st.integers(0, 1), _deadlines)
+    waiting = st.tuples(
+        st.just(0) if tenants else st.sampled_from([2, 1, 0]),
+        st.sampled_from([key, key, 1 - key] if tenants else [0, 1]),
+        _deadlines,
+        _tenants,
+    )
     fresh = [
-        _job("fresh", *spec, next(admissions))
+        _job("fresh", *spec[:3], next(admissions), spec[3])
         for spec in draw(st.lists(waiting, min_size=1, max_size=4))
     ]
     parked = [
-        _job("parked", *spec, next(admissions)) for spec in draw(st.lists(waiting, max_size=3))
+        _job("parked", *spec[:3], next(admissions), spec[3])
+        for spec in draw(st.lists(waiting, max_size=3))
     ]
     for job in parked:
         job.preemptions = draw(st.integers(1, 2))
@@ -383,21 +423,38 @@ def boundaries(draw: st.DrawFn) -> Boundary:
     order = draw(st.permutations(range(len(running) + len(fresh) + len(parked))))
     for job, admission in zip([*running, *fresh, *parked], order, strict=True):
         job.rank = (*job.rank[:2], admission)
+    # The worker's last full steps: its members' priorities and tenants, often this
+    # batch's own.
+    step = st.lists(st.tuples(levels, seated), min_size=max_batch, max_size=max_batch).map(tuple)
+    if len(running) == max_batch:
+        step |= st.just(tuple((job.priority, job.tenant) for job in running))
     return Boundary(
         max_batch=max_batch,
-        max_preemptions=draw(st.sampled_from([1, 2, 0])),
-        preempting=draw(st.sampled_from([True, True, True, False])),
+        max_preemptions=draw(st.sampled_from([1, 2] if tenants else [1, 2, 0])),
+        preempting=draw(st.sampled_from([True] if tenants else [True, True, True, False])),
         stopping=draw(st.sampled_from([False] * 7 + [True])),
         running=running,
         fresh=fresh,
         parked=parked,
+        tenant_preemption=draw(st.sampled_from([True, False])),
+        weights=draw(_weights),
+        recent=draw(st.lists(step, max_size=4)),
     )
 
 
-def _queue(jobs: list[Job]) -> WaitingQueue[Job]:
-    queue: WaitingQueue[Job] = WaitingQueue()
+def _queue(jobs: list[Job], share: FairShare | None = None) -> WaitingQueue[Job]:
+    """The jobs waiting, charged what the worker model charges (a pixel-step costs 1)."""
+    queue: WaitingQueue[Job] = WaitingQueue(share)
     for job in jobs:
-        queue.push(job, job.key, priority=job.priority, deadline=job.rank[1], sequence=job.rank[2])
+        queue.push(
+            job,
+            job.key,
+            priority=job.priority,
+            deadline=job.rank[1],
+            sequence=job.rank[2],
+            tenant=job.tenant,
+            cost=0.0 if job.where == "parked" else job.cost(1.0),
+        )
     return queue
 
 
@@ -409,24 +466,32 @@ def _members(jobs: list[Job]) -> list[Member[Job]]:
             rank=job.rank,
             preemptions=job.preemptions,
             stopped=job.token is not None,
+            tenant=job.tenant,
         )
         for job in jobs
     ]
 
 
 @settings(max_examples=500)
-@given(boundaries())
+@given(boundaries() | boundaries(tenants=True))
 def test_boundary_plan_agrees_with_the_worker_model(boundary: Boundary) -> None:
-    """L7, L32, L60, L61: the plan drops, suspends and admits what the worker model does."""
+    """L7, L32, L57, L60, L61: the plan drops, suspends and admits what the worker model
+    does, between tenants too (L61 amended: their places now and in the last steps)."""
     running, fresh, parked = boundary.running, boundary.fresh, boundary.parked
     jobs = [*running, *fresh, *parked]
-    fresh_queue, parked_queue = _queue(fresh), _queue(parked)
+    share = FairShare(boundary.weights)
+    fresh_queue, parked_queue = _queue(fresh, share), _queue(parked, share)
     rules = BoundaryRules(
         max_batch=boundary.max_batch,
         can_join=True,
         preempting=boundary.preempting,
         max_preemptions=boundary.max_preemptions,
+        tenant_preemption=boundary.tenant_preemption,
+        weights=boundary.weights,
     )
+    recent = RecentSteps(boundary.max_batch)
+    for step in boundary.recent:
+        recent.ran(step)
     plan = plan_boundary(
         _members(running),
         fresh=fresh_queue,
@@ -434,6 +499,7 @@ def test_boundary_plan_agrees_with_the_worker_model(boundary: Boundary) -> None:
         rules=rules,
         stopping=boundary.stopping,
         idle=0,
+        recent=recent.view(),
     )
     # Without preemption the model is a worker whose members may never be suspended.
     model = WorkerModel(
@@ -443,6 +509,9 @@ def test_boundary_plan_agrees_with_the_worker_model(boundary: Boundary) -> None:
         parked=list(parked),
         running=list(running),
         stopping=boundary.stopping,
+        weights=boundary.weights,
+        tenant_preemption=boundary.tenant_preemption,
+        recent=deque(boundary.recent),
     )
     model.boundary()
 
@@ -573,3 +642,243 @@ def test_a_published_batch_says_how_long_a_newcomer_waits() -> None:
     assert full.steps_before(key=0, priority=1, rules=off) == 8
     alone = BoundaryRules(max_batch=1, can_join=False, preempting=False, max_preemptions=0)
     assert _batch((0, 0, 0, 5)).steps_before(key=0, priority=9, rules=alone) == 5
+
+
+def _tenant_rules(weights: dict[str, float], *, max_batch: int = 4) -> BoundaryRules:
+    return BoundaryRules(
+        max_batch=max_batch,
+        can_join=True,
+        preempting=True,
+        max_preemptions=1,
+        tenant_preemption=True,
+        weights=weights,
+    )
+
+
+def _seated(tenants: Sequence[str | None], *, priority: int = 0) -> list[Member[str]]:
+    """A batch of one key and priority, member ``i`` of ``tenants[i]``, admitted in order."""
+    return [
+        Member(
+            item=f"{tenant}{i}",
+            key=0,
+            rank=(-priority, math.inf, i),
+            preemptions=0,
+            stopped=False,
+            tenant=tenant,
+        )
+        for i, tenant in enumerate(tenants)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("weights", "settled"),
+    [({}, (2, 2)), ({"heavy": 3.0}, (3, 1)), ({"light": 3.0}, (1, 3))],
+)
+def test_a_full_batch_moves_places_to_another_tenant_up_to_the_weights(
+    weights: dict[str, float], settled: tuple[int, int]
+) -> None:
+    """L61 amended, L57: newcomers of "light" take places of a batch "heavy" fills,
+    one per boundary, the lowest-ranked first, until the places match the weights;
+    then they wait, and "heavy"'s newcomers never take a place back."""
+    rules = _tenant_rules(weights)
+    members = _seated(["heavy"] * 4)
+    admitted = itertools.count(4)
+    while (victim := fair_victim(members, priority=0, tenant="light", rules=rules)) is not None:
+        [given_up] = [member for member in members if member.item == victim]
+        assert given_up.rank == max(m.rank for m in members if m.tenant == "heavy")
+        members.remove(given_up)
+        members += _seated(["light"])
+        members[-1] = dataclasses.replace(members[-1], rank=(0, math.inf, next(admitted)))
+    held = tuple(sum(m.tenant == tenant for m in members) for tenant in ("heavy", "light"))
+    assert held == settled
+    assert fair_victim(members, priority=0, tenant="heavy", rules=rules) is None
+
+
+def test_the_window_counts_the_last_full_steps_only() -> None:
+    """L61 amended: ``RecentSteps`` keeps the last ``size`` full batch steps, each
+    member's priority and tenant once per step, and at each priority the steps that
+    ran it; a step of fewer members is not one."""
+    recent = RecentSteps(2, size=2)
+    assert recent.view() is NO_STEPS
+    recent.ran([(0, "a")])
+    assert recent.view() is NO_STEPS
+    for step in ([(0, "a"), (0, "a")], [(0, "a"), (1, "b")], [(0, None), (1, "b")]):
+        recent.ran(step)
+    view = recent.view()
+    assert (view.steps(0), view.steps(1), view.steps(2)) == (2, 2, 0)
+    assert dict(view.held) == {(0, "a"): 1, (1, "b"): 2, (0, None): 1}
+    assert (view.places(0, "a"), view.places(0, "b"), view.places(1, "b")) == (1, 0, 2)
+
+
+def test_a_tenant_that_ran_little_lately_takes_more_than_its_share_for_a_while() -> None:
+    """L61 amended: places are counted over the window too. After ten full steps of
+    "heavy" alone, "light"'s newcomers take every place of the batch (its share of
+    the window is still far below its weight's), and "heavy"'s never take one
+    back; after ten full steps of "light" alone, "light" takes none from a batch
+    "heavy" fills."""
+    rules = _tenant_rules({})
+    recent = RecentSteps(4)
+    for _ in range(10):
+        recent.ran([(0, "heavy")] * 4)
+    members = _seated(["heavy"] * 4)
+    admitted = itertools.count(4)
+    while (
+        victim := fair_victim(
+            members, priority=0, tenant="light", rules=rules, recent=recent.view()
+        )
+    ) is not None:
+        members = [m for m in members if m.item != victim]
+        members.append(
+            dataclasses.replace(_seated(["light"])[0], rank=(0, math.inf, next(admitted)))
+        )
+    assert [m.tenant for m in members] == ["light"] * 4
+    assert (
+        fair_victim(members, priority=0, tenant="heavy", rules=rules, recent=recent.view()) is None
+    )
+    # Without the window the same batch settles at the weights' share, 2:2.
+    assert (
+        fair_victim(_seated(["heavy"] * 2 + ["light"] * 2), priority=0, tenant="light", rules=rules)
+        is None
+    )
+    busy = RecentSteps(4)
+    for _ in range(10):
+        busy.ran([(0, "light")] * 4)
+    full = _seated(["heavy"] * 4)
+    assert fair_victim(full, priority=0, tenant="light", rules=rules, recent=busy.view()) is None
+    # Another priority's steps do not count: after them the batch's places decide.
+    other = RecentSteps(4)
+    for _ in range(10):
+        other.ran([(1, "light")] * 4)
+    assert (
+        fair_victim(full, priority=0, tenant="light", rules=rules, recent=other.view()) == "heavy3"
+    )
+
+
+def test_tenant_preemption_needs_another_tenant_its_priority_and_a_suspendable_member() -> None:
+    """L61 amended: never for the newcomer's own tenant, another priority, a member
+    suspended ``max_preemptions`` times, or with ``tenant_preemption`` off."""
+    rules = _tenant_rules({})
+    full = _seated(["heavy"] * 4)
+    assert fair_victim(full, priority=0, tenant="light", rules=rules) == "heavy3"
+    assert fair_victim(full, priority=0, tenant=None, rules=rules) == "heavy3"
+    assert fair_victim(full, priority=0, tenant="heavy", rules=rules) is None
+    assert fair_victim(_seated([None] * 4), priority=0, tenant=None, rules=rules) is None
+    assert fair_victim(full, priority=1, tenant="light", rules=rules) is None
+    assert (
+        fair_victim(_seated(["heavy"] * 4, priority=1), priority=0, tenant="x", rules=rules) is None
+    )
+    worn = [dataclasses.replace(member, preemptions=1) for member in full]
+    assert fair_victim(worn, priority=0, tenant="light", rules=rules) is None
+    worn[0] = full[0]
+    assert fair_victim(worn, priority=0, tenant="light", rules=rules) == "heavy0"
+    off = dataclasses.replace(rules, tenant_preemption=False)
+    assert fair_victim(full, priority=0, tenant="light", rules=off) is None
+    # One place each is every tenant's share: nobody gives one up.
+    assert fair_victim(_seated(["a", "b", "c", "d"]), priority=0, tenant="e", rules=rules) is None
+    # Of two tenants equally over, the one whose member ranks lowest.
+    pair = _seated(["a", "a", "b", "b"])
+    assert fair_victim(pair, priority=0, tenant="e", rules=_tenant_rules({})) == "b3"
+    pair = _seated(["a", "a", "b", "b", "a", "b"])
+    assert fair_victim(pair, priority=0, tenant="e", rules=_tenant_rules({}, max_batch=6)) == "b5"
+
+
+_places = st.lists(st.sampled_from(["a", "b", "c", None]), min_size=1, max_size=6)
+_weights = st.fixed_dictionaries(
+    {}, optional={name: st.sampled_from([0.5, 1.0, 2.0, 3.0]) for name in ("a", "b", "c")}
+)
+
+
+@given(_places, _weights, st.lists(st.sampled_from(["a", "b", "c", None]), max_size=30))
+def test_places_moved_between_tenants_never_go_back_and_forth(
+    seated: list[str | None], weights: dict[str, float], arrivals: list[str | None]
+) -> None:
+    """L61 amended: every move lowers the sum over tenants of places² over weight
+    (the newcomer's tenant ends at most as far over as the giver), so no sequence of
+    newcomers moves places in a cycle, and no tenant gives to itself."""
+    rules = _tenant_rules(weights, max_batch=len(seated))
+    members = _seated(seated)
+
+    def spread() -> float:
+        tenants = {member.tenant for member in members}
+        held = {t: sum(m.tenant == t for m in members) for t in tenants}
+        return sum(count**2 / rules.weight(t) for t, count in held.items())
+
+    for n, tenant in enumerate(arrivals):
+        victim = fair_victim(members, priority=0, tenant=tenant, rules=rules)
+        if victim is None:
+            continue
+        [given_up] = [member for member in members if member.item == victim]
+        assert given_up.tenant != tenant
+        before = spread()
+        members.remove(given_up)
+        members.append(
+            Member(
+                item=f"new{n}",
+                key=0,
+                rank=(0, math.inf, 100 + n),
+                preemptions=0,
+                stopped=False,
+                tenant=tenant,
+            )
+        )
+        assert spread() < before
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["a", "b", None]), st.sampled_from([0, 1]), st.integers(0, 1)),
+        min_size=1,
+        max_size=4,
+    ),
+    st.sampled_from(["a", "b", None]),
+    st.sampled_from([0, 1]),
+    _weights,
+    st.booleans(),
+)
+def test_tenant_preemption_agrees_with_the_worker_model(
+    seated: list[tuple[str | None, int, int]],
+    tenant: str | None,
+    priority: int,
+    weights: dict[str, float],
+    on: bool,
+) -> None:
+    """L61 amended, L57: in a full batch, ``make_room`` suspends whom the worker model does."""
+    running = []
+    for admission, (owner, level, preemptions) in enumerate(seated):
+        request = ot.GenerationRequest(height=8, width=8, priority=level, tenant=owner)
+        job = Job(f"j{admission}", request, (-level, math.inf, admission), where="running")
+        job.preemptions = preemptions
+        running.append(job)
+    request = ot.GenerationRequest(height=8, width=8, priority=priority, tenant=tenant)
+    newcomer = Job("new", request, (-priority, math.inf, len(seated)))
+    rules = dataclasses.replace(
+        _tenant_rules(weights, max_batch=len(seated)), max_preemptions=1, tenant_preemption=on
+    )
+    members = [
+        dataclasses.replace(member, tenant=job.tenant)
+        for member, job in zip(_members(running), running, strict=True)
+    ]
+    room = make_room(members, key=newcomer.key, priority=priority, tenant=tenant, rules=rules)
+    model = WorkerModel(
+        max_batch=len(seated),
+        max_preemptions=1,
+        running=list(running),
+        weights=weights,
+        tenant_preemption=on,
+    )
+    model.admit(newcomer)
+    started = model._preempt(newcomer)
+    assert started == bool(room)
+    assert set(room or ()) == {job for job in running if job.where == "parked"}
+
+
+def test_a_published_batch_lets_another_tenant_start_at_the_next_boundary() -> None:
+    """L61 amended, L62: admission's estimate reads tenant preemption by the same rule."""
+    batch = RunningBatch(
+        members=tuple(_seated(["heavy", "heavy"])), steps=((2, 10), (4, 10)), step_s=1.0
+    )
+    rules = _tenant_rules({}, max_batch=2)
+    assert batch.steps_before(key=0, priority=0, tenant="light", rules=rules) == 0
+    assert batch.steps_before(key=0, priority=0, tenant="heavy", rules=rules) == 8
+    off = dataclasses.replace(rules, tenant_preemption=False)
+    assert batch.steps_before(key=0, priority=0, tenant="light", rules=off) == 8

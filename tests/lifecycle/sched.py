@@ -15,7 +15,14 @@ design rules (``docs/design.md``, "Preemption"), not from the engine's code:
   running members suspended fewer than ``max_preemptions`` times, the worker
   suspends the lowest-ranked of them when the newcomer could join, or the whole
   batch when every member qualifies and only an empty batch lets it start; then
-  it starts that newcomer alone at this boundary (L61);
+  it starts that newcomer alone at this boundary (L61); between tenants of one
+  priority (L61 amended, L57), when the newcomer could join the full batch and
+  no lower priority may go, a member of another tenant goes instead if, counting
+  each tenant's member-steps at that priority over those of the worker's last
+  ``RECENT_STEPS`` full steps that ran it and this boundary, that tenant keeps at least as
+  many per weight as the newcomer's would hold (the one most over gives up its
+  lowest-ranked member); if none does, each other tenant's best-ranked request
+  of that priority and key, best-ranked first, may so take a place;
 - otherwise it takes the best-ranked waiting requests while they have the
   batch's key and places are free (L60); a suspended one resumes from the step it
   reached, keeping its rank;
@@ -27,12 +34,14 @@ design rules (``docs/design.md``, "Preemption"), not from the engine's code:
   later of the virtual time and its tag; a level where nothing waits forgets
   its tags. The model checks the share it implies: while two tenants both wait
   at a level, the step-seconds each was charged since, over its weight, differ
-  by at most one request's cost (the most either sent) over its weight;
+  by at most one request's cost (the most either sent) over its weight; a
+  request tenant preemption starts out of this order counts the pair's drift
+  anew from then, the gap between the two tags then added to the bound;
 - a released step fails the whole batch when a member is about to run the armed
   step (L22), kills the worker when a kill is armed (L23), and otherwise counts a
-  step for each member; a member whose last step ran completes, unless its token
-  was set by anything but shutdown (the materializer checks it before the decode,
-  L10, L21).
+  step for each member (and, if the batch was full, a step of the window); a
+  member whose last step ran completes, unless its token was set by anything but
+  shutdown (the materializer checks it before the decode, L10, L21).
 
 A token the engine sees at a moment of the threads' choosing (``Job.loose``: set
 while the gate is open, or racing the worker's take) is resolved from what the
@@ -41,13 +50,17 @@ runner saw: the member is dropped at the boundary where it leaves the batch.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import omni_trio as ot
 
-__all__ = ["Job", "WorkerModel"]
+__all__ = ["RECENT_STEPS", "Job", "WorkerModel"]
+
+#: How many of the worker's last full batch steps tenant preemption counts (L61).
+RECENT_STEPS = 1024
 
 Where = Literal["fresh", "running", "parked", "ended"]
 _S = ot.RequestStatus
@@ -122,14 +135,21 @@ class WorkerModel:
     # fair-share cost charged so far over the weight, the most one request of it
     # costs, and the pairs of tenants waiting together since the charges given.
     weights: dict[str, float] = field(default_factory=dict)
+    # Whether a tenant over its share of a full batch gives a place up (L61 amended),
+    # and the (priority, tenant) of each member of the last full batch steps.
+    tenant_preemption: bool = True
+    recent: deque[tuple[tuple[int, str | None], ...]] = field(default_factory=deque)
     pixel_s: float = 1.0
     virtual: dict[int, float] = field(default_factory=dict)
     tags: dict[tuple[int, str | None], float] = field(default_factory=dict)
     charged: dict[tuple[int, str | None], float] = field(default_factory=dict)
     largest: dict[tuple[int, str | None], float] = field(default_factory=dict)
-    together: dict[tuple[int, str | None, str | None], tuple[float, float]] = field(
+    together: dict[tuple[int, str | None, str | None], tuple[float, float, float]] = field(
         default_factory=dict
     )
+    # The levels where tenant preemption started a request out of fair share's order
+    # since anything last waited there: their pairs' bounds add their tags' gap.
+    jumped: set[int] = field(default_factory=set)
 
     def admit(self, job: Job) -> None:
         assert not self.exited and not self.dead
@@ -160,11 +180,25 @@ class WorkerModel:
         now = self.virtual.setdefault(level, 0.0)
         self.tags[place] = max(now, self.tags.get(place, now))
         for other in {j.tenant for j in [*self.fresh, *self.parked] if j.priority == level}:
-            pair = (level, tenant, other)
-            self.together[pair] = (self.charged.get(place, 0.0), self.charged.get(pair[::2], 0.0))
+            self._pair_from_now((level, tenant, other))
 
-    def _left(self, job: Job, *, charge: bool) -> None:
-        """``job`` stopped waiting (taken, when ``charge``, or ended); it is unlisted."""
+    def _pair_from_now(self, pair: tuple[int, str | None, str | None]) -> None:
+        """Count the pair's drift from now (L57)."""
+        level, first, second = pair
+        gap = 0.0
+        if level in self.jumped:
+            gap = abs(self._tag(level, first) - self._tag(level, second))
+        self.together[pair] = (
+            self.charged.get((level, first), 0.0),
+            self.charged.get((level, second), 0.0),
+            gap,
+        )
+
+    def _left(self, job: Job, *, charge: bool, jumped: bool = False) -> None:
+        """``job`` stopped waiting (taken, when ``charge``, or ended); it is unlisted.
+
+        ``jumped``: tenant preemption took it out of fair share's order.
+        """
         level, tenant = job.priority, job.tenant
         place = (level, tenant)
         if charge:
@@ -173,6 +207,10 @@ class WorkerModel:
             share = job.cost(self.pixel_s) / self._weight(tenant)
             self.tags[place] = start + share
             self.charged[place] = self.charged.get(place, 0.0) + share
+            if jumped:
+                self.jumped.add(level)
+                for pair in [p for p in self.together if p[0] == level and tenant in p[1:]]:
+                    self._pair_from_now(pair)
             self._check_share(level)
         if not self._waits(level, tenant):
             self.together = {
@@ -181,19 +219,20 @@ class WorkerModel:
                 if not (pair[0] == level and tenant in pair[1:])
             }
         if not any(j.priority == level for j in [*self.fresh, *self.parked]):
+            self.jumped.discard(level)
             self.virtual.pop(level, None)
             self.tags = {place: tag for place, tag in self.tags.items() if place[0] != level}
 
     def _check_share(self, level: int) -> None:
         """L57: no tenant's charged share drifts from another's beyond one request's cost."""
-        for (at, first, second), (base_first, base_second) in self.together.items():
+        for (at, first, second), (base_first, base_second, gap) in self.together.items():
             if at != level:
                 continue
             drift = (self.charged.get((at, first), 0.0) - base_first) - (
                 self.charged.get((at, second), 0.0) - base_second
             )
             bound = self.largest[at, first] / self._weight(first)
-            bound += self.largest[at, second] / self._weight(second)
+            bound += self.largest[at, second] / self._weight(second) + gap
             assert abs(drift) <= bound + 1e-9, (
                 f"L57: tenants {first!r} and {second!r} waited together at priority {at}"
                 f" and their charged step-seconds over their weights drifted {drift:g} apart"
@@ -277,7 +316,7 @@ class WorkerModel:
         job.where = "ended"
         job.end = None if (job.loose and job.token is not None) or self.dead else status
 
-    def _start(self, job: Job) -> None:
+    def _start(self, job: Job, *, jumped: bool = False) -> None:
         resumed = job in self.parked
         if resumed:
             self.parked.remove(job)
@@ -285,7 +324,7 @@ class WorkerModel:
         else:
             self.fresh.remove(job)
         # A resumed request was charged when it was first taken.
-        self._left(job, charge=not resumed)
+        self._left(job, charge=not resumed, jumped=jumped)
         job.where = "running"
         self.running.append(job)
 
@@ -335,14 +374,22 @@ class WorkerModel:
             for job in self.running
             if job.priority < newcomer.priority and job.preemptions < self.max_preemptions
         ]
+        jumped = False
         if joinable:
             victims = [max(eligible, key=lambda job: job.rank)] if eligible else []
+            if not victims and self.tenant_preemption:
+                victims = self._over_share(newcomer)
+                for head in [] if victims else self._heads(newcomer):
+                    victims = self._over_share(head)
+                    if victims:
+                        newcomer, jumped = head, True
+                        break
         else:
             victims = eligible if len(eligible) == len(self.running) else []
         if not victims:
             return False
         # The engine reserves the newcomer first, then parks the victims.
-        self._start(newcomer)
+        self._start(newcomer, jumped=jumped)
         for job in victims:
             self.running.remove(job)
             job.where = "parked"
@@ -351,6 +398,47 @@ class WorkerModel:
             self._join(job)
             self.parked.append(job)
         return True
+
+    def _heads(self, best: Job) -> list[Job]:
+        """Each other tenant's best-ranked waiting request at ``best``'s priority, best
+        first, of those with ``best``'s batch key."""
+        heads: dict[str | None, Job] = {}
+        for job in sorted([*self.fresh, *self.parked], key=self._rank):
+            if job.priority == best.priority and job.tenant != best.tenant:
+                heads.setdefault(job.tenant, job)
+        return [job for job in heads.values() if job.key == best.key]
+
+    def _over_share(self, newcomer: Job) -> list[Job]:
+        """L61 amended (L57): the member of another tenant a full batch gives up, if any.
+
+        At the newcomer's priority, a tenant's count is its places now plus its
+        member-steps there in the window; ``steps`` is this boundary plus the
+        window's steps that ran that priority. A tenant gives up a place when, one
+        place-step fewer per step, it keeps at least as many per weight as the newcomer's tenant would with one
+        more; of those the one with the most per weight gives up its lowest-ranked
+        member that may still be suspended (ties: the lowest-ranked member).
+        """
+        level = [job for job in self.running if job.priority == newcomer.priority]
+        steps = 1 + sum(any(ran[0] == newcomer.priority for ran in step) for step in self.recent)
+
+        def count(tenant: str | None) -> int:
+            held = sum(job.tenant == tenant for job in level)
+            ran = (newcomer.priority, tenant)
+            return held + sum(step.count(ran) for step in self.recent)
+
+        would = (count(newcomer.tenant) + steps) / self._weight(newcomer.tenant)
+        choices = []
+        for tenant in {job.tenant for job in level} - {newcomer.tenant}:
+            share = count(tenant) / self._weight(tenant)
+            movable = [
+                job
+                for job in level
+                if job.tenant == tenant and job.preemptions < self.max_preemptions
+            ]
+            if (count(tenant) - steps) / self._weight(tenant) >= would and movable:
+                last = max(movable, key=lambda job: job.rank)
+                choices.append((share, last.rank, last))
+        return [max(choices, key=lambda choice: choice[:2])[2]] if choices else []
 
     def _run(self, *, fail_at: int | None, kill: bool) -> None:
         """The pending batch's step was released."""
@@ -362,6 +450,10 @@ class WorkerModel:
             return
         for job in batch:
             job.steps += 1
+        if len(batch) == self.max_batch:
+            self.recent.append(tuple((job.priority, job.tenant) for job in batch))
+            if len(self.recent) > RECENT_STEPS:
+                self.recent.popleft()
         if kill:
             self.dead = True
             for job in [*self.running, *self.parked, *self.fresh]:
