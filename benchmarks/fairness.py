@@ -2,16 +2,21 @@
 
 Two parts.
 
-The policy, on a virtual clock: the engine's own queue and fair share
-(``WaitingQueue``, ``FairShare``, ``take``, the code the workers run at each step
-boundary) drive a simulated worker with batches of 4 that join at step boundaries,
+The policy, on a virtual clock: the engine's own queue, fair share and boundary
+policy (``WaitingQueue``, ``FairShare``, ``plan_boundary`` with the engine's default
+rules, preemption included: the code the workers run at each step boundary) drive a
+simulated worker with batches of 4 that join at step boundaries,
 each batch step taking ``STEP_S`` of virtual time, whatever its size. No thread,
 no sleep: the figures depend on the arrivals alone (seeded), not on the machine.
 
 - Flood: "heavy" sends 10 times the requests of "light", both Poisson, together 2x
   the worker's capacity; the light tenant's latency (admission to its last step)
-  with fair share, with FIFO (every request the default tenant: the order of
-  admission), and alone on an idle engine (its arrivals only). Target: fair share's
+  with fair share (a light newcomer takes the place of a heavy member of a full
+  batch, L61 amended; beside the engine's window of ``RECENT_STEPS`` full steps,
+  shorter ones, ``WINDOWS``), with fair share in the queue only (``tenant_preemption``
+  off: it waits for a place to free), with FIFO (every request the default
+  tenant: the order of admission), and alone on an idle engine (its arrivals
+  only). Target: fair share's
   p99 within 1.5x of alone's; FIFO's grows with the run (the queue grows without
   bound at 2x).
 - Shares: both tenants backlogged (each alone 2x the capacity), the light one's
@@ -27,6 +32,7 @@ Target: flat (100 tenants within 1.5x of none).
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -37,6 +43,7 @@ from typing import Any
 from omni_trio import EngineConfig, GenerationRequest, RequestHandle, open_engine
 from omni_trio._fairshare import FairShare
 from omni_trio._queue import WaitingQueue, take
+from omni_trio._scheduler import RECENT_STEPS, BoundaryRules, Member, RecentSteps, plan_boundary
 from omni_trio.testing import GatedRunner, assume_step_cost
 
 from .common import Options, fmt, md_table
@@ -55,6 +62,8 @@ HEAVY_OVER_LIGHT = 10
 OVERLOAD = 2.0
 #: The light tenant's requests in the shares runs: this many times the steps.
 LIGHT_STEPS = 3 * STEPS
+#: Shorter windows of tenant preemption than ``RECENT_STEPS``, measured beside it.
+WINDOWS = (64, 256)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,49 +86,126 @@ def _poisson(
 
 
 def _simulate(
-    arrivals: list[_Arrival], *, fair: bool, weights: dict[str, float] | None = None
+    arrivals: list[_Arrival],
+    *,
+    fair: bool,
+    weights: dict[str, float] | None = None,
+    tenant_preemption: bool | None = None,
+    window: int | None = None,
 ) -> dict[str, Any]:
     """Run the policy over ``arrivals`` on a virtual clock; each tenant's latencies and
-    device step-seconds (those while both tenants waited, too)."""
+    device step-seconds (those while both tenants waited, too), and the suspensions.
+
+    Each boundary is the worker's: ``plan_boundary`` with the engine's default rules
+    (preemption on, ``max_preemptions``, ``tenant_preemption``) decides what joins and
+    whom a newcomer suspends; a suspended request goes to the parked queue (one fair
+    share with the fresh one, as in the engine) with the steps it has left.
+    ``tenant_preemption``: ``None`` for the engine's default.
+    """
     arrivals = sorted(arrivals, key=lambda a: a.at)
-    queue: WaitingQueue[int] = WaitingQueue(FairShare(weights or {}))
-    running: list[list[int]] = []  # [index, steps left]
+    defaults = EngineConfig()
+    rules = BoundaryRules(
+        max_batch=BATCH,
+        can_join=True,
+        preempting=defaults.preemption,
+        max_preemptions=defaults.max_preemptions,
+        tenant_preemption=(
+            defaults.tenant_preemption if tenant_preemption is None else tenant_preemption
+        ),
+        weights=weights or {},
+    )
+    share = FairShare(weights or {})
+    fresh: WaitingQueue[int] = WaitingQueue(share)
+    parked: WaitingQueue[int] = WaitingQueue(share)
+    running: list[int] = []
+    left: dict[int, int] = {}  # steps left per admitted arrival
+    sequence: dict[int, int] = {}
+    preempted: dict[int, int] = {}
     latencies: dict[str, list[float]] = {}
     device: dict[str, float] = {}
     contested: dict[str, float] = {}
     waiting: dict[str, int] = {}
-    now, next_arrival = 0.0, 0
-    while next_arrival < len(arrivals) or len(queue) or running:
+    now, next_arrival, suspensions = 0.0, 0, 0
+    recent = RecentSteps(BATCH, RECENT_STEPS if window is None else window)
+
+    def tenant_of(index: int) -> str | None:
+        return arrivals[index].tenant if fair else None
+
+    while next_arrival < len(arrivals) or len(fresh) or len(parked) or running:
         while next_arrival < len(arrivals) and arrivals[next_arrival].at <= now:
             arrival = arrivals[next_arrival]
-            queue.push(
+            sequence[next_arrival] = fresh.push(
                 next_arrival,
                 0,
-                tenant=arrival.tenant if fair else None,
+                steps=arrival.steps,
+                tenant=tenant_of(next_arrival),
                 cost=arrival.steps * STEP_S,
             )
+            left[next_arrival], preempted[next_arrival] = arrival.steps, 0
             waiting[arrival.tenant] = waiting.get(arrival.tenant, 0) + 1
             next_arrival += 1
-        for index in take(
-            (queue,), batch_key=0 if running else None, free=BATCH - len(running), can_join=True
-        ):
+        members = [
+            Member(
+                item=index,
+                key=0,
+                rank=(0, math.inf, sequence[index]),
+                preemptions=preempted[index],
+                stopped=False,
+                tenant=tenant_of(index),
+            )
+            for index in running
+        ]
+        plan = plan_boundary(
+            members,
+            fresh=fresh,
+            parked=parked,
+            rules=rules,
+            stopping=False,
+            idle=0,
+            recent=recent.view(),
+        )
+        starting = list(plan.admit)
+        if plan.preempt is not None:
+            newcomer = plan.preempt.newcomer
+            if not fresh.claim(newcomer):
+                parked.claim(newcomer)
+            starting = [newcomer]
+            for victim in plan.preempt.victims:
+                running.remove(victim)
+                preempted[victim] += 1
+                suspensions += 1
+                waiting[arrivals[victim].tenant] += 1
+                parked.push(
+                    victim,
+                    0,
+                    steps=left[victim],
+                    sequence=sequence[victim],
+                    tenant=tenant_of(victim),
+                )
+        for index in starting:
             waiting[arrivals[index].tenant] -= 1
-            running.append([index, arrivals[index].steps])
+            running.append(index)
         if not running:
             now = arrivals[next_arrival].at
             continue
         both = sum(1 for count in waiting.values() if count) >= 2
         now += STEP_S
-        for member in running:
-            tenant = arrivals[member[0]].tenant
+        recent.ran([(0, tenant_of(index)) for index in running])
+        for index in running:
+            tenant = arrivals[index].tenant
             device[tenant] = device.get(tenant, 0.0) + STEP_S / len(running)
             if both:
                 contested[tenant] = contested.get(tenant, 0.0) + STEP_S / len(running)
-            member[1] -= 1
-            if not member[1]:
-                latencies.setdefault(tenant, []).append(now - arrivals[member[0]].at)
-        running = [member for member in running if member[1]]
-    return {"latencies": latencies, "device_s": device, "contested_s": contested}
+            left[index] -= 1
+            if not left[index]:
+                latencies.setdefault(tenant, []).append(now - arrivals[index].at)
+        running = [index for index in running if left[index]]
+    return {
+        "latencies": latencies,
+        "device_s": device,
+        "contested_s": contested,
+        "suspensions": suspensions,
+    }
 
 
 def _p99(values: list[float]) -> float:
@@ -135,9 +221,13 @@ def _flood(duration: float, seed: int) -> dict[str, Any]:
     heavy = _poisson(total - light_rate, duration, "heavy", STEPS, rng)
     runs = {
         "fair": _simulate(heavy + light, fair=True),
+        "fair_queue_only": _simulate(heavy + light, fair=True, tenant_preemption=False),
         "fifo": _simulate(heavy + light, fair=False),
         "alone": _simulate(light, fair=True),
     }
+    # RECENT_STEPS's choice: shorter windows of tenant preemption.
+    for window in WINDOWS:
+        runs[f"fair_window_{window}"] = _simulate(heavy + light, fair=True, window=window)
     result: dict[str, Any] = {"requests": {"light": len(light), "heavy": len(heavy)}}
     for name, run in runs.items():
         values = run["latencies"]["light"]
@@ -147,6 +237,7 @@ def _flood(duration: float, seed: int) -> dict[str, Any]:
             "light_p99_s": _p99(values),
             "light_p99_first_half_s": _p99(values[:half]),
             "light_p99_second_half_s": _p99(values[half:]),
+            "suspensions": run["suspensions"],
         }
     return result
 
@@ -237,6 +328,9 @@ def run_fairness(options: Options) -> dict[str, Any]:
     summary = {
         "light_p99_over_idle_fair": fair["light_p99_s"] / alone["light_p99_s"],
         "light_p99_over_idle_fifo": fifo["light_p99_s"] / alone["light_p99_s"],
+        "light_p99_over_idle_fair_queue_only": (
+            flood["fair_queue_only"]["light_p99_s"] / alone["light_p99_s"]
+        ),
         "share_error_1to1": shares["1:1"]["max_error"],
         "share_error_3to1": shares["3:1"]["max_error"],
         "admit_us_100_tenants": admit["100"] * 1e6,
@@ -284,11 +378,26 @@ def table_fairness(result: dict[str, Any]) -> str:
             fmt(flood[mode]["light_p99_first_half_s"]),
             fmt(flood[mode]["light_p99_second_half_s"]),
             fmt(flood[mode]["light_p99_s"] / flood["alone"]["light_p99_s"]),
+            str(flood[mode]["suspensions"]),
         ]
-        for mode in ("alone", "fair", "fifo")
+        for mode in (
+            "alone",
+            "fair",
+            *(f"fair_window_{w}" for w in WINDOWS),
+            "fair_queue_only",
+            "fifo",
+        )
     ]
     latency = md_table(
-        ["light tenant", "p50 s", "p99 s", "p99 first half s", "p99 second half s", "p99 / alone"],
+        [
+            "light tenant",
+            "p50 s",
+            "p99 s",
+            "p99 first half s",
+            "p99 second half s",
+            "p99 / alone",
+            "suspensions",
+        ],
         rows,
     )
     share_rows = [
@@ -330,11 +439,11 @@ def plot_fairness(result: dict[str, Any], path: Path) -> None:
         left,
         right,
     ):
-        modes = ["alone", "fair", "fifo"]
+        modes = ["alone", "fair", "fair_queue_only", "fifo"]
         left.bar(
             modes,
             [result["flood"][m]["light_p99_s"] for m in modes],
-            color=["tab:gray", "tab:blue", "tab:red"],
+            color=["tab:gray", "tab:blue", "tab:cyan", "tab:red"],
         )
         left.axhline(
             1.5 * result["flood"]["alone"]["light_p99_s"],
