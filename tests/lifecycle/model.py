@@ -202,13 +202,18 @@ class MachineRunner(GatedRunner):
 
 @dataclass(frozen=True)
 class Counters:
-    """The runners' counters summed, for the checks that take one runner."""
+    """The runners' counters summed, for the checks that take one runner.
+
+    A runner whose worker died (L43) is left out of ``live_states``: the engine
+    ends that worker's suspended requests at once, and its exiting thread discards
+    their states after, so for a while it holds states of requests no longer live.
+    """
 
     runners: Sequence[MachineRunner]
 
     @property
     def live_states(self) -> int:
-        return sum(runner.live_states for runner in self.runners)
+        return sum(runner.live_states for runner in self.runners if not runner.died)
 
     @property
     def closed(self) -> bool:
@@ -487,6 +492,9 @@ class Machine:
             # Settled: the runners hold exactly the running and suspended requests' states.
             held = sum(t.status is ot.RequestStatus.RUNNING or t.suspended for t in self.tracked)
             assert self.counters.live_states == held, (self.counters.live_states, held)
+            # A dead worker's thread has discarded what it held (L43).
+            left = [runner.live_states for runner in self.runners if runner.died]
+            assert not any(left), f"L43: a dead worker's runner still holds {left} states"
             self.check_workers(stats)
         view = probe_engine(engine)
         if not view.live_ids and not view.open_ids and not stats.is_dead:
