@@ -283,7 +283,8 @@ def fair_victim(
     (``Recent``) and this boundary: ``A(x) = (its member-steps in them + the places
     it holds now) / (their number + 1)``; with none yet, the places it holds. A
     tenant ``v`` gives one up to the newcomer's tenant ``t`` when, after the move,
-    ``v`` still holds at least as many places per weight as ``t`` would: ``(A(v) - 1) / w(v) >= (A(t) + 1) / w(t)``.
+    ``v`` still holds at least as many places per weight as ``t`` would:
+    ``(A(v) - 1) / w(v) >= (A(t) + 1) / w(t)``.
     The reverse move at the same boundary would need ``A(t) / w(t) >= A(v) / w(v)``,
     which that condition rules out, so no two tenants take a place back and forth:
     one takes it back only once the window's averages have moved by two places per

@@ -414,9 +414,10 @@ class WorkerModel:
         At the newcomer's priority, a tenant's count is its places now plus its
         member-steps there in the window; ``steps`` is this boundary plus the
         window's steps that ran that priority. A tenant gives up a place when, one
-        place-step fewer per step, it keeps at least as many per weight as the newcomer's tenant would with one
-        more; of those the one with the most per weight gives up its lowest-ranked
-        member that may still be suspended (ties: the lowest-ranked member).
+        place-step fewer per step, it keeps at least as many per weight as the
+        newcomer's tenant would with one more; of those the one with the most per
+        weight gives up its lowest-ranked member that may still be suspended (ties:
+        the lowest-ranked member).
         """
         level = [job for job in self.running if job.priority == newcomer.priority]
         steps = 1 + sum(any(ran[0] == newcomer.priority for ran in step) for step in self.recent)
