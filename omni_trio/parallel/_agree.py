@@ -24,6 +24,11 @@ step's collectives are:
   gets there and leaves, rank 0 too. It costs one block more than leaving at
   once; a step whose last block the announcement overtakes simply finishes.
 
+- **by load** (a sequence layout that splits by load): each model call is one
+  or the other, chosen by every rank alike from the call's rows (``_rank``)
+  before its first cancel point: the step's check holds both and the runner
+  says which one a call uses (``choose``).
+
 Both flags hold the plan number of the step they are about, so a value left from
 an earlier step never fires.
 """
@@ -34,9 +39,10 @@ import ctypes
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
+from .._cancelpoint import current_check
 from .._runner import StopRun
 
-__all__ = ["LEAVE", "STOP", "Agreement", "Flags", "agreed_check", "new_flags"]
+__all__ = ["LEAVE", "STOP", "Agreement", "Flags", "agreed_check", "choose", "new_flags"]
 
 #: The flags: the step whose split is left; the step and cancel point to leave at.
 STOP, LEAVE = 0, 1
@@ -45,7 +51,7 @@ _SHIFT = 24
 _POINT = (1 << _SHIFT) - 1
 
 #: How a layout agrees (see the module doc).
-Agreement = Literal["split", "announced"]
+Agreement = Literal["split", "announced", "by-load"]
 
 
 class Flags(Protocol):
@@ -112,6 +118,30 @@ class _Announced:
             self._flags[LEAVE] = (self._seq << _SHIFT) | self._leave
 
 
+class _ByLoad:
+    """Both ways of one step; ``split`` says which one the current call uses."""
+
+    __slots__ = ("_announced", "_split", "split")
+
+    def __init__(self, flags: Flags, seq: int, engine: Callable[[], None] | None) -> None:
+        self._split = _Split(flags, seq, engine)
+        self._announced = _Announced(flags, seq, engine)
+        self.split = False
+
+    def __call__(self) -> None:
+        if self.split:
+            self._split()
+        else:
+            self._announced()
+
+
+def choose(split: bool) -> None:
+    """Tell this thread's step check which way the next model call goes (by load only)."""
+    check = current_check()
+    if isinstance(check, _ByLoad):
+        check.split = split
+
+
 def agreed_check(
     agreement: Agreement,
     flags: Flags,
@@ -132,8 +162,8 @@ def agreed_check(
     """
     if writer and engine is None:
         return _never
-    kind = _Split if agreement == "split" else _Announced
-    return kind(flags, seq, engine if writer else None)
+    kinds: dict[Agreement, Any] = {"split": _Split, "announced": _Announced, "by-load": _ByLoad}
+    return kinds[agreement](flags, seq, engine if writer else None)  # type: ignore[no-any-return]
 
 
 def _never() -> None:

@@ -90,7 +90,7 @@ def main(spec: RankSpec) -> None:
 def _run(spec: RankSpec, connection: Connection) -> None:
     import torch
 
-    from ._context import enable_context_parallel, ring_attention
+    from ._context import ContextSwitch, enable_context_parallel, ring_attention
     from ._group import loopback_interfaces, open_group
     from ._rank import RankRunner, RankStates
 
@@ -119,6 +119,8 @@ def _run(spec: RankSpec, connection: Connection) -> None:
                 stack.enter_context(ring_attention())
             with loopback_interfaces():
                 enable_context_parallel(pipeline, layout.kind, layout.degree)
+            if layout.by_load:
+                runner.switch = ContextSwitch(pipeline)
         connection.send(("ready",))
         states = RankStates(runner)
         try:
@@ -146,7 +148,10 @@ def _serve(spec: RankSpec, connection: Connection, runner: Any, states: Any) -> 
             return
         if plan.kind is PlanKind.REPORT:
             report = RankReport(
-                rank=spec.rank, states=states.digests(), plan_delivery_s=tuple(delivery)
+                rank=spec.rank,
+                states=states.digests(),
+                plan_delivery_s=tuple(delivery),
+                calls=dict(runner.calls),
             )
             connection.send(("report", report))
             continue

@@ -38,6 +38,7 @@ import torch
 
 __all__ = [
     "ContextKind",
+    "ContextSwitch",
     "context_denoisers",
     "enable_context_parallel",
     "ignore_gather_deprecation",
@@ -113,6 +114,49 @@ def enable_context_parallel(pipeline: Any, kind: ContextKind, degree: int) -> No
         denoiser: Any = model
         with _one_accelerator():
             denoiser.enable_parallelism(config=config)
+
+
+class ContextSwitch:
+    """Context parallelism on a pipeline's denoisers, turned off for a call and on again.
+
+    A layout that splits by load (``by_load``) runs some calls over rows, each rank
+    a slice of them whole, where the sequence split must not act. Off: the split
+    and gather hooks ``enable_parallelism`` registered are removed and the
+    attention processors forget the parallel config, so a call runs as on one
+    device; on: both come back (the device mesh, made once, is kept). The switch
+    acts only when the way changes, so a run of calls one way costs nothing.
+    """
+
+    def __init__(self, pipeline: Any) -> None:
+        self._models: list[Any] = list(context_denoisers(pipeline))
+        self._processors = [
+            [
+                module.processor
+                for module in model.modules()
+                if getattr(getattr(module, "processor", None), "_parallel_config", None) is not None
+            ]
+            for model in self._models
+        ]
+        self.on = True
+
+    def set(self, on: bool) -> None:
+        """Turn context parallelism ``on`` or off on every denoiser (no-op if it is)."""
+        if on == self.on:
+            return
+        from diffusers.hooks.context_parallel import (
+            apply_context_parallel,
+            remove_context_parallel,
+        )
+
+        for model, processors in zip(self._models, self._processors, strict=True):
+            config = model._parallel_config
+            if on:
+                apply_context_parallel(model, config.context_parallel_config, model._cp_plan)
+            else:
+                remove_context_parallel(model, model._cp_plan)
+            for processor in processors:
+                processor._parallel_config = config if on else None
+        self.on = on
 
 
 def waited(tensor: torch.Tensor) -> torch.Tensor:

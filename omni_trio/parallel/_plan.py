@@ -28,7 +28,7 @@ from __future__ import annotations
 import enum
 import pickle
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .._request import GenerationRequest
@@ -113,11 +113,15 @@ class RankReport:
             latents and position (equal digests: bitwise equal states).
         plan_delivery_s: how long each plan took from rank 0's send to this
             rank's read, oldest first (the last 10,000; empty for rank 0).
+        calls: the model calls this rank made each way since it started:
+            ``"rows"`` (each rank a slice of the rows) and ``"tokens"`` (sequence
+            parallel); every rank of a sound group counts the same.
     """
 
     rank: int
     states: Mapping[str, str]
     plan_delivery_s: tuple[float, ...] = ()
+    calls: Mapping[str, int] = field(default_factory=dict)
 
 
 def encode_plan(plan: Plan) -> bytes:

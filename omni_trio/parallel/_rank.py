@@ -16,6 +16,12 @@ with no collective). What the ranks share is each model call (``_denoise``):
 - **sequence** (``ulysses``, ``ring``): every rank makes the whole call; diffusers'
   context parallelism (``_context``) splits its tokens over the ranks and gathers
   the output.
+- **by load** (a sequence layout with ``by_load``): a call of at least one row
+  per rank is split by rows, as the split does (a guided request alone, or a
+  batch: every rank runs whole rows and no block exchanges tokens, one gather
+  per call), and a call of fewer rows by tokens. Every rank makes the same
+  choice from the call's rows, which all ranks hold alike; the switch
+  (``ContextSwitch``) turns the sequence split off and on between calls.
 
 ``RankStates`` is the other ranks' copy of the group's states, kept by applying
 rank 0's ops in order.
@@ -33,27 +39,43 @@ import torch
 
 from .._runner import StopRun
 from ..runners import DiffusersRunner
-from ._agree import Agreement
-from ._context import ignore_gather_deprecation, waited
+from ._agree import Agreement, choose
+from ._context import ContextSwitch, ignore_gather_deprecation, waited
 from ._group import all_gather
 from ._plan import Op, OpKind, request_from
 
-__all__ = ["Layout", "RankRunner", "RankStates", "state_digest"]
+__all__ = ["Layout", "RankRunner", "RankStates", "Way", "state_digest"]
 
 LayoutKind = Literal["cfg", "ulysses", "ring"]
+
+#: How one model call was shared: its rows cut over the ranks, or its tokens.
+Way = Literal["rows", "tokens"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Layout:
-    """How a request is spread over the ranks: ``kind`` over ``degree`` ranks."""
+    """How a request is spread over the ranks: ``kind`` over ``degree`` ranks.
+
+    ``by_load`` (sequence kinds only): a call with a row per rank or more is split
+    by rows instead (see the module doc).
+    """
 
     kind: LayoutKind
     degree: int
+    by_load: bool = False
 
     @property
     def agreement(self) -> Agreement:
         """How the ranks agree on leaving a step (``_agree``)."""
-        return "split" if self.kind == "cfg" else "announced"
+        if self.kind == "cfg":
+            return "split"
+        return "by-load" if self.by_load else "announced"
+
+    def way(self, rows: int) -> Way:
+        """How a model call of ``rows`` rows is shared."""
+        if self.kind == "cfg" or (self.by_load and rows >= self.degree):
+            return "rows"
+        return "tokens"
 
 
 class RankRunner(DiffusersRunner):
@@ -71,11 +93,21 @@ class RankRunner(DiffusersRunner):
         self.pipeline = pipeline
         self._layout = layout
         self._rank = rank
+        #: The model calls made each way (every rank counts the same).
+        self.calls: dict[str, int] = {"rows": 0, "tokens": 0}
+        #: Set once context parallelism is on, for a layout by load.
+        self.switch: ContextSwitch | None = None
 
     def _denoise(
         self, rows: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor], shared: Any
     ) -> torch.Tensor:
-        if self._layout.kind == "cfg":
+        way = self._layout.way(rows.shape[0])
+        self.calls[way] += 1
+        if self._layout.by_load:
+            assert self.switch is not None
+            choose(split=way == "rows")
+            self.switch.set(way == "tokens")
+        if way == "rows":
             return self._split(rows, t, cond, shared)
         ignore_gather_deprecation()
         if self.family == "qwen-image":

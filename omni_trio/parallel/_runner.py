@@ -43,7 +43,12 @@ from .._request import GenerationRequest
 from .._runner import RunnerCapabilities, StopRun
 from ._agree import agreed_check, new_flags
 from ._child import RankSpec, main
-from ._context import context_denoisers, enable_context_parallel, ring_attention
+from ._context import (
+    ContextSwitch,
+    context_denoisers,
+    enable_context_parallel,
+    ring_attention,
+)
 from ._group import close_group, group_in_use, listening_socket, loopback_interfaces, open_group
 from ._plan import Op, OpKind, Plan, PlanKind, RankReport, encode_plan, request_fields
 from ._processes import RankProcesses, receive
@@ -84,7 +89,7 @@ class ParallelState:
         self.inner = inner
 
 
-def _layout(cfg: int, ulysses: int, ring: int) -> Layout:
+def _layout(cfg: int, ulysses: int, ring: int, by_load: bool) -> Layout:
     degrees = {"cfg": cfg, "ulysses": ulysses, "ring": ring}
     for name, degree in degrees.items():
         if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
@@ -96,7 +101,13 @@ def _layout(cfg: int, ulysses: int, ring: int) -> Layout:
             f" got {degrees}"
         )
     kind = split[0]
-    return Layout(kind=kind, degree=degrees[kind])  # type: ignore[arg-type]
+    if not isinstance(by_load, bool):
+        raise ValueError(f"by_load: must be a bool, got {by_load!r}")
+    if by_load and kind == "cfg":
+        raise ValueError(
+            "by_load: only with ulysses or ring (the split already cuts every call by rows)"
+        )
+    return Layout(kind=kind, degree=degrees[kind], by_load=by_load)  # type: ignore[arg-type]
 
 
 def _devices(devices: Sequence[str] | None, degree: int) -> list[str | None]:
@@ -141,6 +152,13 @@ class ParallelRunner:
         cfg: ranks of a classifier-free-guidance split.
         ulysses: ranks of Ulysses sequence parallelism.
         ring: ranks of ring-attention sequence parallelism.
+        by_load: with ``ulysses`` or ``ring``, split each model call by its rows
+            instead when it has at least one row per rank (a request with
+            classifier-free guidance, or a batch of requests), and by its tokens
+            only below that: one request alone runs over every rank (latency),
+            a full batch runs whole rows on each rank with no token exchange
+            (throughput). Every rank chooses alike, call by call, so the way
+            changes at step boundaries as requests join and leave.
         devices: one torch device per rank (``cuda:0``, ``cuda:1``: NCCL); ``None``:
             the CPU, where the factory builds (gloo).
         timeout_s: every collective's timeout: a rank that hangs fails the group
@@ -170,13 +188,14 @@ class ParallelRunner:
         cfg: int = 1,
         ulysses: int = 1,
         ring: int = 1,
+        by_load: bool = False,
         devices: Sequence[str] | None = None,
         timeout_s: float = 60.0,
         start_timeout_s: float = 600.0,
         torch_threads: int | None = None,
         max_batch_size: int = 8,
     ) -> None:
-        layout = _layout(cfg, ulysses, ring)
+        layout = _layout(cfg, ulysses, ring, by_load)
         names = _devices(devices, layout.degree)
         if not (timeout_s > 0 and start_timeout_s > 0):
             raise ValueError("timeout_s, start_timeout_s: must be > 0")
@@ -258,6 +277,8 @@ class ParallelRunner:
                     self._stack.enter_context(ring_attention())
                 with loopback_interfaces():
                     enable_context_parallel(runner.pipeline, layout.kind, layout.degree)
+                if layout.by_load:
+                    runner.switch = ContextSwitch(runner.pipeline)
             self._await("ready", self._timeout_s)
         except BaseException:
             listen.close()
@@ -352,6 +373,11 @@ class ParallelRunner:
     def layout(self) -> str:
         """``"cfg"``, ``"ulysses"`` or ``"ring"``."""
         return self._layout.kind
+
+    @property
+    def by_load(self) -> bool:
+        """Whether a call with a row per rank is split by rows (``by_load``)."""
+        return self._layout.by_load
 
     @property
     def world_size(self) -> int:
@@ -468,7 +494,7 @@ class ParallelRunner:
             with self._book_lock:
                 self._send(PlanKind.REPORT)
                 ours = {s.request_id: state_digest(s.inner) for s in self._live.values()}
-            reports = [RankReport(rank=0, states=ours)]
+            reports = [RankReport(rank=0, states=ours, calls=dict(self._model.calls))]
             try:
                 for connection in self._connections:
                     message = receive(connection, self._timeout_s)

@@ -34,6 +34,8 @@ __all__ = [
     "Kept",
     "abort_inside_a_step",
     "alive",
+    "batch_images_of",
+    "calls",
     "children",
     "close",
     "group",
@@ -156,12 +158,19 @@ ABORTED_STEPS = 40
 
 
 async def random_aborts_then_one(
-    group: ParallelRunner, kind: str, *, aborts: int, seed: int, pause_s: float
+    group: ParallelRunner,
+    kind: str,
+    *,
+    aborts: int,
+    seed: int,
+    pause_s: float,
+    images: Sequence[int] = (1,),
 ) -> None:
     """Abort ``aborts`` requests of ``kind`` at random moments (after 0 to 4 steps and a
     pause of up to ``pause_s``: at a boundary or inside a step), each time checking that
     no rank keeps a state and all agree; then run one more request, whose states are
-    bitwise equal on every rank and whose image is the single-process runner's."""
+    bitwise equal on every rank and whose image is the single-process runner's. The
+    aborted requests make ``images`` images in turn (a call's rows)."""
     rng = random.Random(seed)
     after = request(kind, seed=99, prompt="after", num_steps=6)
     [expected] = await outputs(DiffusersRunner(tiny(kind)), [after])
@@ -171,9 +180,13 @@ async def random_aborts_then_one(
                 # ABORTED_STEPS: far more than the at most 4 steps and the pause that pass
                 # before the abort, which must find the request running (with 6, a fast
                 # machine once finished it in the pause).
-                async with engine.submit(
-                    request(kind, seed=index, num_steps=ABORTED_STEPS), request_id=f"a{index}"
-                ) as handle:
+                aborted = request(
+                    kind,
+                    seed=index,
+                    num_steps=ABORTED_STEPS,
+                    num_images=images[index % len(images)],
+                )
+                async with engine.submit(aborted, request_id=f"a{index}") as handle:
                     steps, pause = rng.randrange(0, 5), rng.uniform(0.0, pause_s)
 
                     def reached(h: ot.RequestHandle = handle, n: int = steps) -> bool:
@@ -348,19 +361,38 @@ async def outputs(runner: Any, requests: Sequence[ot.GenerationRequest]) -> list
 
 def images_of(runner: Any, request: ot.GenerationRequest) -> torch.Tensor:
     """``request``'s images from ``runner`` driven directly (no engine): every step, a decode."""
-    state = runner.prepare(request, "direct")
+    [images] = batch_images_of(runner, [request])
+    return images
+
+
+def batch_images_of(runner: Any, requests: Sequence[ot.GenerationRequest]) -> list[torch.Tensor]:
+    """Each request's images from ``runner`` driven directly, all of them in every call
+    (they share a step count): a batch fixed from the first step to the last, where an
+    engine could step the first request before the next one is prepared."""
+    [steps] = {r.denoise_steps for r in requests}
+    states = []
     try:
-        for _ in range(request.denoise_steps):
-            runner.step([state])
-        images: torch.Tensor = runner.decode(state).float().cpu()
-        return images
+        for index, one in enumerate(requests):
+            states.append(runner.prepare(one, f"direct-{index}"))
+        for _ in range(steps):
+            runner.step(states)
+        return [runner.decode(state).float().cpu() for state in states]
     finally:
-        runner.discard(state)
+        for state in states:
+            runner.discard(state)
 
 
 async def report(runner: ParallelRunner) -> tuple[RankReport, ...]:
     """Every rank's states, read between two steps (``ParallelRunner.report``)."""
     return await anyio.to_thread.run_sync(runner.report)
+
+
+async def calls(runner: ParallelRunner) -> dict[str, int]:
+    """The model calls each way (``RankReport.calls``), the same on every rank (else the
+    group disagrees)."""
+    reports = await report(runner)
+    assert all(r.calls == reports[0].calls for r in reports), [r.calls for r in reports]
+    return dict(reports[0].calls)
 
 
 def close(got: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> bool:
