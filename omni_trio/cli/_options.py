@@ -55,6 +55,8 @@ PARALLEL_OPTIONS = {
     "--ulysses": "split each model call's tokens, Ulysses attention (DiT models)",
     "--ring": "split each model call's tokens, ring attention (DiT models)",
 }
+#: The option that turns a token split off while the queue is deep (``by_load``).
+SPLIT_BY_LOAD = "--split-by-load"
 #: Each option's layout (``ParallelRunner``'s keyword).
 _LAYOUTS = {"--cfg-parallel": "cfg", "--ulysses": "ulysses", "--ring": "ring"}
 
@@ -63,8 +65,10 @@ def _parallel(args: argparse.Namespace) -> tuple[str, int] | None:
     """``(layout, ranks)`` of the rank option given, if any (argparse lets one through).
 
     Raises:
-        UsageError: it is given with ``--workers`` or with the fake model.
+        UsageError: it is given with ``--workers`` or with the fake model;
+            ``--split-by-load`` is given without a token split.
     """
+    by_load: bool = args.split_by_load
     for option, layout in _LAYOUTS.items():
         ranks: int | None = getattr(args, option.removeprefix("--").replace("-", "_"))
         if ranks is None:
@@ -73,7 +77,13 @@ def _parallel(args: argparse.Namespace) -> tuple[str, int] | None:
             raise UsageError(f"{option}: one worker over {ranks} ranks; leave --workers out")
         if args.model == "fake":
             raise UsageError(f"{option}: the fake model runs in one process; serve a real one")
+        if by_load and layout == "cfg":
+            raise UsageError(f"{SPLIT_BY_LOAD}: splits tokens by load; use --ulysses or --ring")
         return layout, ranks
+    if by_load:
+        raise UsageError(
+            f"{SPLIT_BY_LOAD}: needs the token split it turns off: --ulysses or --ring"
+        )
     return None
 
 
@@ -158,6 +168,7 @@ def service_options(args: argparse.Namespace) -> ServiceOptions:
         video_jobs=args.video_jobs,
         video_ttl_s=args.video_ttl,
         parallel=_parallel(args),
+        split_by_load=args.split_by_load,
         adapters=tuple(args.adapter),
         adapter_dir=args.adapter_dir,
         allow_adapter_admin=args.allow_adapter_admin,

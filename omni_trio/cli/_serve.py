@@ -26,6 +26,7 @@ from ._given import refuse_unused
 from ._logs import LOG_FORMATS, configure_logging, log_notes
 from ._options import (
     PARALLEL_OPTIONS,
+    SPLIT_BY_LOAD,
     check_model,
     load,
     make_service,
@@ -126,6 +127,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         layout.add_argument(
             option, type=count(2, 64), default=None, metavar="N", help=f"{what} over N ranks"
         )
+    ranks.add_argument(
+        SPLIT_BY_LOAD,
+        action="store_true",
+        help="with --ulysses or --ring: split one request while the batch is smaller than"
+        " the ranks, run the batch's rows on their own ranks when it is not",
+    )
     limits = parser.add_argument_group("engine and limits")
     limits.add_argument(
         "--max-batch-size", type=count(1), default=4, help="requests per denoise step (default 4)"

@@ -183,14 +183,25 @@ def _folder_pipeline(folder: Path) -> Any:
 
 
 def _parallel_runner(
-    factory: Callable[[], Any], parallel: tuple[str, int], devices: Sequence[str] | None
+    factory: Callable[[], Any],
+    parallel: tuple[str, int],
+    devices: Sequence[str] | None,
+    *,
+    by_load: bool = False,
 ) -> Any:
     """One ``ParallelRunner`` over ``parallel``'s ranks, on ``devices`` if given."""
     from ..parallel import ParallelRunner
 
     layout, ranks = parallel
     degrees = {name: ranks if name == layout else 1 for name in ("cfg", "ulysses", "ring")}
-    return ParallelRunner(factory, devices=devices, **degrees)
+    return ParallelRunner(
+        factory,
+        devices=devices,
+        cfg=degrees["cfg"],
+        ulysses=degrees["ulysses"],
+        ring=degrees["ring"],
+        by_load=by_load,
+    )
 
 
 def load_model(
@@ -201,6 +212,7 @@ def load_model(
     devices: Sequence[str] | None = None,
     runner_options: Mapping[str, Any] | None = None,
     parallel: tuple[str, int] | None = None,
+    by_load: bool = False,
 ) -> LoadedModel:
     """Build the runners for ``spec`` (a name in ``MODELS`` or a diffusers folder).
 
@@ -213,6 +225,7 @@ def load_model(
         runner_options: keyword options of each ``DiffusersRunner`` (the decode
             chunks' thresholds, L72); a pipeline served by its own call takes none.
         parallel: ``(layout, ranks)``: one ``ParallelRunner`` instead (L48, L49).
+        by_load: its token split chosen per step by the batch (``by_load``).
 
     Raises:
         ValueError: ``spec`` is neither a known name nor a diffusers folder.
@@ -264,7 +277,7 @@ def load_model(
             else functools.partial(_folder_pipeline, folder)
         )
         try:
-            runners.append(_parallel_runner(factory, parallel, devices))
+            runners.append(_parallel_runner(factory, parallel, devices, by_load=by_load))
         except Exception as exc:
             raise ModelError(f"cannot start {spec!r} over {parallel[1]} ranks") from exc
         pipelines.append(runners[0].pipeline)
@@ -281,6 +294,7 @@ def load_model(
     where = "" if devices is None else f", on {', '.join(devices)}"
     if parallel is not None:
         where += f", {parallel[0]} over {parallel[1]} ranks"
+        where += ", split by load" if by_load else ""
     if tiny:
         description = f"tiny {type(pipeline).__name__}, random weights{where}"
     else:

@@ -105,6 +105,8 @@ class ServiceOptions:
         parallel: ``(layout, ranks)`` (``"cfg"``, ``"ulysses"`` or ``"ring"``): one
             worker whose requests run over that many ranks (L48, L49); ``devices``
             are then the ranks' devices.
+        split_by_load: with a token split in ``parallel``: choose the split per step
+            by the batch (``ParallelRunner``'s ``by_load``).
         adapters: ``(name, file)`` pairs: adapters every runner loads at start (L88).
         adapter_dir: as ``ServeConfig``'s: where admin loads read from.
         allow_adapter_admin: as ``ServeConfig``'s: loads and unloads over HTTP.
@@ -137,6 +139,7 @@ class ServiceOptions:
     video_jobs: int = _VIDEO.max_jobs
     video_ttl_s: float = _VIDEO.ttl_s
     parallel: tuple[str, int] | None = None
+    split_by_load: bool = False
     adapters: tuple[tuple[str, str], ...] = ()
     adapter_dir: str | None = None
     allow_adapter_admin: bool = False
@@ -177,6 +180,7 @@ class ServiceOptions:
             devices=self.devices,
             runner_options=runner_options,
             parallel=self.parallel,
+            by_load=self.split_by_load,
         )
 
 

@@ -46,6 +46,34 @@ def test_the_rank_options_become_service_options() -> None:
             parse("--model", "tiny-sd", *argv)
 
 
+def test_split_by_load_needs_a_token_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """L48: ``--split-by-load`` goes with ``--ulysses`` or ``--ring`` to the one
+    ``ParallelRunner`` as ``by_load``; without a token split, or with the CFG split,
+    it is one clear line."""
+    assert service_options(parse("--model", "tiny-flux")).split_by_load is False
+    for option, layout in (("--ulysses", "ulysses"), ("--ring", "ring")):
+        options = service_options(parse("--model", "tiny-flux", option, "2", "--split-by-load"))
+        assert options.parallel == (layout, 2) and options.split_by_load is True
+    with pytest.raises(UsageError, match=r"^--split-by-load: needs the token split .* --ring$"):
+        service_options(parse("--model", "tiny-flux", "--split-by-load"))
+    with pytest.raises(UsageError, match=r"^--split-by-load: splits tokens by load; use"):
+        service_options(parse("--model", "tiny-sd", "--cfg-parallel", "2", "--split-by-load"))
+    built: list[dict[str, object]] = []
+
+    class Recorded:
+        """What ``load_model`` builds in place of the ranks: the keywords it was given."""
+
+        def __init__(self, factory: object, **options: object) -> None:
+            built.append(options)
+            self.pipeline = object()
+
+    monkeypatch.setattr("omni_trio.parallel.ParallelRunner", Recorded)
+    from omni_trio.serve._models import _parallel_runner
+
+    _parallel_runner(lambda: None, ("ring", 2), None, by_load=True)
+    assert built == [{"devices": None, "cfg": 1, "ulysses": 1, "ring": 2, "by_load": True}]
+
+
 @pytest.mark.anyio
 async def test_a_service_over_two_ranks_serves_and_reaps_them() -> None:
     """L48, L49: ``ServiceOptions(parallel=("cfg", 2))`` serves tiny SD through one worker
