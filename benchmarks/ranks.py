@@ -41,25 +41,13 @@ from omni_trio.runners import DiffusersRunner, tiny_pipeline
 
 from .common import Options, fmt, md_table, p99, shared_pipeline, spread
 from .plot import figure
+from .ranks_by_load import Lent, run_by_load
 
 __all__ = ["plot_ranks", "run_ranks", "table_ranks"]
 
 #: Each layout's model and, full and quick, its size.
 LAYOUTS = {"cfg": "sd", "ulysses": "flux", "ring": "flux"}
 SIZES = {"sd": 256, "flux": 512}
-
-
-class _Lent:
-    """The runner lent to one engine: the benchmark closes it after its report."""
-
-    def __init__(self, runner: ParallelRunner) -> None:
-        self.runner = runner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.runner, name)
-
-    def close(self) -> None:
-        return None
 
 
 def _request(kind: str, size: int, steps: int, seed: int) -> GenerationRequest:
@@ -118,7 +106,7 @@ async def _seeds_table(
         seed=seed + 1,
     )
     rows: list[dict[str, float]] = []
-    async with open_engine(_Lent(runner)) as engine:
+    async with open_engine(Lent(runner)) as engine:
         reference = (await engine.generate(request)).images  # and a warm-up
         for _ in range(aborts):
             started = time.perf_counter()
@@ -204,8 +192,10 @@ def _layout(layout: str, options: Options) -> dict[str, Any]:
 
 
 def run_ranks(options: Options) -> dict[str, Any]:
-    """Every layout in turn (each starts its own group), then the check's cost."""
+    """Every layout in turn (each starts its own group), the check's cost, then the
+    split by load's regimes."""
     rows = [_layout(layout, options) for layout in LAYOUTS]
+    by_load = run_by_load(options)
     summary: dict[str, float] = {
         "post_abort_overhead_pct": max(r["overhead_pct"] for r in rows),
         "recovered": min(r["recovered"] for r in rows),
@@ -221,6 +211,9 @@ def run_ranks(options: Options) -> dict[str, Any]:
         summary[f"{name}_step_ratio_over_two_threads"] = r["step_ratio_over_two_threads"]
         summary[f"{name}_post_abort_overhead_pct"] = r["overhead_pct"]
         summary[f"{name}_recovered"] = r["recovered"]
+    for key in ("alone", "deep"):
+        for peer in ("tokens", "one_rank"):
+            summary[f"by_load_{key}_ratio_over_{peer}"] = by_load[f"{key}_ratio_over_{peer}"]
     return {
         "config": {
             "ranks": 2,
@@ -229,6 +222,7 @@ def run_ranks(options: Options) -> dict[str, Any]:
             "layouts": {r["layout"]: f"{r['model']}, {r['size']} px" for r in rows},
         },
         "layouts": rows,
+        "by_load": by_load,
         "summary": summary,
     }
 
@@ -237,6 +231,55 @@ _LABELS = {"cfg": "CFG split", "ulysses": "Ulysses", "ring": "ring"}
 
 
 def table_ranks(result: dict[str, Any]) -> str:
+    """The layouts' table, then the split by load's."""
+    steps = result["layouts"][0]["steps"]
+    head = (
+        f"Two gloo ranks of one torch thread each on this machine's cores; requests of"
+        f" {steps} steps; step times are medians over interleaved repeats (ms). Post-abort:"
+        " B after A was aborted at a random moment, median of each repeat's ratio to its own"
+        " baseline; recovered: B's image bitwise its baseline's. Plan delivery: rank 0's"
+        f" send to the other rank's read, p50 / p99 µs. An agreed cancel-point check costs"
+        f" {result['summary']['cancel_check_ns']:.0f} ns when nothing stops.\n\n"
+    )
+    return head + _layouts_table(result) + "\n\n" + _by_load_table(result["by_load"])
+
+
+_ARM_LABELS = {
+    "by_load": "2 ranks, Ulysses split by load",
+    "tokens": "2 ranks, Ulysses always",
+    "one_rank": "1 rank, 2 threads",
+}
+
+
+def _by_load_table(by_load: dict[str, Any]) -> str:
+    """arm | alone ms | deep requests/s | model calls each way."""
+    rows = []
+    for arm, label in _ARM_LABELS.items():
+        figures = by_load["arms"][arm]
+        calls = figures.get("calls")
+        rows.append(
+            [
+                label,
+                fmt(figures["alone_s"]["median"] * 1e3, 0),
+                fmt(figures["deep_per_s"]["median"], 2),
+                "-" if calls is None else f"{calls['tokens']} / {calls['rows']}",
+            ]
+        )
+    head = (
+        f"Split by load, {by_load['model']} {by_load['size']} px, {by_load['steps']} steps,"
+        f" batches of up to {by_load['max_batch_size']}: alone, one request's latency on an"
+        f" idle engine; deep, {by_load['deep']} requests submitted at once (medians). By load"
+        f" over always-Ulysses: alone {by_load['alone_ratio_over_tokens']:.2f}x the latency,"
+        f" deep {by_load['deep_ratio_over_tokens']:.2f}x the throughput; over one rank:"
+        f" {by_load['alone_ratio_over_one_rank']:.2f}x and"
+        f" {by_load['deep_ratio_over_one_rank']:.2f}x.\n\n"
+    )
+    return head + md_table(
+        ["arm", "alone, ms", "deep, requests/s", "model calls: tokens / rows split"], rows
+    )
+
+
+def _layouts_table(result: dict[str, Any]) -> str:
     """layout | step ms (2 ranks, 1 thread, 2 threads) | ratios | seeds' table | plan µs."""
     rows = []
     for r in result["layouts"]:
@@ -255,16 +298,7 @@ def table_ranks(result: dict[str, Any]) -> str:
                 f"{r['plan_delivery_us']['p50']:.0f} / {r['plan_delivery_us']['p99']:.0f}",
             ]
         )
-    steps = result["layouts"][0]["steps"]
-    head = (
-        f"Two gloo ranks of one torch thread each on this machine's cores; requests of"
-        f" {steps} steps; step times are medians over interleaved repeats (ms). Post-abort:"
-        " B after A was aborted at a random moment, median of each repeat's ratio to its own"
-        " baseline; recovered: B's image bitwise its baseline's. Plan delivery: rank 0's"
-        f" send to the other rank's read, p50 / p99 µs. An agreed cancel-point check costs"
-        f" {result['summary']['cancel_check_ns']:.0f} ns when nothing stops.\n\n"
-    )
-    return head + md_table(
+    return md_table(
         [
             "layout",
             "2 ranks",

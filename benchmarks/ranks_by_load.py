@@ -1,0 +1,120 @@
+"""``ranks``' split-by-load regimes: one group that splits tokens or rows by the batch.
+
+Three arms, each in turn (a process holds one group at a time), each through an
+engine of batches up to ``DEEP`` requests:
+
+- ``by_load``: two gloo ranks, Ulysses, ``by_load=True``: a call with fewer rows than
+  ranks splits its tokens, a call with a row per rank or more splits its rows;
+- ``tokens``: the same two ranks, Ulysses always (the split the peers run);
+- ``one_rank``: ``DiffusersRunner`` in this process, two torch threads (the same two
+  cores the ranks share).
+
+Regimes, each repeat in turn: *alone*, one request's latency on an idle engine (the
+short queue); *deep*, ``2 * DEEP`` requests submitted at once, their throughput
+(requests per second: the deep queue). The model calls each way that the by-load
+group made come from its ``report()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import anyio
+import torch
+
+from omni_trio import EngineConfig, GenerationRequest, open_engine
+from omni_trio.parallel import ParallelRunner
+from omni_trio.runners import DiffusersRunner, tiny_pipeline
+
+from .common import Options, shared_pipeline, spread
+
+__all__ = ["ARMS", "run_by_load"]
+
+#: The arms, in the order they run.
+ARMS = ("by_load", "tokens", "one_rank")
+#: The most requests per batch; the deep regime submits twice as many.
+DEEP = 4
+
+
+class Lent:
+    """The runner lent to one engine: the benchmark closes it after its report."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+    def close(self) -> None:
+        return None
+
+
+async def _regimes(runner: Any, request: GenerationRequest, repeats: int) -> dict[str, Any]:
+    """Alone latency and deep throughput, ``repeats`` of each, on one engine."""
+    requests = [dataclasses.replace(request, seed=5 + i) for i in range(2 * DEEP)]
+    alone: list[float] = []
+    deep: list[float] = []
+    async with open_engine(Lent(runner), EngineConfig(max_batch_size=DEEP)) as engine:
+        await engine.generate(request)  # a warm-up
+        for _ in range(repeats):
+            started = time.perf_counter()
+            await engine.generate(request)
+            alone.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            async with anyio.create_task_group() as group:
+                for each in requests:
+                    group.start_soon(engine.generate, each)
+            deep.append(len(requests) / (time.perf_counter() - started))
+    return {"alone_s": spread(alone), "deep_per_s": spread(deep)}
+
+
+def _arm(arm: str, request: GenerationRequest, options: Options, repeats: int) -> dict[str, Any]:
+    if arm == "one_rank":
+        torch.set_num_threads(2)
+        runner: Any = DiffusersRunner(shared_pipeline("flux"))
+        try:
+            return options.run(_regimes, runner, request, repeats)
+        finally:
+            runner.close()
+    group = ParallelRunner(
+        functools.partial(tiny_pipeline, "flux"),
+        ulysses=2,
+        by_load=arm == "by_load",
+        torch_threads=1,
+    )
+    try:
+        figures = options.run(_regimes, group, request, repeats)
+        [calls] = {tuple(sorted(rank.calls.items())) for rank in group.report()}
+        return {**figures, "calls": dict(calls)}
+    finally:
+        group.close()
+
+
+def run_by_load(options: Options) -> dict[str, Any]:
+    """Each arm in turn, both regimes; ratios of the by-load arm over the others."""
+    size, steps, repeats = (64, 3, 1) if options.quick else (512, 10, 3)
+    request = GenerationRequest(
+        prompt="a lighthouse at dusk", num_steps=steps, height=size, width=size, seed=5
+    )
+    threads = torch.get_num_threads()
+    try:
+        arms = {arm: _arm(arm, request, options, repeats) for arm in ARMS}
+    finally:
+        torch.set_num_threads(threads)
+    alone = {arm: figures["alone_s"]["median"] for arm, figures in arms.items()}
+    deep = {arm: figures["deep_per_s"]["median"] for arm, figures in arms.items()}
+    return {
+        "model": "tiny flux",
+        "size": size,
+        "steps": steps,
+        "deep": 2 * DEEP,
+        "max_batch_size": DEEP,
+        "arms": arms,
+        "alone_ratio_over_tokens": alone["by_load"] / alone["tokens"],
+        "alone_ratio_over_one_rank": alone["by_load"] / alone["one_rank"],
+        "deep_ratio_over_tokens": deep["by_load"] / deep["tokens"],
+        "deep_ratio_over_one_rank": deep["by_load"] / deep["one_rank"],
+    }
