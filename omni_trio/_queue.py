@@ -354,7 +354,7 @@ class WaitingQueue(Generic[T]):
 
     def _head(self, level: _Level[T], priority: int) -> tuple[float, _Entry[T]]:
         """The best tenant head of a non-empty ``level`` and its tag, refreshing stale heads."""
-        heads, entries, share = level.heads, self._entries, self._share
+        heads, share = level.heads, self._share
         while True:
             tag, deadline, sequence, stamp, tenant = heads[0]
             sub = level.subs.get(tenant)
@@ -362,16 +362,19 @@ class WaitingQueue(Generic[T]):
                 heapq.heappop(heads)  # its tenant left, or a better head superseded it
                 self._heads -= 1
                 continue
-            heap = sub.heap
-            # ``is``: an item withdrawn and pushed again has a new entry.
-            while entries.get(heap[0][2]) is not heap[0]:
-                heapq.heappop(heap)
-                self._held -= 1
-            entry = heap[0]
+            entry = self._first_live(sub.heap)
             current = share.tag(priority, tenant)
             if tag == current and entry[0] == deadline and entry[1] == sequence:
                 return tag, entry
             heapq.heapreplace(heads, (current, entry[0], entry[1], stamp, tenant))
+
+    def _first_live(self, heap: list[_Entry[T]]) -> _Entry[T]:
+        """The top of a tenant's non-empty ``heap`` once the withdrawn entries above it
+        are popped (``is``: an item withdrawn and pushed again has a new entry)."""
+        while self._entries.get(heap[0][2]) is not heap[0]:
+            heapq.heappop(heap)
+            self._held -= 1
+        return heap[0]
 
     def _tenant_heads(self, priority: int) -> list[tuple[_FairRank, _Entry[T]]]:
         """Each tenant's best waiting entry at ``priority`` and its rank. O(t), t tenants
@@ -381,11 +384,7 @@ class WaitingQueue(Generic[T]):
             return []
         found = []
         for tenant, sub in level.subs.items():
-            heap = sub.heap
-            while self._entries.get(heap[0][2]) is not heap[0]:
-                heapq.heappop(heap)
-                self._held -= 1
-            entry = heap[0]
+            entry = self._first_live(sub.heap)
             tag = self._share.tag(priority, tenant)
             found.append(((-priority, tag, entry[0], entry[1]), entry))
         return found

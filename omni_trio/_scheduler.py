@@ -310,7 +310,7 @@ def fair_victim(
 
     # (A(v) - 1) / w(v) >= (A(t) + 1) / w(t), times ``steps`` and both weights
     # (exact for integer and binary-fraction weights).
-    wanted = (count(tenant) + steps) * 1.0
+    wanted = count(tenant) + steps
     best: tuple[float, Rank, T] | None = None
     for other, group in held.items():
         if other == tenant:
