@@ -379,6 +379,11 @@ class ParallelRunner:
         """Whether a call with a row per rank is split by rows (``by_load``)."""
         return self._layout.by_load
 
+    def calls(self) -> dict[str, int]:
+        """The model calls made each way so far, ``"rows"`` and ``"tokens"`` (rank 0's
+        count, which every rank of a sound group shares; no round trip: any thread)."""
+        return dict(self._model.calls)
+
     @property
     def world_size(self) -> int:
         """How many ranks, this process's included."""
@@ -494,7 +499,7 @@ class ParallelRunner:
             with self._book_lock:
                 self._send(PlanKind.REPORT)
                 ours = {s.request_id: state_digest(s.inner) for s in self._live.values()}
-            reports = [RankReport(rank=0, states=ours, calls=dict(self._model.calls))]
+            reports = [RankReport(rank=0, states=ours, calls=self.calls())]
             try:
                 for connection in self._connections:
                     message = receive(connection, self._timeout_s)

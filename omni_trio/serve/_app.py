@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -147,6 +148,9 @@ class Service:
             checkpoints=bool(getattr(capabilities, "checkpoints", False)),
         )
         self.metrics.add_video_jobs(self.videos.counts, self.videos.held_bytes)
+        groups = _groups(runner)
+        if groups:
+            self.metrics.add_groups(groups)
         videos = VideosApi(
             config=self.config,
             metrics=self.metrics,
@@ -493,6 +497,20 @@ def create_app(
     The app's ``state.service`` is its ``Service``.
     """
     return Service(runner, engine_config=engine_config, config=config).app
+
+
+def _groups(
+    runner: Runner[Any] | Sequence[Runner[Any]],
+) -> dict[int, tuple[int, Callable[[], Mapping[str, int]]]]:
+    """Each parallel worker's index, ranks and call counts, for ``/metrics``."""
+    parallel = sys.modules.get("omni_trio.parallel")
+    if parallel is None:  # not imported: no runner is a ParallelRunner
+        return {}
+    return {
+        index: (each.world_size, each.calls)
+        for index, each in enumerate(runner_sequence(runner))
+        if isinstance(each, parallel.ParallelRunner)
+    }
 
 
 def _admission_adapters(

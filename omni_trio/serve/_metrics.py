@@ -26,6 +26,8 @@ omni_trio_cache_blocks_total{decision}    counter    step-cached row-blocks, com
 omni_trio_cache_loosened_total            counter    requests whose threshold was loosened (L84)
 omni_trio_video_jobs{status}              gauge      video jobs held now by status (L73)
 omni_trio_video_bytes                     gauge      MP4 bytes the finished video jobs hold now
+omni_trio_group_ranks{group}              gauge      the ranks of each parallel worker (L49)
+omni_trio_group_calls_total{group,way}    counter    its model calls split by ``rows`` or ``tokens``
 omni_trio_tenant_requests_total           counter    generation requests by tenant and outcome
 {tenant,outcome}                                     (L56; the tenants below)
 omni_trio_tenant_queue_wait_seconds       histogram  ``queue_wait_seconds`` by tenant
@@ -168,6 +170,38 @@ class _VideoCollector:
     def describe(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("omni_trio_video_jobs", "", labels=["status"])
         yield GaugeMetricFamily("omni_trio_video_bytes", "")
+
+
+class _GroupCollector:
+    """Reads each parallel worker's ranks and model calls each way at scrape time (L49).
+
+    ``groups`` is ``(ranks, calls)`` per parallel worker, by its index among the
+    engine's workers: ``calls`` returns rank 0's counts, which every rank of a sound
+    group shares (no round trip to the other ranks).
+    """
+
+    def __init__(self, groups: Mapping[int, tuple[int, Callable[[], Mapping[str, int]]]]) -> None:
+        self._groups = dict(groups)
+
+    def collect(self) -> Iterator[Metric]:
+        ranks = GaugeMetricFamily(
+            "omni_trio_group_ranks", "The ranks of each parallel worker.", labels=["group"]
+        )
+        calls = CounterMetricFamily(
+            "omni_trio_group_calls",
+            "Model calls of each parallel worker, split by rows or by tokens.",
+            labels=["group", "way"],
+        )
+        for index, (world, counts) in self._groups.items():
+            ranks.add_metric([str(index)], world)
+            for way, count in sorted(counts().items()):
+                calls.add_metric([str(index), way], count)
+        yield ranks
+        yield calls
+
+    def describe(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("omni_trio_group_ranks", "", labels=["group"])
+        yield CounterMetricFamily("omni_trio_group_calls", "", labels=["group", "way"])
 
 
 class _WithoutCreated:
@@ -318,6 +352,10 @@ class ServeMetrics:
     ) -> None:
         """Export the video jobs by status and the bytes they hold (read at scrape time)."""
         self.registry.register(_VideoCollector(counts, held))
+
+    def add_groups(self, groups: Mapping[int, tuple[int, Callable[[], Mapping[str, int]]]]) -> None:
+        """Export each parallel worker's ranks and calls each way (``_GroupCollector``)."""
+        self.registry.register(_GroupCollector(groups))
 
     def set_tenants(self, tenants: Iterable[str]) -> None:
         """Name the tenants that get a ``tenant`` label value of their own (the keys')."""

@@ -52,6 +52,8 @@ async def test_metrics_have_the_standard_series_and_no_created_ones() -> None:
     assert {"python_gc_objects_collected", "python_gc_collections"} <= set(families)
     assert [name for name, _ in samples if name.endswith("_created")] == []
     assert "_created" not in text
+    # One process per worker: no parallel group, no group series.
+    assert not {"omni_trio_group_ranks", "omni_trio_group_calls"} & set(families)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process_* reads /proc")

@@ -21,7 +21,7 @@ from omni_trio.parallel import ParallelRunner
 from omni_trio.serve._options import ServiceOptions, build_service
 from tests.support.core import BUDGET
 from tests.support.parallel import children, new_children
-from tests.support.serve import PATH, png_size, serving
+from tests.support.serve import PATH, metric, png_size, serving
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -77,7 +77,8 @@ def test_split_by_load_needs_a_token_split(monkeypatch: pytest.MonkeyPatch) -> N
 @pytest.mark.anyio
 async def test_a_service_over_two_ranks_serves_and_reaps_them() -> None:
     """L48, L49: ``ServiceOptions(parallel=("cfg", 2))`` serves tiny SD through one worker
-    over two ranks; the service's shutdown reaps them."""
+    over two ranks, which ``/metrics`` shows as a group of two whose every call of the
+    request's steps was split by rows; the service's shutdown reaps them."""
     before = children()
     threads = torch.get_num_threads()
     options = ServiceOptions(model="tiny-sd", parallel=("cfg", 2))
@@ -92,6 +93,14 @@ async def test_a_service_over_two_ranks_serves_and_reaps_them() -> None:
                 answer = await client.post(PATH, json={"prompt": "a flower", "size": "64x64"})
                 assert answer.status_code == 200, answer.text
                 assert png_size(answer.json()["data"][0]["b64_json"]) == (64, 64)
+                text = (await client.get("/metrics")).text
+        group = {"group": "0"}
+        assert metric(text, "omni_trio_group_ranks", **group) == 2
+        calls = {
+            way: metric(text, "omni_trio_group_calls_total", **group, way=way)
+            for way in ("rows", "tokens")
+        }
+        assert calls == {"rows": loaded.steps, "tokens": 0}
         assert not ranks & children() and not new_children(before)
         assert "cfg over 2 ranks" in loaded.description
     finally:
