@@ -268,8 +268,10 @@ def _by_load_table(by_load: dict[str, Any]) -> str:
     head = (
         f"Split by load, {by_load['model']} {by_load['size']} px, {by_load['steps']} steps,"
         f" batches of up to {by_load['max_batch_size']}: alone, one request's latency on an"
-        f" idle engine; deep, {by_load['deep']} requests submitted at once (medians). By load"
-        f" over always-Ulysses: alone {by_load['alone_ratio_over_tokens']:.2f}x the latency,"
+        f" idle engine; deep, {by_load['deep']} requests submitted at once (medians of"
+        f" {by_load['rounds']} rounds of {by_load['repeats']} repeats, each round every arm in"
+        f" turn). By load over always-Ulysses: alone"
+        f" {by_load['alone_ratio_over_tokens']:.2f}x the latency,"
         f" deep {by_load['deep_ratio_over_tokens']:.2f}x the throughput; over one rank:"
         f" {by_load['alone_ratio_over_one_rank']:.2f}x and"
         f" {by_load['deep_ratio_over_one_rank']:.2f}x.\n\n"

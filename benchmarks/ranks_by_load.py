@@ -1,7 +1,8 @@
 """``ranks``' split-by-load regimes: one group that splits tokens or rows by the batch.
 
-Three arms, each in turn (a process holds one group at a time), each through an
-engine of batches up to ``DEEP`` requests:
+Three arms, each through an engine of batches up to ``DEEP`` requests, in rounds:
+each round starts each arm in turn (a process holds one group at a time), so slow
+drift of the machine's load reaches every arm alike:
 
 - ``by_load``: two gloo ranks, Ulysses, ``by_load=True``: a call with fewer rows than
   ranks splits its tokens, a call with a row per rank or more splits its rows;
@@ -9,10 +10,10 @@ engine of batches up to ``DEEP`` requests:
 - ``one_rank``: ``DiffusersRunner`` in this process, two torch threads (the same two
   cores the ranks share).
 
-Regimes, each repeat in turn: *alone*, one request's latency on an idle engine (the
-short queue); *deep*, ``2 * DEEP`` requests submitted at once, their throughput
-(requests per second: the deep queue). The model calls each way that the by-load
-group made come from its ``report()``.
+Regimes, each repeat in turn after a warm-up: *alone*, one request's latency on an
+idle engine (the short queue); *deep*, ``2 * DEEP`` requests submitted at once, their
+throughput (requests per second: the deep queue). The model calls each way that each
+group made, summed over its rounds, come from its ``report()``.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class Lent:
         return None
 
 
-async def _regimes(runner: Any, request: GenerationRequest, repeats: int) -> dict[str, Any]:
+async def _regimes(runner: Any, request: GenerationRequest, repeats: int) -> dict[str, list[float]]:
     """Alone latency and deep throughput, ``repeats`` of each, on one engine."""
     requests = [dataclasses.replace(request, seed=5 + i) for i in range(2 * DEEP)]
     alone: list[float] = []
@@ -68,10 +69,11 @@ async def _regimes(runner: Any, request: GenerationRequest, repeats: int) -> dic
                 for each in requests:
                     group.start_soon(engine.generate, each)
             deep.append(len(requests) / (time.perf_counter() - started))
-    return {"alone_s": spread(alone), "deep_per_s": spread(deep)}
+    return {"alone_s": alone, "deep_per_s": deep}
 
 
-def _arm(arm: str, request: GenerationRequest, options: Options, repeats: int) -> dict[str, Any]:
+def _round(arm: str, request: GenerationRequest, options: Options, repeats: int) -> dict[str, Any]:
+    """One round of ``arm``: its runner started, measured and closed."""
     if arm == "one_rank":
         torch.set_num_threads(2)
         runner: Any = DiffusersRunner(shared_pipeline("flux"))
@@ -86,7 +88,7 @@ def _arm(arm: str, request: GenerationRequest, options: Options, repeats: int) -
         torch_threads=1,
     )
     try:
-        figures = options.run(_regimes, group, request, repeats)
+        figures: dict[str, Any] = options.run(_regimes, group, request, repeats)
         [calls] = {tuple(sorted(rank.calls.items())) for rank in group.report()}
         return {**figures, "calls": dict(calls)}
     finally:
@@ -94,16 +96,36 @@ def _arm(arm: str, request: GenerationRequest, options: Options, repeats: int) -
 
 
 def run_by_load(options: Options) -> dict[str, Any]:
-    """Each arm in turn, both regimes; ratios of the by-load arm over the others."""
-    size, steps, repeats = (64, 3, 1) if options.quick else (512, 10, 3)
+    """Each arm in turn, round after round, both regimes; ratios of the by-load arm
+    over the others (of medians over every round's repeats)."""
+    size, steps, rounds, repeats = (64, 3, 1, 1) if options.quick else (512, 10, 4, 2)
     request = GenerationRequest(
         prompt="a lighthouse at dusk", num_steps=steps, height=size, width=size, seed=5
     )
+    samples: dict[str, dict[str, list[float]]] = {
+        arm: {"alone_s": [], "deep_per_s": []} for arm in ARMS
+    }
+    calls: dict[str, dict[str, int]] = {}
     threads = torch.get_num_threads()
     try:
-        arms = {arm: _arm(arm, request, options, repeats) for arm in ARMS}
+        for _ in range(rounds):
+            for arm in ARMS:
+                figures = _round(arm, request, options, repeats)
+                for key, values in samples[arm].items():
+                    values += figures[key]
+                if "calls" in figures:
+                    summed = calls.setdefault(arm, {})
+                    for way, count in figures["calls"].items():
+                        summed[way] = summed.get(way, 0) + count
     finally:
         torch.set_num_threads(threads)
+    arms: dict[str, dict[str, Any]] = {
+        arm: {
+            **{key: spread(values) for key, values in samples[arm].items()},
+            **({"calls": calls[arm]} if arm in calls else {}),
+        }
+        for arm in ARMS
+    }
     alone = {arm: figures["alone_s"]["median"] for arm, figures in arms.items()}
     deep = {arm: figures["deep_per_s"]["median"] for arm, figures in arms.items()}
     return {
@@ -112,6 +134,8 @@ def run_by_load(options: Options) -> dict[str, Any]:
         "steps": steps,
         "deep": 2 * DEEP,
         "max_batch_size": DEEP,
+        "rounds": rounds,
+        "repeats": repeats,
         "arms": arms,
         "alone_ratio_over_tokens": alone["by_load"] / alone["tokens"],
         "alone_ratio_over_one_rank": alone["by_load"] / alone["one_rank"],
