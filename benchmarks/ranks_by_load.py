@@ -13,7 +13,7 @@ drift of the machine's load reaches every arm alike:
 Regimes, each repeat in turn after a warm-up: *alone*, one request's latency on an
 idle engine (the short queue); *deep*, ``2 * DEEP`` requests submitted at once, their
 throughput (requests per second: the deep queue). The model calls each way that each
-group made, summed over its rounds, come from its ``report()``.
+group made, summed over its rounds, are its ``calls()``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections import Counter
 from typing import Any
 
 import anyio
@@ -89,8 +90,7 @@ def _round(arm: str, request: GenerationRequest, options: Options, repeats: int)
     )
     try:
         figures: dict[str, Any] = options.run(_regimes, group, request, repeats)
-        [calls] = {tuple(sorted(rank.calls.items())) for rank in group.report()}
-        return {**figures, "calls": dict(calls)}
+        return {**figures, "calls": group.calls()}
     finally:
         group.close()
 
@@ -105,7 +105,7 @@ def run_by_load(options: Options) -> dict[str, Any]:
     samples: dict[str, dict[str, list[float]]] = {
         arm: {"alone_s": [], "deep_per_s": []} for arm in ARMS
     }
-    calls: dict[str, dict[str, int]] = {}
+    calls: dict[str, Counter[str]] = {}
     threads = torch.get_num_threads()
     try:
         for _ in range(rounds):
@@ -114,15 +114,13 @@ def run_by_load(options: Options) -> dict[str, Any]:
                 for key, values in samples[arm].items():
                     values += figures[key]
                 if "calls" in figures:
-                    summed = calls.setdefault(arm, {})
-                    for way, count in figures["calls"].items():
-                        summed[way] = summed.get(way, 0) + count
+                    calls.setdefault(arm, Counter()).update(figures["calls"])
     finally:
         torch.set_num_threads(threads)
     arms: dict[str, dict[str, Any]] = {
         arm: {
             **{key: spread(values) for key, values in samples[arm].items()},
-            **({"calls": calls[arm]} if arm in calls else {}),
+            **({"calls": dict(calls[arm])} if arm in calls else {}),
         }
         for arm in ARMS
     }
