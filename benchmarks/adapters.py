@@ -23,7 +23,6 @@ and ``unload_adapter``, each timed alone.
 
 from __future__ import annotations
 
-import copy
 import tempfile
 import time
 import warnings
@@ -43,32 +42,16 @@ RANK = 8
 SCALE = 0.8
 NAMES = ("ink", "film", "dust", "neon")
 ARMS = ("mixed", "sequential", "same", "none")
-_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 
 def _make_loras(pipe: Any, folder: Path) -> dict[str, Path]:
     """Four random rank-8 LoRAs for ``pipe``'s transformer, saved as diffusers saves them."""
-    import torch
-    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+    from omni_trio.runners import tiny_lora
 
-    files = {}
-    for seed, name in enumerate(NAMES):
-        config = LoraConfig(r=RANK, lora_alpha=RANK, target_modules=_TARGETS)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "Already found a `peft_config`", UserWarning)
-            model = inject_adapter_in_model(
-                config, copy.deepcopy(pipe.transformer), adapter_name=name
-            )
-        generator = torch.Generator().manual_seed(seed)
-        weights = {
-            key: torch.randn(value.shape, generator=generator) * 0.1
-            for key, value in get_peft_model_state_dict(model, adapter_name=name).items()
-        }
-        type(pipe).save_lora_weights(
-            str(folder), transformer_lora_layers=weights, weight_name=f"{name}.safetensors"
-        )
-        files[name] = folder / f"{name}.safetensors"
-    return files
+    return {
+        name: tiny_lora(pipe, folder, name, seed=seed, rank=RANK, alpha=RANK, text=False)
+        for seed, name in enumerate(NAMES)
+    }
 
 
 def _request(index: int, steps: int, adapters: dict[str, float]) -> ot.GenerationRequest:
@@ -139,6 +122,7 @@ def run_adapters(options: Options) -> dict[str, Any]:
     import torch
 
     from omni_trio.runners import DiffusersRunner
+    from omni_trio.runners._tinylora import DENOISER_TARGETS
 
     steps, repeats = (1, 1) if options.quick else (8, 5)
     folder = Path(tempfile.mkdtemp(prefix="omni-trio-adapters-"))
@@ -182,7 +166,7 @@ def run_adapters(options: Options) -> dict[str, Any]:
             "batch": 4,
             "rank": RANK,
             "scale": SCALE,
-            "targets": _TARGETS,
+            "targets": list(DENOISER_TARGETS),
             "repeats": repeats,
             "adapter_bytes": adapter_bytes,
             "torch_threads": torch.get_num_threads(),

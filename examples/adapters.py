@@ -11,39 +11,20 @@ Usage: .venv/bin/python examples/adapters.py   (seconds on a CPU; needs peft: th
 extra)
 """
 
-import copy
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import anyio
-import torch
-from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
 
 import omni_trio as ot
-from omni_trio.runners import DiffusersRunner, tiny_pipeline
-
-
-def random_lora(pipe: Any, folder: Path, name: str, seed: int) -> Path:
-    """A random rank-4 LoRA on the UNet's attention, saved as diffusers saves one."""
-    config = LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
-    unet = inject_adapter_in_model(config, copy.deepcopy(pipe.unet), adapter_name=name)
-    generator = torch.Generator().manual_seed(seed)
-    weights = {
-        key: torch.randn(value.shape, generator=generator) * 0.2
-        for key, value in get_peft_model_state_dict(unet, adapter_name=name).items()
-    }
-    type(pipe).save_lora_weights(
-        str(folder), unet_lora_layers=weights, weight_name=f"{name}.safetensors"
-    )
-    return folder / f"{name}.safetensors"
+from omni_trio.runners import DiffusersRunner, tiny_lora, tiny_pipeline
 
 
 async def main() -> None:
     pipe = tiny_pipeline("sd")
     folder = Path(tempfile.mkdtemp())
     files = {
-        name: random_lora(pipe, folder, name, seed) for seed, name in enumerate(["ink", "film"])
+        name: tiny_lora(pipe, folder, name, seed=seed) for seed, name in enumerate(["ink", "film"])
     }
     runner = DiffusersRunner(pipe, max_adapters=2)
     async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=4)) as engine:

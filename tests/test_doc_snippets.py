@@ -185,12 +185,12 @@ def test_adapter_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """adapter_calls.py with two random LoRAs at its paths: both load, requests name
     them with their scales, the listing has both, and "film" is unloaded."""
     pytest.importorskip("peft")
-    from tests.support.adapters import make_lora
+    from omni_trio.runners import tiny_lora
 
     pipe = tiny_pipeline("sd")  # its own: LoRA layers stay in a pipeline once loaded
     (tmp_path / "loras").mkdir()
     for seed, name in enumerate(["ink", "film"]):
-        make_lora(pipe, tmp_path / "loras", name, seed=seed)
+        tiny_lora(pipe, tmp_path / "loras", name, seed=seed)
     monkeypatch.chdir(tmp_path)
     runner = DiffusersRunner(pipe)
     try:

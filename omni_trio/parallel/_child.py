@@ -9,7 +9,8 @@ The child's life, each stage told to rank 0 on the control pipe:
    timeout never counts a model load), join the group, set up context
    parallelism; ``("ready",)``;
 4. loop: read a plan, apply its ops, run its step (armed with the agreed check,
-   ``_agree``), answer a report; until ``STOP`` or the pipe's end of file.
+   ``_agree``), answer a report or an adapter load; until ``STOP`` or the pipe's
+   end of file.
 
 Any failure is sent as ``("error", text)`` (best effort) and ends the process
 with exit code 1; rank 0 sees it as the group's death.
@@ -47,7 +48,7 @@ class RankSpec:
         timeout_s: the collectives' timeout.
         parent: the engine's process id.
         threads: torch's intra-op thread count to start with.
-        max_batch_size: the runner's.
+        options: the runner's keyword options (``RankRunner``).
         connection: this child's end of its control pipe.
         flags: the group's shared flags (``_agree``).
     """
@@ -61,7 +62,7 @@ class RankSpec:
     timeout_s: float
     parent: int
     threads: int
-    max_batch_size: int
+    options: dict[str, Any]
     connection: Connection
     flags: Any
 
@@ -101,7 +102,7 @@ def _run(spec: RankSpec, connection: Connection) -> None:
         if torch.device(spec.device).type == "cuda":
             torch.cuda.set_device(torch.device(spec.device))
     layout = spec.layout
-    runner = RankRunner(pipeline, layout=layout, rank=spec.rank, max_batch_size=spec.max_batch_size)
+    runner = RankRunner(pipeline, layout=layout, rank=spec.rank, **spec.options)
     connection.send(("built",))
     message = connection.recv()
     assert message == ("go",), message
@@ -152,8 +153,13 @@ def _serve(spec: RankSpec, connection: Connection, runner: Any, states: Any) -> 
                 states=states.digests(),
                 plan_delivery_s=tuple(delivery),
                 calls=dict(runner.calls),
+                adapters=runner.adapters(),
             )
             connection.send(("report", report))
+            continue
+        if plan.kind is PlanKind.ADAPTERS:
+            connection.send(("adapters", tuple(states.load_failures)))
+            states.load_failures.clear()
             continue
         if plan.kind is not PlanKind.STEP:
             continue

@@ -12,11 +12,16 @@ read in order:
 - ``OPS``: ops only (a join, sent as soon as rank 0 prepares it, so that every
   rank prepares it at the same time).
 - ``REPORT``: ops, then answer with what this rank holds (``RankReport``).
+- ``ADAPTERS``: ops (an adapter's load), then answer with the loads that failed on
+  this rank: rank 0 loads first, and undoes its load when another rank's fails.
 - ``STOP``: the group closes.
 
 An op names a request by its *key*, a number rank 0 gives each admission once
 (never its id: ids are reused, L3). A join carries the request itself, its seed
-fixed by rank 0, so that every rank prepares the same state.
+fixed by rank 0, so that every rank prepares the same state. An adapter's load and
+unload are ops too, in the same order as the joins and drops around them: every
+rank's adapters see the same loads, holds and releases in the same order, and so
+evict the same ones (L87).
 
 Plans travel on pipes, not through a collective: a rank waits for its next plan
 as long as the engine is idle (a collective would time out), a dead peer is seen
@@ -31,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .._adapters import AdapterInfo
 from .._request import GenerationRequest
 
 __all__ = [
@@ -53,6 +59,8 @@ class OpKind(enum.IntEnum):
     DROP = 2
     SUSPEND = 3
     RESUME = 4
+    LOAD_ADAPTER = 5
+    UNLOAD_ADAPTER = 6
 
 
 class PlanKind(enum.IntEnum):
@@ -62,6 +70,7 @@ class PlanKind(enum.IntEnum):
     OPS = 2
     REPORT = 3
     STOP = 4
+    ADAPTERS = 5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,7 +78,9 @@ class Op:
     """One change to the group's states: ``kind`` of the request with ``key``.
 
     A join carries the request's fields (``request_fields``) and its id; a
-    suspension whether it parks in host memory.
+    suspension whether it parks in host memory; an adapter's load its ``name`` and
+    ``source`` (an absolute file path or a state dict), its unload its ``name``
+    (``key`` 0: no request).
     """
 
     kind: OpKind
@@ -77,6 +88,8 @@ class Op:
     request: Mapping[str, Any] | None = None
     request_id: str = ""
     to_host: bool = False
+    name: str = ""
+    source: Any = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,12 +129,15 @@ class RankReport:
         calls: the model calls this rank made each way since it started:
             ``"rows"`` (each rank a slice of the rows) and ``"tokens"`` (sequence
             parallel); every rank of a sound group counts the same.
+        adapters: the adapters the rank knows (``DiffusersRunner.adapters()``):
+            loaded or evicted, their holders; the same on every rank of a sound group.
     """
 
     rank: int
     states: Mapping[str, str]
     plan_delivery_s: tuple[float, ...] = ()
     calls: Mapping[str, int] = field(default_factory=dict)
+    adapters: tuple[AdapterInfo, ...] = ()
 
 
 def encode_plan(plan: Plan) -> bytes:

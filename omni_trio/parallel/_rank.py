@@ -23,6 +23,11 @@ with no collective). What the ranks share is each model call (``_denoise``):
   choice from the call's rows, which all ranks hold alike; the switch
   (``ContextSwitch``) turns the sequence split off and on between calls.
 
+Adapters: every rank loads each adapter itself (rank 0's ops say which, in order with
+the joins and drops, so every rank's adapters are held, released and evicted alike).
+A call by rows gives each rank's slice its own rows' adapters (``call_rows``); a
+call by tokens keeps every row, so its adapters are the call's.
+
 ``RankStates`` is the other ranks' copy of the group's states, kept by applying
 rank 0's ops in order.
 """
@@ -39,6 +44,7 @@ import torch
 
 from .._runner import StopRun
 from ..runners import DiffusersRunner
+from ..runners._adapters import call_rows
 from ._agree import Agreement, choose
 from ._context import ContextSwitch, ignore_gather_deprecation, waited
 from ._group import all_gather
@@ -85,11 +91,12 @@ class RankRunner(DiffusersRunner):
         pipeline: this rank's pipeline.
         layout: how the calls are shared.
         rank: this rank.
-        max_batch_size: as ``DiffusersRunner``'s.
+        options: ``DiffusersRunner``'s keyword options (the batch and the adapters'
+            bounds), the same on every rank.
     """
 
-    def __init__(self, pipeline: Any, *, layout: Layout, rank: int, max_batch_size: int) -> None:
-        super().__init__(pipeline, max_batch_size=max_batch_size)
+    def __init__(self, pipeline: Any, *, layout: Layout, rank: int, **options: Any) -> None:
+        super().__init__(pipeline, **options)
         self.pipeline = pipeline
         self._layout = layout
         self._rank = rank
@@ -127,7 +134,8 @@ class RankRunner(DiffusersRunner):
         if high > low:
             part = {name: value[low:high] for name, value in cond.items()}
             try:
-                out = super()._denoise(rows[low:high], t[low:high], part, shared)
+                with call_rows(low, high):
+                    out = super()._denoise(rows[low:high], t[low:high], part, shared)
             except StopRun:
                 send[-1] = 1.0
             else:
@@ -184,13 +192,17 @@ class RankStates:
 
     A join that fails here is remembered, not fatal: rank 0 failed it too (the
     request fails alone, L22) and its drop follows; a step that names it is the
-    group's failure.
+    group's failure. An adapter's load that fails here is remembered for the
+    ``ADAPTERS`` plan's answer (``load_failures``): rank 0 then undoes its own load
+    and has every rank unload it; an unload that fails is the group's failure (the
+    ranks' adapters differ).
     """
 
     def __init__(self, runner: RankRunner) -> None:
         self._runner = runner
         self._states: dict[int, Any] = {}
         self._failed: dict[int, str] = {}
+        self.load_failures: list[str] = []
 
     def apply(self, ops: Iterable[Op]) -> None:
         """Apply ``ops`` in order."""
@@ -213,6 +225,14 @@ class RankStates:
                     self._runner.suspend(self._states[op.key], to_host=op.to_host)
                 case OpKind.RESUME:
                     self._runner.resume(self._states[op.key])
+                case OpKind.LOAD_ADAPTER:
+                    try:
+                        self._runner.load_adapter(op.name, op.source)
+                    except Exception as exc:
+                        self.load_failures.append(f"{type(exc).__name__}: {exc}")
+                case OpKind.UNLOAD_ADAPTER:
+                    if op.name in self._runner.adapter_names():  # not if its load failed here
+                        self._runner.unload_adapter(op.name)
 
     def members(self, keys: Sequence[int]) -> list[Any]:
         """The states of a step's members, in order.

@@ -9,6 +9,9 @@ a suspension, a resumption) and at every step, rank 0 sends a plan (``_plan``)
 down every rank's control pipe before it makes any collective itself, so every
 rank makes the same steps and so the same collectives in the same order (L40).
 Cancel points are agreed (``_agree``): all ranks leave a step at the same point.
+Adapters load on rank 0 first (its validation is the load's), then on every other
+rank, all or nothing; their loads and unloads are ops in the same order as the
+joins and drops, so every rank holds and evicts the same adapters (L85-L87).
 
 The group is fatal as a whole: a rank that dies, a collective that times out
 (``timeout_s``), a step that fails part-way, any failure once a plan is out,
@@ -31,13 +34,14 @@ import pickle
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
 
+from .._adapters import AdapterError, AdapterInfo
 from .._cancelpoint import armed, current_check
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities, StopRun
@@ -169,6 +173,11 @@ class ParallelRunner:
             count is process-wide), and every rank follows rank 0's count, so
             their states stay bitwise equal.
         max_batch_size: most requests one step serves.
+        max_adapters: the most adapters one request may name (L85; as
+            ``DiffusersRunner``'s, 0 for a pipeline that takes none).
+        max_loaded_adapters: the most adapters each rank holds loaded at once (L87).
+        max_adapter_bytes: the most bytes of loaded adapters' weights per rank, or
+            ``None``.
 
     Raises:
         ValueError: not exactly one of ``cfg``, ``ulysses``, ``ring`` above 1, bad
@@ -194,6 +203,9 @@ class ParallelRunner:
         start_timeout_s: float = 600.0,
         torch_threads: int | None = None,
         max_batch_size: int = 8,
+        max_adapters: int = 4,
+        max_loaded_adapters: int = 16,
+        max_adapter_bytes: int | None = None,
     ) -> None:
         layout = _layout(cfg, ulysses, ring, by_load)
         names = _devices(devices, layout.degree)
@@ -232,6 +244,12 @@ class ParallelRunner:
         self._broken: str | None = None
         self._closed = False
         self._stack = ExitStack()
+        options: dict[str, Any] = {
+            "max_batch_size": max_batch_size,
+            "max_adapters": max_adapters,
+            "max_loaded_adapters": max_loaded_adapters,
+            "max_adapter_bytes": max_adapter_bytes,
+        }
         listen = listening_socket()
         pipes = [context.Pipe() for _ in range(layout.degree - 1)]
         self._connections: list[Connection] = [ours for ours, _ in pipes]
@@ -246,7 +264,7 @@ class ParallelRunner:
                 timeout_s=self._timeout_s,
                 parent=os.getpid(),
                 threads=threads,
-                max_batch_size=max_batch_size,
+                options=options,
                 connection=theirs,
                 flags=self._flags,
             )
@@ -260,7 +278,7 @@ class ParallelRunner:
             finally:
                 for _, theirs in pipes:
                     theirs.close()  # the child's end is the child's: its exit is our EOF
-            runner = self._build(factory, names[0], max_batch_size)
+            runner = self._build(factory, names[0], options)
             self._await("built", start_timeout_s)
             for connection in self._connections:
                 connection.send(("go",))
@@ -295,18 +313,15 @@ class ParallelRunner:
         inner = runner.capabilities
         multiple = inner.size_multiple * (1 if layout.kind == "cfg" else layout.degree)
         # Step caching is refused at admission: a rank that computes a slice of the
-        # rows would decide its skips alone, and a decision must be the group's.
-        # Adapters too: every rank builds its own model, and none loads them yet; and
+        # rows would decide its skips alone, and a decision must be the group's. And
         # checkpoints, whose restore would have to reach every rank.
         self._capabilities = dataclasses.replace(
-            inner,
-            size_multiple=multiple,
-            step_cache=frozenset(),
-            max_adapters=0,
-            checkpoints=False,
+            inner, size_multiple=multiple, step_cache=frozenset(), checkpoints=False
         )
 
-    def _build(self, factory: Callable[[], Any], device: str | None, batch: int) -> RankRunner:
+    def _build(
+        self, factory: Callable[[], Any], device: str | None, options: dict[str, Any]
+    ) -> RankRunner:
         """Rank 0's pipeline and runner, checked against the layout."""
         try:
             pipeline = factory()
@@ -324,7 +339,7 @@ class ParallelRunner:
                         f"ulysses: {heads} attention heads do not divide by"
                         f" {self._layout.degree} ranks"
                     )
-        return RankRunner(pipeline, layout=self._layout, rank=0, max_batch_size=batch)
+        return RankRunner(pipeline, layout=self._layout, rank=0, **options)
 
     def _await(self, stage: str, timeout: float) -> None:
         """Wait for every rank to say ``stage``; fail at once when one fails or ends.
@@ -483,6 +498,74 @@ class ParallelRunner:
             self._model.resume(state.inner)
             self._queue(Op(kind=OpKind.RESUME, key=state.key))
 
+    # -- adapters (L85-L87) -----------------------------------------------------
+
+    def load_adapter(self, name: str, source: str | os.PathLike[str] | Mapping[str, Any]) -> None:
+        """Load ``source`` as ``name`` on every rank, all or nothing (``AdapterRunner``).
+
+        Rank 0 loads first (its checks are the load's: a bad file is refused before
+        any other rank reads it), then every other rank; if one of them fails, every
+        rank unloads it again. Waits for the step under way. A file is read by every
+        rank (the ranks share the machine); a state dict is sent to each.
+
+        Raises:
+            AdapterError: rank 0 refused it (as ``DiffusersRunner.load_adapter``), or
+                another rank could not load it (``invalid``).
+            InvalidRequestError: ``name`` is not an adapter name.
+            ParallelGroupError: the group broke.
+        """
+        if isinstance(source, str | os.PathLike):
+            source = os.path.abspath(source)
+        elif isinstance(source, Mapping):
+            source = dict(source)  # a plain dict pickles, to reach the ranks
+        with self._lock:
+            # Under the book lock, rank 0's load and its op take one place among the
+            # discards (their releases) of other threads: every rank sees one order.
+            with self._book_lock:
+                self._model.load_adapter(name, source)
+                self._ops.append(Op(kind=OpKind.LOAD_ADAPTER, key=0, name=name, source=source))
+            try:
+                self._send(PlanKind.ADAPTERS)
+                answers = [receive(c, self._timeout_s) for c in self._connections]
+            except BaseException as exc:
+                raise self._failure(exc, "an adapter's load") from exc
+            failures: list[str] = []
+            for rank, answer in enumerate(answers, start=1):
+                assert isinstance(answer, tuple) and answer[0] == "adapters", answer
+                failures.extend(f"rank {rank}: {text}" for text in answer[1])
+            if failures:
+                with self._book_lock:
+                    self._model.unload_adapter(name)
+                    self._ops.append(Op(kind=OpKind.UNLOAD_ADAPTER, key=0, name=name))
+                self._send(PlanKind.OPS)
+                raise AdapterError(
+                    f"adapter {name!r}: not loaded on every rank ({'; '.join(failures)})",
+                    reason="invalid",
+                    name=name,
+                )
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload ``name`` from every rank (``AdapterRunner``); waits for the step under way.
+
+        Raises:
+            AdapterError: no such adapter (``unknown``), or a live request holds it
+                (``in-use``): no rank unloads it then.
+            ParallelGroupError: the group broke.
+        """
+        with self._lock:
+            with self._book_lock:
+                self._model.unload_adapter(name)
+                self._ops.append(Op(kind=OpKind.UNLOAD_ADAPTER, key=0, name=name))
+            self._send(PlanKind.OPS)
+
+    def adapters(self) -> tuple[AdapterInfo, ...]:
+        """The adapters rank 0 knows (every rank of a sound group knows the same)."""
+        return self._model.adapters()
+
+    def adapter_names(self) -> frozenset[str]:
+        """The adapter names requests may use (rank 0's, the group's)."""
+        return self._model.adapter_names()
+
     def report(self) -> tuple[RankReport, ...]:
         """What every rank holds now, rank 0 first; waits for a step in progress.
 
@@ -499,7 +582,9 @@ class ParallelRunner:
             with self._book_lock:
                 self._send(PlanKind.REPORT)
                 ours = {s.request_id: state_digest(s.inner) for s in self._live.values()}
-            reports = [RankReport(rank=0, states=ours, calls=self.calls())]
+            reports = [
+                RankReport(rank=0, states=ours, calls=self.calls(), adapters=self.adapters())
+            ]
             try:
                 for connection in self._connections:
                     message = receive(connection, self._timeout_s)

@@ -9,7 +9,8 @@
 - ``DiffusersRunner``: a diffusers pipeline driven one step at a time.
 - ``PipelineCallRunner``: any other pipeline, through its own ``__call__``.
 - ``runner_for(pipeline)``: the first where it can, else the second.
-- ``tiny_pipeline``: tiny real pipelines with random weights, for tests and demos.
+- ``tiny_pipeline``: tiny real pipelines with random weights, for tests and demos;
+  ``tiny_lora``: a random LoRA file for one (made with PEFT).
 - ``for_devices(make, devices)``: one runner per device, for ``open_engine``.
 
 Layout: the private modules, each importing only those below it:
@@ -32,7 +33,8 @@ Layout: the private modules, each importing only those below it:
   (L85-L87); it reads the step cache's computing rows, and imports no family;
 - ``_chunks``: decodes in chunks (L72).
 
-Apart: ``_tiny`` (and ``_quiet``), ``_load`` and ``_devices`` import no family.
+Apart: ``_tiny`` (and ``_quiet``), ``_tinylora``, ``_load`` and ``_devices`` import no
+family.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from ._diffusers import DiffusersRunner as DiffusersRunner
 from ._tiny import TINY_KINDS as TINY_KINDS
 from ._tiny import TINY_VIDEO_KINDS as TINY_VIDEO_KINDS
 from ._tiny import tiny_pipeline as tiny_pipeline
+from ._tinylora import tiny_lora as tiny_lora
 
 __all__ = [
     "TINY_KINDS",
@@ -79,6 +82,7 @@ __all__ = [
     "for_devices",
     "pack_checkpoint",
     "runner_for",
+    "tiny_lora",
     "tiny_pipeline",
     "unpack_checkpoint",
     "visible_devices",

@@ -29,7 +29,8 @@ product on its rows; no weights are copied per scale.
 
 The rows a layer sees: the denoiser's calls cover every row of the model call,
 except inside the step cache's tail blocks where some rows skip (``computing_rows``
-says which compute, L81), and the text encoders, which ``prepare`` runs for one
+says which compute, L81) and on a rank of a parallel group that runs a slice of the
+call's rows (``call_rows`` says which), and the text encoders, which ``prepare`` runs for one
 request (every row is that request's: classifier-free guidance's unconditional rows
 get its adapters too, as in diffusers). A layer that sees a batch the context does
 not describe raises rather than guess. Pipelines with a second denoiser (Wan 2.2's
@@ -72,7 +73,7 @@ from .._errors import InvalidRequestError
 from ._quiet import quiet_notices
 from ._stepcache import computing_rows
 
-__all__ = ["AdapterSet", "HeldAdapters", "wrapped_layers"]
+__all__ = ["AdapterSet", "HeldAdapters", "call_rows", "wrapped_layers"]
 
 #: (the adapter's PEFT name, its scale) pairs a request's rows run with.
 HeldAdapters = tuple[tuple[str, float], ...]
@@ -155,6 +156,26 @@ def _active(call: _Call | None) -> Iterator[None]:
         yield
     finally:
         _local.call = saved
+
+
+@contextmanager
+def call_rows(low: int, high: int) -> Iterator[None]:
+    """Inside, the model call under way has only its rows ``low..high`` (a rank's slice
+    of a call split by rows): each pair keeps its rows among them, counted from ``low``.
+
+    Nothing changes outside a call or in a call for one request's every row.
+    """
+    call: _Call | None = getattr(_local, "call", None)
+    if call is None or call.rows is None:
+        yield
+        return
+    groups: list[tuple[str, float, list[int]]] = []
+    for name, scale, rows in call.groups:
+        kept = [row - low for row in rows if low <= row < high]
+        if kept:
+            groups.append((name, scale, kept))
+    with _active(_Call(groups, high - low, call.device)):
+        yield
 
 
 # -- the LoRA layers' forward ---------------------------------------------------------

@@ -19,10 +19,10 @@ from omni_trio.cli._errors import EXIT_ERROR, EXIT_USAGE, CommandError, UsageErr
 from omni_trio.cli._main import main
 from omni_trio.cli._options import check_model, load, make_service, service_options
 from omni_trio.cli._serve import add_serve_arguments
+from omni_trio.runners import tiny_lora
 from omni_trio.serve._jobstore import default_jobs_dir
 from omni_trio.serve._models import MODELS, ModelError, load_model
 from omni_trio.serve._options import ServiceOptions
-from tests.support.adapters import make_lora
 from tests.support.runners import tiny
 
 BUILT_IN = f"the built-in models are {', '.join(MODELS)}"
@@ -196,7 +196,7 @@ def test_an_adapter_without_a_name_is_one_line_and_status_2(
 def test_an_adapter_file_that_is_missing_names_the_option(tmp_path: Path) -> None:
     """L88: the adapters load when the service is made: a missing file, or a model that
     takes none, is a usage error naming ``--adapter``; a file that is there loads."""
-    made = make_lora(tiny("sd"), tmp_path, "ink", seed=1)
+    made = tiny_lora(tiny("sd"), tmp_path, "ink", seed=1)
     missing = tmp_path / "film.safetensors"
     options = service_options(parse("--model", "tiny-sd", "--adapter", f"ink={made}"))
     model = load(options)

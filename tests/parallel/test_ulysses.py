@@ -65,22 +65,18 @@ async def test_a_parallel_worker_refuses_step_caching(ulysses: ParallelRunner) -
     assert refused.value.field == "cache"
 
 
-async def test_a_parallel_worker_refuses_adapters_and_checkpoints(ulysses: ParallelRunner) -> None:
-    """L49 (L85, L78): a parallel worker declares no adapters and no checkpoints, where one
-    rank of the same model takes both: a request naming an adapter is refused at admission
-    naming ``adapters``, a checkpointed one naming ``checkpoint``; the group serves on."""
-    single = capabilities_of("flux")
-    assert single.max_adapters > 0 and single.checkpoints
-    assert ulysses.capabilities.max_adapters == 0 and not ulysses.capabilities.checkpoints
+async def test_a_parallel_worker_refuses_checkpoints(ulysses: ParallelRunner) -> None:
+    """L49 (L78): a parallel worker declares no checkpoints, where one rank of the same
+    model takes them: a checkpointed request is refused at admission naming
+    ``checkpoint``; the group serves on."""
+    assert capabilities_of("flux").checkpoints
+    assert not ulysses.capabilities.checkpoints
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(Kept(ulysses)) as engine:
-            with pytest.raises(ot.InvalidRequestError) as adapters:
-                engine.submit(request("flux", adapters={"ink": 0.5}))
             with pytest.raises(ot.InvalidRequestError) as checkpoint:
                 policy = ot.CheckpointPolicy(every_s=1.0, sink=lambda checkpoint: None)
                 engine.submit(request("flux"), checkpoint=policy)
             assert engine.statistics().admitted == 0
-    assert adapters.value.field == "adapters"
     assert checkpoint.value.field == "checkpoint"
 
 

@@ -1,6 +1,6 @@
 """Adapters (LoRA) in ``DiffusersRunner``: loaded by name while serving, per row (L85-L87).
 
-The LoRAs are tiny and random (``tests/support/adapters.py``, made with peft); every
+The LoRAs are tiny and random (``omni_trio.runners.tiny_lora``, made with peft); every
 output is compared with the pipeline's own call on a second copy of the tiny pipeline
 with the same file loaded by diffusers and ``set_adapters([...], weights)``.
 """
@@ -21,10 +21,10 @@ import pytest
 import torch
 
 import omni_trio as ot
-from omni_trio.runners import DiffusersRunner, tiny_pipeline
+from omni_trio.runners import DiffusersRunner, tiny_lora, tiny_pipeline
 from omni_trio.runners._adapters import wrapped_layers
+from omni_trio.runners._tinylora import tiny_lora_weights
 from omni_trio.testing import probe_engine
-from tests.support.adapters import lora_state, make_lora
 from tests.support.core import BUDGET
 from tests.support.runners import GatedDiffusers, ModuleGate, reference, request
 
@@ -56,7 +56,7 @@ def loras(kind: str, folder: Path, count: int = 2) -> dict[str, Path]:
         path = folder / kind / f"{name}.safetensors"
         if not path.exists():
             path.parent.mkdir(exist_ok=True)
-            make_lora(_pipe(kind, 0), path.parent, name, seed=seed, rank=rank)
+            tiny_lora(_pipe(kind, 0), path.parent, name, seed=seed, rank=rank)
         made[name] = path
     return made
 
@@ -204,7 +204,7 @@ def test_a_file_for_another_model_is_refused_and_nothing_stays(
         runner.load_adapter("sd-file", loras("sd", folder)["ink"])
     assert caught.value.reason == "invalid"
     # A diffusers-format file with a key no layer of the model has: refused too.
-    weights = lora_state(_pipe("flux", 0), seed=9)
+    weights = tiny_lora_weights(_pipe("flux", 0), seed=9)
     layers = weights["transformer_lora_layers"]
     layers["transformer_blocks.0.attn.to_nowhere.lora_A.weight"] = torch.zeros(4, 8)
     layers["transformer_blocks.0.attn.to_nowhere.lora_B.weight"] = torch.zeros(8, 4)

@@ -2,7 +2,7 @@
 ``/v1/adapters`` as admin actions from one folder, ``--adapter`` at start.
 
 The in-process app inside its lifespan, on trio and asyncio, over tiny Stable
-Diffusion with tiny random LoRAs (``tests/support/adapters.py``); edits and video
+Diffusion with tiny random LoRAs (``omni_trio.runners.tiny_lora``); edits and video
 jobs over ``Adapted``, a fake runner that knows three adapters, takes two a request,
 and records the requests it prepares.
 """
@@ -25,11 +25,10 @@ import pytest
 from PIL import Image
 
 import omni_trio as ot
-from omni_trio.runners import DiffusersRunner, tiny_pipeline
+from omni_trio.runners import DiffusersRunner, tiny_lora, tiny_pipeline
 from omni_trio.serve import ApiKey, ApiKeys, ServeConfig, Service, VideoConfig
 from omni_trio.serve._options import OptionError, ServiceOptions, build_service
 from omni_trio.testing import FakeRunner, FakeState, wait_until
-from tests.support.adapters import make_lora
 from tests.support.core import BUDGET
 from tests.support.serve import PATH, PixelWork, serving
 
@@ -49,10 +48,10 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("served")
     inside = root / "adapters"
     inside.mkdir()
-    make_lora(_pipe(), inside, "ink", seed=1)
-    make_lora(_pipe(), inside, "film", seed=2)
+    tiny_lora(_pipe(), inside, "ink", seed=1)
+    tiny_lora(_pipe(), inside, "film", seed=2)
     (root / "outside").mkdir()
-    make_lora(_pipe(), root / "outside", "secret", seed=3)
+    tiny_lora(_pipe(), root / "outside", "secret", seed=3)
     (inside / "link.safetensors").symlink_to(root / "outside" / "secret.safetensors")
     return inside
 

@@ -9,6 +9,7 @@ its app run in its own lifespan (as in ``test_app``).
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import anyio
 import pytest
@@ -18,9 +19,11 @@ from omni_trio.cli._errors import UsageError
 from omni_trio.cli._options import service_options
 from omni_trio.cli._serve import add_serve_arguments
 from omni_trio.parallel import ParallelRunner
+from omni_trio.runners import tiny_lora
 from omni_trio.serve._options import ServiceOptions, build_service
 from tests.support.core import BUDGET
 from tests.support.parallel import children, new_children
+from tests.support.runners import tiny
 from tests.support.serve import PATH, metric, png_size, serving
 
 
@@ -75,13 +78,15 @@ def test_split_by_load_needs_a_token_split(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.anyio
-async def test_a_service_over_two_ranks_serves_and_reaps_them() -> None:
-    """L48, L49: ``ServiceOptions(parallel=("cfg", 2))`` serves tiny SD through one worker
-    over two ranks, which ``/metrics`` shows as a group of two whose every call of the
-    request's steps was split by rows; the service's shutdown reaps them."""
+async def test_a_service_over_two_ranks_serves_and_reaps_them(tmp_path: Path) -> None:
+    """L48, L49 (L88): ``ServiceOptions(parallel=("cfg", 2))`` serves tiny SD through one
+    worker over two ranks, which ``/metrics`` shows as a group of two whose every call of
+    the request's steps was split by rows; an adapter given at start is loaded on every
+    rank, listed, and a request names it; the service's shutdown reaps the ranks."""
     before = children()
     threads = torch.get_num_threads()
-    options = ServiceOptions(model="tiny-sd", parallel=("cfg", 2))
+    ink = tiny_lora(tiny("sd"), tmp_path, "ink", seed=1)
+    options = ServiceOptions(model="tiny-sd", parallel=("cfg", 2), adapters=(("ink", str(ink)),))
     loaded = options.load_model()
     try:
         [runner] = loaded.runners
@@ -90,9 +95,14 @@ async def test_a_service_over_two_ranks_serves_and_reaps_them() -> None:
         ranks = set(runner.pids)
         with anyio.fail_after(BUDGET):
             async with serving(service) as client:
-                answer = await client.post(PATH, json={"prompt": "a flower", "size": "64x64"})
+                body = {"prompt": "a flower", "size": "64x64", "adapters": {"ink": 0.5}}
+                answer = await client.post(PATH, json=body)
                 assert answer.status_code == 200, answer.text
                 assert png_size(answer.json()["data"][0]["b64_json"]) == (64, 64)
+                card = (await client.get("/v1/models")).json()["data"][0]
+                assert [a["id"] for a in card["adapters"]] == ["ink"]
+                reports = await anyio.to_thread.run_sync(runner.report)
+                assert [[i.name for i in r.adapters] for r in reports] == [["ink"], ["ink"]]
                 text = (await client.get("/metrics")).text
         group = {"group": "0"}
         assert metric(text, "omni_trio_group_ranks", **group) == 2
