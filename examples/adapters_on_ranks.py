@@ -13,6 +13,7 @@ the ``adapters`` extra)
 import functools
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import anyio
 import torch
@@ -24,7 +25,7 @@ from omni_trio.runners import DiffusersRunner, tiny_lora, tiny_pipeline
 ASKS = [{"ink": 0.8}, {"ink": 0.4, "film": 0.6}, {}]
 
 
-async def images(runner: ot.abc.Runner, files: dict[str, Path]) -> list[torch.Tensor]:
+async def images(runner: Any, files: dict[str, Path]) -> list[torch.Tensor]:
     """The three requests' images from an engine over ``runner``, the files loaded."""
     async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=4)) as engine:
         for name, path in files.items():
