@@ -61,6 +61,7 @@ class OpKind(enum.IntEnum):
     RESUME = 4
     LOAD_ADAPTER = 5
     UNLOAD_ADAPTER = 6
+    CACHE_THRESHOLD = 7
 
 
 class PlanKind(enum.IntEnum):
@@ -80,7 +81,7 @@ class Op:
     A join carries the request's fields (``request_fields``) and its id; a
     suspension whether it parks in host memory; an adapter's load its ``name`` and
     ``source`` (an absolute file path or a state dict), its unload its ``name``
-    (``key`` 0: no request).
+    (``key`` 0: no request); a step cache's loosened ``threshold`` (L84).
     """
 
     kind: OpKind
@@ -90,6 +91,7 @@ class Op:
     to_host: bool = False
     name: str = ""
     source: Any = None
+    threshold: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

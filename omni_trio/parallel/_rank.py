@@ -23,6 +23,13 @@ with no collective). What the ranks share is each model call (``_denoise``):
   choice from the call's rows, which all ranks hold alike; the switch
   (``ContextSwitch``) turns the sequence split off and on between calls.
 
+Step caching (sequence layouts without ``by_load``): every rank keeps its token
+slice of each cached row's residuals, and decides from the group's sums
+(``shared_sums``: one all-gather of two floats per deciding row per call), so every
+rank skips the same rows and so makes the same collectives. The split (and a layout
+by load) takes none: a rank there runs a slice of the rows, whose caches would live
+on one rank and move with the batch.
+
 Adapters: every rank loads each adapter itself (rank 0's ops say which, in order with
 the joins and drops, so every rank's adapters are held, released and evicted alike).
 A call by rows gives each rank's slice its own rows' adapters (``call_rows``); a
@@ -45,6 +52,7 @@ import torch
 from .._runner import StopRun
 from ..runners import DiffusersRunner
 from ..runners._adapters import call_rows
+from ..runners._stepcache import shared_sums
 from ._agree import Agreement, choose
 from ._context import ContextSwitch, ignore_gather_deprecation, waited
 from ._group import all_gather
@@ -119,7 +127,20 @@ class RankRunner(DiffusersRunner):
         ignore_gather_deprecation()
         if self.family == "qwen-image":
             cond = _text_padded(cond, self._layout.degree)
-        return waited(super()._denoise(rows, t, cond, shared))
+        with shared_sums(self._summed):
+            return waited(super()._denoise(rows, t, cond, shared))
+
+    def _summed(self, sums: torch.Tensor) -> torch.Tensor:
+        """The group's total of every rank's ``sums`` (a step cache's, ``shared_sums``),
+        added in rank order: the same bits on every rank, so every rank skips alike."""
+        world = self._layout.degree
+        gathered = sums.new_empty((world * sums.shape[0], *sums.shape[1:]))
+        all_gather(gathered, sums.contiguous())
+        parts = gathered.view(world, *sums.shape)
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        return total
 
     def _split(
         self, rows: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor], shared: Any
@@ -225,6 +246,8 @@ class RankStates:
                     self._runner.suspend(self._states[op.key], to_host=op.to_host)
                 case OpKind.RESUME:
                     self._runner.resume(self._states[op.key])
+                case OpKind.CACHE_THRESHOLD:
+                    self._runner.set_cache_threshold(self._states[op.key], op.threshold)
                 case OpKind.LOAD_ADAPTER:
                     try:
                         self._runner.load_adapter(op.name, op.source)

@@ -45,6 +45,7 @@ from .._adapters import AdapterError, AdapterInfo
 from .._cancelpoint import armed, current_check
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities, StopRun
+from .._stepcache import CacheMetrics
 from ._agree import agreed_check, new_flags
 from ._child import RankSpec, main
 from ._context import (
@@ -312,11 +313,16 @@ class ParallelRunner:
         self._family = runner.family
         inner = runner.capabilities
         multiple = inner.size_multiple * (1 if layout.kind == "cfg" else layout.degree)
-        # Step caching is refused at admission: a rank that computes a slice of the
-        # rows would decide its skips alone, and a decision must be the group's. And
-        # checkpoints, whose restore would have to reach every rank.
+        # Step caching only where every rank runs every row (a token split, never by
+        # load): a rank that runs a slice of the rows would hold its rows' caches
+        # alone, and they would have to move with the batch. Checkpoints are refused:
+        # a restore would have to reach every rank.
+        tokens = layout.kind != "cfg" and not layout.by_load
         self._capabilities = dataclasses.replace(
-            inner, size_multiple=multiple, step_cache=frozenset(), checkpoints=False
+            inner,
+            size_multiple=multiple,
+            step_cache=inner.step_cache if tokens else frozenset(),
+            checkpoints=False,
         )
 
     def _build(
@@ -497,6 +503,19 @@ class ParallelRunner:
         with self._book_lock:
             self._model.resume(state.inner)
             self._queue(Op(kind=OpKind.RESUME, key=state.key))
+
+    # -- step caching (L80-L84) ---------------------------------------------------
+
+    def cache_metrics(self, state: ParallelState) -> CacheMetrics | None:
+        """What the request's step cache did (rank 0's: every rank decides alike)."""
+        return self._model.cache_metrics(state.inner)
+
+    def set_cache_threshold(self, state: ParallelState, threshold: float) -> None:
+        """Use ``threshold`` for the request's next calls on every rank (the others at
+        the next plan, before the next step)."""
+        with self._book_lock:
+            self._model.set_cache_threshold(state.inner, threshold)
+            self._queue(Op(kind=OpKind.CACHE_THRESHOLD, key=state.key, threshold=threshold))
 
     # -- adapters (L85-L87) -----------------------------------------------------
 

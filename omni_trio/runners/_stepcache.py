@@ -40,6 +40,11 @@ policy, per-row state, counters). Then, in the blocks:
 
 A request's decisions read only its own rows: the same skip pattern alone or in any
 batch (L81), up to a ratio that lies within batching's float noise of the threshold.
+A call whose tokens are split over several ranks (sequence parallel, ``shared_sums``)
+decides from the group's sums: each rank's head sees its slice of every row's
+tokens, so each row's two sums (``|r - r'|`` and ``|r'|``) are summed over the ranks
+first, and every rank makes the same decision from the same numbers (its tensors
+stay its own token slices).
 The per-row state lives in the request's ``RequestState.cache``: created by
 ``prepare``, counted by ``state_bytes``, moved by ``suspend``/``resume`` and dropped by
 ``discard`` (L82). UNet denoisers are not wrapped: their blocks pass skip
@@ -52,7 +57,7 @@ from __future__ import annotations
 import inspect
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,7 +67,7 @@ import torch
 from .._request import GenerationRequest
 from .._stepcache import CacheMetrics, StepCache
 
-__all__ = ["BlockCache", "RequestCache", "computing_rows", "expert_rows"]
+__all__ = ["BlockCache", "RequestCache", "computing_rows", "expert_rows", "shared_sums"]
 
 #: The kinds the wrappers apply.
 KINDS = frozenset({"first-block", "taylorseer"})
@@ -401,6 +406,23 @@ def expert_rows(mask: Sequence[bool]) -> Iterator[None]:
         call.active = saved
 
 
+@contextmanager
+def shared_sums(reduce: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """Inside, first-block decisions read the group's sums, not this process's means.
+
+    ``reduce`` takes a ``[rows, 2]`` float32 tensor (per deciding row: the sum of
+    ``|r - r'|`` and of ``|r'|`` over this rank's tokens) and returns the group's
+    total, the same bits on every rank (sequence parallel: every rank holds a slice
+    of every row's tokens, and must skip alike).
+    """
+    saved = getattr(_local, "reduce", None)
+    _local.reduce = reduce
+    try:
+        yield
+    finally:
+        _local.reduce = saved
+
+
 #: What the tail does in a denoiser forward: every row computes (the blocks run as they
 #: are), no row does (they pass the head's outputs on), or some do (sliced, scattered).
 _ALL, _NONE, _SOME = "all", "none", "some"
@@ -628,6 +650,7 @@ def _decide(
     updates: list[_Update | None] = []
     ratios: list[torch.Tensor] = []
     pending: list[_Update] = []
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = getattr(_local, "reduce", None)
     for i, slot in enumerate(slots):
         if slot is None:
             updates.append(None)
@@ -650,12 +673,24 @@ def _decide(
             or (policy.max_consecutive is not None and rows.run >= policy.max_consecutive)
         ):
             continue
-        # As diffusers' FirstBlockCache for one row: the same operations, the same shapes.
-        ratios.append((residual - previous).abs().mean() / previous.abs().mean())
+        if reduce is None:
+            # As diffusers' FirstBlockCache for one row: the same operations and shapes.
+            ratios.append((residual - previous).abs().mean() / previous.abs().mean())
+        else:
+            # A slice of the row's tokens: its sums, for the group's (``shared_sums``).
+            sums = ((residual - previous).abs().sum(), previous.abs().sum())
+            ratios.append(torch.stack(sums).float())
         pending.append(update)
     if pending:
-        # One host sync for every row of the call (``.item()`` for a lone one).
-        values = [ratios[0].item()] if len(ratios) == 1 else torch.stack(ratios).tolist()
+        values: list[float]
+        if reduce is not None:
+            total = reduce(torch.stack(ratios))
+            values = (total[:, 0] / total[:, 1]).tolist()
+        elif len(ratios) == 1:
+            # One host sync for every row of the call (``.item()`` for a lone one).
+            values = [ratios[0].item()]
+        else:
+            values = torch.stack(ratios).tolist()
         for update, ratio in zip(pending, values, strict=True):
             threshold = update.cache.threshold
             assert threshold is not None

@@ -28,6 +28,7 @@ from tests.support.parallel import (
     abort_inside_a_step,
     batch_images_of,
     calls,
+    capabilities_of,
     close,
     group,
     outputs,
@@ -138,3 +139,19 @@ def test_by_load_takes_a_bool_with_a_sequence_layout_only() -> None:
         ParallelRunner(factory, cfg=2, by_load=True)
     with pytest.raises(ValueError, match="by_load: must be a bool"):
         ParallelRunner(factory, ulysses=2, by_load=1)  # type: ignore[arg-type]
+
+
+async def test_a_worker_split_by_load_refuses_step_caching(by_load: ParallelRunner) -> None:
+    """L49 (L80): split by load, a call of a batch runs a slice of the rows on each rank,
+    where a row's cache would live on one rank and move with the batch: a cached request
+    is refused at admission naming ``cache``, where one rank (and the same layout always
+    by tokens) would cache it; the group serves on."""
+    assert "first-block" in capabilities_of("flux").step_cache
+    assert not by_load.capabilities.step_cache
+    cached = request("flux", cache=ot.StepCache(kind="first-block", threshold=0.4))
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(Kept(by_load)) as engine:
+            with pytest.raises(ot.InvalidRequestError) as refused:
+                engine.submit(cached)
+            assert engine.statistics().admitted == 0
+    assert refused.value.field == "cache"

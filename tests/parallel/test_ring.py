@@ -14,6 +14,7 @@ import pytest
 from omni_trio.parallel._runner import KEEPER
 from omni_trio.runners import DiffusersRunner
 from tests.support.parallel import (
+    cached_like_one_rank,
     children,
     close,
     group,
@@ -53,3 +54,10 @@ async def test_ring_equals_one_rank_and_the_engine_reaps_every_rank() -> None:
         assert not new_children(before)
         assert not keepers()
         assert set(listening([os.getpid()])) <= listening_before
+
+
+async def test_a_cached_request_on_two_ring_ranks_skips_where_one_rank_does() -> None:
+    """L49 (L81): step caching on the ring split, as on Ulysses: every rank decides from
+    the group's sums, so the skip patterns and the images are one rank's."""
+    with group("flux", "ring") as runner:
+        await cached_like_one_rank(runner, "flux")

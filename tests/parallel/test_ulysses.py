@@ -9,9 +9,11 @@ state digests). One Ulysses group on tiny Flux serves the module (``Kept``).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import anyio
 import pytest
+import torch
 
 import omni_trio as ot
 from omni_trio.parallel import ParallelRunner
@@ -20,6 +22,7 @@ from tests.support.core import BUDGET
 from tests.support.parallel import (
     Kept,
     abort_inside_a_step,
+    cached_like_one_rank,
     capabilities_of,
     close,
     group,
@@ -51,18 +54,46 @@ async def test_ulysses_equals_one_rank(ulysses: ParallelRunner) -> None:
     assert ulysses.capabilities.size_multiple == 2 * capabilities_of("flux").size_multiple
 
 
-async def test_a_parallel_worker_refuses_step_caching(ulysses: ParallelRunner) -> None:
-    """L49 (L80): a cached request on a parallel worker is refused at admission, naming
-    ``cache``, where one rank of the same model would cache it: a rank computes a slice
-    of the rows, and a skip would be that rank's decision alone."""
-    assert "first-block" in capabilities_of("flux").step_cache
-    assert not ulysses.capabilities.step_cache
-    cached = request("flux", cache=ot.StepCache(kind="first-block", threshold=0.1))
-    with anyio.fail_after(BUDGET):
-        async with ot.open_engine(Kept(ulysses)) as engine:
-            with pytest.raises(ot.InvalidRequestError) as refused:
-                engine.submit(cached)
-    assert refused.value.field == "cache"
+async def test_a_cached_request_on_two_ulysses_ranks_skips_where_one_rank_does(
+    ulysses: ParallelRunner,
+) -> None:
+    """L49 (L81): step caching on a token split: each rank's head sees a slice of every
+    row's tokens, the ranks add their sums before each first-block decision, and every
+    rank skips the same calls: the skip patterns are one rank's, alone and batched with a
+    TaylorSeer request and an uncached one, and so are the images."""
+    assert ulysses.capabilities.step_cache == capabilities_of("flux").step_cache
+    await cached_like_one_rank(ulysses, "flux")
+
+
+def loosened_run(runner: Any, r: ot.GenerationRequest) -> tuple[torch.Tensor, Any]:
+    """``r`` stepped alone, its threshold loosened to 0.46 before its fourth step: its
+    image and its cache's metrics."""
+    state = runner.prepare(r, "loosened")
+    try:
+        for step in range(r.denoise_steps):
+            if step == 3:
+                runner.set_cache_threshold(state, 0.46)
+            runner.step([state])
+        return runner.decode(state).float().cpu(), runner.cache_metrics(state)
+    finally:
+        runner.discard(state)
+
+
+async def test_a_loosened_threshold_reaches_every_rank(ulysses: ParallelRunner) -> None:
+    """L49 (L84): the engine loosening a request's threshold (deadline at risk) on a
+    parallel worker loosens it on every rank before the next step: the ranks skip alike
+    from there (else their collectives would part), as one rank does."""
+    policy = ot.StepCache(kind="first-block", threshold=0.2, max_threshold=0.5)
+    r = request("flux", seed=3, num_steps=10, cache=policy)
+    single = DiffusersRunner(tiny("flux"))
+    try:
+        expected, metrics = loosened_run(single, r)
+    finally:
+        single.close()
+    assert metrics.loosened and metrics.calls_skipped > 0
+    got, ours = loosened_run(ulysses, r)
+    assert close([got], [expected]) and ours == metrics
+    assert same_states(await report(ulysses))
 
 
 async def test_a_parallel_worker_refuses_checkpoints(ulysses: ParallelRunner) -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "abort_inside_a_step",
     "alive",
     "batch_images_of",
+    "cached_like_one_rank",
     "calls",
     "children",
     "close",
@@ -48,6 +49,7 @@ __all__ = [
     "outputs",
     "raises_in_ranks",
     "report",
+    "results",
     "same_states",
     "wait_gone",
 ]
@@ -349,14 +351,50 @@ async def abort_inside_a_step(
 
 async def outputs(runner: Any, requests: Sequence[ot.GenerationRequest]) -> list[torch.Tensor]:
     """Every request's images, all submitted at once (so they batch), from a fresh engine."""
+    return [output.images for output in await results(runner, requests)]
+
+
+async def cached_like_one_rank(runner: Any, kind: str) -> None:
+    """Cached requests of ``kind`` on a group (a token split) skip where one rank does and
+    make its images: a first-block request alone at three thresholds, then beside a
+    TaylorSeer one and an uncached one. Every rank ends with no state; the first-block
+    requests skipped some calls (the thresholds are within the tiny model's ratios,
+    0.2-0.5). At 0.33 the ranks' own halves of tiny Flux's tokens decide differently
+    (measured: without the group's sums the ranks' collectives part and the group
+    times out)."""
+    first = [
+        request(kind, seed=3, num_steps=10, cache=ot.StepCache(kind="first-block", threshold=t))
+        for t in (0.33, 0.4, 0.46)
+    ]
+    batch = [
+        first[1],
+        request(kind, seed=4, prompt="a cat", num_steps=10, cache=ot.StepCache(kind="taylorseer")),
+        request(kind, seed=5, prompt="a boat", num_steps=10),
+    ]
+    for requests in ([first[0]], [first[1]], [first[2]], batch):
+        [expected, got] = [
+            await results(r, requests) for r in (DiffusersRunner(tiny(kind)), Kept(runner))
+        ]
+        assert close([g.images for g in got], [e.images for e in expected])
+        assert [g.metrics.cache for g in got] == [e.metrics.cache for e in expected]
+        skipped = expected[0].metrics.cache
+        assert skipped is not None and skipped.calls_skipped > 0
+        reports = await report(runner)
+        assert same_states(reports) and not reports[0].states
+
+
+async def results(
+    runner: Any, requests: Sequence[ot.GenerationRequest]
+) -> list[ot.GenerationOutput]:
+    """Every request's output, all submitted at once (so they batch), from a fresh engine."""
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=4)) as engine:
             handles = [engine.submit(r) for r in requests]
-            results = []
+            done = []
             for handle in handles:
                 async with handle:
-                    results.append((await handle.result()).images)
-    return results
+                    done.append(await handle.result())
+    return done
 
 
 def images_of(runner: Any, request: ot.GenerationRequest) -> torch.Tensor:
