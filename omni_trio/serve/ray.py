@@ -197,6 +197,8 @@ def deployment(
     model: str | RunnerFactory,
     *,
     devices: Sequence[str] | None = None,
+    parallel: tuple[str, int] | None = None,
+    split_by_load: bool = False,
     step_seconds: float = 0.05,
     engine_config: EngineConfig | None = None,
     serve_config: ServeConfig | None = None,
@@ -224,6 +226,12 @@ def deployment(
         devices: one runner per device on each replica (``--devices``); with
             ``ray_actor_options={"num_gpus": k}`` Ray shows each replica its k GPUs
             as ``cuda:0`` to ``cuda:k-1``.
+        parallel: ``(layout, ranks)`` (``("ulysses", 2)``, as ``serve --ulysses 2``):
+            each replica's one worker is a ``ParallelRunner`` over that many ranks,
+            processes of the replica's own (``devices`` are then its ranks'), so
+            several replicas are several groups behind one proxy (L49); a named
+            model only.
+        split_by_load: with a token split, choose it per call by load (``by_load``).
         step_seconds: the ``fake`` model's simulated step.
         engine_config: each replica's engine configuration.
         serve_config: the HTTP layer's; by default the model's own defaults (as
@@ -257,7 +265,8 @@ def deployment(
         The bound application, for ``serve.run``.
 
     Raises:
-        ValueError: ``max_queued_requests`` is not positive, or a negative timeout.
+        ValueError: ``max_queued_requests`` is not positive, a negative timeout, or
+            ``parallel`` with a factory.
     """
     config = engine_config if engine_config is not None else EngineConfig()
     if graceful_shutdown_timeout_s is not None:
@@ -276,6 +285,8 @@ def deployment(
         options = ServiceOptions(
             model=model,
             devices=None if devices is None else tuple(devices),
+            parallel=parallel,
+            split_by_load=split_by_load,
             step_seconds=step_seconds,
             engine_config=config,
             keys=keys,
@@ -287,6 +298,11 @@ def deployment(
             options = options.with_serve_config(serve_config)
         make = functools.partial(build_service, options)
     else:
+        if parallel is not None or split_by_load:
+            raise ValueError(
+                "parallel, split_by_load: for a named model; a factory returns its own"
+                " ParallelRunner"
+            )
         videos = VideoConfig(jobs_dir=folder, checkpoint_every_s=checkpoint_every_s, lease_s=lease)
         make = functools.partial(_runner_service, model, config, serve_config, keys, videos)
     return application(

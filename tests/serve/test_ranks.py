@@ -36,8 +36,11 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_the_rank_options_become_service_options() -> None:
     """L49: each rank option gives ``(layout, ranks)``; none gives ``None``; the options
-    exclude each other, ``--workers`` and the fake model; a rank count is 2 to 64."""
+    exclude each other, ``--workers`` and the fake model; a rank count is 2 to 64. With
+    ``--ray`` every replica gets it (one group each)."""
     assert service_options(parse("--model", "tiny-sd")).parallel is None
+    replicas = parse("--model", "tiny-flux", "--ray", "--replicas", "2", "--ulysses", "2")
+    assert service_options(replicas).parallel == ("ulysses", 2)
     for option, layout in (("--cfg-parallel", "cfg"), ("--ulysses", "ulysses"), ("--ring", "ring")):
         assert service_options(parse("--model", "tiny-flux", option, "2")).parallel == (layout, 2)
     with pytest.raises(UsageError, match=r"^--cfg-parallel: one worker over 2 ranks"):

@@ -105,6 +105,19 @@ def test_a_cancelled_request_reads_as_a_disconnect_and_waits_for_the_app() -> No
     assert (REPLICA_HEADER.lower().encode(), b"r1") in sent[0]["headers"]
 
 
+@pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
+def test_a_factory_deployment_takes_no_rank_layout() -> None:
+    """L49: ``parallel`` names a layout for a named model's replicas; a factory returns its
+    own ``ParallelRunner``: given both, a ``ValueError`` before anything deploys."""
+    with warnings.catch_warnings():
+        # Ray Serve's own pydantic models use fields pydantic 2 deprecates.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from omni_trio.serve.ray import deployment
+
+    with pytest.raises(ValueError, match="^parallel, split_by_load: for a named model"):
+        deployment(FakeRunner, parallel=("ulysses", 2))
+
+
 # -- one cluster for the rest ----------------------------------------------------
 
 
@@ -167,9 +180,9 @@ def apps() -> Iterator[tuple[Cluster, Cluster]]:
     # Processes this session started before (multiprocessing's resource tracker, which the
     # parallel tests start and which lives as long as pytest) are not Ray's to end.
     before = descendants(os.getpid())
-    # Five replicas of one CPU each (Ray Serve's default: the two applications and the
-    # video test's), and one to spare.
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=6, log_to_driver=False)
+    # Seven replicas of one CPU each (Ray Serve's default: the two applications, the
+    # video test's and the groups test's), and one to spare.
+    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=8, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
 
@@ -250,6 +263,76 @@ def videos(apps: tuple[Cluster, Cluster], tmp_path: Path) -> Iterator[Cluster]:
         yield Cluster(apps[0].url + "/videos", handle, folder=folder)
     finally:
         serve.delete("videos")
+
+
+def rank_processes() -> set[int]:
+    """The live processes below this one that multiprocessing spawned (a group's ranks)."""
+    found = set()
+    for pid in descendants(os.getpid()):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in command:
+            found.add(pid)
+    return alive(found)
+
+
+@pytest.fixture
+def groups(apps: tuple[Cluster, Cluster]) -> Iterator[tuple[Cluster, set[int]]]:
+    """A fourth application, for its one test: two replicas of tiny Flux, each one worker
+    over two Ulysses ranks (``parallel``, as ``serve --ray --replicas 2 --ulysses 2``),
+    and the rank processes it started."""
+    from ray import serve
+
+    from omni_trio.serve.ray import deployment
+
+    before = rank_processes()
+    handle = serve.run(
+        deployment(
+            "tiny-flux",
+            parallel=("ulysses", 2),
+            num_replicas=REPLICAS,
+            engine_config=ot.EngineConfig(max_batch_size=2),
+            graceful_shutdown_timeout_s=20.0,
+        ),
+        name="groups",
+        route_prefix="/groups",
+    )
+    try:
+        yield Cluster(apps[0].url + "/groups", handle), rank_processes() - before
+    finally:
+        serve.delete("groups")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.ray
+@pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
+def test_replicas_are_parallel_groups_behind_one_proxy(
+    groups: tuple[Cluster, set[int]],
+) -> None:
+    """L49: several groups behind one server: each replica's one worker runs requests over
+    two Ulysses ranks of its own (a process holds one torch.distributed group, a replica
+    is a process); both replicas answer through the proxy, each shows a group of two in
+    its /metrics, and deleting the application reaps every rank."""
+    app, ranks = groups
+    assert len(ranks) == REPLICAS  # rank 1 of each replica's group (rank 0 is the replica)
+    body = {"prompt": "a flower", "size": "64x64", "num_inference_steps": 4}
+    served: dict[str, int] = {}
+    deadline = time.monotonic() + 120
+    while len(served) < REPLICAS:
+        assert time.monotonic() < deadline, f"only {set(served)} answered"
+        answer = app.post(body)
+        assert answer.status_code == 200, answer.text
+        served[answer.headers[REPLICA_HEADER]] = len(answer.json()["data"])
+    assert set(served.values()) == {1}
+    for text in app.per_replica("/metrics").values():
+        assert metric(text, "omni_trio_group_ranks", group="0") == 2
+        assert metric(text, "omni_trio_group_calls_total", group="0", way="tokens") > 0
+    from ray import serve
+
+    serve.delete("groups")
+    poll_until(lambda: not alive(ranks), timeout=60, what="every replica's ranks to exit")
 
 
 @pytest.mark.timeout(120)
