@@ -11,6 +11,10 @@ For each layout, on two gloo ranks of one torch thread each (``ParallelRunner``)
   (post-abort). The overhead is the median of each repeat's post-abort over its
   own baseline; B *recovered* when its image is bitwise its baseline image (same
   batch: alone);
+- step caching (Ulysses, ring): one request's denoise time with and without a
+  first-block cache, on the two ranks and on one process of one thread, interleaved;
+  the speed-up on each, and the calls each skipped (the same: the ranks decide from
+  their summed ratios, as one process does);
 - plan delivery: from rank 0's send of a plan to the other rank's read of it
   (the machine's monotonic clock, the same in both processes), p50 and p99, from
   the runner's ``report()``; and what a cancel point's agreed check costs when
@@ -25,6 +29,7 @@ aborts.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 import statistics
@@ -35,7 +40,7 @@ from typing import Any
 import anyio
 import torch
 
-from omni_trio import GenerationRequest, open_engine
+from omni_trio import GenerationRequest, StepCache, open_engine
 from omni_trio.parallel import ParallelRunner
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
 
@@ -48,6 +53,9 @@ __all__ = ["plot_ranks", "run_ranks", "table_ranks"]
 #: Each layout's model and, full and quick, its size.
 LAYOUTS = {"cfg": "sd", "ulysses": "flux", "ring": "flux"}
 SIZES = {"sd": 256, "flux": 512}
+#: The step cache the token splits are timed with: first-block at a threshold that the
+#: tiny model's change ratios (0.2-0.5 per step) cross, so some calls skip.
+CACHE = StepCache(kind="first-block", threshold=0.4)
 
 
 def _request(kind: str, size: int, steps: int, seed: int) -> GenerationRequest:
@@ -90,6 +98,58 @@ def _step_times(
     torch.set_num_threads(1)  # the ranks' count, which every rank follows
     single.close()
     return times
+
+
+def _request_s(runner: Any, request: GenerationRequest) -> tuple[float, int]:
+    """One request's denoise time on ``runner`` called directly, and the calls its cache
+    skipped (0 without one)."""
+    state = runner.prepare(request, "cached")
+    try:
+        started = time.perf_counter()
+        for _ in range(request.num_steps):
+            runner.step([state])
+        elapsed = time.perf_counter() - started
+        metrics = runner.cache_metrics(state)
+        return elapsed, 0 if metrics is None else metrics.calls_skipped
+    finally:
+        runner.discard(state)
+
+
+def _cache_times(
+    runner: ParallelRunner, kind: str, request: GenerationRequest, repeats: int
+) -> dict[str, Any]:
+    """Interleaved request times with and without ``CACHE``: two ranks, one process of one
+    thread; each one's speed-up and the calls it skipped."""
+    cached = dataclasses.replace(request, cache=CACHE)
+    single = DiffusersRunner(shared_pipeline(kind))
+    arms = {
+        "ranks": (runner, request),
+        "ranks_cached": (runner, cached),
+        "one_thread": (single, request),
+        "one_thread_cached": (single, cached),
+    }
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    skipped: dict[str, int] = {}
+    torch.set_num_threads(1)
+    try:
+        for _ in range(repeats):
+            for name, (each, r) in arms.items():
+                elapsed, skipped[name] = _request_s(each, r)
+                times[name].append(elapsed)
+    finally:
+        single.close()
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    return {
+        "threshold": CACHE.threshold,
+        "request_ms": {name: spread([v * 1e3 for v in values]) for name, values in times.items()},
+        "calls": request.num_steps,
+        "calls_skipped": {
+            "ranks": skipped["ranks_cached"],
+            "one_thread": skipped["one_thread_cached"],
+        },
+        "speedup_ranks": medians["ranks"] / medians["ranks_cached"],
+        "speedup_one_thread": medians["one_thread"] / medians["one_thread_cached"],
+    }
 
 
 async def _seeds_table(
@@ -174,6 +234,8 @@ def _layout(layout: str, options: Options) -> dict[str, Any]:
     try:
         request = _request(kind, size, steps, seed=5)
         times = _step_times(runner, kind, request, repeats)
+        # Three times the step repeats: a whole request varies more than a step does.
+        cache = None if layout == "cfg" else _cache_times(runner, kind, request, 3 * repeats)
         table = options.run(_seeds_table, runner, request, aborts, 25)
     finally:
         runner.close()
@@ -187,6 +249,7 @@ def _layout(layout: str, options: Options) -> dict[str, Any]:
         "step_ms": {name: spread([v * 1e3 for v in values]) for name, values in times.items()},
         "step_ratio_over_one_thread": medians["ranks"] / medians["one_thread"],
         "step_ratio_over_two_threads": medians["ranks"] / medians["two_threads"],
+        "cache": cache,
         **table,
     }
 
@@ -211,6 +274,9 @@ def run_ranks(options: Options) -> dict[str, Any]:
         summary[f"{name}_step_ratio_over_two_threads"] = r["step_ratio_over_two_threads"]
         summary[f"{name}_post_abort_overhead_pct"] = r["overhead_pct"]
         summary[f"{name}_recovered"] = r["recovered"]
+        if r["cache"] is not None:
+            summary[f"{name}_cache_speedup"] = r["cache"]["speedup_ranks"]
+            summary[f"{name}_cache_speedup_one_thread"] = r["cache"]["speedup_one_thread"]
     for key in ("alone", "deep"):
         for peer in ("tokens", "one_rank"):
             summary[f"by_load_{key}_ratio_over_{peer}"] = by_load[f"{key}_ratio_over_{peer}"]
@@ -241,7 +307,57 @@ def table_ranks(result: dict[str, Any]) -> str:
         f" send to the other rank's read, p50 / p99 µs. An agreed cancel-point check costs"
         f" {result['summary']['cancel_check_ns']:.0f} ns when nothing stops.\n\n"
     )
-    return head + _layouts_table(result) + "\n\n" + _by_load_table(result["by_load"])
+    return (
+        head
+        + _layouts_table(result)
+        + "\n\n"
+        + _cache_table(result)
+        + "\n\n"
+        + _by_load_table(result["by_load"])
+    )
+
+
+def _cache_table(result: dict[str, Any]) -> str:
+    """Step caching on the token splits: request ms with and without, speed-ups, skips."""
+    rows = []
+    cached = [r for r in result["layouts"] if r.get("cache") is not None]
+    for r in cached:
+        cache = r["cache"]
+        ms = cache["request_ms"]
+        rows.append(
+            [
+                f"{_LABELS[r['layout']]}, {r['model']} {r['size']} px",
+                fmt(ms["ranks"]["median"], 0),
+                fmt(ms["ranks_cached"]["median"], 0),
+                f"{cache['speedup_ranks']:.2f}x",
+                fmt(ms["one_thread"]["median"], 0),
+                fmt(ms["one_thread_cached"]["median"], 0),
+                f"{cache['speedup_one_thread']:.2f}x",
+                f"{cache['calls_skipped']['ranks']} / {cache['calls_skipped']['one_thread']}"
+                f" of {cache['calls']}",
+            ]
+        )
+    if not rows:
+        return ""
+    head = (
+        f"Step caching on the token splits: one request, first-block at threshold"
+        f" {cached[0]['cache']['threshold']:g}, the runner called directly (medians of"
+        " interleaved repeats, ms); the ranks decide from their summed change ratios, so they"
+        " skip the calls one process skips.\n\n"
+    )
+    return head + md_table(
+        [
+            "layout",
+            "2 ranks",
+            "2 ranks, cached",
+            "speed-up",
+            "1 rank, 1 thread",
+            "cached",
+            "speed-up",
+            "calls skipped: 2 ranks / 1 rank",
+        ],
+        rows,
+    )
 
 
 _ARM_LABELS = {
