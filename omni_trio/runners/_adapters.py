@@ -61,7 +61,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +70,7 @@ import torch
 
 from .._adapters import AdapterError, AdapterInfo, AdapterPairs, check_adapter_name
 from .._errors import InvalidRequestError
+from .._threads import thread_value
 from ._quiet import quiet_notices
 from ._stepcache import computing_rows
 
@@ -148,14 +149,8 @@ class _Call:
 _local = threading.local()
 
 
-@contextmanager
-def _active(call: _Call | None) -> Iterator[None]:
-    saved = getattr(_local, "call", None)
-    _local.call = call
-    try:
-        yield
-    finally:
-        _local.call = saved
+def _active(call: _Call | None) -> AbstractContextManager[None]:
+    return thread_value(_local, "call", call)
 
 
 @contextmanager

@@ -58,7 +58,7 @@ import inspect
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +66,7 @@ import torch
 
 from .._request import GenerationRequest
 from .._stepcache import CacheMetrics, StepCache
+from .._threads import thread_value
 
 __all__ = ["BlockCache", "RequestCache", "computing_rows", "expert_rows", "shared_sums"]
 
@@ -406,8 +407,7 @@ def expert_rows(mask: Sequence[bool]) -> Iterator[None]:
         call.active = saved
 
 
-@contextmanager
-def shared_sums(reduce: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+def shared_sums(reduce: Callable[[torch.Tensor], torch.Tensor]) -> AbstractContextManager[None]:
     """Inside, first-block decisions read the group's sums, not this process's means.
 
     ``reduce`` takes a ``[rows, 2]`` float32 tensor (per deciding row: the sum of
@@ -415,12 +415,7 @@ def shared_sums(reduce: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None
     total, the same bits on every rank (sequence parallel: every rank holds a slice
     of every row's tokens, and must skip alike).
     """
-    saved = getattr(_local, "reduce", None)
-    _local.reduce = reduce
-    try:
-        yield
-    finally:
-        _local.reduce = saved
+    return thread_value(_local, "reduce", reduce)
 
 
 #: What the tail does in a denoiser forward: every row computes (the blocks run as they

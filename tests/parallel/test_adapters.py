@@ -85,6 +85,13 @@ def ranks_agree(reports: Any) -> bool:
     return same_states(reports) and all(r.adapters == reports[0].adapters for r in reports)
 
 
+async def resident(runner: ParallelRunner) -> dict[str, bool]:
+    """Which adapters are loaded (not evicted) on rank 1, once every rank agrees."""
+    reports = await report(runner)
+    assert ranks_agree(reports)
+    return {info.name: info.loaded for info in reports[1].adapters}
+
+
 def moved(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {way: after[way] - before[way] for way in ("rows", "tokens")}
 
@@ -185,23 +192,11 @@ async def test_every_rank_evicts_and_reloads_the_same_adapters(
     used on every rank, and a request naming the evicted one reloads it on every rank
     (evicting the next) and makes one rank's image."""
     loaded.load_adapter("dust", files["dust"])
-    reports = await report(loaded)
-    assert ranks_agree(reports)
-    assert {i.name: i.loaded for i in reports[1].adapters} == {
-        "dust": True,
-        "film": True,
-        "ink": False,
-    }
+    assert await resident(loaded) == {"dust": True, "film": True, "ink": False}
     again = request("flux", seed=8, adapters={"ink": 0.7})
     [expected] = await expected_of(files, [again])
     assert close(await outputs(Kept(loaded), [again]), [expected])
-    reports = await report(loaded)
-    assert ranks_agree(reports)
-    assert {i.name: i.loaded for i in reports[1].adapters} == {
-        "dust": True,
-        "film": False,
-        "ink": True,
-    }
+    assert await resident(loaded) == {"dust": True, "film": False, "ink": True}
 
 
 async def test_an_abort_inside_a_step_releases_the_adapters_on_every_rank(

@@ -114,7 +114,7 @@ def test_a_factory_deployment_takes_no_rank_layout() -> None:
         warnings.simplefilter("ignore", DeprecationWarning)
         from omni_trio.serve.ray import deployment
 
-    with pytest.raises(ValueError, match="^parallel, split_by_load: for a named model"):
+    with pytest.raises(ValueError, match=r"^parallel, split_by_load: for a named model"):
         deployment(FakeRunner, parallel=("ulysses", 2))
 
 
