@@ -63,7 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also regenerate docs/performance.md (default out: docs/perf)",
     )
     parser.add_argument("--kind", default="sd", help="tiny pipeline kind (pipeline, batching)")
-    parser.add_argument("--device", default="cpu", help="torch device (pipeline, batching)")
+    parser.add_argument(
+        "--device", default="cpu", help="torch device (pipeline, batching, adapters)"
+    )
     parser.add_argument("--requests", type=int, default=16, help="burst size (batching)")
     parser.add_argument("--backend", default="trio", choices=("trio", "asyncio"))
     parser.add_argument(

@@ -92,9 +92,14 @@ def _sequential(pipe: Any, requests: list[ot.GenerationRequest]) -> None:
         )
 
 
-def _clocked(call: Callable[[], Any]) -> tuple[float, float]:
+def _clocked(call: Callable[[], Any], device: str) -> tuple[float, float]:
+    """Wall and this thread's CPU seconds of ``call``, the device's queue drained after."""
+    import torch
+
     wall, cpu = time.perf_counter(), time.thread_time()
     call()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
     return time.perf_counter() - wall, time.thread_time() - cpu
 
 
@@ -126,7 +131,7 @@ def run_adapters(options: Options) -> dict[str, Any]:
 
     steps, repeats = (1, 1) if options.quick else (8, 5)
     folder = Path(tempfile.mkdtemp(prefix="omni-trio-adapters-"))
-    ours, theirs = bench_flux(), bench_flux()
+    ours, theirs = bench_flux().to(options.device), bench_flux().to(options.device)
     files = _make_loras(ours, folder)
     runner = DiffusersRunner(ours, max_batch_size=4)
     for name, path in files.items():
@@ -149,7 +154,7 @@ def run_adapters(options: Options) -> dict[str, Any]:
         for repeat in range(repeats):
             order = ARMS if repeat % 2 == 0 else tuple(reversed(ARMS))
             for arm in order:
-                times[arm].append(_clocked(calls[arm]))
+                times[arm].append(_clocked(calls[arm], options.device))
     runner.close()  # its adapters leave the pipeline: the loads below start from none
     loading = _load_times(ours, files, 3 if options.quick else 10)
     wall = {arm: spread([t[0] for t in runs]) for arm, runs in times.items()}
@@ -161,6 +166,7 @@ def run_adapters(options: Options) -> dict[str, Any]:
     return {
         "config": {
             "model": "compute-bound flux (bench_flux)",
+            "device": options.device,
             "size": BENCH_SIZE,
             "steps": steps,
             "batch": 4,
@@ -214,7 +220,8 @@ def table_adapters(result: dict[str, Any]) -> str:
             ]
         )
     head = (
-        f"Compute-bound Flux, {config['size']} px, {config['steps']} steps, 4 images per arm,"
+        f"Compute-bound Flux on {config.get('device', 'cpu')}, {config['size']} px,"
+        f" {config['steps']} steps, 4 images per arm,"
         f" rank-{config['rank']} LoRAs on the transformer's attention"
         f" ({config['adapter_bytes']:,} bytes each), {config['repeats']} alternating repeats,"
         f" {config['torch_threads']} torch thread(s). Throughput of the mixed batch over one"

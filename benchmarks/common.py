@@ -43,7 +43,7 @@ class Options:
     Args:
         quick: a few seconds per benchmark (smoke tests); figures are noisier.
         kind: the tiny pipeline kind for the benchmarks on a real model.
-        device: the torch device for ``pipeline`` and ``batching``.
+        device: the torch device for ``pipeline``, ``batching`` and ``adapters``.
         requests: the burst size of ``batching``.
         backend: the event loop the engine runs on, ``"trio"`` or ``"asyncio"``.
     """

@@ -15,3 +15,6 @@ python3 -m benchmarks pipeline --device cuda --out "$out" > /dev/null && \
     python3 -c "import json; d=json.load(open('$out/pipeline.json')); print('pipeline', d['summary'], d['direct_s'], d['engine_s'])"
 python3 -m benchmarks batching --device cuda --requests 8 --out "$out" > /dev/null && \
     python3 -c "import json; d=json.load(open('$out/batching.json')); print('batching', d['summary'], d['batches'])"
+# Adapters (issue 24's target: a mixed batch of 4 >= 2.5x four set_adapters calls).
+python3 -m benchmarks adapters --device cuda --out "$out" > /dev/null && \
+    python3 -c "import json; d=json.load(open('$out/adapters.json')); print('adapters', d['summary'], d['wall_s'])"
