@@ -1,5 +1,4 @@
-"""The engine's threads as the process sees them: their names, torch's thread count, and
-values a thread holds for the length of a block (``thread_value``).
+"""The engine's threads as the process sees them: their names, and torch's thread count.
 
 Every thread an engine starts is named ``omni-trio-<engine>`` (``.<worker>`` with
 several workers) plus its role (``-worker``, ``-materializer``), so a test, a
@@ -10,22 +9,14 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ._log import ENGINE
 
 if TYPE_CHECKING:
     from ._config import EngineConfig
 
-__all__ = [
-    "ENGINE_THREAD_PREFIX",
-    "engine_threads",
-    "set_torch_threads",
-    "thread_value",
-    "worker_name",
-]
+__all__ = ["ENGINE_THREAD_PREFIX", "engine_threads", "set_torch_threads", "worker_name"]
 
 #: Every thread an engine starts has a name that begins with this.
 ENGINE_THREAD_PREFIX = "omni-trio-"
@@ -39,18 +30,6 @@ def worker_name(engine: int, index: int, *, several: bool) -> str:
 def engine_threads() -> list[threading.Thread]:
     """Return the live threads that some engine started."""
     return [t for t in threading.enumerate() if t.name.startswith(ENGINE_THREAD_PREFIX)]
-
-
-@contextmanager
-def thread_value(local: threading.local, name: str, value: Any) -> Iterator[None]:
-    """Inside, ``local.<name>`` is ``value`` in this thread; after, what it was (``None``
-    if unset): nested blocks restore each other's."""
-    saved = getattr(local, name, None)
-    setattr(local, name, value)
-    try:
-        yield
-    finally:
-        setattr(local, name, saved)
 
 
 def set_torch_threads(config: EngineConfig, workers: int) -> None:

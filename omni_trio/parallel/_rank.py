@@ -23,12 +23,17 @@ with no collective). What the ranks share is each model call (``_denoise``):
   choice from the call's rows, which all ranks hold alike; the switch
   (``ContextSwitch``) turns the sequence split off and on between calls.
 
-Step caching (sequence layouts without ``by_load``): every rank keeps its token
-slice of each cached row's residuals, and decides from the group's sums
-(``shared_sums``: one all-gather of two floats per deciding row per call), so every
-rank skips the same rows and so makes the same collectives. The split (and a layout
-by load) takes none: a rank there runs a slice of the rows, whose caches would live
-on one rank and move with the batch.
+Step caching, one way per layout (a layout by load takes none: its calls change
+way, and a cache's tensors could not follow):
+
+- sequence: every rank keeps its token slice of each cached row's residuals, and
+  decides from the group's sums (``shared_sums``: one all-gather of two floats per
+  deciding row per call), so every rank skips the same rows and so makes the same
+  collectives;
+- split: every rank decides for its slice of the rows alone, then sends the others
+  its slice's updates (``sliced``, ``RowSlice``: one all-gather of a record per row,
+  one of the computed rows' residuals), so every rank holds every row's whole cache
+  and a row that moves to another rank with the batch finds its cache there.
 
 Adapters: every rank loads each adapter itself (rank 0's ops say which, in order with
 the joins and drops, so every rank's adapters are held, released and evicted alike).
@@ -52,7 +57,7 @@ import torch
 from .._runner import StopRun
 from ..runners import DiffusersRunner
 from ..runners._adapters import call_rows
-from ..runners._stepcache import shared_sums
+from ..runners._stepcache import RowSlice, shared_sums, sliced
 from ._agree import Agreement, choose
 from ._context import ContextSwitch, ignore_gather_deprecation, waited
 from ._group import all_gather
@@ -152,27 +157,71 @@ class RankRunner(DiffusersRunner):
         size = chunk * math.prod(shape)
         # One float32 buffer: the slice's predictions, then this rank's "left" flag.
         send = torch.zeros(size + 1, dtype=torch.float32, device=rows.device)
-        if high > low:
-            part = {name: value[low:high] for name, value in cond.items()}
-            try:
-                with call_rows(low, high):
-                    out = super()._denoise(rows[low:high], t[low:high], part, shared)
-            except StopRun:
-                send[-1] = 1.0
-            else:
-                if out.shape != rows[low:high].shape:
-                    raise ValueError(
-                        f"the split needs predictions shaped as the rows: got {tuple(out.shape)}"
-                        f" for rows {tuple(rows[low:high].shape)}"
-                    )
-                send[: out.numel()].copy_(out.reshape(-1))
+        with sliced(low, high) as piece:
+            if high > low:
+                part = {name: value[low:high] for name, value in cond.items()}
+                try:
+                    with call_rows(low, high):
+                        out = super()._denoise(rows[low:high], t[low:high], part, shared)
+                except StopRun:
+                    send[-1] = 1.0
+                else:
+                    if out.shape != rows[low:high].shape:
+                        raise ValueError(
+                            "the split needs predictions shaped as the rows: got"
+                            f" {tuple(out.shape)} for rows {tuple(rows[low:high].shape)}"
+                        )
+                    send[: out.numel()].copy_(out.reshape(-1))
         gathered = torch.empty(world * (size + 1), dtype=torch.float32, device=rows.device)
         all_gather(gathered, send)
         table = gathered.view(world, size + 1)
         if bool(table[:, -1].any()):
             raise StopRun
+        if piece is not None:
+            self._exchange_caches(piece, chunk, count, rows.device)
         whole = table[:, :-1].reshape(world * chunk, *shape)[:count]
         return whole.to(rows.dtype)
+
+    def _exchange_caches(
+        self, piece: RowSlice, chunk: int, count: int, device: torch.device
+    ) -> None:
+        """Every rank's step-cache updates of its slice to every rank (``RowSlice``): the
+        records first (with each rank's payload size), then the payloads padded to the
+        largest; none when no rank computed a cached row. The same collectives on every
+        rank: every rank's states hold the same cached rows."""
+        world = self._layout.degree
+        meta, payload = piece.pack(chunk)
+        fields = chunk * RowSlice.FIELDS
+        send = torch.empty(fields + 1, dtype=torch.float32, device=device)
+        send[:fields].copy_(meta.reshape(-1))
+        send[fields] = float(payload.numel())
+        records = torch.empty(world * (fields + 1), dtype=torch.float32, device=device)
+        all_gather(records, send)
+        records = records.view(world, fields + 1)
+        sizes = [int(size) for size in records[:, fields].tolist()]
+        most = max(sizes)
+        payloads: torch.Tensor | None = None
+        if most:
+            padded = torch.zeros(most, dtype=torch.float32, device=device)
+            padded[: payload.numel()].copy_(payload)
+            payloads = torch.empty(world * most, dtype=torch.float32, device=device)
+            all_gather(payloads, padded)
+            payloads = payloads.view(world, most)
+        others = [
+            (
+                min(count, rank * chunk),
+                records[rank, :fields].reshape(chunk, RowSlice.FIELDS).cpu(),
+                payloads[rank] if payloads is not None else payload,
+            )
+            for rank in range(world)
+            if rank != self._rank
+        ]
+        piece.merge(others, self._hidden_dtype())
+
+    def _hidden_dtype(self) -> torch.dtype:
+        """The denoiser's dtype (its hidden states', the step cache's tensors')."""
+        denoiser = getattr(self.pipeline, "transformer", None)
+        return torch.float32 if denoiser is None else denoiser.dtype
 
 
 def _text_padded(cond: dict[str, torch.Tensor], degree: int) -> dict[str, torch.Tensor]:

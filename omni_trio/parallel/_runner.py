@@ -313,15 +313,14 @@ class ParallelRunner:
         self._family = runner.family
         inner = runner.capabilities
         multiple = inner.size_multiple * (1 if layout.kind == "cfg" else layout.degree)
-        # Step caching only where every rank runs every row (a token split, never by
-        # load): a rank that runs a slice of the rows would hold its rows' caches
-        # alone, and they would have to move with the batch. Checkpoints are refused:
-        # a restore would have to reach every rank.
-        tokens = layout.kind != "cfg" and not layout.by_load
+        # Step caching on one way per group: the split (every rank keeps whole caches,
+        # exchanged after each call) or a token split (every rank its token slice);
+        # not by load, whose calls change way while a cache's tensors could not.
+        # Checkpoints are refused: a restore would have to reach every rank.
         self._capabilities = dataclasses.replace(
             inner,
             size_multiple=multiple,
-            step_cache=inner.step_cache if tokens else frozenset(),
+            step_cache=frozenset() if layout.by_load else inner.step_cache,
             checkpoints=False,
         )
 

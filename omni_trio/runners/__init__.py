@@ -33,7 +33,7 @@ Layout: the private modules, each importing only those below it:
   (L85-L87); it reads the step cache's computing rows, and imports no family;
 - ``_chunks``: decodes in chunks (L72).
 
-Apart: ``_tiny`` (and ``_quiet``), ``_tinylora``, ``_load`` and ``_devices`` import no
+Apart: ``_tiny`` (and ``_quiet``), ``_tinylora``, ``_local``, ``_load`` and ``_devices`` import no
 family.
 """
 

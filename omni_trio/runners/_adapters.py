@@ -70,7 +70,7 @@ import torch
 
 from .._adapters import AdapterError, AdapterInfo, AdapterPairs, check_adapter_name
 from .._errors import InvalidRequestError
-from .._threads import thread_value
+from ._local import thread_value
 from ._quiet import quiet_notices
 from ._stepcache import computing_rows
 

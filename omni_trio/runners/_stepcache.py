@@ -66,9 +66,17 @@ import torch
 
 from .._request import GenerationRequest
 from .._stepcache import CacheMetrics, StepCache
-from .._threads import thread_value
+from ._local import thread_value
 
-__all__ = ["BlockCache", "RequestCache", "computing_rows", "expert_rows", "shared_sums"]
+__all__ = [
+    "BlockCache",
+    "RequestCache",
+    "RowSlice",
+    "computing_rows",
+    "expert_rows",
+    "shared_sums",
+    "sliced",
+]
 
 #: The kinds the wrappers apply.
 KINDS = frozenset({"first-block", "taylorseer"})
@@ -299,6 +307,7 @@ class _Update:
     rows: RowCache
     computed: bool
     blocks: int
+    denoiser: int = 0
     residual: torch.Tensor | None = None
     tail: torch.Tensor | None = None
 
@@ -405,6 +414,106 @@ def expert_rows(mask: Sequence[bool]) -> Iterator[None]:
         yield
     finally:
         call.active = saved
+
+
+class RowSlice:
+    """A rank's slice ``low..high`` of a model call split by rows, its step cache's part.
+
+    Inside ``sliced``, the step cache decides for the slice's rows only (the rank runs
+    them alone). Its updates stay aside until ``merge``, which adds them and the other
+    ranks' (unpacked from their ``pack``) to the call, to be committed with it: every
+    rank's copy of every request's cache then makes the same updates as one process.
+    """
+
+    #: ``pack``'s record per row: flag (-1 no policy, 0 skipped, 1 computed), denoiser,
+    #: blocks, whether a head residual follows, the hidden states' tokens and width.
+    FIELDS = 6
+
+    def __init__(self, outer: _Call, low: int, high: int) -> None:
+        self.outer = outer
+        self.low = low
+        self.sub = _Call(outer.slots[low:high])
+
+    def pack(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This slice's updates as float32: one ``FIELDS`` record per row (``rows``
+        records, the rest -1), and the computed rows' residuals and tails, in order."""
+        meta = torch.full((rows, self.FIELDS), -1.0, dtype=torch.float32)
+        parts: list[torch.Tensor] = []
+        position = {
+            (id(slot.cache), slot.row): i
+            for i, slot in enumerate(self.sub.slots)
+            if slot is not None
+        }
+        for update in self.sub.updates:
+            i = position[(id(update.cache), update.row)]
+            meta[i, 0] = float(update.computed)
+            meta[i, 1] = float(update.denoiser)
+            meta[i, 2] = float(update.blocks)
+            if update.computed:
+                assert update.tail is not None
+                if update.tail.dim() != 3:
+                    raise RuntimeError(
+                        f"step cache: a split exchanges [1, tokens, width] residuals, got"
+                        f" {tuple(update.tail.shape)}"
+                    )
+                tokens, width = update.tail.shape[1], update.tail.shape[2]
+                meta[i, 4], meta[i, 5] = float(tokens), float(width)
+                if update.residual is not None:
+                    meta[i, 3] = 1.0
+                    parts.append(update.residual.reshape(-1).float())
+                parts.append(update.tail.reshape(-1).float())
+        payload = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
+        return meta, payload
+
+    def merge(
+        self, others: Sequence[tuple[int, torch.Tensor, torch.Tensor]], dtype: torch.dtype
+    ) -> None:
+        """Add this slice's updates and the other ranks' to the call: each other rank's
+        ``(low, meta, payload)`` as its ``pack`` made them (on any device)."""
+        self.outer.updates.extend(self.sub.updates)
+        for low, meta, payload in others:
+            offset = 0
+            for i, record in enumerate(meta.tolist()):
+                flag, denoiser, blocks, residual, tokens, width = record
+                if flag < 0:
+                    continue
+                slot = self.outer.slots[low + i]
+                assert slot is not None
+                rows = slot.cache.row(int(denoiser), slot.row)
+                update = _Update(
+                    slot.cache,
+                    slot.row,
+                    rows,
+                    computed=flag > 0,
+                    blocks=int(blocks),
+                    denoiser=int(denoiser),
+                )
+                if update.computed:
+                    size = int(tokens) * int(width)
+                    shape = (1, int(tokens), int(width))
+                    if residual > 0:
+                        update.residual = payload[offset : offset + size].reshape(shape).to(dtype)
+                        offset += size
+                    update.tail = payload[offset : offset + size].reshape(shape).to(dtype)
+                    offset += size
+                self.outer.updates.append(update)
+
+
+@contextmanager
+def sliced(low: int, high: int) -> Iterator[RowSlice | None]:
+    """Inside, the model call under way has only its rows ``low..high`` for the step
+    cache (a rank's slice of a call split by rows); ``None`` when no row of the call
+    is cached. See ``RowSlice``."""
+    call = _current()
+    if call is None:
+        yield None
+        return
+    piece = RowSlice(call, low, high)
+    _local.call = piece.sub
+    try:
+        yield piece
+    finally:
+        _local.call = call
 
 
 def shared_sums(reduce: Callable[[torch.Tensor], torch.Tensor]) -> AbstractContextManager[None]:
@@ -652,7 +761,9 @@ def _decide(
             continue
         cache = slot.cache
         rows = cache.row(role.denoiser, slot.row)
-        update = _Update(cache, slot.row, rows, computed=True, blocks=role.blocks)
+        update = _Update(
+            cache, slot.row, rows, computed=True, blocks=role.blocks, denoiser=role.denoiser
+        )
         updates.append(update)
         policy = cache.policy
         if policy.kind == "taylorseer":

@@ -209,7 +209,7 @@ async def random_aborts_then_one(
 
 class Declaring:
     """A runner that declares ``capabilities`` of another: an engine's workers must agree,
-    and a parallel group takes no step cache nor checkpoints, which a
+    and a parallel group takes no checkpoints (nor, split by load, a step cache), which a
     ``DiffusersRunner`` beside it would declare."""
 
     def __init__(self, runner: Any, capabilities: Any) -> None:
