@@ -31,6 +31,7 @@ from tests.support.parallel import (
     capabilities_of,
     close,
     group,
+    joined_at,
     outputs,
     random_aborts_then_one,
     report,
@@ -80,17 +81,8 @@ async def test_the_way_changes_at_the_boundaries_where_a_request_joins_and_leave
     joining = request("flux", seed=2, prompt="a cat")
     expected = await outputs(DiffusersRunner(tiny("flux")), [long, joining])
     start = await calls(by_load)
-    with anyio.fail_after(BUDGET):
-        kept = Kept(by_load)
-        async with ot.open_engine(kept, ot.EngineConfig(max_batch_size=4)) as engine:
-            a = engine.submit(long, request_id="long")
-            # Held before long's third step: joining is queued then, and joins after it.
-            async with kept.held(lambda steps: steps.get("long", 0) >= 2):
-                b = engine.submit(joining, request_id="joining")
-            got = []
-            for handle in (a, b):
-                async with handle:
-                    got.append((await handle.result()).images)
+    # joining is queued before long's third step, and joins it there.
+    got = [o.images for o in await joined_at(by_load, long, joining, after=2, batch=4)]
     assert close(got, expected)
     together = joining.denoise_steps
     assert moved(start, await calls(by_load)) == {

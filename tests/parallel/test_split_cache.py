@@ -13,14 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import anyio
 import pytest
 
 import omni_trio as ot
 from omni_trio.parallel import ParallelRunner
 from omni_trio.runners import DiffusersRunner
-from tests.support.core import BUDGET
-from tests.support.parallel import Kept, close, group, report, results, same_states
+from tests.support.parallel import Kept, close, group, joined_at, report, results, same_states
 from tests.support.runners import request, tiny
 
 pytestmark = pytest.mark.anyio
@@ -68,17 +66,8 @@ async def test_cached_rows_that_move_between_ranks_keep_their_caches(
         "sd3", seed=2, prompt="a cat", num_steps=5, cache=ot.StepCache(kind="taylorseer")
     )
     alone = [(await results(DiffusersRunner(tiny("sd3")), [r]))[0] for r in (long, joining)]
-    with anyio.fail_after(BUDGET):
-        kept = Kept(split)
-        async with ot.open_engine(kept, ot.EngineConfig(max_batch_size=2)) as engine:
-            a = engine.submit(long, request_id="long")
-            # Held before long's fourth step: joining is queued then, and joins after it.
-            async with kept.held(lambda steps: steps.get("long", 0) >= 3):
-                b = engine.submit(joining, request_id="joining")
-            got = []
-            for handle in (a, b):
-                async with handle:
-                    got.append(await handle.result())
+    # joining is queued before long's fourth step, and joins it there.
+    got = await joined_at(split, long, joining, after=3, batch=2)
     assert [g.metrics.cache for g in got] == [e.metrics.cache for e in alone]
     assert close([g.images for g in got], [e.images for e in alone])
     reports = await report(split)

@@ -43,6 +43,7 @@ __all__ = [
     "guided_requests",
     "hangs_on_flag",
     "images_of",
+    "joined_at",
     "listening",
     "loopback",
     "new_children",
@@ -392,6 +393,29 @@ async def results(
             handles = [engine.submit(r) for r in requests]
             done = []
             for handle in handles:
+                async with handle:
+                    done.append(await handle.result())
+    return done
+
+
+async def joined_at(
+    runner: ParallelRunner,
+    first: ot.GenerationRequest,
+    second: ot.GenerationRequest,
+    *,
+    after: int,
+    batch: int,
+) -> list[ot.GenerationOutput]:
+    """``first`` alone until it made ``after`` steps, then ``second`` joins it: the worker
+    is held before that step while ``second`` is queued (``Kept.held``); both outputs."""
+    with anyio.fail_after(BUDGET):
+        kept = Kept(runner)
+        async with ot.open_engine(kept, ot.EngineConfig(max_batch_size=batch)) as engine:
+            a = engine.submit(first, request_id="first")
+            async with kept.held(lambda steps: steps.get("first", 0) >= after):
+                b = engine.submit(second, request_id="second")
+            done = []
+            for handle in (a, b):
                 async with handle:
                     done.append(await handle.result())
     return done
