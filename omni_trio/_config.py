@@ -15,15 +15,21 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from ._errors import InvalidRequestError
-from ._request import MAX_TENANT_CHARS
 from ._stepcache import StepCache
-from ._validate import check_float, check_int, check_text, fail_config, fail_request
+from ._validate import (
+    check_float,
+    check_int,
+    check_tenant,
+    check_tenant_weight,
+    fail_config,
+    fail_request,
+)
 
 if TYPE_CHECKING:
     from ._request import GenerationRequest
     from ._runner import RunnerCapabilities
 
-__all__ = ["MAX_TENANT_WEIGHT", "EngineConfig"]
+__all__ = ["EngineConfig"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,8 +98,10 @@ class EngineConfig:
         tenant_weights: each named tenant's weight in fair share (L57, L58):
             within a priority level, backlogged tenants get device step-seconds
             in proportion to their weights. A tenant not named here (and the
-            default tenant, ``None``) weighs 1. Weights are finite numbers > 0 and
-            at most ``MAX_TENANT_WEIGHT`` (1e6); stored as a read-only copy.
+            default tenant, ``None``) weighs 1. Weights are numbers from
+            ``MIN_TENANT_WEIGHT`` to ``MAX_TENANT_WEIGHT`` (0.001 to 1000: beyond,
+            fair share's float64 clock rounds costs away); names as
+            ``GenerationRequest.tenant``'s. Stored as a read-only copy.
         tenant_max_waiting: the most requests a named tenant may have waiting
             (suspended ones included); ``submit`` raises ``QueueFullError`` beyond
             it (L56). A tenant not named here is bounded by ``max_waiting`` only.
@@ -184,13 +192,8 @@ class EngineConfig:
         weights = _tenant_table(
             "tenant_weights",
             self.tenant_weights,
-            lambda name, value: check_float(
-                fail_config, name, value, minimum=0.0, maximum=MAX_TENANT_WEIGHT
-            ),
+            lambda name, value: check_tenant_weight(fail_config, name, value),
         )
-        for tenant, weight in weights.items():
-            if not weight > 0.0:
-                fail_config("tenant_weights", f"the weight of {tenant!r} must be > 0, got {weight}")
         object.__setattr__(self, "tenant_weights", weights)
         limits = _tenant_table(
             "tenant_max_waiting",
@@ -242,25 +245,18 @@ class EngineConfig:
         return dataclasses.replace(request, cache=self.default_cache)
 
 
-#: The largest tenant weight accepted: far more contrast than fair share needs,
-#: and small enough that a cost over a weight stays a normal float.
-MAX_TENANT_WEIGHT = 1e6
-
-
 V = TypeVar("V")
 
 
 def _tenant_table(name: str, table: object, check: Callable[[str, object], V]) -> Mapping[str, V]:
-    """A read-only copy of a mapping of tenant names (text, 1 to 256 characters) to values."""
+    """A read-only copy of a mapping of tenant names (``check_tenant``) to values."""
     if not isinstance(table, Mapping):
         fail_config(name, f"must be a mapping of tenant names, got {type(table).__name__}")
     copy: dict[str, V] = {}
     for tenant, value in list(table.items()):
         if not isinstance(tenant, str):
             fail_config(name, f"tenant names must be str, got {type(tenant).__name__}")
-        tenant = check_text(fail_config, name, tenant, what="a tenant name")
-        if not 0 < len(tenant) <= MAX_TENANT_CHARS:
-            fail_config(name, f"tenant names must have 1 to {MAX_TENANT_CHARS} characters")
+        tenant = check_tenant(fail_config, name, tenant, what="a tenant name")
         copy[tenant] = check(f"{name}[{tenant!r}]", value)
     return FrozenMapping(copy)
 

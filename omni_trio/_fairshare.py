@@ -28,10 +28,41 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from types import MappingProxyType
 
-__all__ = ["NOMINAL_PIXEL_S", "FairShare", "StepCosts", "Tenant"]
+__all__ = [
+    "MAX_TENANT_WEIGHT",
+    "MIN_TENANT_WEIGHT",
+    "NOMINAL_PIXEL_S",
+    "FairShare",
+    "StepCosts",
+    "Tenant",
+]
 
 #: A request's tenant; ``None`` is the default tenant.
 Tenant = str | None
+
+# The weights' bounds, from the arithmetic (not measured). Tags and the virtual time
+# are float64 sums of ``cost / weight`` over a level's busy period (a level where
+# nothing waits starts again from 0). Adding ``d`` to a tag ``T`` rounds the sum to
+# within ``T x 2**-53``, so ``d`` keeps a relative error of at most ``(T / d) x
+# 2**-53`` and can be lost whole once ``T / d`` passes 2**53 (9e15): the tag stops
+# moving, and its tenant's share with it. ``T / d`` is at most ``n x (cost ratio) x
+# (w_max / w_min)`` after ``n`` requests, since the lightest tenant moves the clock by
+# ``cost / w_min`` per request while the heaviest adds ``cost / w_max``. The first two
+# factors are the workload's (a level that never empties grows ``n`` without end,
+# whatever the weights); the weights' factor, ``w_max / w_min``, is the part a bound on
+# them controls, and as tenants not named weigh 1, the range is centred on 1. At
+# [1e-3, 1e3] it is 1e6 (20 of the 53 bits): costs still count to 1e-3 relative while
+# ``n x (cost ratio)`` stays under 9e6 (9,000 requests at a thousand times the others'
+# cost, served to the lightest tenant alone), and none is lost before 9e9. A weight of
+# 1e-20 spent all 53 bits: by its tenant's second request the clock stood at 1e20
+# times the cost, and every weight-1 tenant's cost after it rounded to nothing. A
+# contrast of a thousand either way is more than fair share between customers needs.
+
+#: The smallest tenant weight accepted (see the bounds' reasoning above).
+MIN_TENANT_WEIGHT = 1e-3
+
+#: The largest tenant weight accepted (see the bounds' reasoning above).
+MAX_TENANT_WEIGHT = 1e3
 
 #: The cost of a step per pixel before any step was measured: only relative sizes
 #: matter then (1 ns, picked without measurement; a measured figure replaces it).

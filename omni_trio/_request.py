@@ -17,7 +17,16 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from ._adapters import AdapterPairs, check_adapter_pairs
 from ._stepcache import StepCache
-from ._validate import check_float, check_image, check_int, check_text, fail_request, image_size
+from ._validate import (
+    MAX_TENANT_CHARS,
+    check_float,
+    check_image,
+    check_int,
+    check_tenant,
+    check_text,
+    fail_request,
+    image_size,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -65,10 +74,6 @@ MAX_PRIORITY = 2**31 - 1
 #: generation, and small enough that the absolute deadline (the loop's clock plus
 #: this) stays an exact, finite float.
 MAX_DEADLINE_S = 1e6
-
-#: The longest ``tenant`` accepted: a name, as an id is, never a document (it is
-#: a log field and a metrics label's value).
-MAX_TENANT_CHARS = 256
 
 #: The most ``num_frames`` accepted: three minutes at 24 frames a second, beyond what
 #: today's video models make in one generation (Wan: 81, LTX-Video: 257), so no
@@ -135,8 +140,10 @@ class GenerationRequest:
         tenant: whose request this is, for fair share (L57, L58): within a
             priority level, workers share device time between tenants by their
             weights (``EngineConfig.tenant_weights``), counted in step-seconds.
-            ``None``, the default tenant, is one tenant like any other. Text, as
-            ``prompt``, of 1 to ``MAX_TENANT_CHARS`` (256) characters.
+            ``None``, the default tenant, is one tenant like any other. A name:
+            text, as ``prompt``, of 1 to ``MAX_TENANT_CHARS`` (256) characters on one
+            line, with no whitespace but inner spaces (a log field and a metrics
+            label).
 
     Equality compares every field, images by value; ``repr`` leaves the images out.
 
@@ -214,10 +221,7 @@ class GenerationRequest:
             fail("cache", f"must be a StepCache or None, got {type(self.cache).__name__}")
         store(self, "adapters", check_adapter_pairs(fail, self.adapters))
         if self.tenant is not None:
-            tenant = check_text(fail, "tenant", self.tenant)
-            if not 0 < len(tenant) <= MAX_TENANT_CHARS:
-                fail("tenant", f"must be a non-empty str of at most {MAX_TENANT_CHARS} characters")
-            store(self, "tenant", tenant)
+            store(self, "tenant", check_tenant(fail, "tenant", self.tenant))
         self._check_edit()
 
     def _check_edit(self) -> None:

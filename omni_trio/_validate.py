@@ -20,14 +20,18 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from ._errors import InvalidRequestError
+from ._fairshare import MAX_TENANT_WEIGHT, MIN_TENANT_WEIGHT
 
 __all__ = [
     "MAX_REQUEST_ID_CHARS",
+    "MAX_TENANT_CHARS",
     "Fail",
     "check_float",
     "check_image",
     "check_int",
     "check_request_id",
+    "check_tenant",
+    "check_tenant_weight",
     "check_text",
     "fail_config",
     "fail_request",
@@ -202,3 +206,38 @@ def check_request_id(request_id: object) -> str:
             "request_id", f"must be a non-empty str of at most {MAX_REQUEST_ID_CHARS} characters"
         )
     return text
+
+
+#: The longest tenant name accepted: a name, as an id is, never a document (it is
+#: a log field and a metrics label's value).
+MAX_TENANT_CHARS = 256
+
+
+def check_tenant(fail: Fail, name: str, value: object, *, what: str = "") -> str:
+    """Return ``value`` as a tenant name, or fail naming ``name``.
+
+    A name is text (``check_text``) of 1 to ``MAX_TENANT_CHARS`` characters on one
+    line: no whitespace but a space, and none at either end, so that it is one field
+    of a log line and a metrics label, and two names never differ by what does not
+    show (``"acme"``, ``"acme "``). ``what`` names the part of the field in the
+    message (a key of a table of tenants).
+    """
+    label = f"{what} " if what else ""
+    text = check_text(fail, name, value, what=what)
+    if not 0 < len(text) <= MAX_TENANT_CHARS:
+        fail(name, f"{label}must have 1 to {MAX_TENANT_CHARS} characters, got {len(text)}")
+    for index, char in enumerate(text):
+        if char.isspace() and char != " ":
+            fail(name, f"{label}must have no whitespace but spaces: {char!a} at index {index}")
+    if text.strip() != text:
+        fail(name, f"{label}must not be blank nor start or end with a space, got {text!a}")
+    return text
+
+
+def check_tenant_weight(fail: Fail, name: str, value: object) -> float:
+    """Return ``value`` as a tenant's weight in fair share, or fail naming ``name``.
+
+    A finite number from ``MIN_TENANT_WEIGHT`` to ``MAX_TENANT_WEIGHT`` (0.001 to
+    1000): ``_fairshare`` says why these bounds.
+    """
+    return check_float(fail, name, value, minimum=MIN_TENANT_WEIGHT, maximum=MAX_TENANT_WEIGHT)

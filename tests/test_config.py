@@ -235,3 +235,49 @@ def test_unreadable_extra_is_refused_by_name() -> None:
     with pytest.raises(ot.InvalidRequestError) as info:
         ot.GenerationRequest(extra=HostileMapping())
     assert info.value.field == "extra"
+
+
+#: Tenant names that are not one line of text (L4, L58): blank, padded, broken over
+#: lines or tabs, or not text at all. Each is refused wherever a name enters.
+NOT_A_NAME = {
+    "space": " ",
+    "newline": "\n",
+    "blank": " \t ",
+    "leading_space": " acme",
+    "trailing_newline": "acme\n",
+    "tab": "ac\tme",
+    "carriage_return": "ac\rme",
+    "line_separator": "ac\u2028me",
+    "ideographic_space": "\u3000acme",
+    "nul": "ac\x00me",
+    "lone_surrogate": "ac\ud800me",
+    "empty": "",
+    "too_long": "x" * 257,
+}
+
+
+def _with_tenant(where: str, name: str) -> object:
+    if where == "request":
+        return ot.GenerationRequest(tenant=name)
+    fields: dict[str, Any] = {where: {name: 1}}
+    return ot.EngineConfig(**fields)
+
+
+@pytest.mark.parametrize("text", sorted(NOT_A_NAME))
+@pytest.mark.parametrize("where", ["request", "tenant_weights", "tenant_max_waiting"])
+def test_a_tenant_name_that_is_not_one_line_of_text_is_refused(where: str, text: str) -> None:
+    """L4, L58: a tenant name is text of 1 to 256 characters on one line, neither blank
+    nor padded with whitespace (it is a log field and a metrics label): the request's
+    ``tenant`` and the config's tables' keys refuse anything else, naming the field."""
+    error = ot.InvalidRequestError if where == "request" else ValueError
+    field = "tenant" if where == "request" else where
+    with pytest.raises(error, match=f"^{field}: ") as info:
+        _with_tenant(where, NOT_A_NAME[text])
+    str(info.value).encode("utf-8")  # the message itself is text
+
+
+@pytest.mark.parametrize("where", ["request", "tenant_weights", "tenant_max_waiting"])
+def test_a_tenant_name_is_any_one_line_of_text(where: str) -> None:
+    """L58: inner spaces, any script and 256 characters make a name."""
+    for name in ("acme corp", "café", "日本語", "x" * 256):
+        _with_tenant(where, name)

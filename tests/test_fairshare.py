@@ -14,6 +14,7 @@ import itertools
 import math
 import pickle
 from dataclasses import dataclass, field
+from fractions import Fraction
 from unittest import mock
 
 import anyio
@@ -23,7 +24,7 @@ from hypothesis import strategies as st
 
 import omni_trio as ot
 from omni_trio import _queue as queue_module
-from omni_trio._fairshare import FairShare
+from omni_trio._fairshare import MAX_TENANT_WEIGHT, MIN_TENANT_WEIGHT, FairShare
 from omni_trio._queue import WaitingQueue, take
 from omni_trio.testing import assume_step_cost
 from tests.support.core import BUDGET, RecordingRunner, req
@@ -326,22 +327,74 @@ def test_tenant_defaults_to_none_and_is_validated() -> None:
 @pytest.mark.parametrize(
     ("weights", "message"),
     [
-        ({"a": 0}, "must be > 0"),
-        ({"a": -1.0}, "must be >= 0"),
+        ({"a": 0}, "must be >= 0.001"),
+        ({"a": -1.0}, "must be >= 0.001"),
+        ({"a": 1e-20}, "must be >= 0.001"),
+        ({"a": math.nextafter(MIN_TENANT_WEIGHT, 0.0)}, "must be >= 0.001"),
+        ({"a": math.nextafter(MAX_TENANT_WEIGHT, math.inf)}, "must be <= 1000"),
+        ({"a": 10**7}, "must be <= 1000"),
         ({"a": math.inf}, "finite"),
         ({"a": math.nan}, "finite"),
         ({"a": True}, "number"),
-        ({"a": 1e7}, "<="),
         ({1: 1.0}, "names must be str"),
         ({"": 1.0}, "1 to 256"),
         ([("a", 1.0)], "mapping"),
     ],
 )
 def test_bad_tenant_weights_are_refused_at_construction(weights: object, message: str) -> None:
-    """L58: weights are finite numbers > 0 per tenant name; anything else is refused."""
-    with pytest.raises(ValueError, match="tenant_weights") as info:
+    """L58: weights are numbers from ``MIN_TENANT_WEIGHT`` (0.001) to ``MAX_TENANT_WEIGHT``
+    (1000) per tenant name; anything else is refused, naming the field."""
+    with pytest.raises(ValueError, match=r"^tenant_weights") as info:
         ot.EngineConfig(tenant_weights=weights)  # type: ignore[arg-type]
     assert message in str(info.value)
+
+
+def test_weights_at_the_bounds_are_kept() -> None:
+    """L58: the bounds themselves are weights; an int is stored as a float."""
+    weights = {"light": MIN_TENANT_WEIGHT, "heavy": 1000, "mid": 2.5}
+    config = ot.EngineConfig(tenant_weights=weights)
+    assert dict(config.tenant_weights) == {"light": 0.001, "heavy": 1000.0, "mid": 2.5}
+    assert type(config.tenant_weights["heavy"]) is float
+
+
+def _increments(weights: dict[str, float], alone: int, cost: float) -> list[Fraction]:
+    """The exact increments of "heavy"'s tag, each over what it should be (1: exact).
+
+    "light" is served ``alone`` requests of ``cost`` with no one else waiting (the
+    level's virtual time follows its tag, ``alone x cost / weight``), then "heavy"
+    and the default tenant start waiting at that virtual time with requests of 1,
+    the queue serving all three.
+    """
+    share = FairShare(weights)
+    queue: WaitingQueue[Item] = WaitingQueue(share)
+    for index in range(alone + 1):  # one stays waiting: the level keeps its clock
+        queue.push(Item(f"light{index}"), 0, tenant="light", cost=cost)
+    assert len(queue.take(batch_key=None, free=alone, can_join=True)) == alone
+    for index in range(20):
+        queue.push(Item(f"heavy{index}"), 0, tenant="heavy", cost=1.0)
+        queue.push(Item(f"none{index}"), 0, tenant=None, cost=1.0)
+    ratios: list[Fraction] = []
+    for _ in range(20):
+        before = Fraction(share.tag(0, "heavy"))
+        (item,) = queue.take(batch_key=None, free=1, can_join=True)
+        if item.name.startswith("heavy"):
+            got = Fraction(share.tag(0, "heavy")) - before
+            ratios.append(got / (Fraction(1) / Fraction(weights["heavy"])))
+    return ratios
+
+
+def test_at_the_weight_bounds_no_cost_is_lost_to_rounding() -> None:
+    """L57, L58: fair share adds ``cost / weight`` to tags in float64, which rounds each
+    sum to about 2**-53 of the tag: a cost ``r`` times smaller than the tag keeps a
+    relative error of at most ``r x 2**-53``. The bounds hold the weights' part of ``r``
+    to ``MAX_TENANT_WEIGHT / MIN_TENANT_WEIGHT`` (1e6): here the lightest tenant,
+    served alone, puts the clock at 1e6 x 1,000 x 1,000 times the heaviest tenant's
+    costs, and each of those still counts to 1e-3. A weight of 1e-20 (refused now)
+    put the clock at 1e20 by its second request, and every later cost was lost."""
+    bounded = _increments({"light": MIN_TENANT_WEIGHT, "heavy": MAX_TENANT_WEIGHT}, 1000, 1000.0)
+    assert bounded and all(abs(ratio - 1) <= Fraction(1, 1000) for ratio in bounded)
+    unbounded = _increments({"light": 1e-20, "heavy": MAX_TENANT_WEIGHT}, 2, 1.0)
+    assert unbounded and all(ratio == 0 for ratio in unbounded)
 
 
 def test_tenant_tables_are_frozen_copies() -> None:

@@ -119,12 +119,16 @@ def fraction(text: str) -> float:
 
 def api_keys(text: str) -> list[str]:
     """API keys, comma-separated (L55); never quoted back in an error: they are secrets."""
+    from ..serve._keys import check_key  # here: only serve takes keys, and needs the extra
+
     keys = [key.strip() for key in text.split(",")]
-    if not all(keys) or any(not key.isprintable() or " " in key for key in keys):
-        raise argparse.ArgumentTypeError(
-            "expected keys of printable characters without spaces, comma-separated"
-            " (the value is not shown: it is a secret)"
-        )
+    for key in keys:
+        try:
+            check_key(key)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(
+                f"expected keys, comma-separated: {exc} (the value is not shown: it is a secret)"
+            ) from None
     return keys
 
 

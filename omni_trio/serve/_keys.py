@@ -27,6 +27,7 @@ import hmac
 import json
 import logging
 import math
+import string
 import time
 import tomllib
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -34,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._request import MAX_TENANT_CHARS, GenerationRequest
+from .._request import GenerationRequest
+from .._validate import check_tenant, check_tenant_weight, fail_config
 from ._asgi import Receive, Scope, Send, send_error
 from ._errors import ApiError
 
@@ -47,6 +49,7 @@ __all__ = [
     "TenantLimits",
     "caller",
     "caller_tenant",
+    "check_key",
     "check_running_jobs",
     "load_keys_file",
     "require_admin",
@@ -70,8 +73,18 @@ _SHA256 = "sha256:"
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
+#: What a key is made of: printable ASCII but the space. A header is bytes, and
+#: clients send other characters in encodings that differ (UTF-8, Latin-1, or not at
+#: all): such a key could never be matched alike, so none is accepted.
+_KEY_CHARS = frozenset(string.printable) - frozenset(string.whitespace)
+
+
 def digest(key: str) -> bytes:
-    """The SHA-256 digest of ``key`` (its UTF-8 bytes): what is stored and compared."""
+    """The SHA-256 digest of ``key`` (its UTF-8 bytes): what is stored and compared.
+
+    An accepted key is ASCII (``check_key``), whose UTF-8 bytes are its Latin-1
+    bytes: the ones ``presented_key`` reads from a header.
+    """
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
@@ -124,6 +137,8 @@ class ApiKey:
 
     Build one from the key itself with ``ApiKey.of(key, ...)``, or from a digest
     (a keys file's ``sha256:<hex>``). ``repr`` shows the tenant, never the digest.
+    The tenant is a name as ``GenerationRequest.tenant``'s, the weight as
+    ``EngineConfig.tenant_weights``' (0.001 to 1000).
     """
 
     digest: bytes = field(repr=False)
@@ -135,30 +150,32 @@ class ApiKey:
     def __post_init__(self) -> None:
         if not isinstance(self.digest, bytes) or len(self.digest) != 32:
             raise ValueError("digest: must be the 32 bytes of a SHA-256 digest")
-        if not isinstance(self.tenant, str) or not 0 < len(self.tenant) <= MAX_TENANT_CHARS:
-            raise ValueError(f"tenant: must be a str of 1 to {MAX_TENANT_CHARS} characters")
-        GenerationRequest(tenant=self.tenant)  # the request's own rule for the name
-        weight = self.weight
-        if not isinstance(weight, int | float) or isinstance(weight, bool):
-            raise ValueError(f"weight: must be a number, got {weight!r}")
-        if not (math.isfinite(weight) and weight > 0):
-            raise ValueError(f"weight: must be finite and > 0, got {weight!r}")
-        object.__setattr__(self, "weight", float(weight))
+        object.__setattr__(self, "tenant", check_tenant(fail_config, "tenant", self.tenant))
+        object.__setattr__(self, "weight", check_tenant_weight(fail_config, "weight", self.weight))
         if not isinstance(self.admin, bool):
             raise ValueError(f"admin: must be a bool, got {self.admin!r}")
 
     @classmethod
     def of(cls, key: str, **fields: Any) -> ApiKey:
         """The entry of the plain ``key`` (its digest is kept, the key is not)."""
-        _check_key(key)
+        check_key(key)
         return cls(digest=digest(key), **fields)
 
 
-def _check_key(key: object) -> None:
-    if not isinstance(key, str) or not key.strip():
+def check_key(key: object) -> None:
+    """Refuse what cannot be a key: one line that never shows the key.
+
+    Raises:
+        ValueError: not a string, empty, or with a character that is not printable
+            ASCII, or a space (see ``_KEY_CHARS``).
+    """
+    if not isinstance(key, str) or not key:
         raise ValueError("an API key must be a non-empty string")
-    if key != key.strip() or any(ch.isspace() or not ch.isprintable() for ch in key):
-        raise ValueError("an API key must be printable, without spaces")
+    if not _KEY_CHARS.issuperset(key):
+        raise ValueError(
+            "an API key must be printable ASCII without spaces: clients send other"
+            " characters in encodings that differ, so it would never match"
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -156,6 +156,11 @@ def test_wrong_keys_are_usage_errors_that_never_show_a_key(
     with pytest.raises(SystemExit):
         parse("--model", "fake", "--api-key", "sk-hidden one")
     assert "sk-hidden" not in capsys.readouterr().err
+    # Not ASCII: no client would send it alike (L55), so it is refused, not kept unmatched.
+    with pytest.raises(SystemExit):
+        parse("--model", "fake", "--api-key", "sk-hiddén")
+    err = capsys.readouterr().err
+    assert "printable ASCII" in err.splitlines()[-1] and "sk-hidd" not in err
     bad = tmp_path / "keys.toml"
     bad.write_text("[[keys]]\nkey = 'sk-hidden-two'\ntenant = 'a'\nweight = -1\n")
     with pytest.raises(UsageError, match=r"^--keys-file: .*entry 1: weight") as refused:

@@ -359,7 +359,7 @@ def test_keys_compare_by_digest_and_hide_it() -> None:
     assert SECRET not in repr(KEYS) and KEYS.keys[0].digest.hex() not in repr(KEYS)
     plain = ApiKeys.from_keys(["k-one", "k-two", "k-one"])
     assert [(k.tenant, k.admin) for k in plain.keys] == [("key1", True), ("key2", True)]
-    for bad in ("", " k", "a b", "k\n"):
+    for bad in ("", " k", "a b", "k\n", "clé", "k\u00a0"):
         with pytest.raises(ValueError, match="API key"):
             ApiKey.of(bad, tenant="t")
     with pytest.raises(ValueError, match="disagree"):
@@ -431,6 +431,12 @@ admin = true
         ("[[keys]]\ntenant = 'a'\n", "needs a key and a tenant"),
         (f"[[keys]]\nkey = '{SECRET}'\ntenant = 'a'\ncolour = 1\n", "unknown fields"),
         (f"[[keys]]\nkey = '{SECRET}'\ntenant = 'a'\nweight = 0\n", "weight"),
+        (f"[[keys]]\nkey = '{SECRET}'\ntenant = 'a'\nweight = 1e-20\n", "weight: must be >="),
+        (f"[[keys]]\nkey = '{SECRET}'\ntenant = 'a'\nweight = 1001\n", "weight: must be <="),
+        (f"[[keys]]\nkey = '{SECRET}'\ntenant = ' '\n", "tenant: must not be blank"),
+        (f'[[keys]]\nkey = "{SECRET}"\ntenant = "\\n"\n', "tenant: must have no whitespace"),
+        (f"[[keys]]\nkey = '{SECRET}'\ntenant = 'acme '\n", "tenant: must not be blank"),
+        ("[[keys]]\nkey = 'sk-clé-1'\ntenant = 'a'\n", "an API key must be printable ASCII"),
         (f"[[keys]]\nkey = '{SECRET}'\ntenant = 'a'\nmax_waiting = 0\n", "max_waiting"),
         ("[[keys]]\nkey = 'sha256:abc'\ntenant = 'a'\n", "64 hex digits"),
         (f"keys = 3\nsecret = '{SECRET}'\n", "list of entries"),
@@ -447,7 +453,8 @@ def test_a_wrong_keys_file_is_refused_without_its_keys(
     with pytest.raises(ValueError, match="the keys file") as refused:
         load_keys_file(path)
     assert message in str(refused.value)
-    assert SECRET not in str(refused.value)
+    assert SECRET not in str(refused.value) and "sk-cl" not in str(refused.value)
+    assert "\n" not in str(refused.value)  # one line
 
 
 def test_keys_hold_through_the_ray_replica_ingress() -> None:
