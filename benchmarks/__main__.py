@@ -7,16 +7,18 @@ substep     an abort inside a ~1 s step, cancel points vs the step's end; hook c
 leak        live tensors and RSS after requests ending every way (tiny SD)
 batching    a burst of compatible requests at max_batch_size 1, 4, 8 (tiny SD)
 join        a short request's wait to join a running batch (tiny SD)
+devices     throughput with 1, 2 and 4 workers sharing one queue (FakeRunner; tiny SD)
+priority    an urgent request behind background batches: FIFO, priorities, preemption
 scale       admission and abort cost with 10 to 10,000 waiting (GatedRunner)
 preview     step time with previews read vs off (tiny SD)
 pipeline    one request at a time, engine vs the pipeline's own call
-devices     throughput with 1, 2 and 4 workers sharing one queue (FakeRunner; tiny SD)
-deadline    goodput under a 2x overload, with deadlines vs FIFO (FakeRunner)
-fairness    a heavy tenant flooding beside a light one: fair share vs FIFO; admission cost
-priority    an urgent request behind background batches: FIFO, priorities, preemption
 serve       open-loop HTTP load with impatient clients, omni-trio serve vs naive
+deadline    goodput under a 2x overload, with deadlines vs FIFO (FakeRunner)
+jobs        a video job's checkpoints: cost per step, restart to resume, steps redone (tiny Wan)
+fairness    a heavy tenant flooding beside a light one: fair share vs FIFO; admission cost
 cache       step caching: block work, wall time, PSNR, batch invariance; diffusers' hook (tiny DiTs)
 ranks       one request over two ranks: CFG split, Ulysses, ring vs one rank (tiny SD, Flux)
+adapters    four LoRAs in one batch vs set_adapters one after another; load, unload (tiny Flux)
 ray         a Ray Serve replica vs plain serve: cost per request, disconnect aborts
 all         every benchmark above, in this order
 

@@ -73,8 +73,9 @@ def render_page(
         " with `pipe._interrupt` set from `callback_on_step_end`. The targets are omni_trio's"
         " own, stated in `benchmarks/targets.py`: what the engine may add to the runner's bare"
         " loop, how soon an abort releases its request, that nothing leaks and that costs stay"
-        " flat with the queue. The JSON, Markdown and plot of every benchmark are in"
-        f" [{perf}/]({perf}/).",
+        " flat with the queue. The JSON, Markdown and plot of every benchmark are in the"
+        f" folder `{perf}/` beside this page; each section below links its JSON and shows"
+        " its plot.",
         "",
         f"Run one benchmark with `{COMMAND} NAME [--out DIR]` (`--quick` for a smoke run of"
         f" seconds, whose figures are not worth quoting); `{COMMAND} all --docs` runs them all,"

@@ -1,18 +1,25 @@
 """The site's code samples cannot drift from code that runs.
 
-Every ```python block under docs/ is an include (the snippets directive,
-``--8<-- "PATH"``) of a file under examples/ or docs/snippets/: tests/test_examples.py
-runs every example, and every snippet is run by the test file that ``SNIPPETS_RUN_BY``
-names (a sample that needs a model, a GPU or a server runs there with a tiny pipeline,
-a fake runner or a local server, and the page says what to change). The README's
-Python blocks are such files' text. The Performance page is what the benchmarks' JSON
-renders, and the generated examples page lists every example.
+Every ```python block under docs/ is a copy of a file under examples/ or docs/snippets/,
+named in its fence (```python title="examples/NAME.py"```), and its text is the file's,
+so a page reads the same on GitHub, which has no includes, as on the site
+(``docs/hooks/site.py`` checks the copies at every build too, and
+``python docs/hooks/site.py`` rewrites them). tests/test_examples.py runs every example,
+and every snippet is run by the test file that ``SNIPPETS_RUN_BY`` names (a sample that
+needs a model, a GPU or a server runs there with a tiny pipeline, a fake runner or a
+local server, and the page says what to change). The README's Python blocks are such
+files' text. The Performance page is what the benchmarks' JSON renders, and the
+generated examples page shows every example. The install page's extras table lists
+every extra, and the benchmarks' help every benchmark.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import re
+import sys
+import tomllib
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -20,17 +27,10 @@ from typing import Any
 import pytest
 
 from benchmarks.docs import docs_page
+from benchmarks.suite import BENCHMARKS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-#: The site's pages: mkdocs.yml's exclude_docs leaves out these folders.
-NOT_ON_SITE = {"perf", "measurements", "hooks", "snippets"}
-PAGES = sorted(p for p in DOCS.rglob("*.md") if not NOT_ON_SITE & set(p.relative_to(DOCS).parts))
-# Fences at any indentation (inside a list item too).
-FENCE = re.compile(
-    r"^[ \t]*```(python|py)\b[^\n]*\n(.*?)^[ \t]*```", flags=re.DOTALL | re.MULTILINE
-)
-INCLUDE = re.compile(r'^--8<-- "([^"]+)"$')
 
 #: Each file of docs/snippets/ and the test file that runs it.
 SNIPPETS_RUN_BY = {
@@ -57,29 +57,57 @@ SNIPPETS_RUN_BY = {
 }
 
 
-def _blocks(page: Path) -> list[tuple[int, str]]:
-    """Each Python block of ``page``: its line and its body."""
-    text = page.read_text()
-    return [(text[: m.start()].count("\n") + 1, m.group(2)) for m in FENCE.finditer(text)]
+@cache
+def _site_hooks() -> ModuleType:
+    """docs/hooks/site.py, the module mkdocs loads, imported once."""
+    name = "omni_trio_site_hooks"
+    spec = importlib.util.spec_from_file_location(name, DOCS / "hooks" / "site.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as mkdocs does: its dataclass needs the module registered
+    spec.loader.exec_module(module)
+    return module
 
 
-def _includes(body: str) -> list[str] | None:
-    """The paths ``body`` includes, or ``None`` if it is not only includes."""
-    lines = [line for line in body.splitlines() if line.strip()]
-    found = [INCLUDE.match(line.strip()) for line in lines]
-    if not lines or not all(found):
-        return None
-    return [m.group(1) for m in found if m]
+PAGES: list[Path] = _site_hooks().pages()
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(DOCS)) for p in PAGES])
-def test_every_python_block_is_an_include(page: Path) -> None:
-    """A sample on the site is a file a test runs, included: never text of its own."""
-    for line, body in _blocks(page):
-        assert _includes(body) is not None, (
-            f"{page.relative_to(ROOT)}:{line}: a ```python block that is not an include"
-            ' (--8<-- "examples/NAME.py" or "docs/snippets/NAME.py")'
-        )
+def test_every_python_block_is_a_copy_of_its_file(page: Path) -> None:
+    """A sample on a page names the file it copies, and is that file's text verbatim."""
+    problems = _site_hooks().copy_problems(page.read_text(), str(page.relative_to(ROOT)))
+    assert not problems, "\n".join(problems)
+
+
+def test_no_page_has_an_include_that_github_shows_as_text() -> None:
+    """No page carries a snippet include (``--8<--``): GitHub would show it literally."""
+    for page in PAGES:
+        assert "--8<--" not in page.read_text(), page.relative_to(ROOT)
+
+
+def test_a_stale_copy_is_found_and_synced() -> None:
+    """A copy whose file changed is reported (so the strict build fails), and the sync
+    rewrites it, at any indentation; a block with no title is reported."""
+    hooks = _site_hooks()
+    text = (ROOT / "examples" / "quickstart.py").read_text()
+    page = (
+        "Intro\n\n"
+        '```python title="examples/quickstart.py"\n' + text.replace("a flower", "a tree") + "```\n"
+        "\n- in a list:\n\n"
+        '    ```python title="docs/snippets/real_runner.py"\n    runner = None\n    ```\n'
+        "\n```python\nprint()\n```\n"
+    )
+    problems = hooks.copy_problems(page, "page.md")
+    fences = [n for n, line in enumerate(page.splitlines(), 1) if "```python" in line]
+    assert [p.split(": ", 1)[0] for p in problems] == [f"page.md:{n}" for n in fences]
+    assert "differs from the file" in problems[0]
+    assert "names no file" in problems[2]
+    synced = hooks.synced(page)
+    left = hooks.copy_problems(synced, "page.md")
+    assert [p.split(": ", 1)[1] for p in left] == [problems[2].split(": ", 1)[1]]
+    snippet = (DOCS / "snippets" / "real_runner.py").read_text()
+    indented = "".join(f"    {line}" if line.strip() else line for line in snippet.splitlines(True))
+    assert indented in synced
 
 
 def test_the_readmes_python_blocks_are_files_a_test_runs() -> None:
@@ -93,21 +121,15 @@ def test_the_readmes_python_blocks_are_files_a_test_runs() -> None:
         assert block in texts, f"a README block that is no example or snippet:\n{block}"
 
 
-def test_every_include_is_a_file_a_test_runs() -> None:
-    """Includes name examples/*.py or docs/snippets/*.py; every snippet has its test."""
-    included = set()
-    for page in PAGES:
-        for _, body in _blocks(page):
-            included.update(_includes(body) or [])
-    assert included, "no page includes a file"
-    for path in included:
-        assert (ROOT / path).is_file(), path
-        assert re.fullmatch(r"(examples|docs/snippets)/[\w.]+\.py", path), path
+def test_every_copied_file_is_a_file_a_test_runs() -> None:
+    """Pages copy examples/*.py or docs/snippets/*.py; every snippet has its test and a page."""
+    copied = {block.path for page in PAGES for block in _site_hooks().copies(page.read_text())}
+    assert copied, "no page shows a file"
     snippets = {p.name for p in (DOCS / "snippets").glob("*.py")}
     assert snippets == set(SNIPPETS_RUN_BY)
     for name, test_file in SNIPPETS_RUN_BY.items():
         assert name in (ROOT / test_file).read_text(), (name, test_file)
-        assert f"docs/snippets/{name}" in included, f"docs/snippets/{name} is on no page"
+        assert f"docs/snippets/{name}" in copied, f"docs/snippets/{name} is on no page"
 
 
 def test_real_runner_snippet_makes_a_runner() -> None:
@@ -123,19 +145,14 @@ def test_real_runner_snippet_makes_a_runner() -> None:
         runner.close()
 
 
-def _site_hooks() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("site_hooks", DOCS / "hooks" / "site.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_examples_page_includes_every_example() -> None:
-    """The generated examples page has a section and an include for each examples/*.py."""
-    page: str = _site_hooks().examples_page()
+def test_examples_page_shows_every_example() -> None:
+    """The generated examples page has a section and a checked copy of each examples/*.py."""
+    hooks = _site_hooks()
+    page: str = hooks.examples_page()
+    assert hooks.copy_problems(page, "examples.md") == []
+    shown = {block.path for block in hooks.copies(page)}
     for path in sorted((ROOT / "examples").glob("*.py")):
-        assert f'--8<-- "examples/{path.name}"' in page
+        assert f"examples/{path.name}" in shown
         assert f"{{ #{path.stem} }}" in page
 
 
@@ -201,3 +218,24 @@ def test_the_home_pages_failures_link_their_rules_sections() -> None:
             assert sections.get(rule) == anchor, (rule, anchor, sections.get(rule))
     for rule in ("L40", "L57", "L78", "L81", "L86"):
         assert rule in {first for first, _, _ in cited}, rule
+
+
+def test_the_install_pages_table_lists_every_extra() -> None:
+    """docs/install.md's extras table has a row for each extra pyproject.toml defines."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    table = (DOCS / "install.md").read_text().split("\n## Extras\n", 1)[1].split("\n## ")[0]
+    rows = re.findall(r"^\| `([\w-]+)` \|", table, flags=re.MULTILINE)
+    assert sorted(rows) == sorted(extras), "docs/install.md's extras table"
+
+
+def test_the_benchmarks_help_lists_every_benchmark_in_the_suites_order() -> None:
+    """``python -m benchmarks --help`` (its description is the module's docstring) names
+    every benchmark the suite runs, in its order (the order ``all`` runs them in), then
+    ``all``."""
+    import benchmarks.__main__
+
+    shown = benchmarks.__main__.__doc__ or ""
+    listed = re.findall(r"^([a-z-]+) {2,}\S", shown, flags=re.MULTILINE)
+    assert listed == [*BENCHMARKS, "all"]
