@@ -105,17 +105,7 @@ class Wan(_Video):
         pipe = self.pipe
         assert request.num_frames is not None  # a video runner's rule (L70)
         cfg = request.guidance_scale > 1
-        positive, negative = pipe.encode_prompt(
-            prompt=request.prompt,
-            negative_prompt=request.negative_prompt,
-            do_classifier_free_guidance=cfg,
-            num_videos_per_prompt=request.num_images,
-            max_sequence_length=self.max_sequence_length,
-            device=self.device,
-        )
-        self._dtype = dtype = pipe.transformer.dtype
-        positive = positive.to(dtype)
-        rows = torch.cat([negative.to(dtype), positive]) if cfg else positive
+        rows = self._text_rows(request, cfg)
         scheduler.set_timesteps(request.num_steps, device=self.device)
         latents = pipe.prepare_latents(
             request.num_images,
@@ -139,6 +129,22 @@ class Wan(_Video):
             cfg,
             {"encoder_hidden_states": rows},
         )
+
+    def _text_rows(self, request: GenerationRequest, cfg: bool) -> torch.Tensor:
+        """The prompt's rows (the negative prompt's first, with guidance), as ``__call__``
+        encodes them, in the transformer's dtype (read here: ``_dtype``)."""
+        positive, negative = self.pipe.encode_prompt(
+            prompt=request.prompt,
+            negative_prompt=request.negative_prompt,
+            do_classifier_free_guidance=cfg,
+            num_videos_per_prompt=request.num_images,
+            max_sequence_length=self.max_sequence_length,
+            device=self.device,
+        )
+        self._dtype = self.pipe.transformer.dtype
+        # Without guidance, ``negative`` is ``None``: the rows are the prompt's only.
+        rows: torch.Tensor = guidance_rows(cfg, negative, positive).to(self._dtype)
+        return rows
 
     def _call(
         self,
@@ -223,10 +229,10 @@ class WanImageToVideo(Wan):
     whose first frame is the image (VAE-encoded, with a mask of the frames given: 20
     channels beside the 16 of the noise, every step) and, where the transformer takes
     it (``image_dim``), a CLIP vision embedding as extra context. Both are per row, so
-    requests with different images share a batch. The prompt is encoded as
-    ``WanPipeline`` encodes it (the same code; diffusers' image-to-video copy of it needs
-    ``ftfy`` even when it is not installed). Wan 2.2's image to video
-    (``expand_timesteps``, two experts) is not driven here.
+    requests with different images share a batch. The prompt is encoded by the
+    pipeline's ``encode_prompt``, whose cleaning calls ``ftfy`` (a dependency of
+    omni_trio). Wan 2.2's image to video (``expand_timesteps``, two experts) is not
+    driven here.
     """
 
     name = "wan-i2v"
@@ -247,28 +253,15 @@ class WanImageToVideo(Wan):
         generator: torch.Generator,
         scheduler: Any,
     ) -> RequestState:
-        from diffusers import WanPipeline
-
         pipe = self.pipe
         assert request.num_frames is not None and request.image is not None
         # The request holds its image as a float tensor in [0, 1]; the pipeline's image
         # processors read a PIL image (CLIP's would rescale a float tensor again).
         picture = _to_pil(request.image)
         cfg = request.guidance_scale > 1
-        positive, negative = WanPipeline.encode_prompt(
-            pipe,
-            prompt=request.prompt,
-            negative_prompt=request.negative_prompt,
-            do_classifier_free_guidance=cfg,
-            num_videos_per_prompt=request.num_images,
-            max_sequence_length=self.max_sequence_length,
-            device=self.device,
-        )
-        self._dtype = dtype = pipe.transformer.dtype
-        positive = positive.to(dtype)
-        cond = {"encoder_hidden_states": guidance_rows(cfg, negative.to(dtype), positive)}
+        cond = {"encoder_hidden_states": self._text_rows(request, cfg)}
         if pipe.transformer.config.image_dim is not None:
-            embeds = pipe.encode_image(picture, self.device).to(dtype)
+            embeds = pipe.encode_image(picture, self.device).to(self._dtype)
             embeds = embeds.repeat(request.num_images, 1, 1)
             cond["encoder_hidden_states_image"] = guidance_rows(cfg, embeds, embeds)
         scheduler.set_timesteps(request.num_steps, device=self.device)

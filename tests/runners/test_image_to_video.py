@@ -2,14 +2,12 @@
 ``LTXImageToVideoPipeline`` step by step, alone and batched.
 
 Determinism: one torch thread; the tiny pipeline's weights are seeded; the reference
-is the pipeline's own ``__call__`` for the same image, prompt and seed (its copy of the
-prompt cleaning needs ``ftfy``, which the tests' environment lacks: a stand-in that
-returns the text, as ``ftfy.fix_text`` does for plain ASCII, is put in its place).
+is the pipeline's own ``__call__`` for the same image, prompt and seed (Wan's cleans the
+prompt with ``ftfy``, a dependency: the runner encodes it by the same code).
 """
 
 from __future__ import annotations
 
-import types
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ import torch
 import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
 from omni_trio.runners._load import load_pipeline
+from tests.runners.test_dependencies import requirements
 from tests.support.core import BUDGET
 from tests.support.runners import assert_loaded_output_matches
 
@@ -37,15 +36,6 @@ def tiny(kind: str) -> Any:
     if kind not in _PIPES:
         _PIPES[kind] = tiny_pipeline(kind)
     return _PIPES[kind]
-
-
-@pytest.fixture(autouse=True)
-def _ftfy_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    module = pytest.importorskip("diffusers.pipelines.wan.pipeline_wan_i2v")
-    if not hasattr(module, "ftfy"):
-        monkeypatch.setattr(
-            module, "ftfy", types.SimpleNamespace(fix_text=lambda t: t), raising=False
-        )
 
 
 def image(seed: int) -> PIL.Image.Image:
@@ -105,6 +95,24 @@ async def test_image_to_video_alone_and_batched_equals_its_own_call(kind: str) -
     for output, r in zip(together, (first, second), strict=True):
         assert output.video is not None
         torch.testing.assert_close(output.video, own_call(pipe, r), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["wan-i2v", "ltx-i2v"])
+async def test_an_unguided_image_to_video_request_equals_its_own_call(kind: str) -> None:
+    """L69: a request without guidance (guidance_scale 1: no negative prompt's rows) runs
+    too, and equals the pipeline's own call (1e-5)."""
+    r = request(3, kind, guidance_scale=1.0, num_steps=2)
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(DiffusersRunner(tiny(kind))) as engine:
+            output = await engine.generate(r)
+    assert output.video is not None
+    torch.testing.assert_close(output.video, own_call(tiny(kind), r), atol=1e-5, rtol=0)
+
+
+def test_ftfy_is_a_dependency() -> None:
+    """L69: Wan's image-to-video pipeline cleans every prompt with ``ftfy`` (a NameError
+    without it): pyproject asks for it, with a floor."""
+    assert any(s.operator == ">=" for s in requirements()["ftfy"].specifier)
 
 
 async def test_an_image_to_video_request_is_checked_by_name() -> None:
