@@ -31,6 +31,7 @@ from ._models import FALLBACK_FPS, LoadedModel, load_model
 from ._upload import UploadLimits
 from ._video_body import default_frames
 from ._video_jobs import VideoConfig
+from ._warmup import warm_up_request
 
 __all__ = ["OptionError", "ServiceOptions", "build_service"]
 
@@ -274,13 +275,16 @@ def _check_defaults(
     """
     capabilities = model.runners[0].capabilities
     frames = default_frames(videos.fps, videos.default_seconds, capabilities.frames)
+    defaults = with_defaults({}, config, num_frames=frames)
     try:
-        probe = GenerationRequest(
-            prompt="-",
-            cache=engine_config.default_cache,
-            **with_defaults({}, config, num_frames=frames),
-        )
+        probe = GenerationRequest(prompt="-", cache=engine_config.default_cache, **defaults)
         engine_config.check_request(probe)
+        # The size is within the engine's limits: the probe is now the warm-up's request
+        # with every default, made as the model needs it (with an image of that size for
+        # an image-to-video model, L69, which refuses a request without one).
+        probe = dataclasses.replace(
+            warm_up_request(capabilities, config), cache=probe.cache, **defaults
+        )
         capabilities.check_request(probe)
     except InvalidRequestError as exc:
         option = _DEFAULT_FIELDS.get(exc.field, "default_size")

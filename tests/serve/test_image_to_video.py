@@ -2,14 +2,16 @@
 
 Determinism: tiny Wan image-to-video (seeded weights, one torch thread); the
 reference output is the engine's for the same request made in-process; uploads that
-must be refused are counted by ``PixelWork`` (no decode, no resize). The pipeline's
-prompt cleaning needs ``ftfy``, absent here: a stand-in returns the text.
+must be refused are counted by ``PixelWork`` (no decode, no resize). The real
+servers (``serve --model FOLDER``, a subprocess on a free loopback port) are polled
+until the job ends, within a budget.
 """
 
 from __future__ import annotations
 
 import io
-import types
+import re
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -25,25 +27,18 @@ from omni_trio.runners import DiffusersRunner, tiny_pipeline
 from omni_trio.serve import ServeConfig, Service, UploadLimits, VideoConfig
 from omni_trio.serve._video_jobs import encode_mp4
 from tests.support.core import BUDGET
-from tests.support.serve import PixelWork
+from tests.support.serve import PixelWork, poll_until, run_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 
 SIZE = 32
+#: Each kind's frame count (Wan 4k + 1, LTX-Video 8k + 1).
+FRAMES = {"wan-i2v": 5, "ltx-i2v": 9}
 
 
 @pytest.fixture(scope="module")
 def pipe() -> Any:
     return tiny_pipeline("wan-i2v")
-
-
-@pytest.fixture(autouse=True)
-def _ftfy_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    module = pytest.importorskip("diffusers.pipelines.wan.pipeline_wan_i2v")
-    if not hasattr(module, "ftfy"):
-        monkeypatch.setattr(
-            module, "ftfy", types.SimpleNamespace(fix_text=lambda t: t), raising=False
-        )
 
 
 def png(width: int, height: int, seed: int = 1) -> bytes:
@@ -136,3 +131,50 @@ async def test_an_input_reference_is_checked_before_it_is_decoded(
             assert (text.status_code, text.json()["error"]["param"]) == (400, "input_reference")
             assert work.done == (0, 0)
             assert served.engine is not None and served.engine.statistics().admitted == 0
+
+
+@pytest.fixture(scope="module")
+def folders(pipe: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny image-to-video pipelines, saved with ``save_pretrained`` as a user's are."""
+    saved = {}
+    for kind in FRAMES:
+        saved[kind] = tmp_path_factory.mktemp("models") / kind
+        (pipe if kind == "wan-i2v" else tiny_pipeline(kind)).save_pretrained(saved[kind])
+    return saved
+
+
+@pytest.mark.timeout(240)  # a server start of a tiny model folder, 10 to 30 s on 2 cores
+@pytest.mark.parametrize(("kind", "server"), [("wan-i2v", "hypercorn"), ("ltx-i2v", "uvicorn")])
+def test_serve_a_saved_image_to_video_folder_makes_a_video_from_an_image(
+    folders: dict[str, Path], kind: str, server: str, tmp_path: Path
+) -> None:
+    """L69: ``serve --model FOLDER`` of a saved Wan or LTX-Video image-to-video pipeline
+    starts (its defaults are checked, and it warms up, with an image as the model needs)
+    and makes a job of an input_reference into an MP4 of the frames and size asked for."""
+    import av
+
+    args = ("--model", str(folders[kind]), "--torch-threads", "1", "--jobs-dir", "none")
+    with run_server(*args, server=server, log_dir=tmp_path) as handle:
+        form = {"prompt": "a fox", "num_frames": str(FRAMES[kind]), "size": f"{SIZE}x{SIZE}",
+                "num_inference_steps": "2", "seed": "4"}  # fmt: skip
+        created = httpx.post(
+            f"{handle.url}/v1/videos",
+            data=form,
+            files={"input_reference": ("fox.png", png(SIZE, SIZE), "image/png")},
+            timeout=BUDGET,
+        )
+        assert created.status_code == 200, created.text
+        job = f"{handle.url}/v1/videos/{created.json()['id']}"
+
+        def ended() -> bool:
+            return httpx.get(job, timeout=BUDGET).json()["status"] in ("completed", "failed")
+
+        poll_until(ended, timeout=120, what="the job to end")
+        assert httpx.get(job, timeout=BUDGET).json()["status"] == "completed"
+        content = httpx.get(f"{job}/content", timeout=BUDGET)
+        log = handle.log_text()
+    assert re.search(r"warm-up: \d+ step\(s\) of \d+x\d+ in ", log), log
+    assert content.headers["content-type"] == "video/mp4"
+    with av.open(io.BytesIO(content.content), mode="r") as container:
+        shapes = [frame.to_ndarray(format="rgb24").shape for frame in container.decode(video=0)]
+    assert shapes == [(SIZE, SIZE, 3)] * FRAMES[kind]
