@@ -16,6 +16,8 @@ The data (no threads, no event loop):
 - ``_validate``: field checks shared by the validated dataclasses.
 - ``_config``: ``EngineConfig``.
 - ``_request``: ``GenerationRequest``.
+- ``_codec``: a request to a record of plain data and back, every field (the job
+  store, a parallel plan), and the fingerprint of its output's fields (L78).
 - ``_stepcache``: ``StepCache``, a request's step-cache policy, and ``CacheMetrics``,
   what it did (L80-L84).
 - ``_adapters``: the adapters a request names (checked), ``AdapterInfo``, what a

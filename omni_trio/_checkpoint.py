@@ -16,9 +16,9 @@ process: the suspended state of preemption (L61), as bytes. The engine's part:
   request starts from step 0.
 
 The envelope (``pack_checkpoint``/``unpack_checkpoint``) is the runner's to use: a
-magic line, a JSON header (format, omni_trio's version, the model's key, the request's fingerprint,
-the step) and a SHA-256 of the payload, so a checkpoint that is cut short, flipped
-or foreign is refused by name, never loaded.
+magic line, a JSON header (format, omni_trio's version, the model's key, the request's
+fingerprint (``_codec.request_fingerprint``), the step) and a SHA-256 of the payload, so
+a checkpoint that is cut short, flipped or foreign is refused by name, never loaded.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from ._codec import request_fingerprint
 
 if TYPE_CHECKING:
     from ._request import GenerationRequest
@@ -37,16 +39,12 @@ __all__ = [
     "CheckpointError",
     "CheckpointPolicy",
     "pack_checkpoint",
-    "request_fingerprint",
     "unpack_checkpoint",
 ]
 
 #: The first bytes of every checkpoint, and the envelope's format number.
 MAGIC = b"omni-trio-checkpoint\n"
 FORMAT = 1
-
-#: Request fields that do not change a request's output (its place and its previews).
-_NOT_OUTPUT = frozenset({"priority", "deadline_s", "preview_every"})
 
 
 class CheckpointError(Exception):
@@ -95,31 +93,6 @@ class CheckpointPolicy:
         every = self.every_s
         if isinstance(every, bool) or not isinstance(every, int | float) or not 0 <= every < 1e9:
             raise ValueError(f"every_s: must be a number of seconds >= 0, got {every!r}")
-
-
-def _image_digest(value: object) -> str:
-    """A digest of an input image (PIL or a tensor): its bytes and shape."""
-    tobytes = getattr(value, "tobytes", None)
-    if tobytes is None:  # a tensor: its numpy view has tobytes
-        numpy = getattr(value, "numpy", None)
-        tobytes = numpy().tobytes if callable(numpy) else None
-    digest = hashlib.sha256(repr(getattr(value, "shape", getattr(value, "size", None))).encode())
-    if callable(tobytes):
-        digest.update(tobytes())
-    return digest.hexdigest()
-
-
-def request_fingerprint(request: GenerationRequest) -> str:
-    """A digest of the fields that decide ``request``'s output (not its priority or deadline)."""
-    parts: dict[str, object] = {}
-    for item in fields(request):
-        if item.name in _NOT_OUTPUT:
-            continue
-        value = getattr(request, item.name)
-        if item.name in ("image", "mask") and value is not None:
-            value = _image_digest(value)
-        parts[item.name] = repr(value)
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
 def _version() -> str:

@@ -72,6 +72,8 @@ RUNNER_SEAM = frozenset(
         "omni_trio._adapters",
         # A checkpoint's envelope and its error (L78): data, torch-free.
         "omni_trio._checkpoint",
+        # A request to plain data and back (a parallel plan's join): data, as it is.
+        "omni_trio._codec",
     }
 )
 

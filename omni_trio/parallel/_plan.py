@@ -33,11 +33,10 @@ from __future__ import annotations
 import enum
 import pickle
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._adapters import AdapterInfo
-from .._request import GenerationRequest
 
 __all__ = [
     "Op",
@@ -47,8 +46,6 @@ __all__ = [
     "RankReport",
     "decode_plan",
     "encode_plan",
-    "request_fields",
-    "request_from",
 ]
 
 
@@ -78,7 +75,8 @@ class PlanKind(enum.IntEnum):
 class Op:
     """One change to the group's states: ``kind`` of the request with ``key``.
 
-    A join carries the request's fields (``request_fields``) and its id; a
+    A join carries the request's record (``_codec.request_record``, images as
+    tensors) and its id; a
     suspension whether it parks in host memory; an adapter's load its ``name`` and
     ``source`` (an absolute file path or a state dict), its unload its ``name``
     (``key`` 0: no request); a step cache's loosened ``threshold`` (L84).
@@ -152,15 +150,3 @@ def decode_plan(data: bytes) -> Plan:
     plan = pickle.loads(data)
     assert isinstance(plan, Plan)
     return plan
-
-
-def request_fields(request: GenerationRequest) -> dict[str, Any]:
-    """``request`` as plain, picklable data (its ``extra`` is a read-only mapping)."""
-    data = {field.name: getattr(request, field.name) for field in fields(request)}
-    data["extra"] = dict(request.extra)
-    return data
-
-
-def request_from(data: Mapping[str, Any]) -> GenerationRequest:
-    """The request ``request_fields`` took apart (validated again, as any request is)."""
-    return GenerationRequest(**data)

@@ -54,6 +54,7 @@ from typing import Any, Literal
 
 import torch
 
+from .._codec import request_from_record
 from .._runner import StopRun
 from ..runners import DiffusersRunner
 from ..runners._adapters import call_rows
@@ -61,7 +62,7 @@ from ..runners._stepcache import RowSlice, shared_sums, sliced
 from ._agree import Agreement, choose
 from ._context import ContextSwitch, ignore_gather_deprecation, waited
 from ._group import all_gather
-from ._plan import Op, OpKind, request_from
+from ._plan import Op, OpKind
 
 __all__ = ["Layout", "RankRunner", "RankStates", "Way", "state_digest"]
 
@@ -282,7 +283,7 @@ class RankStates:
                     assert op.request is not None
                     try:
                         self._states[op.key] = self._runner.prepare(
-                            request_from(op.request), op.request_id
+                            request_from_record(op.request), op.request_id
                         )
                     except Exception as exc:
                         self._failed[op.key] = f"{type(exc).__name__}: {exc}"

@@ -35,7 +35,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -43,6 +43,7 @@ import torch
 
 from .._adapters import AdapterError, AdapterInfo
 from .._cancelpoint import armed, current_check
+from .._codec import request_record
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities, StopRun
 from .._stepcache import CacheMetrics
@@ -55,7 +56,7 @@ from ._context import (
     ring_attention,
 )
 from ._group import close_group, group_in_use, listening_socket, loopback_interfaces, open_group
-from ._plan import Op, OpKind, Plan, PlanKind, RankReport, encode_plan, request_fields
+from ._plan import Op, OpKind, Plan, PlanKind, RankReport, encode_plan
 from ._processes import RankProcesses, receive
 from ._rank import Layout, RankRunner, state_digest
 
@@ -436,7 +437,8 @@ class ParallelRunner:
         if request.seed is None:
             request = dataclasses.replace(request, seed=secrets.randbits(63))
         key = next(self._keys)
-        join = Op(kind=OpKind.JOIN, key=key, request=request_fields(request), request_id=request_id)
+        record = request_record(request, images="tensor")
+        join = Op(kind=OpKind.JOIN, key=key, request=record, request_id=request_id)
         # Under the plan lock throughout: no report falls between the join the other
         # ranks apply and rank 0's own state.
         with self._lock:
@@ -524,19 +526,27 @@ class ParallelRunner:
         Rank 0 loads first (its checks are the load's: a bad file is refused before
         any other rank reads it), then every other rank; if one of them fails, every
         rank unloads it again. Waits for the step under way. A file is read by every
-        rank (the ranks share the machine); a state dict is sent to each.
+        rank (the ranks share the machine); a state dict is sent to each. A group that
+        broke (a rank died) loads nothing: rank 0 lets go of what it loaded.
 
         Raises:
-            AdapterError: rank 0 refused it (as ``DiffusersRunner.load_adapter``), or
-                another rank could not load it (``invalid``).
+            AdapterError: rank 0 refused it (as ``DiffusersRunner.load_adapter``),
+                another rank could not load it (``invalid``), or the runner is closed.
             InvalidRequestError: ``name`` is not an adapter name.
-            ParallelGroupError: the group broke.
+            ParallelGroupError: the group broke, before or during the load.
         """
         if isinstance(source, str | os.PathLike):
             source = os.path.abspath(source)
         elif isinstance(source, Mapping):
             source = dict(source)  # a plain dict pickles, to reach the ranks
         with self._lock:
+            if self._closed:
+                raise AdapterError(
+                    "the runner is closed: it loads nothing", reason="invalid", name=name
+                )
+            exited = [code for code in self._ranks.exit_codes() if code is not None]
+            if self._broken is not None or exited:
+                raise self._failure(RuntimeError("a rank has exited"), "an adapter's load")
             # Under the book lock, rank 0's load and its op take one place among the
             # discards (their releases) of other threads: every rank sees one order.
             with self._book_lock:
@@ -546,7 +556,10 @@ class ParallelRunner:
                 self._send(PlanKind.ADAPTERS)
                 answers = [receive(c, self._timeout_s) for c in self._connections]
             except BaseException as exc:
-                raise self._failure(exc, "an adapter's load") from exc
+                failure = self._failure(exc, "an adapter's load")
+                with self._book_lock, suppress(Exception):
+                    self._model.unload_adapter(name)  # nothing of the load stays
+                raise failure from exc
             failures: list[str] = []
             for rank, answer in enumerate(answers, start=1):
                 assert isinstance(answer, tuple) and answer[0] == "adapters", answer
@@ -577,12 +590,15 @@ class ParallelRunner:
             self._send(PlanKind.OPS)
 
     def adapters(self) -> tuple[AdapterInfo, ...]:
-        """The adapters rank 0 knows (every rank of a sound group knows the same)."""
-        return self._model.adapters()
+        """The adapters rank 0 knows (every rank of a sound group knows the same); none
+        once closed."""
+        runner = self._runner
+        return () if runner is None else runner.adapters()
 
     def adapter_names(self) -> frozenset[str]:
-        """The adapter names requests may use (rank 0's, the group's)."""
-        return self._model.adapter_names()
+        """The adapter names requests may use (rank 0's, the group's); none once closed."""
+        runner = self._runner
+        return frozenset() if runner is None else runner.adapter_names()
 
     def report(self) -> tuple[RankReport, ...]:
         """What every rank holds now, rank 0 first; waits for a step in progress.
