@@ -26,11 +26,12 @@ Cost, with n requests waiting, k distinct priorities among them, w workers of
 batches of at most b: O(k + log n) for the steps ahead, O(w b) for the batches,
 under the pool's lock (microseconds); never a scan of a queue.
 
-The step-time estimate (``check_step_time``, ``EngineConfig.max_step_s``) is the
-best worker's measured cost of a step per pixel times the request's own
-``step_pixels``: a step is left only at its end or at a cancel point, so a request
-whose one step alone would outlast the bound could hold its worker past any abort,
-deadline or shutdown. O(w).
+The step-time bound (``check_step_time``, ``EngineConfig.max_step_s``) reads what
+the workers measured of their warm steps by shape (``_steptimes``): a step is left
+only at its end or at a cancel point, so a request whose one step alone would
+outlast the bound could hold its worker past any abort, deadline or shutdown. It
+refuses only on a lower bound (a shape no larger than the request's, measured warm),
+never on an extrapolation. O(w s), for s shapes measured (at most 64).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
 from ._errors import DeadlineError, InvalidRequestError
+from ._steptimes import lower_bound
 from ._workitem import step_pixels
 
 if TYPE_CHECKING:
@@ -117,25 +119,25 @@ def check_step_time(
 ) -> None:
     """Refuse ``request`` if one step of it alone would take longer than ``limit`` (L4).
 
-    The estimate is the best live worker's measured cost per pixel times the
-    request's ``step_pixels``; while a live worker has measured no step yet, or
-    with no ``limit``, it admits.
+    Refused only when every live worker measured, warm, a shape of the request's pixels
+    or fewer whose step alone took longer than ``limit`` (``_steptimes``: a lower
+    bound, never an extrapolation); else, or with no ``limit``, it admits.
 
     Raises:
-        InvalidRequestError: the estimate exceeds ``limit``, naming the field to
-            make smaller: ``num_images`` when it is over 1, else ``num_frames`` for
-            a video, else ``height``.
+        InvalidRequestError: the bound exceeds ``limit``, naming what was measured and
+            the field to make smaller: ``num_images`` when it is over 1, else
+            ``num_frames`` for a video, else ``height``.
     """
-    costs = [worker.batch.pixel_s for worker in workers]
-    if limit is None or not costs:
-        return
-    measured = [cost for cost in costs if cost is not None]
-    if len(measured) < len(costs):
+    if limit is None or not workers:
         return
     pixels = step_pixels(request)
-    estimate = min(measured) * pixels
-    if estimate <= limit:
-        return
+    bounds = []
+    for worker in workers:
+        bound = lower_bound(worker.batch.shapes, pixels)
+        if bound is None or bound.step_s <= limit:
+            return
+        bounds.append(bound)
+    best = min(bounds, key=lambda shape: shape.step_s)
     if request.num_images > 1:
         field = "num_images"
     elif request.num_frames is not None:
@@ -143,10 +145,15 @@ def check_step_time(
     else:
         field = "height"
     frames = "" if request.num_frames is None else f" x {request.num_frames} frames"
+    measured = (
+        "a step of that size"
+        if best.pixels == pixels
+        else f"a smaller step ({best.pixels:,} pixels)"
+    )
     raise InvalidRequestError(
         f"one step of {request.num_images} x {request.height} x {request.width}{frames}"
-        f" ({pixels:,} pixels) would take about {estimate:.1f} s by the measured"
-        f" {min(measured) * 1e9:.1f} ns per pixel, over the engine's max_step_s of"
-        f" {limit:g} s: ask for fewer or smaller images",
+        f" ({pixels:,} pixels) would take at least {best.step_s:.1f} s: {measured} took"
+        f" {best.step_s:.3g} s at its fastest of {best.warm} warm steps here, over the"
+        f" engine's max_step_s of {limit:g} s: ask for fewer or smaller images",
         field=field,
     )

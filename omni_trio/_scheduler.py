@@ -46,6 +46,7 @@ from typing import Generic, TypeVar
 
 from ._fairshare import Tenant
 from ._queue import Rank, WaitingQueue, best_of, take, tenant_heads
+from ._steptimes import ShapeTime
 
 __all__ = [
     "RECENT_STEPS",
@@ -383,9 +384,9 @@ class RunningBatch:
     steps: tuple[tuple[int, int], ...] = ()
     #: The worker's measured step time (a moving average); ``None`` before its first.
     step_s: float | None = None
-    #: Its measured cost of a step per pixel (a moving average of a batch step's
-    #: seconds over its members' ``step_pixels``, L4); ``None`` before its first.
-    pixel_s: float | None = None
+    #: What its warm steps took, by shape (``_steptimes``: admission's step-time
+    #: bound, L4); empty before a shape's warm steps.
+    shapes: tuple[ShapeTime, ...] = ()
     #: The worker's last batch steps, as tenant preemption reads them.
     recent: Recent = NO_STEPS
 

@@ -55,7 +55,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, cast
 
@@ -81,6 +81,7 @@ from ._scheduler import (
     plan_preemption,
     sources,
 )
+from ._steptimes import StepTimes
 from ._workitem import WorkItem
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ class Worker:
         # first step).
         self.batch = RunningBatch()
         self._step_s: float | None = None
-        self._pixel_s: float | None = None
+        self._times = StepTimes()
         # When the step running now began (``time.perf_counter``), None between
         # steps: what a stuck worker is doing, for statistics and shutdown's log.
         self._step_started: float | None = None
@@ -234,16 +235,17 @@ class Worker:
         """The names of its threads that are still alive."""
         return tuple(thread.name for thread in self.threads if thread.is_alive())
 
-    def assume_step_time(self, step_s: float, *, pixel_s: float | None = None) -> None:
-        """Read ``step_s`` (and ``pixel_s``) as measured until the next step is measured.
+    def assume_step_time(self, step_s: float, *, shapes: Mapping[int, float] | None = None) -> None:
+        """Read ``step_s`` (and ``shapes``' warm figures) as measured until the next step is
+        measured.
 
         For ``omni_trio.testing.assume_step_time``: call it while this worker is
         held in a step or idle, so that nothing publishes meanwhile.
         """
         self._step_s = step_s
-        if pixel_s is not None:
-            self._pixel_s = pixel_s
-        self.batch = dataclasses.replace(self.batch, step_s=step_s, pixel_s=self._pixel_s)
+        if shapes is not None:
+            self._times.assume(shapes)
+        self.batch = dataclasses.replace(self.batch, step_s=step_s, shapes=self._times.view())
 
     def let_go(self, item: WorkItem) -> bool:
         """Withdraw ``item`` if it is suspended here: its release follows. Under the lock."""
@@ -292,6 +294,11 @@ class Worker:
         """Wait for both threads; call after the ``Exited`` message."""
         for thread in self.threads:
             thread.join()
+
+    def fail(self, exc: BaseException) -> None:
+        """Its runner broke outside its threads (an adapter's load, L23): the worker
+        raises ``exc`` at its next boundary and dies, as of its own failure."""
+        self._die(exc)
 
     def _die(self, exc: BaseException) -> None:
         # The materializer died: the worker raises it at its next boundary.
@@ -422,20 +429,21 @@ class Worker:
             members=members,
             steps=tuple((item.steps_done, item.steps_total) for item in view),
             step_s=self._step_s,
-            pixel_s=self._pixel_s,
+            shapes=self._times.view(),
             recent=self._recent.view(),
         )
 
-    def _measured(self, elapsed: float, key: Hashable, pixels: int) -> None:
-        """Fold one batch step's duration, over ``pixels`` in all, into the moving averages.
+    def _measured(self, elapsed: float, key: Hashable, pixels: Sequence[int]) -> None:
+        """Fold one batch step's duration, its members of ``pixels`` each, into the figures.
 
-        One average per worker, not one per batch key, for admission's estimates
-        (coarse anyway; the next ``_publish`` hands them to admission); and the
-        pool's per batch key, which prices requests for fair share (L57).
+        One moving average per worker, not one per batch key, for the deadline's
+        estimate (coarse anyway), and the fastest warm steps by shape for the step
+        time's bound (``_steptimes``); the next ``_publish`` hands them to admission.
+        And the pool's per batch key, which prices requests for fair share (L57).
         """
         self._step_s = _averaged(self._step_s, elapsed)
-        self._pixel_s = _averaged(self._pixel_s, elapsed / max(1, pixels))
-        self._pool.costs.measured(key, elapsed, pixels)
+        self._times.measured(pixels, elapsed)
+        self._pool.costs.measured(key, elapsed, sum(pixels))
 
     def _members(self, running: list[WorkItem]) -> list[Member[WorkItem]]:
         """The running batch as the boundary policy sees it; under the lock."""
@@ -705,7 +713,7 @@ class Worker:
         elapsed = time.perf_counter() - started
         self.batch_steps += 1
         self._recent.ran([(item.request.priority, item.request.tenant) for item in running])
-        self._measured(elapsed, running[0].batch_key, sum(item.step_pixels for item in running))
+        self._measured(elapsed, running[0].batch_key, [item.step_pixels for item in running])
         stepped = [(item, self._stepped(item, elapsed)) for item in running]
         running[:] = [
             item for item, error in stepped if error is None and item.steps_done < item.steps_total
@@ -761,7 +769,7 @@ class Worker:
             now = time.perf_counter()
             self.batch_steps += 1
             self._recent.ran([(item.request.priority, item.request.tenant)])
-            self._measured(now - last, item.batch_key, item.step_pixels)
+            self._measured(now - last, item.batch_key, (item.step_pixels,))
             error = self._stepped(item, now - last)
             self._publish((item,))
             last = self._step_started = now

@@ -283,39 +283,57 @@ async def test_a_video_over_max_frame_pixels_is_refused_naming_the_bound() -> No
 
 
 async def test_a_request_whose_one_step_would_outlast_max_step_s_is_refused() -> None:
-    """L4 (amended): by the measured cost per pixel, a request whose own step alone would
-    take longer than ``max_step_s`` is refused at ``submit``, naming its size field
-    and stating the estimate and the bound; before any step is measured, it admits.
+    """L4 (amended): a request is refused at ``submit`` when a shape of its pixels or fewer
+    was measured warm over ``max_step_s`` (a lower bound: never an extrapolation), naming
+    its size field, the bound and what was measured; a request smaller than every shape
+    measured, and any request before one is measured, is admitted.
 
-    With 1 ms per pixel and a bound of 30 s: 2 images of 128 x 128 (32,768 pixels,
-    32.8 s) are refused naming ``num_images``; one of 176 x 176 (31.0 s) naming
-    ``height``; 16 x 16 is admitted.
+    With 16 x 16 (256 pixels) measured at 40 s and a bound of 30 s: 16 x 16 is refused
+    naming ``height``, 2 images of 16 x 16 naming ``num_images``, 1024 x 1024 as well;
+    8 x 8 is admitted. With 16 x 16 at 20 s and 64 x 64 at 40 s: 32 x 32 is admitted.
     """
     runner = GatedRunner()
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(runner, ot.EngineConfig(max_step_s=30)) as engine:
             # Before any step is measured, what is refused below is admitted.
-            first = engine.submit(req(num_images=2, height=128, width=128), request_id="first")
+            first = engine.submit(req(height=1024, width=1024), request_id="first")
             await runner.wait_arrived(1)
-            assume_step_time(engine, 1.0, pixel_s=1e-3)
-            for fields, name, estimate in (
-                ({"num_images": 2, "height": 128, "width": 128}, "num_images", "32.8 s"),
-                ({"height": 176, "width": 176}, "height", "31.0 s"),
+            assume_step_time(engine, 1.0, step_times={256: 40.0})
+            for fields, name, measured in (
+                ({"height": 16, "width": 16}, "height", "a step of that size took 40 s"),
+                ({"num_images": 2}, "num_images", "a smaller step (256 pixels) took 40 s"),
+                ({"height": 1024, "width": 1024}, "height", "a smaller step (256 pixels)"),
             ):
                 with pytest.raises(ot.InvalidRequestError) as info:
-                    engine.submit(req(**fields), request_id="big")
+                    engine.submit(req(**{"height": 16, "width": 16, **fields}), request_id="big")
                 assert info.value.field == name and info.value.request_id == "big"
-                assert estimate in str(info.value) and "max_step_s of 30 s" in str(info.value)
-            small = engine.submit(req(), request_id="small")
-            assert engine.statistics().admitted == 2
+                message = str(info.value)
+                assert "at least 40.0 s" in message and measured in message, message
+                assert "max_step_s of 30 s" in message and "8 warm steps" in message
+            small = engine.submit(req(height=8, width=8), request_id="small")
+            assume_step_time(engine, 1.0, step_times={256: 20.0, 4096: 40.0})
+            middle = engine.submit(req(height=32, width=32), request_id="middle")
+            with pytest.raises(ot.InvalidRequestError):
+                engine.submit(req(height=64, width=64), request_id="big")
+            assert engine.statistics().admitted == 3
             runner.open_gate()
-            for handle in (first, small):
+            for handle in (first, small, middle):
                 async with handle:
                     await handle.result()
-            [worker] = probe_engine(engine).workers
-            measured = worker.pixel_s
-            assert measured is not None and 0.0 < measured < math.inf
         async with ot.open_engine(FakeRunner(), ot.EngineConfig(max_step_s=None)) as engine:
             await engine.generate(req())
-            assume_step_time(engine, 1.0, pixel_s=1.0)  # idle: nothing overwrites it
+            assume_step_time(engine, 1.0, step_times={1: 1e6})  # idle: nothing overwrites it
             await engine.generate(req(height=64, width=64))  # no bound
+
+
+async def test_a_worker_measures_each_shape_warm_before_it_bounds_anything() -> None:
+    """L4 (amended): a shape's first step on a worker is cold and not counted; after two
+    warm steps the worker holds that shape's fastest step (``_steptimes`` has the rest)."""
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(FakeRunner()) as engine:
+            [worker] = probe_engine(engine).workers
+            await engine.generate(req(num_steps=2, height=16, width=16))
+            assert worker.step_times == {}
+            await engine.generate(req(num_steps=1, height=16, width=16))
+            assert list(worker.step_times) == [256]
+            assert 0.0 < worker.step_times[256] < math.inf

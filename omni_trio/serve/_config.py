@@ -49,7 +49,7 @@ class ServeConfig:
             /v1/adapters/{name}`` load and unload adapters (L88); off by default.
         adapter_dir: the folder those loads read from (a client names a file in it,
             never a path of its own); needed by ``allow_adapter_admin``.
-        warm_up: run one request of the fewest steps at the default size when the
+        warm_up: run one request of a few steps at the default size when the
             service starts, before it answers (``omni_trio.serve._warmup``): the
             engine's ``max_step_s`` then bounds the first client's step too. Off by
             default; ``omni-trio serve`` turns it on for a real model.

@@ -1,16 +1,17 @@
 """The warm-up: one small request before the server answers, so every step is bounded.
 
 ``EngineConfig.max_step_s`` (L4) refuses a request whose one step would outlast it,
-by a worker's measured cost per pixel; before a worker has measured a step, it
-admits whatever the other limits admit. A server whose first client asks for the
-largest size on a slow device would then hold its worker for as long as that step
-takes, past any abort, deadline or shutdown. ``ServeConfig.warm_up`` runs one
-request of the fewest steps the model runs, at the default size (one frame of a
-video model, a grey picture for a model that starts from one), inside the lifespan
-and before it yields: the first client's request is measured against the bound.
+by what a worker measured of warm steps of shapes no larger than the request's
+(``_steptimes``); before a worker has measured such a shape, it admits whatever the
+other limits admit. ``ServeConfig.warm_up`` runs one request at the default size
+(one frame of a video model, a grey picture for a model that starts from one),
+inside the lifespan and before it yields, of enough steps to measure that shape
+warm (``WARM_UP_STEPS``, or the fewest the model runs if more): a device so slow
+that even that step outlasts the bound refuses the first client's request of that
+size or larger, rather than hold its worker past any abort, deadline or shutdown.
 
 With several workers, the warm-up measures the one it runs on; the bound applies
-once every worker has measured a step (the first requests spread over them).
+once every worker has measured a shape (the first requests spread over them).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from .._engine import Engine
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities
+from .._steptimes import COLD_STEPS, MIN_WARM
 from ._config import ServeConfig
 
 __all__ = ["WARM_UP_ID", "warm_up", "warm_up_request"]
@@ -31,12 +33,17 @@ _log = logging.getLogger("omni_trio.serve")
 #: The warm-up request's id (a client's id is never this: clients get generated ids).
 WARM_UP_ID = "omni_trio-warm-up"
 
+#: The warm-up's steps: its shape's cold ones and enough warm ones to count.
+WARM_UP_STEPS = COLD_STEPS + MIN_WARM
+
 
 def warm_up_request(capabilities: RunnerCapabilities, config: ServeConfig) -> GenerationRequest:
-    """The cheapest request of the server's default size the runner takes."""
+    """The cheapest request of the server's default size that measures its step warm."""
     height, width = capabilities.fixed_size or (config.default_height, config.default_width)
+    most = capabilities.max_steps
+    steps = max(capabilities.min_steps, WARM_UP_STEPS if most is None else min(WARM_UP_STEPS, most))
     request = GenerationRequest(
-        prompt="warm-up", num_steps=capabilities.min_steps, height=height, width=width, seed=0
+        prompt="warm-up", num_steps=steps, height=height, width=width, seed=0
     )
     if capabilities.frames is not None:
         period, remainder = capabilities.frames

@@ -24,6 +24,8 @@ import anyio
 from .._outputs import RequestStatus
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from .._engine import Engine
     from .._handle import RequestHandle
     from .._record import Record
@@ -154,9 +156,10 @@ class WorkerProbe:
         return self._worker.batch.step_s
 
     @property
-    def pixel_s(self) -> float | None:
-        """Its measured cost of a step per pixel (L4: ``max_step_s``); ``None`` before one."""
-        return self._worker.batch.pixel_s
+    def step_times(self) -> Mapping[int, float]:
+        """What one step alone of each shape (``step_pixels``) took at its fastest, by the
+        shapes it measured warm (L4: ``max_step_s``); empty before."""
+        return {shape.pixels: shape.step_s for shape in self._worker.batch.shapes}
 
     @property
     def steps_left(self) -> int:
@@ -229,16 +232,22 @@ def probe_engine(engine: Engine) -> EngineProbe:
 
 
 def assume_step_time(
-    engine: Engine, step_s: float, *, worker: int = 0, pixel_s: float | None = None
+    engine: Engine,
+    step_s: float,
+    *,
+    worker: int = 0,
+    step_times: Mapping[int, float] | None = None,
 ) -> None:
     """Make worker ``worker`` of ``engine`` read ``step_s`` as its measured step time.
 
     Admission's deadline estimate (L62) then uses it until the worker measures its
     next step: call it while the worker is held in a step (a ``GatedRunner`` at its
-    gate) or idle, so that the estimate is exact. With ``pixel_s``, the measured
-    cost of a step per pixel too, which ``EngineConfig.max_step_s`` reads (L4).
+    gate) or idle, so that the estimate is exact. With ``step_times`` (a request's
+    ``step_pixels`` to the seconds one step of it alone takes), the worker reads those
+    as the shapes it measured warm, and no other, which ``EngineConfig.max_step_s``
+    reads (L4).
     """
-    engine._workers[worker].assume_step_time(step_s, pixel_s=pixel_s)
+    engine._workers[worker].assume_step_time(step_s, shapes=step_times)
 
 
 def assume_step_cost(engine: Engine, pixel_s: float | None) -> None:

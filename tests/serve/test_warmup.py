@@ -1,13 +1,14 @@
-"""The warm-up (``ServeConfig.warm_up``): a step measured before the first client (L4).
+"""The warm-up (``ServeConfig.warm_up``): a shape measured warm before the first client (L4).
 
-``EngineConfig.max_step_s`` refuses a request whose one step would outlast it, by the
-worker's measured cost per pixel; before a step is measured, it admits. The warm-up
-runs one request inside the lifespan, so the first client's request is measured too.
+``EngineConfig.max_step_s`` refuses a request whose one step would outlast it, by what a
+worker measured of warm steps of shapes no larger than the request's; before such a
+shape is measured, it admits. The warm-up runs one request of the default size inside
+the lifespan, enough steps to measure it warm, so the first client's request is bounded.
 
 Determinism: the fake runner sleeps 50 ms per step (at least: a sleep never ends
-early), so a 16 x 16 warm-up step measures at least 195 us per pixel, and one step of
-256 x 256 is estimated at 12.8 s or more, over the 5 s bound, however busy the
-machine; a 16 x 16 step is estimated at what it measured, far under 5 s.
+early), so the 16 x 16 warm-up's warm steps measure at least 50 ms, over the bound of
+40 ms, however busy the machine: a request of 16 x 16 or more is refused, and one of
+8 x 8 (smaller than any shape measured) is admitted.
 """
 
 from __future__ import annotations
@@ -35,39 +36,50 @@ SMALL = 16
 LARGE = "256x256"
 
 
+#: The bound on one step: under the fake runner's 50 ms steps.
+BOUND_S = 0.04
+
+
 def service(*, warm_up: bool, runner: FakeRunner | None = None) -> Service:
-    """A 16 x 16 image service on a fake runner of 50 ms steps, its steps bounded at 5 s."""
+    """A 16 x 16 image service on a fake runner of 50 ms steps, its steps bounded at 40 ms."""
     config = ServeConfig(
         model_name="fake", default_width=SMALL, default_height=SMALL, default_steps=2,
         warm_up=warm_up,
     )  # fmt: skip
     return Service(
         runner if runner is not None else FakeRunner(step_seconds=0.05),
-        engine_config=ot.EngineConfig(max_step_s=5.0),
+        engine_config=ot.EngineConfig(max_step_s=BOUND_S),
         config=config,
     )
 
 
 async def test_the_warm_up_bounds_the_first_clients_step() -> None:
-    """L4: with the warm-up, the first client's request whose one step would outlast
-    ``max_step_s`` is a 400 naming ``size`` and the bound; a small one is served; the
-    warm-up was one request of the fewest steps. Without it, the same first request is
-    admitted and holds the worker for its whole step.
+    """L4 (amended): with the warm-up, the first client's request whose one step would
+    outlast ``max_step_s`` is a 400 naming ``size``, the bound and what was measured (the
+    warm-up's shape, smaller than it); a request smaller than every shape measured is
+    served; the warm-up was one request of three steps (one cold, two warm). Without it,
+    the same first request is admitted and holds the worker for its whole step.
     """
-    warmed = service(warm_up=True)
+    runner = FakeRunner(step_seconds=0.05)
+    warmed = service(warm_up=True, runner=runner)
     with anyio.fail_after(BUDGET):
         async with serving(warmed) as client:
             engine = warmed.engine
             assert engine is not None
             stats = engine.statistics()
-            assert (stats.admitted, stats.completed) == (1, 1)
+            assert (stats.admitted, stats.completed, runner.steps_run) == (1, 1, 3)
             large = await client.post(
                 "/v1/images/generations", json={"prompt": "a fox", "size": LARGE}
             )
             assert large.status_code == 400, large.text
             error = large.json()["error"]
-            assert error["param"] == "size" and "max_step_s of 5 s" in error["message"]
-            small = await client.post("/v1/images/generations", json={"prompt": "a fox"})
+            assert error["param"] == "size", error
+            assert "max_step_s of 0.04 s" in error["message"]
+            assert "a smaller step (256 pixels)" in error["message"]
+            assert "of 2 warm steps here" in error["message"]
+            small = await client.post(
+                "/v1/images/generations", json={"prompt": "a fox", "size": "8x8"}
+            )
             assert small.status_code == 200, small.text
             assert engine.statistics().admitted == 2
     cold = service(warm_up=False)
@@ -110,7 +122,7 @@ async def test_an_edit_whose_step_would_outlast_max_step_s_decodes_nothing(
             )
             assert large.status_code == 400, large.text
             error = large.json()["error"]
-            assert error["param"] == "size" and "max_step_s of 5 s" in error["message"]
+            assert error["param"] == "size" and "max_step_s of 0.04 s" in error["message"]
             assert work.done == (0, 0)
             engine = edits.engine
             assert engine is not None and engine.statistics().admitted == 1  # the warm-up
@@ -121,7 +133,7 @@ async def test_an_edit_whose_step_would_outlast_max_step_s_decodes_nothing(
             long = await client.post("/v1/videos", json=body)
             assert long.status_code == 400, long.text
             error = long.json()["error"]
-            assert error["param"] == "num_frames" and "max_step_s of 5 s" in error["message"]
+            assert error["param"] == "num_frames" and "max_step_s of 0.04 s" in error["message"]
             assert videos.videos.counts() == dict.fromkeys(videos.videos.counts(), 0)
             listed = await client.get("/v1/videos")
             assert listed.json()["data"] == []
@@ -145,13 +157,17 @@ async def test_a_failed_warm_up_is_one_log_line_and_the_server_answers(
     assert lines == ["warm-up request failed (RequestFailedError); serving without it"]
 
 
-def test_the_warm_up_is_the_cheapest_request_the_runner_takes() -> None:
-    """The fewest steps at the default size (a fixed size where the model has one); one
-    frame under a 4k + 1 rule, 8 under 8k; a grey picture of that size for image to video."""
+def test_the_warm_up_is_the_cheapest_request_that_measures_a_step_warm() -> None:
+    """L4 (amended): three steps (one cold, two warm; more where the model's fewest are
+    more, fewer where its most are fewer) at the default size (a fixed size where the model
+    has one); one frame under a 4k + 1 rule, 8 under 8k; a grey picture of that size for
+    image to video."""
     config = ServeConfig(default_width=32, default_height=48)
     plain = warm_up_request(RunnerCapabilities(min_steps=2), config)
-    assert (plain.num_steps, plain.width, plain.height, plain.num_frames) == (2, 32, 48, None)
+    assert (plain.num_steps, plain.width, plain.height, plain.num_frames) == (3, 32, 48, None)
     assert plain.image is None
+    assert warm_up_request(RunnerCapabilities(min_steps=5), config).num_steps == 5
+    assert warm_up_request(RunnerCapabilities(max_steps=2), config).num_steps == 2
     fixed = warm_up_request(RunnerCapabilities(fixed_size=(64, 80)), config)
     assert (fixed.height, fixed.width) == (64, 80)
     assert warm_up_request(RunnerCapabilities(frames=(4, 1)), config).num_frames == 1
