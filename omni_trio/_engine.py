@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, assert_never, cast, final
 import anyio
 import anyio.lowlevel
 
-from ._adapters import AdapterInfo
+from ._adapters import AdapterError, AdapterInfo
 from ._checkpoint import CheckpointPolicy
 from ._config import EngineConfig
 from ._construct import NoPublicConstructor
@@ -76,7 +76,9 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         self._capabilities = shared_capabilities(runners)
-        self._adapters = RunnerAdapters(runners, self._capabilities)
+        self._adapters = RunnerAdapters(
+            runners, self._capabilities, alive=lambda: self._alive, lost=self._runner_broke
+        )
         self._config = config
         config.check_default_cache(self._capabilities)
         self._inbox: LoopInbox[Message[WorkItem]] = LoopInbox(self._dispatch)
@@ -137,6 +139,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         request_id: str | None = None,
         checkpoint: CheckpointPolicy | None = None,
         resume_from: bytes | None = None,
+        accepted: bool = False,
     ) -> RequestHandle:
         """Admit ``request`` now and return its handle.
 
@@ -150,6 +153,11 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             resume_from: a checkpoint's ``data`` to continue from instead of step 0
                 (L78); one the runner refuses is logged, and the request starts
                 from step 0.
+            accepted: the request was accepted before and is submitted again (a
+                durable job after a restart, L77): no estimate refuses it now (the
+                step time's, L4; the deadline's, L62), nor the waiting-queue bounds
+                (L5, L56: the job store bounds its jobs). The fields and the
+                runner's limits are checked as for any request.
 
         Raises:
             InvalidRequestError: a field is invalid or over a limit (L4).
@@ -188,7 +196,8 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             self._config.check_request(request)
             self._capabilities.check_request(request)
             self._adapters.check_request(request)
-            self.check_step_time(request)
+            if not accepted:
+                self.check_step_time(request)
         except InvalidRequestError as exc:
             exc.request_id = request_id
             raise
@@ -196,10 +205,16 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         deadline = None
         if request.deadline_s is not None:
             deadline = anyio.current_time() + request.deadline_s
-            workers = [self._workers[index] for index in self._alive]
-            check_deadline(
-                request, request_id, key=key, deadline=deadline, workers=workers, pool=self._pool
-            )
+            if not accepted:
+                workers = [self._workers[index] for index in self._alive]
+                check_deadline(
+                    request,
+                    request_id,
+                    key=key,
+                    deadline=deadline,
+                    workers=workers,
+                    pool=self._pool,
+                )
         record = Record(
             request,
             request_id,
@@ -211,10 +226,10 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         record.resume_from = resume_from
         full = self._pool.enqueue(
             record,
-            limit=self._config.max_waiting,
+            limit=None if accepted else self._config.max_waiting,
             tenant_limit=(
                 None
-                if request.tenant is None
+                if request.tenant is None or accepted
                 else self._config.tenant_max_waiting.get(request.tenant)
             ),
             deadline=math.inf if deadline is None else deadline,
@@ -276,17 +291,28 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         Each runner loads its own copy, one after another in a worker thread of
         anyio's; a runner's load waits for its step under way, never changes a
         request in flight. All or nothing: when one runner refuses, the runners
-        that loaded it unload it again.
+        that loaded it unload it again. A runner that breaks in its load (raises a
+        ``BaseException`` that is not an ``Exception``, as a parallel group whose
+        rank died does) ends its worker as its own thread would (L23, L43); the
+        others load it.
 
         Raises:
             AdapterError: the runners take no adapters, ``name`` is loaded, ``source``
-                is not a LoRA for the model, or there is no room (``reason`` says).
+                is not a LoRA for the model, there is no room, or a load or unload of
+                ``name`` is in flight (``reason`` says).
             InvalidRequestError: ``name`` is not an adapter name.
+            EngineClosedError: shutdown has begun (L30); nothing is loaded.
+            EngineDeadError: the worker died, before or in this load (L23).
 
         Cancellation: the load under way finishes (shielded) and is undone, then the
             cancellation propagates.
         """
-        await self._adapters.load(name, source)
+        self._check_admitting()
+        try:
+            await self._adapters.load(name, source)
+        except AdapterError:
+            self._check_admitting()  # shutdown began meanwhile and closed a runner: say so
+            raise
 
     async def unload_adapter(self, name: str) -> None:
         """Unload ``name`` from every runner (L85); refused while a live request holds it.
@@ -297,12 +323,24 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
 
         Raises:
             AdapterError: ``unknown`` (no runner has it) or ``in-use`` (a request in
-                flight holds it).
+                flight holds it, or a load or unload of it is in flight).
+            EngineClosedError: shutdown has begun (L30).
+            EngineDeadError: the worker died (L23).
 
         Cancellation: the unload under way finishes (shielded), then the cancellation
             propagates.
         """
+        self._check_admitting()
         await self._adapters.unload(name)
+
+    def _runner_broke(self, index: int, exc: BaseException) -> Exception | None:
+        """Runner ``index`` raised ``exc`` (not an ``Exception``) outside its worker's
+        thread, in an adapter's load: the worker dies of it as of its own (L23, L43),
+        now; return the error the load raises (``None``: other workers serve on)."""
+        worker = self._workers[index]
+        worker.fail(exc)  # its thread raises it at its next boundary and closes the runner
+        self._dispatch(died(exc, f"the engine's worker {worker.name} died", worker=index))
+        return self._dead_error() if self._dead is not None else None
 
     def adapters(self) -> tuple[AdapterInfo, ...]:
         """The adapters the runners know, by name (holders summed over the runners)."""

@@ -69,18 +69,18 @@ class Pool:
         return WaitingQueue(self.share)
 
     def enqueue(
-        self, item: WorkItem, *, limit: int, tenant_limit: int | None, deadline: float
+        self, item: WorkItem, *, limit: int | None, tenant_limit: int | None, deadline: float
     ) -> str | None:
         """Queue ``item`` unless a limit is reached; return ``None``, or why not.
 
-        ``limit`` bounds the items waiting, ``tenant_limit`` (``None``: none) those
+        ``limit`` (``None``: none) bounds the items waiting, ``tenant_limit`` those
         of its tenant; ``deadline`` is its absolute deadline, for ranking
         (``math.inf``: none). Its cost for fair share is its steps times the
         step's estimated seconds (``StepCosts``), fixed now.
         """
         tenant = item.request.tenant
         with self.cond:
-            if self._waiting() >= limit:
+            if limit is not None and self._waiting() >= limit:
                 return f"{limit} requests are waiting already"
             if tenant_limit is not None and self.share.waiting(tenant) >= tenant_limit:
                 return f"{tenant_limit} requests of tenant {tenant!r} are waiting already"

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from .._request import MAX_PRIORITY
-from ..serve._jobstore import default_jobs_dir
+from ..serve._jobstore import StoreOpenError, default_jobs_dir
 from ..serve._models import MODELS
 from ..serve._video_jobs import DEFAULT_JOBS_LEASE_S
 from ._env import read_environment, resolve_environment
@@ -419,6 +419,12 @@ def run_serve(args: argparse.Namespace) -> int:
     model = load(options)
     log_notes(refuse_unused(args, unused_for_model(model), from_environment=from_environment))
     service = make_service(options, model)
+    if service.frames is not None:
+        try:
+            # Before listening: a store that cannot be had is one line and no server.
+            service.videos.open_store()
+        except StoreOpenError as exc:
+            raise CommandError(str(exc)) from exc
     run: Callable[..., None] = run_hypercorn if args.server == "hypercorn" else run_uvicorn
     config = service.config
     _log.info(
@@ -451,6 +457,8 @@ def run_serve(args: argparse.Namespace) -> int:
         run(service, args)
     except OSError as exc:  # a bind that failed after the check (a race)
         raise CommandError(f"cannot listen on {address(args.host, args.port)}: {exc}") from exc
+    finally:
+        service.videos.close_store()  # closed already, unless the server never ran
     return _threads_ended()
 
 

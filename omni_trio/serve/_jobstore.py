@@ -59,6 +59,7 @@ __all__ = [
     "JobRow",
     "JobStore",
     "StoreBusyError",
+    "StoreOpenError",
     "default_jobs_dir",
     "hold",
 ]
@@ -85,11 +86,24 @@ CREATE TABLE IF NOT EXISTS jobs (
     checkpoint_step INTEGER,
     tenant TEXT,
     owner TEXT,
-    lease REAL
+    lease REAL,
+    step INTEGER NOT NULL DEFAULT 0,
+    resumes INTEGER NOT NULL DEFAULT 0,
+    resumed_from INTEGER,
+    steps_lost INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_seq ON jobs (seq);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
+
+#: Columns added since the first release of the store, with their definitions: a
+#: store an earlier version made gains them when it is opened.
+_ADDED_COLUMNS = {
+    "step": "INTEGER NOT NULL DEFAULT 0",
+    "resumes": "INTEGER NOT NULL DEFAULT 0",
+    "resumed_from": "INTEGER",
+    "steps_lost": "INTEGER NOT NULL DEFAULT 0",
+}
 
 
 def default_jobs_dir() -> Path:
@@ -129,6 +143,10 @@ class JobRow:
         tenant: the tenant it belongs to, where tenants are set.
         owner: the server that runs it, in a shared store (``None``: one server's).
         lease: until when (Unix seconds) its owner holds it, in a shared store.
+        step: the last denoise step it is known to have done (its progress's step).
+        resumes: the times it was run again after a restart or a takeover (L77).
+        resumed_from: the step its last resume started from (its checkpoint's).
+        steps_lost: the steps done before restarts and done again since, in all.
     """
 
     id: str
@@ -147,6 +165,10 @@ class JobRow:
     tenant: str | None = None
     owner: str | None = None
     lease: float | None = None
+    step: int = 0
+    resumes: int = 0
+    resumed_from: int | None = None
+    steps_lost: int = 0
 
     @property
     def is_live(self) -> bool:
@@ -157,9 +179,22 @@ class JobRow:
 _LIVE = ("queued", "in_progress")
 
 
-class StoreBusyError(OSError):
+class StoreOpenError(OSError):
+    """The store cannot be opened: its folder, its database or its lock; the message
+    says which, in one line."""
+
+
+class StoreBusyError(StoreOpenError):
     """The folder is another server's: held by one that does not share it, or shared while
     this one would hold it alone."""
+
+
+def _remove(path: Path) -> None:
+    """Remove a file the store does not need; what cannot be removed is logged and left."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        _log.warning("the video jobs' store leaves %s: %s", path, exc.strerror or exc)
 
 
 def _fsync_folder(folder: Path) -> None:
@@ -193,33 +228,56 @@ class JobStore:
     def open(self) -> list[JobRow]:
         """Open (or make) the store, tidy what a crash left, and return every job by ``seq``.
 
+        A failed open holds nothing: the database is closed and the folder's lock let go.
+
         Raises:
-            OSError: the folder cannot be made or written.
-            sqlite3.Error: the database cannot be opened.
+            StoreOpenError: the folder cannot be made or written, the database is not
+                one (corrupt, cut short), or another server holds the folder
+                (``StoreBusyError``); the message names the folder and the cause.
         """
-        for folder in (self.folder, self.videos, self.checkpoints):
-            folder.mkdir(parents=True, exist_ok=True)
-        alone = self._hold_folder()
-        with self._lock:
-            db = sqlite3.connect(
-                self.folder / "jobs.sqlite3",
-                timeout=30.0,
-                isolation_level=None,  # autocommit; transactions where said
-                check_same_thread=False,  # one connection, used under the lock
-            )
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=FULL")
-            db.executescript(_SCHEMA)
-            self._db = db
-            if self.owner is None:
-                # One server's: every unfinished job is its own, whoever ran it before.
-                db.execute(
-                    "UPDATE jobs SET owner = NULL, lease = NULL WHERE status IN (?, ?)", _LIVE
-                )
-            rows = [self._row(values) for values in db.execute(_SELECT + " ORDER BY seq")]
-        if alone:
-            self._tidy(rows)
+        try:
+            for folder in (self.folder, self.videos, self.checkpoints):
+                folder.mkdir(parents=True, exist_ok=True)
+            alone = self._hold_folder()
+        except StoreOpenError:
+            raise
+        except OSError as exc:
+            raise StoreOpenError(
+                f"the video jobs' folder {self.folder} cannot be used:"
+                f" {exc.strerror or exc} ({type(exc).__name__})"
+            ) from exc
+        try:
+            with self._lock:
+                rows = self._open_database()
+            if alone:
+                self._tidy(rows)
+        except (sqlite3.Error, OSError, ValueError) as exc:
+            self.close()
+            raise StoreOpenError(
+                f"the video jobs' store {self.folder / 'jobs.sqlite3'} cannot be read:"
+                f" {exc} ({type(exc).__name__}); move it away to start with no jobs"
+            ) from exc
         return rows
+
+    def _open_database(self) -> list[JobRow]:
+        db = sqlite3.connect(
+            self.folder / "jobs.sqlite3",
+            timeout=30.0,
+            isolation_level=None,  # autocommit; transactions where said
+            check_same_thread=False,  # one connection, used under the lock
+        )
+        self._db = db
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.executescript(_SCHEMA)
+        have = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
+        for column, definition in _ADDED_COLUMNS.items():
+            if column not in have:
+                db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {definition}")
+        if self.owner is None:
+            # One server's: every unfinished job is its own, whoever ran it before.
+            db.execute("UPDATE jobs SET owner = NULL, lease = NULL WHERE status IN (?, ?)", _LIVE)
+        return [self._row(values) for values in db.execute(_SELECT + " ORDER BY seq")]
 
     def _hold_folder(self) -> bool:
         """Take the folder's lock; return whether no other server has the folder open.
@@ -236,7 +294,8 @@ class JobStore:
                 if self.owner is None:
                     raise StoreBusyError(
                         f"another server keeps its video jobs in {self.folder}: give each"
-                        " server its own --jobs-dir (servers share one only under --ray)"
+                        " server its own --jobs-dir, or share the folder with --jobs-lease"
+                        " SECONDS on every server (on one host)"
                     ) from None
                 alone = False
             if self.owner is not None:
@@ -244,7 +303,9 @@ class JobStore:
                     fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 except BlockingIOError:
                     raise StoreBusyError(
-                        f"a server that does not share it keeps its video jobs in {self.folder}"
+                        f"a server that does not share it keeps its video jobs in"
+                        f" {self.folder}: give this server another --jobs-dir, or start"
+                        " both with --jobs-lease SECONDS"
                     ) from None
         except BaseException:
             os.close(descriptor)
@@ -272,9 +333,9 @@ class JobStore:
         ):
             for path in folder.iterdir():
                 if path.suffix != suffix or path.stem not in keep:
-                    path.unlink(missing_ok=True)
+                    _remove(path)
         for path in self.folder.glob("held-*"):
-            path.unlink(missing_ok=True)
+            _remove(path)
 
     # -- records ----------------------------------------------------------------
 
@@ -321,27 +382,30 @@ class JobStore:
             )
             hold("admitted", self.folder)
 
-    def started(self, job_id: str) -> bool:
-        """The job started (its first step): it reads ``in_progress`` from now on.
-
-        Returns:
-            Whether it is still this store's (not deleted, not taken over).
-        """
-        return self.progressed(job_id, 0)
-
-    def progressed(self, job_id: str, progress: int) -> bool:
-        """The job runs, at ``progress`` percent (never lower than it was).
+    def progressed(self, job_id: str, progress: int, step: int = 0) -> bool:
+        """The job runs, at ``progress`` percent, its denoise ``step`` done (neither ever
+        lower than it was).
 
         Returns:
             Whether it is still this store's (not deleted, not taken over).
         """
         with self._lock:
             cursor = self._conn().execute(
-                "UPDATE jobs SET started = 1, status = 'in_progress', progress = MAX(progress, ?)"
-                " WHERE id = ? AND status IN (?, ?) AND owner IS ?",
-                (progress, job_id, *_LIVE, self.owner),
+                "UPDATE jobs SET started = 1, status = 'in_progress', progress = MAX(progress, ?),"
+                " step = MAX(step, ?) WHERE id = ? AND status IN (?, ?) AND owner IS ?",
+                (progress, step, job_id, *_LIVE, self.owner),
             )
             return cursor.rowcount == 1
+
+    def resumed(self, job_id: str, from_step: int, lost: int) -> None:
+        """The job runs again after a restart or a takeover (L77), from ``from_step``, with
+        ``lost`` steps it had done to do again."""
+        with self._lock:
+            self._conn().execute(
+                "UPDATE jobs SET resumes = resumes + 1, resumed_from = ?,"
+                " steps_lost = steps_lost + ?, step = ? WHERE id = ? AND owner IS ?",
+                (from_step, lost, from_step, job_id, self.owner),
+            )
 
     def completed(self, job_id: str, mp4: bytes, *, completed_at: int, expires_at: float) -> bool:
         """Write the job's MP4 atomically, then mark it completed; drop its checkpoint.
@@ -359,7 +423,7 @@ class JobStore:
                     " WHERE id = ?",
                     (len(mp4), completed_at, expires_at, job_id),
                 )
-                (self.checkpoints / f"{job_id}.ckpt").unlink(missing_ok=True)
+                _remove(self.checkpoints / f"{job_id}.ckpt")
         return mine
 
     def failed(
@@ -393,7 +457,7 @@ class JobStore:
             )
             kept = cursor.rowcount == 1
             if kept:
-                (self.checkpoints / f"{job_id}.ckpt").unlink(missing_ok=True)
+                _remove(self.checkpoints / f"{job_id}.ckpt")
         return kept
 
     def delete(self, job_id: str) -> bool:
@@ -404,8 +468,8 @@ class JobStore:
         """
         with self._lock:
             cursor = self._conn().execute("DELETE FROM jobs WHERE id = ?", (job_id,))
-            (self.videos / f"{job_id}.mp4").unlink(missing_ok=True)
-            (self.checkpoints / f"{job_id}.ckpt").unlink(missing_ok=True)
+            _remove(self.videos / f"{job_id}.mp4")
+            _remove(self.checkpoints / f"{job_id}.ckpt")
         return cursor.rowcount == 1
 
     # -- a shared store (L79) -----------------------------------------------------
@@ -555,10 +619,22 @@ class JobStore:
             return None
 
     def checkpoint(self, job_id: str) -> bytes | None:
-        """The job's last checkpoint, or ``None``."""
+        """The job's last checkpoint, or ``None``: none, or one that cannot be read (a
+        directory, no permission), which is logged and refused as a corrupt one is
+        (the job runs from step 0)."""
+        path = self.checkpoints / f"{job_id}.ckpt"
         try:
-            return (self.checkpoints / f"{job_id}.ckpt").read_bytes()
+            return path.read_bytes()
         except FileNotFoundError:
+            return None
+        except OSError as exc:
+            _log.warning(
+                "video job %s: its checkpoint %s cannot be read (%s): it runs from step 0",
+                job_id,
+                path,
+                exc.strerror or type(exc).__name__,
+                extra={"request_id": job_id},
+            )
             return None
 
     def write_checkpoint(self, checkpoint: Checkpoint) -> None:
@@ -571,9 +647,9 @@ class JobStore:
                 if mine:
                     self._write(path, checkpoint.data)
                     self._conn().execute(
-                        "UPDATE jobs SET checkpoint_step = ?, started = 1,"
-                        " status = 'in_progress', progress = MAX(progress, ?) WHERE id = ?",
-                        (checkpoint.step, progress, job_id),
+                        "UPDATE jobs SET checkpoint_step = ?, started = 1, status = 'in_progress',"
+                        " progress = MAX(progress, ?), step = MAX(step, ?) WHERE id = ?",
+                        (checkpoint.step, progress, checkpoint.step, job_id),
                     )
             # The hook's ``checkpoint:<k>``: the first checkpoint written of step k or later
             # (a newer checkpoint replaces one not yet written).
@@ -586,7 +662,8 @@ class JobStore:
     @staticmethod
     def _row(values: tuple[Any, ...]) -> JobRow:
         (job_id, seq, model, spec, status, started, progress, created, completed) = values[:9]
-        expires, error, size, step, tenant, owner, lease = values[9:]
+        expires, error, size, checkpoint_step, tenant, owner, lease = values[9:16]
+        step, resumes, resumed_from, steps_lost = values[16:]
         return JobRow(
             id=job_id,
             seq=seq,
@@ -600,16 +677,21 @@ class JobStore:
             expires_at=expires,
             error=json.loads(error) if error else None,
             bytes=size,
-            checkpoint_step=step,
+            checkpoint_step=checkpoint_step,
             tenant=tenant,
             owner=owner,
             lease=lease,
+            step=step,
+            resumes=resumes,
+            resumed_from=resumed_from,
+            steps_lost=steps_lost,
         )
 
 
 _SELECT = (
     "SELECT id, seq, model, spec, status, started, progress, created_at, completed_at,"
-    " expires_at, error, bytes, checkpoint_step, tenant, owner, lease FROM jobs"
+    " expires_at, error, bytes, checkpoint_step, tenant, owner, lease, step, resumes,"
+    " resumed_from, steps_lost FROM jobs"
 )
 
 

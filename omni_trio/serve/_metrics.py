@@ -26,6 +26,9 @@ omni_trio_cache_blocks_total{decision}    counter    step-cached row-blocks, com
 omni_trio_cache_loosened_total            counter    requests whose threshold was loosened (L84)
 omni_trio_video_jobs{status}              gauge      video jobs held now by status (L73)
 omni_trio_video_bytes                     gauge      MP4 bytes the finished video jobs hold now
+omni_trio_video_jobs_resumed_total        counter    video jobs run again after a restart or a
+                                                     takeover (L77)
+omni_trio_video_steps_lost_total          counter    steps those jobs had done and did again
 omni_trio_group_ranks{group}              gauge      the ranks of each parallel worker (L49)
 omni_trio_group_calls_total{group,way}    counter    its model calls split by ``rows`` or ``tokens``
 omni_trio_tenant_requests_total           counter    generation requests by tenant and outcome
@@ -283,6 +286,17 @@ class ServeMetrics:
         for decision in ("computed", "skipped"):
             self.cache_calls.labels(decision=decision)
             self.cache_blocks.labels(decision=decision)
+        # L77: jobs run again after a restart or a takeover, and the steps they redo.
+        self.video_resumes = Counter(
+            "omni_trio_video_jobs_resumed",
+            "Video jobs run again after a restart or a takeover.",
+            registry=registry,
+        )
+        self.video_steps_lost = Counter(
+            "omni_trio_video_steps_lost",
+            "Denoise steps that video jobs run again had done before.",
+            registry=registry,
+        )
         self.cache_loosened = Counter(
             "omni_trio_cache_loosened",
             "Requests whose step-cache threshold was loosened to meet their deadline.",
@@ -352,6 +366,11 @@ class ServeMetrics:
     ) -> None:
         """Export the video jobs by status and the bytes they hold (read at scrape time)."""
         self.registry.register(_VideoCollector(counts, held))
+
+    def video_resumed(self, steps_lost: int) -> None:
+        """Count a video job run again (L77), which does ``steps_lost`` steps again."""
+        self.video_resumes.inc()
+        self.video_steps_lost.inc(steps_lost)
 
     def add_groups(self, groups: Mapping[int, tuple[int, Callable[[], Mapping[str, int]]]]) -> None:
         """Export each parallel worker's ranks and calls each way (``_GroupCollector``)."""

@@ -41,7 +41,7 @@ threads, through ``anyio.to_thread``).
 
 from __future__ import annotations
 
-import base64
+import contextlib
 import dataclasses
 import io
 import logging
@@ -50,6 +50,7 @@ import os
 import re
 import secrets
 import socket
+import sqlite3
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -61,11 +62,10 @@ import anyio
 import anyio.to_thread
 
 from .._checkpoint import CheckpointPolicy
+from .._codec import request_from_record, request_record
 from .._errors import EngineClosedError, OmniTrioError, RequestAbortedError
 from .._outputs import RequestStatus
 from .._reasons import AbortReason
-from .._request import GenerationRequest
-from .._stepcache import parse_step_cache
 from ._errors import ApiError, api_error_from, invalid, unexpected_error
 from ._jobstore import CheckpointWriter, JobRow, JobStore, hold
 from ._video_body import VideoSpec
@@ -178,6 +178,22 @@ class VideoConfig:
             raise ValueError(f"max_jobs: must be an int >= 1, got {jobs!r}")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Resumes:
+    """A job's runs after a restart or a takeover (L77).
+
+    Args:
+        count: how many times it was run again.
+        from_step: the step its last run again started from (its checkpoint's;
+            ``None``: never run again).
+        steps_lost: the steps it had done that a run again did again, in all.
+    """
+
+    count: int = 0
+    from_step: int | None = None
+    steps_lost: int = 0
+
+
 class VideoJob:
     """One video job, as the loop sees it.
 
@@ -206,6 +222,7 @@ class VideoJob:
         "mp4",
         "progress",
         "removed",
+        "resumes",
         "scope",
         "seq",
         "size",
@@ -231,6 +248,9 @@ class VideoJob:
         self.handle: RequestHandle | None = None
         self.scope = anyio.CancelScope()
         self.removed = False
+        #: Its runs after a restart or a takeover (L77): how many, the step the last
+        #: one started from, the steps done before and done again, in all.
+        self.resumes = Resumes()
         self._ended: str | None = None  # "completed" or "failed"
         # Latched: a suspended (L61) request reads WAITING again, and its first
         # steps may round to 0 %, so neither the handle nor ``progress`` says it.
@@ -280,6 +300,9 @@ class VideoJob:
                 "seed": request.seed,
                 "priority": request.priority,
                 "bytes": self.size,
+                "resumes": self.resumes.count,
+                "resumed_from_step": self.resumes.from_step,
+                "steps_lost": self.resumes.steps_lost,
             },
         }
 
@@ -338,6 +361,9 @@ class VideoJob:
         self.progress = row.progress
         self._started = row.started
         self.tenant = row.tenant
+        self.resumes = Resumes(
+            count=row.resumes, from_step=row.resumed_from, steps_lost=row.steps_lost
+        )
         if row.status in ("completed", "failed"):
             self.completed_at = row.completed_at
             error = dict(row.error) if row.error is not None else None
@@ -353,44 +379,14 @@ def error_record(error: ApiError) -> dict[str, str]:
 
 
 def spec_record(spec: VideoSpec) -> dict[str, Any]:
-    """What the store keeps of a job's parameters (JSON data); ``spec_from_record`` reads it."""
-    request = spec.request
-    cache = request.cache
+    """What the store keeps of a job's parameters (JSON data): the request, every field
+    (``_codec``), and the video's own; ``spec_from_record`` reads it."""
     return {
         "size": spec.size,
         "seconds": spec.seconds,
         "fps": spec.fps,
-        "request": {
-            "prompt": request.prompt,
-            "negative_prompt": request.negative_prompt,
-            "width": request.width,
-            "height": request.height,
-            "num_steps": request.num_steps,
-            "guidance_scale": request.guidance_scale,
-            "num_frames": request.num_frames,
-            "seed": request.seed,
-            "priority": request.priority,
-            "cache": None if cache is None else dataclasses.asdict(cache),
-            "image": None if request.image is None else _png(request.image),
-        },
+        "request": request_record(spec.request),
     }
-
-
-def _png(image: Any) -> str:
-    """An image-to-video request's image (a float tensor in [0, 1], L69) as base64 PNG text."""
-    import PIL.Image
-
-    pixels = (image.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).contiguous().numpy()
-    data = io.BytesIO()
-    PIL.Image.fromarray(pixels, mode="RGB").save(data, format="PNG")
-    return base64.b64encode(data.getvalue()).decode("ascii")
-
-
-def _from_png(text: str) -> Any:
-    import PIL.Image
-
-    with PIL.Image.open(io.BytesIO(base64.b64decode(text))) as image:
-        return image.convert("RGB")
 
 
 def spec_from_record(data: Any) -> VideoSpec:
@@ -398,14 +394,11 @@ def spec_from_record(data: Any) -> VideoSpec:
 
     Raises:
         Exception: the record is not one ``spec_record`` wrote (a ``KeyError``, a
-            ``TypeError``, an ``InvalidRequestError``).
+            ``TypeError``, a ``ValueError``, an ``InvalidRequestError``).
     """
-    fields = dict(data["request"])
-    fields["cache"] = parse_step_cache(fields.get("cache"))
-    if fields.get("image") is not None:
-        fields["image"] = _from_png(fields["image"])
+    request = request_from_record(data["request"])
     return VideoSpec(
-        request=GenerationRequest(**fields),
+        request=dataclasses.replace(request, deadline_s=None),
         size=str(data["size"]),
         seconds=str(data["seconds"]),
         fps=float(data["fps"]),
@@ -453,8 +446,10 @@ class VideoJobs:
         self._wake: anyio.Event | None = None
         self._sweeper: anyio.CancelScope | None = None  # made in serve(): a loop's object
         self._closed = False
-        # The durable store (L77), open while ``serve`` runs with a video engine.
+        # The durable store (L77), open while ``serve`` runs with a video engine, and
+        # the rows it held when it opened, until ``serve`` takes them back.
         self.store: JobStore | None = None
+        self._rows: list[JobRow] = []
         self._writer: CheckpointWriter | None = None
         self._limiter: anyio.CapacityLimiter | None = None
         self._doomed: list[str] = []  # expired jobs the store still has
@@ -486,25 +481,16 @@ class VideoJobs:
             Cancels every job's task (each leaves its handle's block, which aborts
             a live request and waits for its release); returns when they all ended.
         """
-        folder = self.config.jobs_dir
         rows: list[JobRow] = []
-        if folder is not None and engine is not None:
+        if self.config.jobs_dir is not None and engine is not None:
             self._limiter = anyio.CapacityLimiter(1)
-            store = JobStore(Path(folder), owner=self.owner)
-            rows = await anyio.to_thread.run_sync(store.open, limiter=self._limiter)
-            self.store = store
-            self._writer = CheckpointWriter(store)
+            if self.store is None:
+                await anyio.to_thread.run_sync(self.open_store, limiter=self._limiter)
+            rows, self._rows = self._rows, []
+            self._writer = CheckpointWriter(self._store())
             self._writer.start()
             if self.owner is not None:
-                _log.info(
-                    "video jobs are kept in %s, shared (%d there; this server is %s)",
-                    folder,
-                    len(rows),
-                    self.owner,
-                )
                 rows = []  # each is read when asked for; the lapsed ones are taken over
-            else:
-                _log.info("video jobs are kept in %s (%d there)", folder, len(rows))
         try:
             async with anyio.create_task_group() as tasks:
                 self._tasks = tasks
@@ -533,13 +519,47 @@ class VideoJobs:
                         await job.handle.aclose()
                 await self._close_store()
 
-    async def _close_store(self) -> None:
+    def open_store(self) -> None:
+        """Open the durable store (``config.jobs_dir``, L77) now, and read its jobs back.
+
+        Blocks on the disk: the command line calls it before the server listens, so a
+        store that cannot be opened is one line and no server; ``serve`` calls it in
+        a worker thread when nobody did. A store open already is left as it is.
+
+        Raises:
+            StoreOpenError: the folder, its database or its lock cannot be had (the
+                message says which); nothing is held then.
+        """
+        folder = self.config.jobs_dir
+        if folder is None or self.store is not None:
+            return
+        store = JobStore(Path(folder), owner=self.owner)
+        self._rows = store.open()
+        self.store = store
+        if self.owner is not None:
+            _log.info(
+                "video jobs are kept in %s, shared (%d there; this server is %s)",
+                folder,
+                len(self._rows),
+                self.owner,
+            )
+        else:
+            _log.info("video jobs are kept in %s (%d there)", folder, len(self._rows))
+
+    def close_store(self) -> None:
+        """Write the checkpoints queued, close the store and let go of its folder (blocks;
+        idempotent: ``serve`` closes it as it returns, the command line once more in case
+        the server never ran)."""
         writer, store = self._writer, self.store
         self._writer = self.store = None
+        self._rows = []
         if writer is not None:
-            await anyio.to_thread.run_sync(writer.stop)
+            writer.stop()
         if store is not None:
-            await anyio.to_thread.run_sync(store.close)
+            store.close()
+
+    async def _close_store(self) -> None:
+        await anyio.to_thread.run_sync(self.close_store)
 
     async def _stored(self, call: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         """Run a store's call in a worker thread (the store's calls block on the disk).
@@ -579,22 +599,52 @@ class VideoJobs:
     async def _resume(self, job: VideoJob, row: JobRow, engine: Engine) -> bool:
         """Submit a stored job again, from its last checkpoint; return whether it runs.
 
-        Refused by the engine: in a shared store the job is let go for another server
-        (or a later try); else it fails with the engine's reason.
+        An accepted job is never refused again by an estimate (L77): it is submitted as
+        ``accepted``. Refused all the same (a field this server's model or adapters
+        cannot take): in a shared store the job is let go for another server (or a
+        later try); else it fails with the engine's reason, said in one line.
         """
         data = None
         if row.checkpoint_step is not None:
             data = await self._stored(self._store().checkpoint, row.id)
+        if not self._checkpoints:
+            data = None
+        from_step = row.checkpoint_step if data is not None and row.checkpoint_step else 0
         try:
-            handle = self._submit(engine, job, resume_from=data)
+            handle = self._submit(engine, job, resume_from=data, accepted=True)
         except OmniTrioError as exc:
             if self.owner is not None:
                 self._jobs.pop(job.id, None)
                 await self._stored(self._store().release, job.id)
                 return False
+            _log.error(
+                "video job %s cannot run again after the restart: %s",
+                job.id,
+                exc,
+                extra={"request_id": job.id},
+            )
             await self._end(job, None, api_error_from(exc, retry_after_s=self._retry_after_s))
             return False
+        lost = max(0, row.step - from_step)
+        total = job.spec.request.denoise_steps
+        job.resumes = Resumes(
+            count=job.resumes.count + 1,
+            from_step=from_step,
+            steps_lost=job.resumes.steps_lost + lost,
+        )
+        self._metrics.video_resumed(lost)
+        _log.info(
+            "video job %s runs again from step %d of %d (%s; %d step%s lost)",
+            job.id,
+            from_step,
+            total,
+            "its checkpoint" if data is not None else "no checkpoint",
+            lost,
+            "" if lost == 1 else "s",
+            extra={"request_id": job.id},
+        )
         self._start(job, handle)
+        await self._stored(self._store().resumed, job.id, from_step, lost)
         return True
 
     async def _keep(self, engine: Engine) -> None:
@@ -623,10 +673,9 @@ class VideoJobs:
             if taken is None:
                 continue
             _log.info(
-                "video job %s: taken over from %s, from step %s",
+                "video job %s: taken over from %s",
                 row.id,
                 row.owner or "a server that stopped",
-                row.checkpoint_step or 0,
                 extra={"request_id": row.id},
             )
             self._jobs[row.id] = taken
@@ -855,7 +904,12 @@ class VideoJobs:
         return job
 
     def _submit(
-        self, engine: Engine, job: VideoJob, *, resume_from: bytes | None = None
+        self,
+        engine: Engine,
+        job: VideoJob,
+        *,
+        resume_from: bytes | None = None,
+        accepted: bool = False,
     ) -> RequestHandle:
         """Submit the job's request, checkpointed where the store and the runner allow."""
         policy = None
@@ -863,10 +917,12 @@ class VideoJobs:
         writer = self._writer
         if writer is not None and self._checkpoints and every is not None:
             policy = CheckpointPolicy(every_s=every, sink=writer.offer)
-        elif not self._checkpoints:
-            resume_from = None
         return engine.submit(
-            job.spec.request, request_id=job.id, checkpoint=policy, resume_from=resume_from
+            job.spec.request,
+            request_id=job.id,
+            checkpoint=policy,
+            resume_from=resume_from,
+            accepted=accepted,
         )
 
     def _start(self, job: VideoJob, handle: RequestHandle) -> None:
@@ -1004,12 +1060,15 @@ class VideoJobs:
                     async for event in handle:
                         started, progress = job.status == "in_progress", job.progress
                         job.stepped(event.step, event.total)
-                        # Every server reads a shared store's progress (L79).
-                        shared = self.owner is not None and job.progress != progress
+                        # Every server reads a shared store's progress (L79), and a
+                        # restart says how many steps it lost (L77): written as the
+                        # percentage moves, at most 100 times a job.
                         if (
                             self.store is not None
-                            and (not started or shared)
-                            and not await self._stored(self.store.progressed, job.id, job.progress)
+                            and (not started or job.progress != progress)
+                            and not await self._stored(
+                                self.store.progressed, job.id, job.progress, event.step
+                            )
                         ):
                             self._lost(job, TAKEN_OVER)
                     try:
@@ -1050,39 +1109,79 @@ class VideoJobs:
         await self._end(job, mp4, error)
 
     async def _end(self, job: VideoJob, mp4: bytes | None, error: ApiError | None) -> None:
-        """Record the job's end: in the store first (its MP4 as a file), then here."""
+        """Record the job's end: in the store first (its MP4 as a file), then here.
+
+        A store that cannot take it (a full disk, a failing database) fails this job
+        alone (L77): logged in one line, the job failed here with ``storage_error``.
+        """
         if self._writer is not None:
             self._writer.forget(job.id)
         expires = time.time() + self.config.ttl_s
-        record = None if error is None else error_record(error)
-        size = 0 if mp4 is None else len(mp4)
-        store = self.store
         finished = int(time.time())
-        if store is not None:
-            if mp4 is not None:
-                kept = await self._stored(
-                    store.completed, job.id, mp4, completed_at=finished, expires_at=expires
-                )
-                if not kept or job.removed:
-                    return  # deleted meanwhile
-                mp4 = None  # served from its file
-            else:
-                assert record is not None
-                kept = await self._stored(
-                    store.failed,
+        if self.store is not None:
+            try:
+                kept = await self._stored_end(job, mp4, error, finished, expires)
+            except (OSError, sqlite3.Error) as exc:
+                _log.error(
+                    "video job %s fails: the store cannot keep its %s (%s)",
                     job.id,
-                    record,
-                    progress=job.progress,
-                    completed_at=finished,
-                    expires_at=expires,
+                    "video" if mp4 is not None else "end",
+                    exc.strerror if isinstance(exc, OSError) and exc.strerror else exc,
+                    extra={"request_id": job.id},
                 )
-                if not kept:
-                    return  # deleted or taken over meanwhile
+                written, mp4, error = mp4 is not None, None, _storage_error()
+                kept = not job.removed
+                if written:  # the MP4 failed: the row may still take the failure
+                    with contextlib.suppress(OSError, sqlite3.Error):
+                        kept = await self._stored_end(job, None, error, finished, expires)
+            if not kept or job.removed:
+                return  # deleted or taken over meanwhile
+            if mp4 is not None:
+                size, mp4 = len(mp4), None  # served from its file
+            else:
+                size = 0
+        else:
+            size = 0 if mp4 is None else len(mp4)
         if job.removed:
             return
+        record = None if error is None else error_record(error)
         self._expiries[job.id] = self.config.clock() + self.config.ttl_s
         job.end(mp4, record, int(expires), size=size, completed_at=finished)
         self._nudge()
+
+    async def _stored_end(
+        self,
+        job: VideoJob,
+        mp4: bytes | None,
+        error: ApiError | None,
+        finished: int,
+        expires: float,
+    ) -> bool:
+        """Write the job's end to the store; return whether it was still this store's."""
+        store = self._store()
+        if mp4 is not None:
+            return await self._stored(
+                store.completed, job.id, mp4, completed_at=finished, expires_at=expires
+            )
+        assert error is not None
+        return await self._stored(
+            store.failed,
+            job.id,
+            error_record(error),
+            progress=job.progress,
+            completed_at=finished,
+            expires_at=expires,
+        )
+
+
+def _storage_error() -> ApiError:
+    """A job's error when the store could not keep its video (the server's log says why)."""
+    return ApiError(
+        500,
+        "the video could not be stored (the server's disk or store failed); create the job again",
+        type="server_error",
+        code="storage_error",
+    )
 
 
 def _view(row: JobRow) -> VideoJob | None:

@@ -20,17 +20,28 @@ SIZE = 16
 
 
 def service_on(
-    folder: Path, runner: FakeRunner | None = None, **video: Any
+    folder: Path,
+    runner: FakeRunner | None = None,
+    *,
+    max_step_s: float | None = 30.0,
+    warm_up: bool = False,
+    **video: Any,
 ) -> tuple[Service, FakeRunner]:
     """A video service keeping its jobs in ``folder``; checkpoints at every step."""
     runner = runner if runner is not None else FakeRunner(frames=RULE, checkpoints=True)
     video.setdefault("checkpoint_every_s", 0.0)
     config = ServeConfig(
-        model_name="fake-video", default_width=SIZE, default_height=SIZE, default_steps=4
+        model_name="fake-video",
+        default_width=SIZE,
+        default_height=SIZE,
+        default_steps=4,
+        warm_up=warm_up,
     )
     service = Service(
         runner,
-        engine_config=ot.EngineConfig(max_height=64, max_width=64, shutdown_grace=0.0),
+        engine_config=ot.EngineConfig(
+            max_height=64, max_width=64, shutdown_grace=0.0, max_step_s=max_step_s
+        ),
         config=config,
         video_config=VideoConfig(fps=FPS, jobs_dir=folder, **video),
     )
