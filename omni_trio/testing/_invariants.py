@@ -371,9 +371,13 @@ class RequestLedger:
                 del self._entries[key]
                 self._final[entry.status] += 1
         if engine is not None:
-            stats = engine.statistics()
-            assert self.counts() == _counts(stats), (
-                f"L19: the ledger's statuses {self.counts()} differ from {stats}"
+            # Both under the lock: a worker takes a waiting request (out of the queue,
+            # RUNNING) in one hold of it, and must not do so between the two reads.
+            with engine._pool.cond:
+                stats = engine.statistics()
+                counts = self.counts()
+            assert counts == _counts(stats), (
+                f"L19: the ledger's statuses {counts} differ from {stats}"
             )
 
     def _check_entry(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import anyio
 import pytest
@@ -135,6 +136,55 @@ async def test_ledger_flags_running_back_to_waiting_without_a_suspension(
             await wait_until(lambda: runner.live_states == 0)
             ledger.check(engine)
     assert ledger.tracked == 0
+
+
+@pytest.mark.anyio
+async def test_ledger_reads_the_statistics_and_its_statuses_at_one_moment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """L19: a worker that takes a waiting request between the engine's statistics and the
+    ledger's own count must not make them differ (the soak saw 4 RUNNING where the
+    statistics said 1: the worker took 3 between its two reads).
+
+    The reproduction: the test holds the workers' lock while it submits, so the worker
+    cannot take the request yet; the statistics are read (it waits), then the test lets
+    go of its hold and gives the worker its chance. Without one moment for both reads,
+    the worker takes the request and the ledger counts it RUNNING.
+    """
+    ledger = RequestLedger()
+    runner = GatedRunner()
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner) as engine:
+            lock = engine._pool.cond
+            real = engine.statistics
+            handle_probe: list[RequestProbe] = []
+
+            held = [True]
+
+            def statistics() -> ot.EngineStatistics:
+                stats = real()
+                if not held.pop():  # the ledger reads them twice: the second time
+                    return stats
+                lock.release()  # the test's hold; the ledger's own, if any, stays
+                deadline = time.monotonic() + 1.0
+                while handle_probe[0].status is ot.RequestStatus.WAITING:
+                    if time.monotonic() > deadline:
+                        break  # the worker cannot take it: the ledger holds the lock
+                    time.sleep(0.001)
+                return stats
+
+            held.append(False)  # the first read (is_dead) keeps the hold
+            lock.acquire()
+            handle = engine.submit(req(num_steps=1), request_id="a")
+            ledger.track(handle)
+            handle_probe.append(probe(handle))
+            monkeypatch.setattr(engine, "statistics", statistics)
+            ledger.check(engine)
+            monkeypatch.undo()
+            async with handle:
+                await wait_until(lambda: handle_probe[0].status is ot.RequestStatus.RUNNING)
+                runner.release(1)
+                ledger.outcome(handle, await handle.result())
 
 
 def test_rss_bytes_is_deprecated() -> None:
