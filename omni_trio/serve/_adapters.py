@@ -28,10 +28,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from .._adapters import AdapterError, AdapterInfo
-from .._errors import InvalidRequestError
+from .._errors import InvalidRequestError, OmniTrioError
 from ._asgi import error_response
 from ._config import ServeConfig
-from ._errors import ApiError, invalid
+from ._errors import ApiError, api_error_from, invalid
 from ._keys import require_admin
 
 if TYPE_CHECKING:
@@ -68,15 +68,19 @@ def adapter_file(folder: str, given: str) -> Path:
 
     Raises:
         ApiError: 400 naming ``path``: absolute, with ``..``, outside the folder
-            once resolved (symlinks followed), not a ``.safetensors``, or no file.
+            once resolved (symlinks followed), a symlink loop, not a
+            ``.safetensors``, or no file.
     """
     relative = PurePosixPath(given)
     if not given or "\\" in given or "\x00" in given:
         raise invalid("path: a file's path relative to the adapter folder", "path")
     if relative.is_absolute() or ".." in relative.parts:
         raise invalid("path: must be relative to the adapter folder, without '..'", "path")
-    root = Path(folder).resolve()
-    path = (root / relative).resolve()
+    try:
+        root = Path(folder).resolve()
+        path = (root / relative).resolve()
+    except (OSError, RuntimeError):  # a symlink loop: RuntimeError before Python 3.13
+        raise invalid("path: cannot be resolved (a symlink loop?)", "path") from None
     if not path.is_relative_to(root):
         raise invalid("path: resolves outside the adapter folder", "path")
     if path.suffix != ".safetensors":
@@ -132,14 +136,19 @@ class AdaptersApi:
                 raise ApiError(403, "this server has no adapter folder", code="admin_not_allowed")
             engine = self._engine()
             await engine.load_adapter(name, adapter_file(folder, given))
-            infos = {info.name: info for info in engine.adapters()}
+            # Read with no checkpoint since the load: no unload of it came between.
+            card = next((adapter_card(i) for i in engine.adapters() if i.name == name), None)
+            if card is None:
+                raise AdapterError(f"adapter {name!r} was unloaded", reason="unknown", name=name)
         except ApiError as error:
             return error_response(error)
         except AdapterError as exc:
             return error_response(_adapter_error(exc))
         except InvalidRequestError as exc:
             return error_response(invalid(str(exc), "name"))
-        return JSONResponse(adapter_card(infos[name]), status_code=201)
+        except OmniTrioError as exc:  # shutdown began, the worker died
+            return error_response(api_error_from(exc, retry_after_s=self._config.retry_after_s))
+        return JSONResponse(card, status_code=201)
 
     async def unload(self, request: Request) -> Response:
         """``DELETE /v1/adapters/{name}``: refused (409) while a request holds it.
@@ -154,6 +163,8 @@ class AdaptersApi:
             return error_response(error)
         except AdapterError as exc:
             return error_response(_adapter_error(exc))
+        except OmniTrioError as exc:  # shutdown began, the worker died
+            return error_response(api_error_from(exc, retry_after_s=self._config.retry_after_s))
         return JSONResponse({"id": name, "object": "adapter", "deleted": True})
 
 

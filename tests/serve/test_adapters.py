@@ -181,6 +181,19 @@ async def test_adapters_load_at_start(folder: Path) -> None:
     assert caught.value.option == "adapters"
 
 
+async def test_a_symlink_loop_is_a_400_naming_path(tmp_path: Path) -> None:
+    """L88: a path in the adapter folder that is a symlink loop is a 400 naming ``path``
+    (resolving it raises; never a 500), and nothing is loaded."""
+    (tmp_path / "loop.safetensors").symlink_to(tmp_path / "loop.safetensors")
+    async with serving(service(tmp_path, admin=True, load=False)) as client:
+        response = await client.post(
+            "/v1/adapters", json={"name": "loop", "path": "loop.safetensors"}
+        )
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "path"
+        assert (await client.get("/v1/adapters")).json()["data"] == []
+
+
 # -- edits and video jobs -------------------------------------------------------------
 
 
@@ -312,3 +325,89 @@ async def test_a_video_job_sends_its_adapters_to_the_engine() -> None:
             listed = (await client.get("/v1/videos")).json()["data"]
     assert len(listed) == len(sent)
     assert len(runner.prepared) == len(sent)
+
+
+class Gated(Adapted):
+    """An ``Adapted`` that loads and unloads names, each load listed as it begins (as
+    ``DiffusersRunner``'s is before it makes room) and held until ``gate`` is set;
+    with ``breaks`` its loads raise a ``BaseException`` (a parallel group that broke)."""
+
+    def __init__(self, *, breaks: bool = False) -> None:
+        super().__init__()
+        self.names = frozenset()
+        self.breaks = breaks
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def load_adapter(self, name: str, source: str | os.PathLike[str] | Mapping[str, Any]) -> None:
+        if self.breaks:
+            raise KeyboardInterrupt("the group broke")  # any BaseException that is no Exception
+        self.names = self.names | {name}
+        self.entered.set()
+        self.gate.wait(BUDGET)
+
+    def unload_adapter(self, name: str) -> None:
+        self.names = self.names - {name}
+
+
+def admin_service(runner: Adapted, folder: Path) -> Service:
+    """A service over ``runner`` that allows admin actions, with ``ink.safetensors`` (a
+    file the fake never reads) in ``folder``."""
+    (folder / "ink.safetensors").write_bytes(b"never read")
+    config = ServeConfig(
+        model_name="fake",
+        default_width=64,
+        default_height=64,
+        default_steps=2,
+        allow_adapter_admin=True,
+        adapter_dir=str(folder),
+    )
+    return Service(runner, config=config)
+
+
+async def test_a_delete_racing_the_load_of_its_name_is_refused(tmp_path: Path) -> None:
+    """L88, L85: a ``DELETE`` of a name whose ``POST`` is loading is a 409
+    ``adapter_in_use`` (not a 500 of the load's answer, not an unload half across the
+    runners); the load answers 201 and the adapter stays until a later ``DELETE``."""
+    runner = Gated()
+    answers: dict[str, httpx.Response] = {}
+    with anyio.fail_after(BUDGET):
+        async with serving(admin_service(runner, tmp_path)) as client:
+
+            async def load() -> None:
+                body = {"name": "ink", "path": "ink.safetensors"}
+                answers["load"] = await client.post("/v1/adapters", json=body)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(load)
+                await wait_until(runner.entered.is_set)
+                deleted = await client.delete("/v1/adapters/ink")
+                runner.gate.set()
+            assert deleted.status_code == 409, deleted.text
+            assert deleted.json()["error"]["code"] == "adapter_in_use"
+            assert answers["load"].status_code == 201, answers["load"].text
+            assert answers["load"].json()["id"] == "ink"
+            listed = (await client.get("/v1/adapters")).json()["data"]
+            assert [a["id"] for a in listed] == ["ink"]
+            assert (await client.delete("/v1/adapters/ink")).status_code == 200
+    assert runner.names == frozenset()
+
+
+async def test_a_load_that_breaks_the_worker_is_a_503_and_the_server_answers_on(
+    tmp_path: Path,
+) -> None:
+    """L88, L23: a load whose runner breaks (raises a ``BaseException`` that is no
+    ``Exception``) is a 503 ``engine_dead``, not the end of the server: ``/health`` says
+    ``dead``, ``/v1/models`` lists no adapter, a later load is a 503 too; the lifespan's
+    end raises ``EngineDeadError``."""
+    with anyio.fail_after(BUDGET), pytest.raises(ot.EngineDeadError):
+        async with serving(admin_service(Gated(breaks=True), tmp_path)) as client:
+            body = {"name": "ink", "path": "ink.safetensors"}
+            for _ in range(2):
+                response = await client.post("/v1/adapters", json=body)
+                assert response.status_code == 503, response.text
+                assert response.json()["error"]["code"] in ("engine_dead", "shutting_down")
+            health = await client.get("/health")
+            assert (health.status_code, health.json()["status"]) == (503, "dead")
+            models = await client.get("/v1/models")
+            assert models.status_code == 200 and models.json()["data"][0]["adapters"] == []
