@@ -31,6 +31,8 @@ Layout: the private modules, each importing only those below it:
   by ``_video`` too (Wan 2.2's experts each run a subset of a call's rows);
 - ``_adapters``: the adapters (LoRA) of a runner, row by row inside its model calls
   (L85-L87); it reads the step cache's computing rows, and imports no family;
+  ``_landing``, below it: where each tensor of an adapter lands (the census a load is
+  checked against);
 - ``_chunks``: decodes in chunks (L72).
 
 Apart: ``_tiny`` (and ``_quiet``), ``_tinylora``, ``_local``, ``_load`` and ``_devices`` import no

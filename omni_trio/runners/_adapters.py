@@ -5,11 +5,13 @@ LoRA-loadable components (the denoiser, and the text encoders where the file has
 keys for them) as PEFT LoRA layers, under a name of the runner's own
 (``omni_trio_<runner>_<load>``): two runners over one pipeline never collide, and
 a reload after an eviction is a fresh load. A load is validated before its name is
-published: every LoRA tensor of a diffusers/PEFT-format file must have landed in a
-layer, the layers must be plain LoRA (``Linear`` or a convolution; DoRA and other
-variants are refused) and none may be fused; on any failure every layer of the new
-name is deleted again, so nothing is half-loaded. Only ``.safetensors`` files are
-read (a pickle is code).
+published: every tensor of the source, whatever its format, lands on a layer of the
+model (``_landing``'s census, before the model is touched, and its check after the
+load), the layers are plain LoRA (``Linear`` or a convolution; DoRA and other
+variants are refused) and none is fused; on any failure every layer of the new name
+is deleted again, so nothing is half-loaded. Only ``.safetensors`` files are read (a
+pickle is code). Once the runner is closed the pipeline is its owner's again, and a
+load is refused.
 
 Per-row forward: PEFT applies one set of adapters, with one scale each, to the
 whole forward (``set_adapters``), and its mixed-batch path (``adapter_names``) one
@@ -40,10 +42,12 @@ Residency (L87): ``AdapterSet`` bounds the loaded adapters by count and bytes. A
 request holds its adapters from ``prepare`` to ``discard`` (running or suspended);
 room for a load or a reload is made by evicting the least recently used adapters
 that no request holds (their weights leave the model, their record and source
-stay). A request whose adapter was evicted while it waited reloads it in
-``prepare``; when that cannot be done (its file is gone, no room) ``prepare`` fails
-it with an ``AdapterError``: it never runs without it. An unload of an adapter that
-a request holds is refused (``in-use``).
+stay); the evictions are planned first, and when even evicting every unheld one
+would not make room, none is evicted and the load is refused (``full``). A request
+whose adapter was evicted while it waited reloads it in ``prepare``; when that
+cannot be done (its file is gone, no room) ``prepare`` fails it with an
+``AdapterError``: it never runs without it. An unload of an adapter that a request
+holds is refused (``in-use``).
 
 Threads: loads, unloads and evictions change the model's modules, so they take the
 runner's model lock, which ``step`` and ``prepare`` hold around their model calls:
@@ -70,6 +74,7 @@ import torch
 
 from .._adapters import AdapterError, AdapterInfo, AdapterPairs, check_adapter_name
 from .._errors import InvalidRequestError
+from ._landing import Target, Unlanded, census, check_landed
 from ._local import thread_value
 from ._quiet import quiet_notices
 from ._stepcache import computing_rows
@@ -308,6 +313,7 @@ class AdapterSet:
     _serial: int = field(init=False, default_factory=lambda: next(_serials))
     _loads: Iterator[int] = field(init=False, default_factory=itertools.count)
     _clock: Iterator[int] = field(init=False, default_factory=itertools.count)
+    _closed: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         if self.max_loaded < 1:
@@ -341,6 +347,11 @@ class AdapterSet:
             raise AdapterError("this pipeline takes no adapters", reason="invalid", name=name)
         entry = _Entry(name, *_source(name, source))
         with self.model_lock:
+            if self._closed:
+                # The pipeline is its owner's again: a load now would change its calls.
+                raise AdapterError(
+                    "the runner is closed: it loads nothing", reason="invalid", name=name
+                )
             with self._lock:
                 if name in self._entries:
                     raise AdapterError(
@@ -374,8 +385,10 @@ class AdapterSet:
             self._remove(entry)
 
     def close(self) -> None:
-        """Remove every adapter of this set from the pipeline and let go of the wrappers."""
+        """Remove every adapter of this set from the pipeline and let go of the wrappers;
+        later loads are refused."""
         with self.model_lock:
+            self._closed = True
             with self._lock:
                 entries = list(self._entries.values())
                 self._entries.clear()
@@ -473,9 +486,10 @@ class AdapterSet:
                 reason="invalid",
                 name=entry.name,
             )
-        expected = _lora_tensors(entry)
         try:
             with quiet_notices(), torch.no_grad(), _peft_notes():
+                # Where every tensor lands, checked before the model is touched.
+                landing = census(self.pipe, self._components, _tensors(entry))
                 if entry.path is not None:
                     self.pipe.load_lora_weights(
                         str(entry.path.parent), weight_name=entry.path.name, adapter_name=peft
@@ -483,12 +497,16 @@ class AdapterSet:
                 else:
                     assert entry.state_dict is not None
                     self.pipe.load_lora_weights(dict(entry.state_dict), adapter_name=peft)
-            layers, size = self._check_loaded(entry.name, peft, expected)
+            layers, size = self._check_loaded(entry.name, peft, landing)
         except Exception as exc:
             with suppress(Exception):
                 self._delete(peft)
             if isinstance(exc, AdapterError):
                 raise
+            if isinstance(exc, Unlanded):
+                raise AdapterError(
+                    f"adapter {entry.name!r}: {exc}", reason="invalid", name=entry.name
+                ) from None
             raise AdapterError(
                 f"adapter {entry.name!r}: not a LoRA this model takes"
                 f" ({type(exc).__name__}: {exc})",
@@ -504,16 +522,17 @@ class AdapterSet:
         entry.peft, entry.bytes = peft, size
 
     def _check_loaded(
-        self, name: str, peft: str, expected: int | None
+        self, name: str, peft: str, landing: Mapping[str, Target]
     ) -> tuple[list[torch.nn.Module], int]:
-        """The layers the load reached and its bytes; ``AdapterError`` if it is not plain LoRA."""
+        """The layers the load reached and its bytes; ``AdapterError`` if it is not plain
+        LoRA, ``Unlanded`` if a tensor of it did not land (``check_landed``)."""
         from peft.tuners.lora import Conv2d, Conv3d, Linear
 
         def invalid(message: str) -> AdapterError:
             return AdapterError(f"adapter {name!r}: {message}", reason="invalid", name=name)
 
         layers: list[torch.nn.Module] = []
-        tensors = size = 0
+        size = 0
         for _, layer in _lora_modules(self.pipe, self._components):
             if peft not in layer.lora_A:
                 continue
@@ -524,18 +543,19 @@ class AdapterSet:
             if layer.merged:
                 raise invalid("the model has fused (merged) LoRA weights; unfuse them first")
             for module in (layer.lora_A[peft], layer.lora_B[peft]):
-                for parameter in module.parameters():
-                    tensors += 1
-                    size += parameter.nbytes
+                size += sum(parameter.nbytes for parameter in module.parameters())
             layers.append(layer)
         if not layers:
             raise invalid("it changes no layer of this model")
-        if expected is not None and tensors != expected:
-            raise invalid(f"{tensors} of its {expected} LoRA tensors match a layer of this model")
+        check_landed(self.pipe, self._components, landing, peft)
         return layers, size
 
     def _make_room(self, *, keep: _Entry, drop_on_failure: bool) -> None:
-        """Evict the least recently used unheld adapters until the bounds hold (L87)."""
+        """Evict the least recently used unheld adapters until the bounds hold (L87).
+
+        Planned first: when evicting every unheld one would not make room, nothing is
+        evicted and ``keep`` leaves the model again (``full``).
+        """
         victims: list[_Entry] = []
         with self._lock:
             loaded = [e for e in self._entries.values() if e.peft is not None]
@@ -552,18 +572,22 @@ class AdapterSet:
             full = self._over(count, size)
             if full and drop_on_failure:
                 del self._entries[keep.name]
-        for entry in victims:
-            self._remove(entry)
         if full:
             self._remove(keep)
             raise AdapterError(
                 f"adapter {keep.name!r}: no room among the loaded adapters"
                 f" (at most {self.max_loaded}"
                 + ("" if self.max_bytes is None else f", {self.max_bytes} bytes")
-                + ") while live requests hold the others",
+                + (
+                    ") while live requests hold the others"
+                    if self.max_bytes is None or keep.bytes <= self.max_bytes
+                    else f"; it alone has {keep.bytes})"
+                ),
                 reason="full",
                 name=keep.name,
             )
+        for entry in victims:
+            self._remove(entry)
 
     def _over(self, count: int, size: int) -> bool:
         return count > self.max_loaded or (self.max_bytes is not None and size > self.max_bytes)
@@ -616,7 +640,12 @@ def _source(
             reason="invalid",
             name=name,
         )
-    path = Path(source).resolve()
+    try:
+        path = Path(source).resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop: RuntimeError before 3.13
+        raise AdapterError(
+            f"adapter {name!r}: its path cannot be resolved ({exc})", reason="invalid", name=name
+        ) from None
     if path.suffix != ".safetensors":
         raise AdapterError(
             f"adapter {name!r}: only .safetensors files are read, got {path.name!r}",
@@ -628,26 +657,18 @@ def _source(
     return path, None
 
 
-def _lora_tensors(entry: _Entry) -> int | None:
-    """The LoRA tensors of a diffusers/PEFT-format source (``lora_A``/``lora_B``), else ``None``.
+def _tensors(entry: _Entry) -> Mapping[str, Any]:
+    """The source's tensors by name: the file's (read here), or the state dict."""
+    if entry.state_dict is not None:
+        return entry.state_dict
+    assert entry.path is not None
+    from safetensors.torch import load_file
 
-    Other formats (kohya's ``lora_down``/``lora_up``) are converted by diffusers, which
-    may split a tensor in several: their count is not checked.
-    """
-    if entry.path is not None:
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(entry.path), "pt") as file:
-                keys = list(file.keys())
-        except Exception as exc:
-            raise AdapterError(
-                f"adapter {entry.name!r}: not a safetensors file ({exc})",
-                reason="invalid",
-                name=entry.name,
-            ) from exc
-    else:
-        assert entry.state_dict is not None
-        keys = list(entry.state_dict)
-    count = sum(1 for key in keys if ".lora_A." in key or ".lora_B." in key)
-    return count or None
+    try:
+        return load_file(str(entry.path))
+    except Exception as exc:
+        raise AdapterError(
+            f"adapter {entry.name!r}: not a safetensors file ({exc})",
+            reason="invalid",
+            name=entry.name,
+        ) from exc

@@ -211,7 +211,7 @@ def test_a_file_for_another_model_is_refused_and_nothing_stays(
     type(_pipe("flux", 0)).save_lora_weights(
         str(tmp_path), weight_name="odd.safetensors", **weights
     )
-    with pytest.raises(ot.AdapterError, match="LoRA tensors match a layer") as caught:
+    with pytest.raises(ot.AdapterError, match="to_nowhere") as caught:
         runner.load_adapter("odd", tmp_path / "odd.safetensors")
     assert caught.value.reason == "invalid"
     with pytest.raises(ot.AdapterError, match=r"\.safetensors"):
@@ -224,6 +224,108 @@ def test_a_file_for_another_model_is_refused_and_nothing_stays(
         for name in getattr(module, "lora_A", {})
     )
     assert torch.equal(run_batch(runner, [request("flux")])[0], before)
+
+
+def _old_format(tensors: dict[str, Any]) -> dict[str, Any]:
+    """diffusers' older keys (``lora.down``/``lora.up``) for a PEFT-format denoiser's."""
+    return {
+        key.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up."): value
+        for key, value in tensors.items()
+    }
+
+
+def _kohya(tensors: dict[str, Any]) -> dict[str, Any]:
+    """kohya's keys (``lora_unet_..._to_q.lora_down.weight``, an ``alpha`` each) for a
+    PEFT-format UNet's."""
+    made: dict[str, Any] = {}
+    for key, value in tensors.items():
+        module, part = key.removeprefix("unet.").rsplit(".lora_", 1)
+        stem = "lora_unet_" + module.replace(".", "_")
+        made[f"{stem}.{'lora_down' if part.startswith('A') else 'lora_up'}.weight"] = value
+        made[f"{stem}.alpha"] = torch.tensor(4.0)
+    return made
+
+
+#: A layer the tiny UNet has (which the tiny LoRAs leave alone), and one it does not (it
+#: has two down blocks).
+_LAYER = "down_blocks.0.attentions.0.transformer_blocks.0.ff.net.2"
+_NO_LAYER = "down_blocks.7.attentions.0.transformer_blocks.0.attn1.to_q"
+
+
+def _landing_nowhere(files: dict[str, Path]) -> dict[str, tuple[dict[str, Any], str]]:
+    """Adapters with tensors that land nowhere, each with what the refusal names."""
+    from safetensors.torch import load_file
+
+    peft = load_file(str(files["ink"]))
+    unet = {key: value for key, value in peft.items() if key.startswith("unet.")}
+    layer = _pipe("sd", 0).unet.get_submodule(_LAYER)
+    a, b = torch.zeros(4, layer.in_features), torch.zeros(layer.out_features, 4)
+    stray = {f"{_NO_LAYER}.lora_A.weight": a, f"{_NO_LAYER}.lora_B.weight": b}
+    return {
+        # diffusers' older format, two tensors for a layer the model does not have.
+        "old": (_old_format({**unet, **{f"unet.{k}": v for k, v in stray.items()}}), _NO_LAYER),
+        # kohya's format, the same.
+        "kohya": (_kohya({**unet, **{f"unet.{k}": v for k, v in stray.items()}}), _NO_LAYER),
+        # PEFT's format, and two tensors of the older one for a layer it has: diffusers
+        # renames a file's keys only when its first is not PEFT's, so PEFT skips them.
+        "mixed": (
+            {
+                **peft,
+                f"unet.{_LAYER}.lora.down.weight": a,
+                f"unet.{_LAYER}.lora.up.weight": b,
+            },
+            f"{_LAYER}.lora.down.weight",
+        ),
+        # A text encoder this pipeline does not have.
+        "component": ({**peft, "text_encoder_2.x.lora_A.weight": a}, "text_encoder_2"),
+        # Half a pair: a layer's lora_A without its lora_B.
+        "half": ({**peft, f"unet.{_LAYER}.lora_A.weight": a}, "half a LoRA pair"),
+    }
+
+
+@pytest.mark.parametrize("case", ["old", "kohya", "mixed", "component", "half"])
+def test_a_file_with_a_tensor_that_lands_nowhere_is_refused_and_nothing_stays(
+    case: str, folder: Path, runner_of: Any, tmp_path: Path
+) -> None:
+    """L85: every tensor of an adapter file lands on a layer of the model, whatever its
+    format (PEFT's, diffusers' older ``lora.down``/``lora.up``, kohya's), or the load is
+    refused naming one that did not, and nothing of it stays."""
+    from safetensors.torch import save_file
+
+    runner = runner_of("sd", load=False)
+    before = run_batch(runner, [request("sd", num_steps=2)])[0]
+    tensors, named = _landing_nowhere(loras("sd", folder))[case]
+    path = tmp_path / f"{case}.safetensors"
+    save_file(tensors, str(path))
+    with pytest.raises(ot.AdapterError) as caught:
+        runner.load_adapter(case, path)
+    assert caught.value.reason == "invalid"
+    assert named in str(caught.value)
+    assert runner.adapters() == ()
+    pipe = runner._pipeline
+    assert not any(
+        "omni_trio" in name
+        for part in (pipe.unet, pipe.text_encoder)
+        for module in part.modules()
+        for name in getattr(module, "lora_A", {})
+    )
+    assert torch.equal(run_batch(runner, [request("sd", num_steps=2)])[0], before)
+
+
+def test_older_and_kohya_files_whose_tensors_all_land_load(folder: Path, runner_of: Any) -> None:
+    """L85: diffusers converts its older format and kohya's to PEFT keys; a file in
+    either whose every tensor lands loads, and changes the output."""
+    from safetensors.torch import load_file
+
+    runner = runner_of("sd", load=False)
+    plain = run_batch(runner, [request("sd", num_steps=2)])[0]
+    peft = load_file(str(loras("sd", folder)["ink"]))
+    unet = {key: value for key, value in peft.items() if key.startswith("unet.")}
+    for name, tensors in (("old", _old_format(unet)), ("kohya", _kohya(unet))):
+        runner.load_adapter(name, tensors)
+        output = run_batch(runner, [request("sd", num_steps=2, adapters={name: 1.0})])[0]
+        assert not torch.equal(output, plain), name
+        runner.unload_adapter(name)
 
 
 def test_dora_is_refused(folder: Path, runner_of: Any, tmp_path: Path) -> None:
@@ -427,3 +529,84 @@ def test_an_evicted_adapter_whose_file_is_gone_fails_its_request(
         runner.prepare(request("sd", adapters={"film": 1.0, "ink": 1.0}), "a")
     assert runner.live_states == 0
     assert all(info.holders == 0 for info in runner.adapters())
+
+
+def test_a_symlink_loop_is_refused_as_invalid(runner_of: Any, tmp_path: Path) -> None:
+    """L85: a path that cannot be resolved (a symlink loop) is an ``AdapterError``, not the
+    ``RuntimeError`` of resolving it."""
+    loop = tmp_path / "loop.safetensors"
+    loop.symlink_to(loop)
+    runner = runner_of("sd", load=False)
+    with pytest.raises(ot.AdapterError, match="cannot be resolved") as caught:
+        runner.load_adapter("loop", loop)
+    assert caught.value.reason == "invalid"
+    assert runner.adapters() == ()
+
+
+def _no_adapter_in(pipe: Any) -> bool:
+    """No LoRA layer of ``pipe`` holds an adapter of a runner's, none carries the
+    runners' forward, and no component's PEFT config names one."""
+    parts = [pipe.unet, pipe.text_encoder]
+    return (
+        wrapped_layers(pipe) == 0
+        and not any(
+            "omni_trio" in name
+            for part in parts
+            for module in part.modules()
+            for name in getattr(module, "lora_A", {})
+        )
+        and not any(
+            "omni_trio" in name for part in parts for name in getattr(part, "peft_config", {})
+        )
+    )
+
+
+@pytest.mark.anyio
+async def test_a_load_after_the_engine_closed_is_refused_and_touches_nothing(
+    folder: Path, runner_of: Any
+) -> None:
+    """L85, L30: once the engine closed, its runners' pipeline is its owner's again: a load
+    is an ``EngineClosedError`` (the closed runner itself refuses too), nothing of it
+    reaches the pipeline, and the pipeline's own call gives what it gave before."""
+    runner = runner_of("sd", load=False)
+    pipe = runner._pipeline
+    r = request("sd", num_steps=2)
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner) as engine:
+            await engine.generate(r)
+        before = reference("sd", r, pipeline=pipe)
+        with pytest.raises(ot.EngineClosedError):
+            await engine.load_adapter("ink", loras("sd", folder)["ink"])
+        with pytest.raises(ot.EngineClosedError):
+            await engine.unload_adapter("ink")
+    with pytest.raises(ot.AdapterError, match="closed"):
+        runner.load_adapter("ink", loras("sd", folder)["ink"])
+    assert runner.adapters() == () and engine.adapters() == ()
+    assert _no_adapter_in(pipe)
+    assert torch.equal(reference("sd", r, pipeline=pipe), before)
+
+
+def test_a_load_too_big_for_the_bytes_evicts_nothing(folder: Path, runner_of: Any) -> None:
+    """L87: a load that cannot fit the bytes even with every idle adapter evicted is
+    refused (``full``) and evicts none of them; one that fits evicts only the least
+    recently used adapters that make room."""
+    files = loras("sd", folder, 3)  # ink and dust of rank 4, film of rank 8: twice the bytes
+    measure = runner_of("sd", load=False)
+    measure.load_adapter("ink", files["ink"])
+    size = measure.adapters()[0].bytes
+    measure.close()
+    runner = runner_of("sd", load=False, max_adapter_bytes=2 * size - 1)
+    runner.load_adapter("ink", files["ink"])
+    with pytest.raises(ot.AdapterError, match="no room") as caught:
+        runner.load_adapter("film", files["film"])
+    assert caught.value.reason == "full"
+    assert [(i.name, i.loaded) for i in runner.adapters()] == [("ink", True)]
+    roomy = runner_of("sd", load=False, max_adapter_bytes=2 * size)
+    for name in ("dust", "ink"):
+        roomy.load_adapter(name, files[name])  # dust used least recently
+    roomy.load_adapter("again", files["ink"])
+    assert {i.name: i.loaded for i in roomy.adapters()} == {
+        "again": True,
+        "dust": False,
+        "ink": True,
+    }
