@@ -32,6 +32,7 @@ The data (no threads, no event loop):
 - ``_construct``: ``NoPublicConstructor``, the metaclass of the final classes that
   only the library instantiates (``Engine``, ``RequestHandle``).
 - ``_exports``: gives every exported class and function its public ``__module__``.
+- ``_version``: ``__version__``, written once.
 
 The loop side (runs in the event loop's thread only):
 
@@ -138,7 +139,7 @@ from ._request import GenerationRequest as GenerationRequest
 from ._stepcache import CacheMetrics as CacheMetrics
 from ._stepcache import StepCache as StepCache
 
-__version__ = "0.2.0"
+from ._version import __version__ as __version__
 
 __all__ = [
     "AbortReason",

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ._codec import request_fingerprint
+from . import _version as _package
 
 if TYPE_CHECKING:
     from ._request import GenerationRequest
@@ -96,9 +97,7 @@ class CheckpointPolicy:
 
 
 def _version() -> str:
-    from . import __version__
-
-    return __version__
+    return _package.__version__  # read at each call: a test may stand in another
 
 
 def pack_checkpoint(payload: bytes, *, model: str, request: GenerationRequest, step: int) -> bytes:

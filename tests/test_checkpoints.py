@@ -100,7 +100,7 @@ async def test_a_corrupt_or_foreign_checkpoint_is_refused_and_the_request_starts
         elif damage == "other model":
             monkeypatch.setattr("omni_trio.testing._fake._MODEL_KEY", "another")
         else:
-            monkeypatch.setattr(ot, "__version__", "0.0.0-other")
+            monkeypatch.setattr("omni_trio._version.__version__", "0.0.0-other")
         fresh = FakeRunner(checkpoints=True)
         with caplog.at_level(logging.WARNING, logger="omni_trio.worker"):
             resumed = await run(fresh, request, resume_from=data)

@@ -178,7 +178,7 @@ def test_the_thread_side_imports_no_event_loop(name: str) -> None:
 
 
 #: The pure modules: the waiting queue, its step sums, fair share and the boundary policy.
-PURE = ("_scheduler", "_queue", "_stepsums", "_fairshare")
+PURE = ("_scheduler", "_queue", "_stepsums", "_fairshare", "_steptimes")
 
 
 @pytest.mark.parametrize("name", PURE)

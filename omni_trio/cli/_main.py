@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
 
-from .. import __version__
+from .._version import __version__
 from ._demo import add_demo_arguments, run_demo
 from ._errors import EXIT_USAGE, PROG, CommandError, report, reported
 from ._given import record_given
