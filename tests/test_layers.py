@@ -54,6 +54,7 @@ THREAD_SIDE = (
     "_messages",
     "_cancelpoint",
     "_cacheplan",
+    "_steptimes",
 )
 
 #: What a runner may import of the core: the seam and the data it carries.
