@@ -133,6 +133,7 @@ def service_options(args: argparse.Namespace) -> ServiceOptions:
             max_waiting=args.max_waiting,
             shutdown_grace=args.shutdown_grace,
             stop_timeout_s=args.stop_timeout,
+            max_step_s=args.max_step_time,
             max_steps=args.max_steps,
             max_height=args.max_size,
             max_width=args.max_size,

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from .._config import EngineConfig
 from .._request import MAX_PRIORITY
 from ..serve._jobstore import StoreOpenError, default_jobs_dir
 from ..serve._models import MODELS
@@ -40,6 +41,7 @@ from ._sockets import address, check_port
 from ._types import (
     adapter,
     api_keys,
+    bound,
     count,
     finite,
     interval,
@@ -164,6 +166,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="seconds the last responses get to reach their clients after the drain;"
         " connections still open then are aborted (default 5)",
+    )
+    max_step_s = EngineConfig().max_step_s
+    limits.add_argument(
+        "--max-step-time",
+        type=bound,
+        default=max_step_s,
+        metavar="S|none",
+        help="the longest one denoise step of a request alone may take: a request whose"
+        " step this server measured (warm, at its size or a smaller one) to take longer is"
+        " refused with a 400, since an abort, a deadline or a shutdown lands only at a"
+        f" step's end or a cancel point; 'none': no bound (default {max_step_s:g})",
     )
     limits.add_argument(
         "--torch-threads",
@@ -345,8 +358,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         dest="warm_up",
         action="store_false",
         help="answer at once, without the warm-up request (the fewest steps at the default"
-        " size) that measures a step first, so that the engine's 30 s bound on one step"
-        " holds for the first client's request too (default: a real model warms up)",
+        " size) that measures a step first, so that --max-step-time holds for the first"
+        " client's request too (default: a real model warms up)",
     )
     keys = parser.add_argument_group(
         "API keys and tenants (with any key, every route but /health needs one)"

@@ -19,6 +19,7 @@ from .._stepcache import StepCache, parse_step_cache
 __all__ = [
     "adapter",
     "api_keys",
+    "bound",
     "count",
     "finite",
     "fraction",
@@ -90,6 +91,18 @@ def interval(text: str) -> float | None:
     value = finite(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0 or 'never', got {text!r}")
+    return value
+
+
+def bound(text: str) -> float | None:
+    """A finite number of seconds > 0, or ``none`` (``None``: no bound)."""
+    if text.strip().lower() == "none":
+        return None
+    value = _number(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"expected a number of seconds > 0 or 'none', got {text!r}"
+        )
     return value
 
 

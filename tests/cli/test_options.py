@@ -225,3 +225,43 @@ def test_an_adapter_file_that_is_missing_names_the_option(tmp_path: Path) -> Non
     with pytest.raises(UsageError) as refused:
         make_service(options, load(options))
     assert str(refused.value) == "--adapter: ink: this model takes no adapters"
+
+
+def test_max_step_time_reaches_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """L4: ``--max-step-time`` (``OMNI_TRIO_MAX_STEP_TIME``) is ``EngineConfig.max_step_s``,
+    the longest one step of a request alone may take: seconds, or ``none`` for no bound;
+    left out, the engine's own 30 s."""
+    assert service_options(parse("--model", "fake")).engine_config.max_step_s == 30.0
+    given = service_options(parse("--model", "fake", "--max-step-time", "2.5"))
+    assert given.engine_config.max_step_s == 2.5
+    unbounded = service_options(parse("--model", "fake", "--max-step-time", " None "))
+    assert unbounded.engine_config.max_step_s is None
+    monkeypatch.setenv("OMNI_TRIO_MAX_STEP_TIME", "none")
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--model", "fake"])
+    assert resolve_environment(args) == {"max_step_time"}
+    assert service_options(args).engine_config.max_step_s is None
+    # The command line wins over the variable.
+    args = parser.parse_args(["--model", "fake", "--max-step-time", "7"])
+    resolve_environment(args)
+    assert service_options(args).engine_config.max_step_s == 7.0
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon", ""])
+def test_a_bad_max_step_time_is_one_line_and_status_2(
+    value: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L4: ``serve --max-step-time`` takes seconds > 0 or ``none``; anything else stops at
+    parsing, one line naming the option (or its variable) and the value, status 2."""
+    expected = f"expected a number of seconds > 0 or 'none', got {value!r}"
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--model", "fake", "--max-step-time", value])
+    assert exited.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err == (
+        f"omni-trio: error: argument --max-step-time: {expected} (see 'omni-trio serve --help')\n"
+    )
+    monkeypatch.setenv("OMNI_TRIO_MAX_STEP_TIME", value)
+    assert main(["serve", "--model", "fake"]) == EXIT_USAGE
+    assert capsys.readouterr().err == f"omni-trio: error: OMNI_TRIO_MAX_STEP_TIME: {expected}\n"

@@ -11,6 +11,7 @@ import pytest
 
 from omni_trio.cli._types import (
     adapter,
+    bound,
     count,
     finite,
     fraction,
@@ -35,6 +36,8 @@ ACCEPTED: list[tuple[Callable[[str], Any], str, Any]] = [
     (fraction, "0", 0.0),
     (fraction, "1", 1.0),
     (seconds, "0", 0.0),
+    (bound, "0.5", 0.5),
+    (bound, " NONE ", None),
     (span, "3", (0.0, 3.0)),
     (span, "1:2.5", (1.0, 2.5)),
     (gpus, "0.5", 0.5),
@@ -66,6 +69,9 @@ REFUSED: list[tuple[Callable[[str], Any], str, str]] = [
     (fraction, "nan", "expected a number from 0 to 1, got 'nan'"),
     (seconds, "inf", "expected a number of seconds >= 0, got 'inf'"),
     (seconds, "-1", "expected a number of seconds >= 0, got '-1'"),
+    (bound, "0", "expected a number of seconds > 0 or 'none', got '0'"),
+    (bound, "nan", "expected a number of seconds > 0 or 'none', got 'nan'"),
+    (bound, "never", "expected a number of seconds > 0 or 'none', got 'never'"),
     (span, "3:1", "expected MAX or MIN:MAX seconds, got '3:1'"),
     (span, "a:1", "expected MAX or MIN:MAX seconds, got 'a:1'"),
     (gpus, "-1", "expected a number of GPUs >= 0, got '-1'"),
