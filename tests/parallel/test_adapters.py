@@ -7,14 +7,12 @@ adapters). Every image is compared with the single-process ``DiffusersRunner``'s
 the same files loaded (which tests/runners/test_adapters.py compares with the
 pipeline's own ``set_adapters`` call); every rank's adapters (``RankReport.adapters``:
 loaded or evicted, holders) must be the same. The LoRAs are tiny and random
-(``omni_trio.runners.tiny_lora``). One test starts a group of its own (two Ulysses
-ranks, not split by load), whose rank it kills.
+(``omni_trio.runners.tiny_lora``). A load on a group whose rank died is in
+tests/parallel/test_faults.py, which starts a group per case.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,16 +22,13 @@ import pytest
 import torch
 
 import omni_trio as ot
-from omni_trio.parallel import ParallelGroupError, ParallelRunner
+from omni_trio.parallel import ParallelRunner
 from omni_trio.runners import DiffusersRunner, tiny_lora
-from omni_trio.serve import ServeConfig, Service
-from omni_trio.testing import wait_until
 from tests.support.core import BUDGET
 from tests.support.parallel import (
     ATOL,
     Kept,
     abort_inside_a_step,
-    alive,
     calls,
     close,
     group,
@@ -42,7 +37,6 @@ from tests.support.parallel import (
     same_states,
 )
 from tests.support.runners import request, tiny
-from tests.support.serve import serving
 
 pytestmark = pytest.mark.anyio
 
@@ -222,30 +216,3 @@ async def test_an_abort_inside_a_step_releases_the_adapters_on_every_rank(
         assert ranks_agree(reports) and not reports[0].states
         assert all(i.holders == 0 for i in reports[1].adapters)
         assert close(await outputs(Kept(loaded), [after]), [expected])
-
-
-async def test_a_load_on_a_group_whose_rank_died_fails_clearly_and_the_server_answers_on(
-    files: dict[str, Path],
-) -> None:
-    """L49 (L85, L23): on a group whose rank was killed while it idled, a load raises the
-    group's error naming the rank, and rank 0 keeps nothing of it; through a server the
-    load is a 503 ``engine_dead`` (never that ``BaseException``, which would end the
-    server), ``/health`` says ``dead``, and leaving it raises ``EngineDeadError``."""
-    with group("flux", "ulysses") as runner:  # its own group: the module's stays whole
-        os.kill(runner.pids[0], signal.SIGKILL)
-        with anyio.fail_after(BUDGET):
-            await wait_until(lambda: not alive(runner.pids[0]))
-        with pytest.raises(ParallelGroupError, match="rank 1 was killed by signal 9"):
-            runner.load_adapter("ink", files["ink"])
-        assert runner.adapters() == ()
-        config = ServeConfig(
-            model_name="tiny-flux", allow_adapter_admin=True, adapter_dir=str(files["ink"].parent)
-        )
-        with anyio.fail_after(BUDGET), pytest.raises(ot.EngineDeadError):
-            async with serving(Service(runner, config=config)) as client:
-                body = {"name": "ink", "path": "ink.safetensors"}
-                response = await client.post("/v1/adapters", json=body)
-                assert response.status_code == 503, response.text
-                assert response.json()["error"]["code"] == "engine_dead"
-                health = await client.get("/health")
-                assert (health.status_code, health.json()["status"]) == (503, "dead")

@@ -1,5 +1,6 @@
 """Faults of a parallel group (L41, L43, L49): a rank killed, a rank hung in a collective,
-a start that fails, the engine's process killed. Each case starts its own group.
+a start that fails, the engine's process killed, a load on a group whose rank died.
+Each case starts its own group.
 
 Determinism: where a rank is killed is drawn from a seeded generator (a step event,
 then a pause); the hang is a hook in the other rank's denoiser that waits while a
@@ -25,11 +26,13 @@ import pytest
 
 import omni_trio as ot
 from omni_trio.parallel import ParallelGroupError, ParallelStartError
-from omni_trio.runners import DiffusersRunner
+from omni_trio.runners import DiffusersRunner, tiny_lora
+from omni_trio.serve import ServeConfig, Service
 from omni_trio.testing import probe, wait_until
 from tests.support.core import BUDGET
 from tests.support.parallel import (
     Declaring,
+    alive,
     children,
     group,
     hangs_on_flag,
@@ -39,6 +42,7 @@ from tests.support.parallel import (
     wait_gone,
 )
 from tests.support.runners import request, tiny
+from tests.support.serve import serving
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -103,6 +107,39 @@ async def test_a_hung_rank_fails_its_group_within_the_timeout_and_the_other_work
                 await engine.generate(request("sd", seed=3))
         assert isinstance(failed.value.__cause__, ParallelGroupError)
     flag.unlink()
+    nothing_left(before, before_listening, ranks)
+
+
+@pytest.mark.anyio
+async def test_a_load_on_a_group_whose_rank_died_fails_clearly_and_the_server_answers_on(
+    tmp_path: Path,
+) -> None:
+    """L49 (L85), L23: a rank killed while its group idles: a load on the runner raises
+    the group's error naming the rank, and rank 0 keeps nothing of it; through a server
+    the load is a 503 ``engine_dead`` (never that ``BaseException``, which would end the
+    server), ``/health`` says ``dead``, leaving it raises ``EngineDeadError``, and every
+    rank process is reaped."""
+    tiny_lora(tiny("sd"), tmp_path, "ink", seed=1)
+    before, before_listening = children(), set(listening([os.getpid()]))
+    with group("sd", "cfg", timeout_s=10.0) as runner:
+        ranks = set(runner.pids)
+        os.kill(runner.pids[0], signal.SIGKILL)
+        with anyio.fail_after(BUDGET):
+            await wait_until(lambda: not alive(runner.pids[0]))
+        with pytest.raises(ParallelGroupError, match="rank 1 was killed by signal 9"):
+            runner.load_adapter("ink", tmp_path / "ink.safetensors")
+        assert runner.adapters() == ()
+        config = ServeConfig(
+            model_name="tiny-sd", allow_adapter_admin=True, adapter_dir=str(tmp_path)
+        )
+        with anyio.fail_after(BUDGET), pytest.raises(ot.EngineDeadError):
+            async with serving(Service(runner, config=config)) as client:
+                body = {"name": "ink", "path": "ink.safetensors"}
+                response = await client.post("/v1/adapters", json=body)
+                assert response.status_code == 503, response.text
+                assert response.json()["error"]["code"] == "engine_dead"
+                health = await client.get("/health")
+                assert (health.status_code, health.json()["status"]) == (503, "dead")
     nothing_left(before, before_listening, ranks)
 
 
