@@ -43,11 +43,12 @@ ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 #: about 2; larger ones only make the model's activations overflow.
 MAX_ADAPTER_SCALE = 100.0
 
-#: Why a load or unload was refused: a source that is not a LoRA for this model
-#: (``invalid``), a name that is not loaded (``unknown``) or is already
-#: (``exists``), an adapter that live requests hold (``in-use``), no room within the
-#: bound of loaded adapters even after evicting every one that no request holds
-#: (``full``).
+#: Why a load or unload was refused: a source that is not a LoRA for this model, a
+#: tensor of which lands on no layer, or a runner that is closed (``invalid``), a
+#: name that is not loaded (``unknown``) or is already (``exists``), an adapter that
+#: live requests hold or whose load or unload is in flight (``in-use``), no room
+#: within the bounds of loaded adapters even after evicting every one that no request
+#: holds (``full``: then none is evicted).
 AdapterReason: TypeAlias = Literal["invalid", "unknown", "exists", "in-use", "full"]
 
 
