@@ -53,7 +53,10 @@ The loop side (runs in the event loop's thread only):
 
 The thread side (runs in the engine's own threads only):
 
-- ``_worker``: the step loop, one owned thread per device.
+- ``_worker``: the step loop, one owned thread per device; ``_parking``, its suspended
+  requests (L61); ``_checkpointing``, its checkpoints taken and restored (L78);
+  ``_wholecall``, the loop of a runner that runs its own (its step callback is the
+  boundary); ``_steptimes``, what its warm steps took by shape (L4).
 - ``_pool``: what the workers share: one lock, the queue of new requests.
 - ``_materialize``: decode and copy to host, off the step loop.
 - ``_imagecheck``: the output contract, checked on every image and preview.

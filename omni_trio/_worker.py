@@ -8,8 +8,8 @@ lock, it prepares the new members, runs one runner step for the whole batch and
 posts one step event per member. Members whose last step is done go to the
 materializer, so the next step starts at once (L16). A whole-call runner (one that
 must run its own loop) gets one request at a time, and its step callback is the
-boundary: the token is checked there and ``StopRun`` raised to stop the loop. The
-worker never waits for the event loop or a consumer (L20): it only posts messages.
+boundary (``_wholecall``). The worker never waits for the event loop or a consumer
+(L20): it only posts messages.
 
 Cancel points (L71), with a runner that declares ``cancel_points``: the step runs
 armed with a check that the runner's ``cancel_point()`` calls between its
@@ -19,12 +19,8 @@ grace: the loop sets the token for each), it raises ``StopRun``; the worker then
 releases every member undecoded, as a boundary drop does, and counts no step.
 When only some members stopped, the step runs on and they drop at its end.
 
-Checkpoints (L78), with a runner that declares ``checkpoints``: after a step, a
-member whose ``CheckpointPolicy`` interval has passed gets a copy of its state taken
-(the runner's ``checkpoint``: a copy, no serialization), handed to the materializer
-thread, which makes it bytes and gives it to the policy's sink. A request admitted
-with ``resume_from`` is restored from it instead of prepared; a checkpoint the
-runner refuses is logged and the request is prepared from step 0.
+Checkpoints (L78), with a runner that declares ``checkpoints``: taken after a step,
+restored instead of a prepare (``_checkpointing``).
 
 Several workers (one per device, L42) take from the pool's one queue of new
 requests (see ``_pool``); a request lives its whole life on the worker that took
@@ -42,12 +38,12 @@ feeds after each step that ran to its end). Outside the
 lock the worker asks the runner what parking them would hold; if that fits
 ``max_parked_bytes`` and the plan still stands (the policy, asked again under the
 lock, plans the same), it reserves the newcomer (takes it), suspends the victims
-into its own queue of parked requests, at the rank they had, and prepares the
-newcomer at the same boundary. A request is
-suspended at most ``max_preemptions`` times. A suspended request reads WAITING;
-when this worker takes it again the runner resumes it from the step it reached.
-One that the event loop withdraws (abort, deadline, shutdown) is released by the
-materializer thread at once, never decoded.
+into its own queue of parked requests (``_parking``), at the rank they had, and
+prepares the newcomer at the same boundary. A request is suspended at most
+``max_preemptions`` times. A suspended request reads WAITING; when this worker takes
+it again the runner resumes it from the step it reached. One that the event loop
+withdraws (abort, deadline, shutdown) is released by the materializer thread at once,
+never decoded.
 """
 
 from __future__ import annotations
@@ -61,15 +57,16 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ._cacheplan import loosen_at_risk
 from ._cancelpoint import Leave, armed
-from ._checkpoint import CheckpointError
+from ._checkpointing import restored, take_checkpoints
 from ._imagecheck import checked_images
 from ._log import WORKER
 from ._materialize import Materializer
 from ._messages import Exited, Post, Stepped, died, discard_quietly, release
 from ._outputs import WorkerStatistics
+from ._parking import Parking
 from ._queue import WaitingQueue
 from ._reasons import AbortReason
-from ._runner import CheckpointRunner, Runner, StopRun, SuspendableRunner, WholeCallRunner
+from ._runner import Runner, StopRun, SuspendableRunner
 from ._scheduler import (
     BoundaryPlan,
     BoundaryRules,
@@ -82,6 +79,7 @@ from ._scheduler import (
     sources,
 )
 from ._steptimes import StepTimes
+from ._wholecall import run_whole
 from ._workitem import WorkItem
 
 if TYPE_CHECKING:
@@ -131,9 +129,7 @@ class Worker:
         # L78: a runner that takes checkpoints may be asked for them at boundaries.
         self._checkpointing = capabilities.checkpoints
         self._fatal: BaseException | None = None
-        # L61: preemption, and this worker's suspended requests (their state is on
-        # its device) with the bytes each parks, under the pool's lock. ``_closed``:
-        # the thread has exited and discarded them; nothing is parked from then on.
+        # L61: preemption (its suspended requests are ``_parking``'s).
         self._preempting = capabilities.suspendable and config.preemption
         # The boundary policy's rules (``_scheduler.plan_boundary``), and the same
         # without preemption, for the boundary that follows a preemption given up.
@@ -150,15 +146,6 @@ class Worker:
         self._recent = RecentSteps(self._rules.max_batch)
         self._park_on_host = config.park_on_host
         self._max_parked_bytes = config.max_parked_bytes
-        self.parked: WaitingQueue[WorkItem] = pool.new_queue()
-        self._parked_sizes: dict[WorkItem, int] = {}
-        # Suspended requests the engine ended because this worker died (L43);
-        # the exiting thread discards their state.
-        self._orphans: list[WorkItem] = []
-        self._closed = False
-        # Under the lock (the loop reads them for statistics).
-        self.parked_bytes = 0
-        self.preemptions = 0
         # Written by the worker thread only; the loop reads them for statistics
         # (reading one reference is atomic; a stale value is one step old).
         self.steps_run = 0
@@ -177,6 +164,8 @@ class Worker:
         # only when the batch's composition changes, not at every step.
         self._view: tuple[WorkItem, ...] = ()
         self._materializer = Materializer(runner, post, self._die, name=f"{name}-materializer")
+        # Its suspended requests, under the lock (the loop reads their counts).
+        self._parking = Parking(pool.new_queue(), self._materializer)
         self._thread = threading.Thread(target=self._run, name=f"{name}-worker", daemon=False)
 
     @property
@@ -247,48 +236,35 @@ class Worker:
             self._times.assume(shapes)
         self.batch = dataclasses.replace(self.batch, step_s=step_s, shapes=self._times.view())
 
+    @property
+    def parked(self) -> WaitingQueue[WorkItem]:
+        """Its suspended requests' queue (L61); read under the lock."""
+        return self._parking.queue
+
+    @property
+    def parked_bytes(self) -> int:
+        """The bytes its suspended requests park now; read under the lock."""
+        return self._parking.bytes
+
+    @property
+    def preemptions(self) -> int:
+        """The suspensions it made in all."""
+        return self._parking.preemptions
+
     def let_go(self, item: WorkItem) -> bool:
         """Withdraw ``item`` if it is suspended here: its release follows. Under the lock."""
-        if not self.parked.remove(item):
-            return False
-        self._hand_over(item)
-        return True
+        return self._parking.let_go(item)
 
     def let_go_all(self) -> list[WorkItem]:
         """Withdraw every suspended item here: their releases follow. Under the lock."""
-        items = self.parked.drain()
-        for item in items:
-            self._hand_over(item)
-        return items
-
-    def _hand_over(self, item: WorkItem) -> None:
-        # Never once closed: the exiting thread took every parked item out first.
-        assert not self._closed
-        self._withdraw(item)
-        self._materializer.release(item)
+        return self._parking.let_go_all()
 
     def orphan_parked(self) -> None:
         """This worker died: take its suspended requests out, for its thread to discard.
 
         Under the lock. Once the thread has exited nothing is parked any more.
         """
-        for item in self.parked.drain():
-            self._withdraw(item)
-            self._orphans.append(item)
-
-    def _withdraw(self, item: WorkItem) -> None:
-        """Take a suspended ``item`` out of the parked queue for good; under the lock.
-
-        From now on this worker's threads hold it until they release it: it reads
-        RUNNING, as ``statistics()`` counts it (in no queue, so not waiting), never
-        WAITING in no queue.
-        """
-        self._unpark(item)
-        item.taken = True
-
-    def _unpark(self, item: WorkItem) -> None:
-        """Forget ``item``'s parked bytes (it left the parked queue); under the lock."""
-        self.parked_bytes -= self._parked_sizes.pop(item)
+        self._parking.orphan_all()
 
     def join(self) -> None:
         """Wait for both threads; call after the ``Exited`` message."""
@@ -333,12 +309,7 @@ class Worker:
             with self._cond:
                 # What a dead worker leaves parked; from now on the loop hands
                 # nothing to the materializer.
-                self._closed = True
-                parked = self.parked.drain()
-                for item in parked:
-                    self._withdraw(item)
-                parked += self._orphans
-                self._orphans.clear()
+                parked = self._parking.close()
             self._materializer.discard_leftovers()
             for item in parked:
                 discard_quietly(self._runner, item)
@@ -485,7 +456,7 @@ class Worker:
                 running[:] = plan.keep
                 if plan.stop:
                     for item in plan.drop:
-                        self._hold(item)  # held here until released: counted running
+                        self._parking.hold(item)  # held here until released: running
                         item.token.cancel(AbortReason.SHUTDOWN)
                 if not plan.wait:
                     self._taken(plan.admit)
@@ -503,16 +474,10 @@ class Worker:
                 finally:
                     pool.idle -= 1
 
-    def _hold(self, item: WorkItem) -> None:
-        """Mark ``item`` as held by this worker's threads, out of every queue; under the lock."""
-        item.taken = True
-        if item in self._parked_sizes:
-            self._unpark(item)
-
     def _taken(self, items: Sequence[WorkItem]) -> None:
         """Mark ``items`` as this worker's, running; under the lock."""
         for item in items:
-            self._hold(item)
+            self._parking.hold(item)
             item.worker = self.index
 
     def _preempt(self, running: list[WorkItem], plan: Preemption[WorkItem]) -> Sequence[WorkItem]:
@@ -559,7 +524,7 @@ class Worker:
             with self._cond:
                 cut = item.token.reason is not None
                 if not cut:
-                    self._park(item, size)
+                    self._parking.park(item, size)
                 self._publish([*running, newcomer])
             if cut:
                 release(self._runner, item, self._post, None)
@@ -576,24 +541,6 @@ class Worker:
         self._release_all(plan.drop)
         return plan.admit
 
-    def _park(self, item: WorkItem, size: int) -> None:
-        """Put a suspended ``item`` in this worker's parked queue, at its rank; under the lock."""
-        self.parked.push(
-            item,
-            item.batch_key,
-            priority=item.request.priority,
-            deadline=item.rank_deadline,
-            steps=item.steps_total - item.steps_done,
-            sequence=item.sequence,
-            tenant=item.request.tenant,
-        )
-        self._parked_sizes[item] = size
-        self.parked_bytes += size
-        self.preemptions += 1
-        item.preemptions += 1
-        item.t_suspended = time.perf_counter()
-        item.taken = False
-
     def _prepare(
         self, item: WorkItem, running: list[WorkItem], pending: Sequence[WorkItem]
     ) -> None:
@@ -604,7 +551,7 @@ class Worker:
         item.t_taken = started = time.perf_counter()
         try:
             if item.resume_from is not None:
-                item.state = self._restore(item)
+                item.state = restored(self._runner, item)
             if item.state is None:
                 item.state = self._runner.prepare(item.request, item.request_id)
         except Exception as exc:
@@ -613,59 +560,6 @@ class Worker:
             return
         item.prepare_s = time.perf_counter() - started
         running.append(item)
-
-    def _restore(self, item: WorkItem) -> object | None:
-        """L78: the state ``item``'s checkpoint holds, or ``None`` (refused: logged) to prepare.
-
-        Raises:
-            Exception: what the runner's ``restore`` raised, other than a refusal.
-        """
-        data, item.resume_from = item.resume_from, None
-        assert data is not None
-        runner = cast("CheckpointRunner[Any]", self._runner)
-        try:
-            state, steps = runner.restore(item.request, item.request_id, data)
-        except CheckpointError as exc:
-            WORKER.warning(
-                "the checkpoint of %s is refused (%s): it starts from step 0",
-                item.request_id,
-                exc,
-                extra={"request_id": item.request_id},
-            )
-            return None
-        item.steps_done = steps
-        restored: object = state
-        return restored
-
-    def _checkpoints(self, items: Sequence[WorkItem]) -> None:
-        """L78: hand a copy of each due member's state to the materializer, to make bytes."""
-        now = time.perf_counter()
-        runner = cast("CheckpointRunner[Any]", self._runner)
-        for item in items:
-            policy = item.checkpoint
-            if policy is None or item.steps_done >= item.steps_total:
-                continue
-            last = item.t_checkpoint
-            if last is None:  # its first step: the interval counts from here
-                item.t_checkpoint = now
-                if policy.every_s > 0:
-                    continue
-            elif now - last < policy.every_s:
-                continue
-            item.t_checkpoint = now
-            try:
-                copy = runner.checkpoint(item.state)
-            except Exception as exc:
-                item.checkpoint = None  # logged once: no more checkpoints of it
-                WORKER.warning(
-                    "%s is not checkpointed (%s: %s)",
-                    item.request_id,
-                    type(exc).__name__,
-                    exc,
-                    extra={"request_id": item.request_id},
-                )
-                continue
-            self._materializer.checkpoint(item, copy, item.steps_done)
 
     def _resume(self, item: WorkItem, running: list[WorkItem], pending: Sequence[WorkItem]) -> None:
         """A suspended request is back: the runner brings its state back (L61)."""
@@ -684,7 +578,7 @@ class Worker:
     def _step(self, running: list[WorkItem]) -> None:
         if self._whole_call:
             for item in running:
-                self._run_whole(item)  # it publishes an empty batch before its release
+                run_whole(self._runner, self._post, item, self)  # publishes () first
             running.clear()
             return
         self._step_started = started = time.perf_counter()
@@ -720,12 +614,12 @@ class Worker:
         ]
         self._publish(running)
         if self._checkpointing:
-            self._checkpoints(running)
+            take_checkpoints(self._runner, self._materializer, running)
         for item, error in stepped:
             if error is not None:
                 release(self._runner, item, self._post, error, call="preview")
             elif item.steps_done >= item.steps_total:
-                self._denoised(item)
+                self.denoised(item)
 
     def _fail_batch(self, running: list[WorkItem], exc: Exception) -> None:
         """L22: the whole batch of this step fails; the engine goes on."""
@@ -753,53 +647,29 @@ class Worker:
         post(Stepped(item, item.steps_done, item.steps_total, preview))
         return None
 
-    def _denoised(self, item: WorkItem) -> None:
+    # -- a whole-call runner's host (``_wholecall``) ----------------------------
+
+    def step_done(self, item: WorkItem, elapsed: float) -> Exception | None:
+        """One step of a whole-call runner's ``item``, counted, measured and posted."""
+        self.batch_steps += 1
+        self._recent.ran([(item.request.priority, item.request.tenant)])
+        self._measured(elapsed, item.batch_key, (item.step_pixels,))
+        error = self._stepped(item, elapsed)
+        self._publish((item,))
+        return error
+
+    def step_begins(self, at: float | None) -> None:
+        """The step running now began at ``at``; ``None`` between steps."""
+        self._step_started = at
+
+    def left_batch(self) -> None:
+        """The whole-call request left the batch."""
+        self._publish(())
+
+    def denoised(self, item: WorkItem) -> None:
+        """``item``'s last step is done: to the materializer, to decode (L16)."""
         item.t_denoised = time.perf_counter()
         self._materializer.put(item)
-
-    def _run_whole(self, item: WorkItem) -> None:
-        """Run a whole-call runner's own loop; its step callback is our step boundary."""
-        last = time.perf_counter()
-        error: Exception | None = None
-
-        def on_step(total: int | None = None) -> None:
-            nonlocal last, error
-            if total is not None:
-                item.steps_total = total
-            now = time.perf_counter()
-            self.batch_steps += 1
-            self._recent.ran([(item.request.priority, item.request.tenant)])
-            self._measured(now - last, item.batch_key, (item.step_pixels,))
-            error = self._stepped(item, now - last)
-            self._publish((item,))
-            last = self._step_started = now
-            # L7, L21: the boundary check; raising stops the loop before any decode.
-            if error is not None or item.token.reason is not None:
-                raise StopRun
-
-        runner = cast("WholeCallRunner[Any]", self._runner)
-        self._step_started = last
-        try:
-            try:
-                runner.run(item.state, on_step)
-            finally:
-                # Out of the batch before its release is posted (L62).
-                self._step_started = None
-                self._publish(())
-        except StopRun as stop:
-            if error is None and item.token.reason is None:
-                # Not ours: the runner stopped itself. A failure, not a cancellation.
-                release(self._runner, item, self._post, stop, call="run")
-            else:
-                release(self._runner, item, self._post, error, call="preview")
-        except Exception as exc:
-            release(self._runner, item, self._post, exc, call="run")
-        else:
-            if error is not None:
-                # The runner swallowed the StopRun raised for a bad preview (L24).
-                release(self._runner, item, self._post, error, call="preview")
-            else:
-                self._denoised(item)
 
     def _preview(self, item: WorkItem) -> Any:
         every = item.request.preview_every

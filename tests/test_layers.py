@@ -42,6 +42,9 @@ LOOP_SIDE = (
 #: The thread side: runs in the engine's own threads only, and posts messages.
 THREAD_SIDE = (
     "_worker",
+    "_parking",
+    "_checkpointing",
+    "_wholecall",
     "_pool",
     "_materialize",
     "_imagecheck",
