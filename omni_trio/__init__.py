@@ -141,7 +141,6 @@ from ._reasons import AbortReason as AbortReason
 from ._request import GenerationRequest as GenerationRequest
 from ._stepcache import CacheMetrics as CacheMetrics
 from ._stepcache import StepCache as StepCache
-
 from ._version import __version__ as __version__
 
 __all__ = [

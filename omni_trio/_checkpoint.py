@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._codec import request_fingerprint
 from . import _version as _package
+from ._codec import request_fingerprint
 
 if TYPE_CHECKING:
     from ._request import GenerationRequest
