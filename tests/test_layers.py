@@ -81,12 +81,20 @@ RUNNER_SEAM = frozenset(
     }
 )
 
-#: Each endpoint's modules: siblings over the serving plumbing (``_asgi``, ``_forms``, ...).
+#: Each endpoint's modules (a package: all of its modules): siblings over the serving
+#: plumbing (``_asgi``, ``_forms``, ...).
 ENDPOINTS = {
     "images": ["_images"],
     "edits": ["_edits"],
-    "videos": ["_videos", "_video_body", "_video_jobs"],
+    "videos": ["_videos", "_video_body", "jobs"],
 }
+
+#: The video jobs' package: its stores below, its lifecycle above (its docstring).
+JOBS = PACKAGE / "serve" / "jobs"
+#: The stores' modules: they block (called off the loop) and know nothing of the lifecycle.
+JOB_STORES = ("_store", "_files", "_sqlite", "_memory", "_writer")
+#: The lifecycle's modules: in the event loop, over the stores' protocol.
+JOB_LIFECYCLE = ("_record", "_job", "_table", "_runs", "_leases", "_jobs")
 
 
 def module_name(path: Path) -> str:
@@ -233,6 +241,35 @@ def test_the_parallel_runner_imports_only_the_runners_and_the_core_seam(path: Pa
 
 
 @pytest.mark.parametrize(
+    "path", sorted((PACKAGE / "parallel").glob("*.py")), ids=lambda path: path.name
+)
+def test_the_parallel_runner_reads_the_runners_public_names_only(path: Path) -> None:
+    """``omni_trio.parallel`` imports ``omni_trio.runners``' public names, never a private
+    module of it: the model call's room (``rows_slice``, ``token_split``, ``Exchange``) is
+    how a rank tells the call's features what it runs, and runs what they declare."""
+    private = sorted(m for m in imported_modules(path) if m.startswith("omni_trio.runners._"))
+    assert not private, private
+
+
+#: The per-row features of a model call and its hooks: each reads the call's context
+#: (``runners._forward``) and holds its hooks in ``runners._hooks``, never another's.
+MODEL_CALL_FEATURES = ("_stepcache", "_adapters", "_cancel")
+
+
+@pytest.mark.parametrize("feature", MODEL_CALL_FEATURES)
+def test_the_model_calls_features_read_the_context_not_each_other(feature: str) -> None:
+    """A feature of the model call imports the context and the hook registry, never
+    another feature (the adapters read which rows compute from the context, not from the
+    step cache)."""
+    imported = imported_modules(PACKAGE / "runners" / f"{feature}.py")
+    others = {f"omni_trio.runners.{other}" for other in MODEL_CALL_FEATURES} - {
+        f"omni_trio.runners.{feature}"
+    }
+    assert not imported & others, sorted(imported & others)
+    assert "omni_trio.runners._hooks" in imported
+
+
+@pytest.mark.parametrize(
     "package",
     [
         "omni_trio._",
@@ -259,6 +296,18 @@ def test_serve_never_imports_the_command_line() -> None:
         assert not crossing(path, ("omni_trio.cli", "argparse")), path
 
 
+def endpoint_paths(names: list[str]) -> list[Path]:
+    """The files of an endpoint's modules and packages."""
+    folders = [PACKAGE / "serve" / name for name in names]
+    return [
+        path
+        for folder in folders
+        for path in (
+            sorted(folder.glob("*.py")) if folder.is_dir() else [folder.with_suffix(".py")]
+        )
+    ]
+
+
 @pytest.mark.parametrize("endpoint", sorted(ENDPOINTS))
 def test_endpoints_import_neither_their_app_nor_each_other(endpoint: str) -> None:
     """An endpoint never imports ``serve/_app`` or another endpoint, not even for typing."""
@@ -269,10 +318,51 @@ def test_endpoints_import_neither_their_app_nor_each_other(endpoint: str) -> Non
         for module in names
     ]
     forbidden = ("omni_trio.serve._app", *siblings)
-    for module in ENDPOINTS[endpoint]:
-        path = PACKAGE / "serve" / f"{module}.py"
-        assert "omni_trio.serve._errors" in imported_modules(path)  # the resolution works
-        assert not crossing(path, forbidden), (module, crossing(path, forbidden))
+    paths = endpoint_paths(ENDPOINTS[endpoint])
+    assert all(path.is_file() for path in paths), paths
+    # The resolution works: each endpoint reaches the plumbing's errors.
+    assert any("omni_trio.serve._errors" in imported_modules(path) for path in paths)
+    for path in paths:
+        assert not crossing(path, forbidden), (path, crossing(path, forbidden))
+
+
+def test_the_jobs_lifecycle_talks_to_the_store_protocol_only() -> None:
+    """The video jobs' lifecycle imports ``_store``'s protocols, never a store's module: only
+    ``_job`` (``store_of``, the one place that makes a ``SqliteJobStore`` of ``jobs_dir``)
+    imports ``_sqlite``, and the package's ``__init__`` re-exports the stores; so a new store
+    (PostgreSQL) changes no module of the lifecycle but that one."""
+    assert sorted(p.stem for p in JOBS.glob("*.py")) == sorted(
+        ("__init__", *JOB_STORES, *JOB_LIFECYCLE)
+    )
+    stores = {f"omni_trio.serve.jobs.{m}" for m in ("_sqlite", "_memory", "_files")}
+    allowed = {
+        "__init__": stores,
+        "_job": {"omni_trio.serve.jobs._sqlite"},
+        "_sqlite": {"omni_trio.serve.jobs._files"},
+    }
+    for name in ("_jobs", "_runs", "_leases"):
+        assert "omni_trio.serve.jobs._store" in imported_modules(JOBS / f"{name}.py"), name
+    for path in JOBS.glob("*.py"):
+        found = imported_modules(path) & stores
+        assert found <= allowed.get(path.stem, set()), (path.stem, sorted(found))
+
+
+@pytest.mark.parametrize("name", JOB_STORES)
+def test_the_job_stores_block_and_know_nothing_of_the_lifecycle(name: str) -> None:
+    """A store's module imports no event loop (its methods block, called off the loop)
+    and, of omni_trio, only the other stores' modules and the checkpoint's data."""
+    path = JOBS / f"{name}.py"
+    assert not crossing(path, EVENT_LOOP), name
+    own = {m for m in imported_modules(path) if m.startswith("omni_trio")}
+    allowed = {f"omni_trio.serve.jobs.{m}" for m in JOB_STORES} | {"omni_trio._checkpoint"}
+    assert own <= allowed, (name, sorted(own - allowed))
+
+
+def test_the_lease_keeper_never_reaches_into_the_lifecycle() -> None:
+    """``_leases`` knows the shared store's protocol and its ``Holder``, never the modules
+    of the jobs it keeps the leases of: it tells the lifecycle what it lost or took over."""
+    lifecycle = tuple(f"omni_trio.serve.jobs.{m}" for m in ("_job", "_table", "_runs", "_jobs"))
+    assert not crossing(JOBS / "_leases.py", lifecycle)
 
 
 def test_nothing_imports_another_modules_underscore_names() -> None:

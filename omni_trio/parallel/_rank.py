@@ -27,18 +27,24 @@ Step caching, one way per layout (a layout by load takes none: its calls change
 way, and a cache's tensors could not follow):
 
 - sequence: every rank keeps its token slice of each cached row's residuals, and
-  decides from the group's sums (``shared_sums``: one all-gather of two floats per
-  deciding row per call), so every rank skips the same rows and so makes the same
+  decides from the group's sums (``runners.token_split``: one all-gather of two floats
+  per deciding row per call), so every rank skips the same rows and so makes the same
   collectives;
-- split: every rank decides for its slice of the rows alone, then sends the others
-  its slice's updates (``sliced``, ``RowSlice``: one all-gather of a record per row,
-  one of the computed rows' residuals), so every rank holds every row's whole cache
-  and a row that moves to another rank with the batch finds its cache there.
+- split: every rank decides for its slice of the rows alone (``runners.rows_slice``),
+  then sends the others its slice's updates (the ``Exchange`` the step cache declares:
+  one all-gather of a record per row, one of the computed rows' residuals), so every
+  rank holds every row's whole cache and a row that moves to another rank with the
+  batch finds its cache there.
 
 Adapters: every rank loads each adapter itself (rank 0's ops say which, in order with
 the joins and drops, so every rank's adapters are held, released and evicted alike).
-A call by rows gives each rank's slice its own rows' adapters (``call_rows``); a
-call by tokens keeps every row, so its adapters are the call's.
+A call by rows gives each rank's slice its own rows' adapters (``rows_slice`` narrows
+every feature of the call to the slice); a call by tokens keeps every row, so its
+adapters are the call's.
+
+The rank knows the call's features only through the model call's room
+(``omni_trio.runners``' ``rows_slice``, ``token_split``, ``Exchange``): it imports no
+feature's private names.
 
 ``RankStates`` is the other ranks' copy of the group's states, kept by applying
 rank 0's ops in order.
@@ -56,9 +62,7 @@ import torch
 
 from .._codec import request_from_record
 from .._runner import StopRun
-from ..runners import DiffusersRunner
-from ..runners._adapters import call_rows
-from ..runners._stepcache import RowSlice, shared_sums, sliced
+from ..runners import DiffusersRunner, Exchange, rows_slice, token_split
 from ._agree import Agreement, choose
 from ._context import ContextSwitch, ignore_gather_deprecation, waited
 from ._group import all_gather
@@ -133,11 +137,11 @@ class RankRunner(DiffusersRunner):
         ignore_gather_deprecation()
         if self.family == "qwen-image":
             cond = _text_padded(cond, self._layout.degree)
-        with shared_sums(self._summed):
+        with token_split(self._summed):
             return waited(super()._denoise(rows, t, cond, shared))
 
     def _summed(self, sums: torch.Tensor) -> torch.Tensor:
-        """The group's total of every rank's ``sums`` (a step cache's, ``shared_sums``),
+        """The group's total of every rank's ``sums`` (a step cache's, ``token_split``),
         added in rank order: the same bits on every rank, so every rank skips alike."""
         world = self._layout.degree
         gathered = sums.new_empty((world * sums.shape[0], *sums.shape[1:]))
@@ -158,12 +162,11 @@ class RankRunner(DiffusersRunner):
         size = chunk * math.prod(shape)
         # One float32 buffer: the slice's predictions, then this rank's "left" flag.
         send = torch.zeros(size + 1, dtype=torch.float32, device=rows.device)
-        with sliced(low, high) as piece:
+        with rows_slice(low, high) as exchanges:
             if high > low:
                 part = {name: value[low:high] for name, value in cond.items()}
                 try:
-                    with call_rows(low, high):
-                        out = super()._denoise(rows[low:high], t[low:high], part, shared)
+                    out = super()._denoise(rows[low:high], t[low:high], part, shared)
                 except StopRun:
                     send[-1] = 1.0
                 else:
@@ -178,21 +181,20 @@ class RankRunner(DiffusersRunner):
         table = gathered.view(world, size + 1)
         if bool(table[:, -1].any()):
             raise StopRun
-        if piece is not None:
-            self._exchange_caches(piece, chunk, count, rows.device)
+        for exchange in exchanges:
+            self._exchange(exchange, chunk, count, rows.device)
         whole = table[:, :-1].reshape(world * chunk, *shape)[:count]
         return whole.to(rows.dtype)
 
-    def _exchange_caches(
-        self, piece: RowSlice, chunk: int, count: int, device: torch.device
-    ) -> None:
-        """Every rank's step-cache updates of its slice to every rank (``RowSlice``): the
-        records first (with each rank's payload size), then the payloads padded to the
-        largest; none when no rank computed a cached row. The same collectives on every
-        rank: every rank's states hold the same cached rows."""
+    def _exchange(self, exchange: Exchange, chunk: int, count: int, device: torch.device) -> None:
+        """Every rank's updates of its slice to every rank, as a feature of the call
+        declared them (``Exchange``: the step cache's): the records first (with each
+        rank's payload size), then the payloads padded to the largest; none when no rank
+        has a payload. The same collectives on every rank: every rank's states hold the
+        same updates."""
         world = self._layout.degree
-        meta, payload = piece.pack(chunk)
-        fields = chunk * RowSlice.FIELDS
+        meta, payload = exchange.pack(chunk)
+        fields = chunk * exchange.fields
         send = torch.empty(fields + 1, dtype=torch.float32, device=device)
         send[:fields].copy_(meta.reshape(-1))
         send[fields] = float(payload.numel())
@@ -211,13 +213,13 @@ class RankRunner(DiffusersRunner):
         others = [
             (
                 min(count, rank * chunk),
-                records[rank, :fields].reshape(chunk, RowSlice.FIELDS).cpu(),
+                records[rank, :fields].reshape(chunk, exchange.fields).cpu(),
                 payloads[rank] if payloads is not None else payload,
             )
             for rank in range(world)
             if rank != self._rank
         ]
-        piece.merge(others, self._hidden_dtype())
+        exchange.merge(others, self._hidden_dtype())
 
     def _hidden_dtype(self) -> torch.dtype:
         """The denoiser's dtype (its hidden states', the step cache's tensors')."""

@@ -12,6 +12,11 @@
 - ``tiny_pipeline``: tiny real pipelines with random weights, for tests and demos;
   ``tiny_lora``: a random LoRA file for one (made with PEFT).
 - ``for_devices(make, devices)``: one runner per device, for ``open_engine``.
+- The model call's room, for what runs a model call elsewhere (``omni_trio.parallel``):
+  ``ModelCall``, one call of the denoiser as a value; ``rows_slice`` and
+  ``token_split``, which tell the call's per-row features that this process runs a
+  slice of its rows or of its tokens; ``Exchange``, what a slice must send the other
+  ranks.
 
 Layout: the private modules, each importing only those below it:
 
@@ -19,6 +24,13 @@ Layout: the private modules, each importing only those below it:
 - ``_diffusers``: ``DiffusersRunner``, the step loop all families share (with
   ``_park``, suspension, ``_cancel``, the cancel points' hooks, and ``_stepcache``,
   the per-request step caches inside the DiT blocks, L80-L83);
+- ``_forward``: the model call's room: ``ModelCall``, the value a model call is, set
+  for it in one thread-local that the per-row features read (the step cache, the
+  adapters: each makes its part of the call and reads the context, never the other);
+  the slices of a call that a rank runs, and the exchanges the features declare;
+- ``_hooks``: one registry of the runners' hooks on torch modules (cancel points'
+  pre-hooks, the step cache's and the adapters' wrappers: a chain per module, counted,
+  one close);
 - ``_registry``: which family drives which pipeline (``family_for``,
   ``is_supported``, ``supported_pipelines``); it imports every family module;
 - the families, which import the base (and ``_edit``, ``_chunks``), never the
@@ -28,14 +40,16 @@ Layout: the private modules, each importing only those below it:
 - ``_family``: the base, ``Family`` and ``RequestState``, and the helpers that
   more than one family module uses (public names inside the private module);
 - ``_stepcache``: below ``_family`` (a state holds its request's cache) and imported
-  by ``_video`` too (Wan 2.2's experts each run a subset of a call's rows);
+  by ``_video`` too (Wan 2.2's experts each run a subset of a call's rows); it reads
+  the model call's context (``_forward``) and hooks through ``_hooks``;
 - ``_adapters``: the adapters (LoRA) of a runner, row by row inside its model calls
-  (L85-L87); it reads the step cache's computing rows, and imports no family;
+  (L85-L87); it reads the model call's context (which rows compute, which slice of
+  rows this process runs), never the step cache, and imports no family;
   ``_landing``, below it: where each tensor of an adapter lands (the census a load is
   checked against);
 - ``_chunks``: decodes in chunks (L72).
 
-Apart: ``_tiny`` (and ``_quiet``), ``_tinylora``, ``_local``, ``_load`` and ``_devices`` import no
+Apart: ``_tiny`` (and ``_quiet``), ``_tinylora``, ``_load`` and ``_devices`` import no
 family.
 """
 
@@ -60,6 +74,10 @@ from ._call import runner_for as runner_for
 from ._devices import for_devices as for_devices
 from ._devices import visible_devices as visible_devices
 from ._diffusers import DiffusersRunner as DiffusersRunner
+from ._forward import Exchange as Exchange
+from ._forward import ModelCall as ModelCall
+from ._forward import rows_slice as rows_slice
+from ._forward import token_split as token_split
 from ._tiny import TINY_KINDS as TINY_KINDS
 from ._tiny import TINY_VIDEO_KINDS as TINY_VIDEO_KINDS
 from ._tiny import tiny_pipeline as tiny_pipeline
@@ -72,6 +90,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointRunner",
     "DiffusersRunner",
+    "Exchange",
+    "ModelCall",
     "PipelineCallRunner",
     "Runner",
     "RunnerCapabilities",
@@ -83,9 +103,11 @@ __all__ = [
     "cancel_point",
     "for_devices",
     "pack_checkpoint",
+    "rows_slice",
     "runner_for",
     "tiny_lora",
     "tiny_pipeline",
+    "token_split",
     "unpack_checkpoint",
     "visible_devices",
 ]

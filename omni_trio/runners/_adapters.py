@@ -17,10 +17,10 @@ Per-row forward: PEFT applies one set of adapters, with one scale each, to the
 whole forward (``set_adapters``), and its mixed-batch path (``adapter_names``) one
 adapter per row at the adapter's own scale. The runner needs more: each row its own
 adapters, several per row, each with the request's scale. So every LoRA layer's
-``forward`` is wrapped once (an instance attribute, as the step cache wraps its
-blocks, counted per module and put back by the last holder's ``close``): inside a
-model call of the runner (a per-call context on a thread-local) it runs the base
-layer once over every row, then for each distinct ``(adapter, scale)`` of the call
+``forward`` is wrapped once (in the runner's ``ModuleHooks``, as the step cache wraps
+its blocks, counted per module and put back by the last holder's ``close``): inside a
+model call of the runner (the adapters' part of the call's context, ``_forward``) it
+runs the base layer once over every row, then for each distinct ``(adapter, scale)`` of the call
 adds ``lora_B(lora_A(dropout(x))) * alpha / r * scale`` on that pair's rows only
 (``index_select`` / ``index_add_``; no indexing when the pair covers every row):
 PEFT's own expressions, so a row equals the pipeline's own call with
@@ -30,13 +30,13 @@ runner's calls (no context) the layer is PEFT's, untouched: the pipeline's own
 product on its rows; no weights are copied per scale.
 
 The rows a layer sees: the denoiser's calls cover every row of the model call,
-except inside the step cache's tail blocks where some rows skip (``computing_rows``
-says which compute, L81) and on a rank of a parallel group that runs a slice of the
-call's rows (``call_rows`` says which), and the text encoders, which ``prepare`` runs for one
-request (every row is that request's: classifier-free guidance's unconditional rows
-get its adapters too, as in diffusers). A layer that sees a batch the context does
-not describe raises rather than guess. Pipelines with a second denoiser (Wan 2.2's
-experts run row subsets of their own) take no adapters.
+except inside the step cache's tail blocks where some rows skip (the context's
+``computing`` says which compute, L81) and on a rank of a parallel group that runs a
+slice of the call's rows (``_forward.rows_slice``), and the text encoders, which
+``prepare`` runs for one request (every row is that request's: classifier-free
+guidance's unconditional rows get its adapters too, as in diffusers). A layer that
+sees a batch the context does not describe raises rather than guess. Pipelines with a
+second denoiser (Wan 2.2's experts run row subsets of their own) take no adapters.
 
 Residency (L87): ``AdapterSet`` bounds the loaded adapters by count and bytes. A
 request holds its adapters from ``prepare`` to ``discard`` (running or suspended);
@@ -63,9 +63,8 @@ import itertools
 import os
 import threading
 import warnings
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, suppress
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,12 +73,15 @@ import torch
 
 from .._adapters import AdapterError, AdapterInfo, AdapterPairs, check_adapter_name
 from .._errors import InvalidRequestError
+from ._forward import ModelCall, calling, current
+from ._hooks import ModuleHooks, has_hook
 from ._landing import Target, Unlanded, census, check_landed
-from ._local import thread_value
 from ._quiet import quiet_notices
-from ._stepcache import computing_rows
 
-__all__ = ["AdapterSet", "HeldAdapters", "call_rows", "wrapped_layers"]
+__all__ = ["NAME", "AdapterSet", "HeldAdapters", "wrapped_layers"]
+
+#: The adapters' name in a model call's parts, and their kind of hook (``_hooks``).
+NAME = "adapters"
 
 #: (the adapter's PEFT name, its scale) pairs a request's rows run with.
 HeldAdapters = tuple[tuple[str, float], ...]
@@ -95,7 +97,8 @@ def _fail(field: str, message: str) -> Any:
 
 
 class _Call:
-    """One model call's adapters: each ``(PEFT name, scale)`` pair and the rows it covers.
+    """The adapters' part of one model call (``_forward.CallPart``): each ``(PEFT name,
+    scale)`` pair and the rows it covers.
 
     ``rows`` ``None``: every row of whatever batch a layer sees (a text encoder's call
     for one request).
@@ -130,7 +133,8 @@ class _Call:
         """The groups over the ``batch`` rows a layer sees now: positions in its tensors."""
         if self.rows is None:
             return [(name, scale, None) for name, scale, _ in self.groups]
-        view = computing_rows()
+        forward = current()
+        view = None if forward is None else forward.computing
         if view is None:
             if batch != self.rows:
                 raise RuntimeError(
@@ -150,40 +154,33 @@ class _Call:
             self.view, self.view_groups = view, groups
         return self.view_groups
 
+    def narrowed(self, low: int, high: int) -> _Call:
+        """The call's rows ``low..high`` (a rank's slice of a call split by rows): each
+        pair keeps its rows among them, counted from ``low``."""
+        if self.rows is None:
+            return self
+        groups: list[tuple[str, float, list[int]]] = []
+        for name, scale, rows in self.groups:
+            kept = [row - low for row in rows if low <= row < high]
+            if kept:
+                groups.append((name, scale, kept))
+        return _Call(groups, high - low, self.device)
 
-_local = threading.local()
+    def exchange(self) -> None:
+        """Nothing to exchange: every rank holds every adapter."""
+        return None
+
+    def commit(self) -> None:
+        """Nothing to keep: a call changes no adapter."""
 
 
-def _active(call: _Call | None) -> AbstractContextManager[None]:
-    return thread_value(_local, "call", call)
-
-
-@contextmanager
-def call_rows(low: int, high: int) -> Iterator[None]:
-    """Inside, the model call under way has only its rows ``low..high`` (a rank's slice
-    of a call split by rows): each pair keeps its rows among them, counted from ``low``.
-
-    Nothing changes outside a call or in a call for one request's every row.
-    """
-    call: _Call | None = getattr(_local, "call", None)
-    if call is None or call.rows is None:
-        yield
-        return
-    groups: list[tuple[str, float, list[int]]] = []
-    for name, scale, rows in call.groups:
-        kept = [row - low for row in rows if low <= row < high]
-        if kept:
-            groups.append((name, scale, kept))
-    with _active(_Call(groups, high - low, call.device)):
-        yield
+def _current() -> _Call | None:
+    forward = current()
+    part: _Call | None = None if forward is None else forward.part(NAME)
+    return part
 
 
 # -- the LoRA layers' forward ---------------------------------------------------------
-
-_ORIGINAL = "_omni_trio_lora_forward"
-_wrap_lock = threading.Lock()
-# layer -> how many AdapterSets hold its wrapper; under _wrap_lock.
-_holders: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
 
 
 def _scaling(layer: Any, name: str, scale: float) -> float:
@@ -195,12 +192,13 @@ def _scaling(layer: Any, name: str, scale: float) -> float:
     return factor
 
 
-def _lora_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """A wrapped LoRA layer's ``forward``: see the module doc."""
-    call: _Call | None = getattr(_local, "call", None)
+def _lora_forward(
+    self: Any, proceed: Any, x: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    """A wrapped LoRA layer's ``forward`` (``proceed``: PEFT's): see the module doc."""
+    call = _current()
     if call is None:
-        original: Any = self.__dict__[_ORIGINAL]
-        out: torch.Tensor = original(x, *args, **kwargs)
+        out: torch.Tensor = proceed(x, *args, **kwargs)
         return out
     if self.merged:
         raise RuntimeError("adapters: a LoRA layer has fused (merged) weights; unfuse them")
@@ -224,31 +222,9 @@ def _lora_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torc
     return result
 
 
-def _wrap(layer: torch.nn.Module) -> None:
-    held = _holders.get(layer)
-    if held is not None:
-        _holders[layer] = held + 1
-        return
-    layer.__dict__[_ORIGINAL] = layer.forward
-    # A bound method, so a deep copy of the module rebinds it to the copy.
-    layer.__dict__["forward"] = _lora_forward.__get__(layer)
-    _holders[layer] = 1
-
-
-def _unwrap(layer: torch.nn.Module) -> None:
-    held = _holders.get(layer, 0) - 1
-    if held > 0:
-        _holders[layer] = held
-        return
-    _holders.pop(layer, None)
-    layer.__dict__.pop("forward", None)
-    layer.__dict__.pop(_ORIGINAL, None)
-
-
 def wrapped_layers(pipe: Any) -> int:
     """How many LoRA layers of ``pipe`` carry the runners' per-row forward now."""
-    with _wrap_lock:
-        return sum(1 for _, module in _lora_modules(pipe, _components(pipe)) if module in _holders)
+    return sum(1 for _, module in _lora_modules(pipe, _components(pipe)) if has_hook(module, NAME))
 
 
 def _components(pipe: Any) -> list[str]:
@@ -299,12 +275,14 @@ class AdapterSet:
         model_lock: the runner's lock around its model calls (see the module doc).
         max_loaded: the most adapters loaded at once (L87).
         max_bytes: the most bytes of loaded adapters' weights, or ``None``.
+        hooks: the runner's hooks, where the LoRA layers' wrappers are held.
     """
 
     pipe: Any
     model_lock: threading.RLock
     max_loaded: int
     max_bytes: int | None
+    hooks: ModuleHooks
     supported: bool = field(init=False)
     _components: list[str] = field(init=False)
     _entries: dict[str, _Entry] = field(init=False, default_factory=dict)
@@ -395,10 +373,7 @@ class AdapterSet:
             for entry in entries:
                 with suppress(Exception):
                     self._remove(entry)
-            layers, self._layers = self._layers, []
-            with _wrap_lock:
-                for layer in layers:
-                    _unwrap(layer)
+            self._layers = []  # their wrappers go with the runner's hooks
 
     # -- holds (prepare, discard) ---------------------------------------------------
 
@@ -449,21 +424,17 @@ class AdapterSet:
 
     # -- a model call's context -----------------------------------------------------
 
-    @contextmanager
-    def call(self, held: Sequence[HeldAdapters], rows: Sequence[int]) -> Iterator[None]:
-        """Inside, one model call whose requests' rows (``rows`` each) run ``held``'s adapters."""
+    def part(self, call: ModelCall) -> _Call | None:
+        """The adapters' part of ``call``: each state's rows run its held adapters
+        (``state.adapters``); ``None`` while no layer is wrapped."""
         if not self._layers:
-            yield
-            return
+            return None
         groups: dict[tuple[str, float], list[int]] = {}
-        start = 0
-        for pairs, count in zip(held, rows, strict=True):
-            for pair in pairs:
+        for state, start, count in call.owners():
+            for pair in state.adapters:
                 groups.setdefault(pair, []).extend(range(start, start + count))
-            start += count
         listed = [(name, scale, members) for (name, scale), members in groups.items()]
-        with _active(_Call(listed, start, torch.device(self.pipe.device))):
-            yield
+        return _Call(listed, call.total, call.device)
 
     @contextmanager
     def every_row(self, held: HeldAdapters) -> Iterator[None]:
@@ -472,7 +443,7 @@ class AdapterSet:
             yield
             return
         listed: list[tuple[str, float, list[int]]] = [(name, scale, []) for name, scale in held]
-        with _active(_Call(listed, None, torch.device(self.pipe.device))):
+        with calling(None, {NAME: _Call(listed, None, torch.device(self.pipe.device))}):
             yield
 
     # -- inside the model lock ------------------------------------------------------
@@ -513,12 +484,11 @@ class AdapterSet:
                 reason="invalid",
                 name=entry.name,
             ) from exc
-        with _wrap_lock:
-            known = set(map(id, self._layers))
-            for layer in layers:
-                if id(layer) not in known:
-                    _wrap(layer)
-                    self._layers.append(layer)
+        known = set(map(id, self._layers))
+        for layer in layers:
+            if id(layer) not in known:
+                self.hooks.wrap(layer, NAME, _lora_forward)
+                self._layers.append(layer)
         entry.peft, entry.bytes = peft, size
 
     def _check_loaded(

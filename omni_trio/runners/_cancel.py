@@ -9,22 +9,22 @@ step or decode that the engine armed, in the engine's thread (see
 a block half-did stays on the model (the blocks keep no state between calls), and
 the runner clears the per-call caches a VAE keeps (``clear_cache``).
 
-A module is hooked once however many runners share its pipeline: the hooks are
-counted per module, and the last runner's ``close`` removes them.
+A module is hooked once however many runners share its pipeline: the hooks are the
+runner's ``ModuleHooks`` (``_hooks``), counted per module, and the last runner's
+``close`` removes them.
 """
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from .._cancelpoint import cancel_point
+from ._hooks import ModuleHooks, has_hook
 
-__all__ = ["CancelPoints", "cancel_modules", "hooked"]
+__all__ = ["KIND", "cancel_modules", "hold_cancel_points", "hooked", "install_cancel_points"]
 
 #: The attributes of a denoiser that hold its blocks, in call order (DiT, Flux, UNet).
 _BLOCKS = (
@@ -38,9 +38,8 @@ _BLOCKS = (
 #: The pipeline attributes that hold a denoiser (Wan 2.2 has two experts).
 _DENOISERS = ("transformer", "transformer_2", "unet")
 
-_lock = threading.Lock()
-# module -> [hook handle, how many CancelPoints hold it]; under _lock.
-_hooks: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+#: The kind of the cancel points' hooks in ``_hooks``.
+KIND = "cancel-point"
 
 
 def cancel_modules(pipe: Any) -> list[torch.nn.Module]:
@@ -66,40 +65,17 @@ def _hook(module: torch.nn.Module, args: object) -> None:
     cancel_point()
 
 
-class CancelPoints:
-    """Cancel points before ``modules``' calls; see the module doc."""
+def hold_cancel_points(hooks: ModuleHooks, modules: Iterable[torch.nn.Module]) -> None:
+    """Hold a cancel point before each of ``modules`` in ``hooks``."""
+    hooks.pre_hook(modules, KIND, _hook)
 
-    def __init__(self, modules: Iterable[torch.nn.Module]) -> None:
-        unique = {id(module): module for module in modules}
-        self._modules: list[torch.nn.Module] | None = list(unique.values())
-        with _lock:
-            for module in self._modules:
-                entry = _hooks.get(module)
-                if entry is None:
-                    _hooks[module] = [module.register_forward_pre_hook(_hook), 1]
-                else:
-                    entry[1] += 1
 
-    @property
-    def count(self) -> int:
-        """How many modules are cancel points (0 once closed)."""
-        return len(self._modules or ())
-
-    def close(self) -> None:
-        """Let go of the hooks; the last holder of a module's hook removes it. Idempotent."""
-        modules, self._modules = self._modules, None
-        with _lock:
-            for module in modules or ():
-                entry = _hooks.get(module)
-                if entry is None:
-                    continue
-                entry[1] -= 1
-                if entry[1] == 0:
-                    entry[0].remove()
-                    del _hooks[module]
+def install_cancel_points(hooks: ModuleHooks, pipe: Any) -> int:
+    """Hold a cancel point before each of ``pipe``'s ``cancel_modules``; return how many."""
+    hold_cancel_points(hooks, cancel_modules(pipe))
+    return len(hooks.modules(KIND))
 
 
 def hooked(module: torch.nn.Module) -> bool:
     """Whether ``module`` carries the cancel-point hook now."""
-    with _lock:
-        return module in _hooks
+    return has_hook(module, KIND)

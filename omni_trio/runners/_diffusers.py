@@ -34,14 +34,19 @@ from .._adapters import AdapterInfo
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities, StopRun
 from .._stepcache import CacheMetrics
+from ._adapters import NAME as ADAPTERS
 from ._adapters import AdapterSet
-from ._cancel import CancelPoints, cancel_modules
+from ._cancel import KIND as CANCEL_POINT
+from ._cancel import install_cancel_points
 from ._checkpoint import StateCopy, copy_bytes, model_key, restore_into, state_copy
 from ._chunks import DecodeChunks
 from ._edit import keep_unmasked
 from ._family import RequestState, joined
+from ._forward import CallPart, ModelCall, calling
+from ._hooks import ModuleHooks
 from ._park import park_on_host, state_tensors, unpark
 from ._registry import family_for
+from ._stepcache import NAME as STEP_CACHE
 from ._stepcache import BlockCache, RequestCache
 
 __all__ = ["DiffusersRunner", "latent_preview"]
@@ -161,11 +166,14 @@ class DiffusersRunner:
         )
         self._family = family_for(pipeline, chunks)
         self._pipeline = pipeline
-        self._step_cache = BlockCache(pipeline)
+        # Every hook of the runner on the pipeline's modules: cancel points, the step
+        # cache's blocks, the adapters' LoRA layers (``_hooks``); one close.
+        self._hooks = ModuleHooks()
+        self._step_cache = BlockCache(pipeline, self._hooks)
         # Held around every model call; loads and unloads take it too (see ``_adapters``).
         self._model_lock = threading.RLock()
         self._adapters = AdapterSet(
-            pipeline, self._model_lock, max_loaded_adapters, max_adapter_bytes
+            pipeline, self._model_lock, max_loaded_adapters, max_adapter_bytes, self._hooks
         )
         min_steps, max_steps = step_bounds(pipeline.scheduler)
         self._capabilities = RunnerCapabilities(
@@ -194,7 +202,7 @@ class DiffusersRunner:
             max_adapters=max_adapters if self._adapters.supported else 0,
             checkpoints=True,
         )
-        self._cancel_points = CancelPoints(cancel_modules(pipeline))
+        install_cancel_points(self._hooks, pipeline)
         device = torch.device(pipeline.device)
         # On CUDA, decodes run on their own stream and copy into pinned host
         # memory, overlapping the next steps on the default stream.
@@ -276,13 +284,20 @@ class DiffusersRunner:
             rows = family.scale_input(state, rows, t)
             inputs.append(rows)
             steps.append(t.expand(rows.shape[0]).to(rows.device))
-        counts = [rows.shape[0] for rows in inputs]
-        with (
-            self._adapters.call([state.adapters for state in states], counts),
-            self._step_cache.call(states, counts),
-        ):
+        joined_rows = joined(inputs)
+        call = ModelCall(
+            states=tuple(states),
+            rows=tuple(rows.shape[0] for rows in inputs),
+            device=joined_rows.device,
+        )
+        found: tuple[tuple[str, CallPart | None], ...] = (
+            (STEP_CACHE, self._step_cache.part(call)),
+            (ADAPTERS, self._adapters.part(call)),
+        )
+        parts = {name: part for name, part in found if part is not None}
+        with calling(call, parts):
             output = self._denoise(
-                joined(inputs), joined(steps), family.join_cond(states), states[0].shared
+                joined_rows, joined(steps), family.join_cond(states), states[0].shared
             )
         start = 0
         for state, rows in zip(states, inputs, strict=True):
@@ -474,9 +489,8 @@ class DiffusersRunner:
         The pipeline belongs to the caller and stays usable; the adapters this runner
         loaded leave it (PEFT's LoRA layers, with no adapter in them, stay).
         """
-        self._cancel_points.close()
-        self._step_cache.close()
         self._adapters.close()
+        self._hooks.close()
 
     @property
     def step_cache_blocks(self) -> int:
@@ -486,4 +500,4 @@ class DiffusersRunner:
     @property
     def cancel_point_count(self) -> int:
         """How many modules of the pipeline are cancel points (L71, L72); 0 once closed."""
-        return self._cancel_points.count
+        return len(self._hooks.modules(CANCEL_POINT))

@@ -2,14 +2,15 @@
 
 The runner owns the cache, never diffusers' global hooks. At construction it wraps
 the ``forward`` of every block of each DiT denoiser (``transformer``, and Wan 2.2's
-``transformer_2``, whose rows keep caches of their own) once: an instance attribute,
-counted per module as the cancel points' hooks are and removed by the last runner's
-``close``. A forward pre-hook runs before ``forward``, so the cancel point (L71)
-still comes first, on skipped blocks too (L83).
+``transformer_2``, whose rows keep caches of their own) once, in the runner's
+``ModuleHooks`` (``_hooks``): counted per module as the cancel points' hooks are and
+removed by the last runner's ``close``. A forward pre-hook runs before ``forward``, so
+the cancel point (L71) still comes first, on skipped blocks too (L83).
 
-During one model call the runner sets a per-call context (``BlockCache.call``): which
-rows of the call belong to which request, and each request's ``RequestCache`` (its
-policy, per-row state, counters). Then, in the blocks:
+During one model call the step cache has its part of the call's context
+(``BlockCache.part``, read through ``_forward.current()``): which rows of the call
+belong to which request, and each request's ``RequestCache`` (its policy, per-row
+state, counters). Then, in the blocks:
 
 - the head (the first block of the first block list) runs for every row. A
   first-block row's change ratio is ``mean|r - r'| / mean|r'|``, ``r`` the head's
@@ -40,11 +41,11 @@ policy, per-row state, counters). Then, in the blocks:
 
 A request's decisions read only its own rows: the same skip pattern alone or in any
 batch (L81), up to a ratio that lies within batching's float noise of the threshold.
-A call whose tokens are split over several ranks (sequence parallel, ``shared_sums``)
-decides from the group's sums: each rank's head sees its slice of every row's
-tokens, so each row's two sums (``|r - r'|`` and ``|r'|``) are summed over the ranks
-first, and every rank makes the same decision from the same numbers (its tensors
-stay its own token slices).
+A call whose tokens are split over several ranks (sequence parallel,
+``_forward.token_split``) decides from the group's sums: each rank's head sees its
+slice of every row's tokens, so each row's two sums (``|r - r'|`` and ``|r'|``) are
+summed over the ranks first, and every rank makes the same decision from the same
+numbers (its tensors stay its own token slices).
 The per-row state lives in the request's ``RequestState.cache``: created by
 ``prepare``, counted by ``state_bytes``, moved by ``suspend``/``resume`` and dropped by
 ``discard`` (L82). UNet denoisers are not wrapped: their blocks pass skip
@@ -54,11 +55,10 @@ not one tensor; a runner over a UNet declares no ``step_cache``.
 
 from __future__ import annotations
 
+import functools
 import inspect
-import threading
-import weakref
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,17 +66,13 @@ import torch
 
 from .._request import GenerationRequest
 from .._stepcache import CacheMetrics, StepCache
-from ._local import thread_value
+from ._forward import Forward, ModelCall, current
+from ._hooks import ModuleHooks, has_hook
 
-__all__ = [
-    "BlockCache",
-    "RequestCache",
-    "RowSlice",
-    "computing_rows",
-    "expert_rows",
-    "shared_sums",
-    "sliced",
-]
+__all__ = ["NAME", "BlockCache", "RequestCache", "expert_rows"]
+
+#: The step cache's name in a model call's parts, and its kind of hook (``_hooks``).
+NAME = "step-cache"
 
 #: The kinds the wrappers apply.
 KINDS = frozenset({"first-block", "taylorseer"})
@@ -363,42 +359,52 @@ def _forecast(rows: RowCache) -> torch.Tensor:
 
 
 class _Call:
-    """One model call's rows (per row: its ``_Slot`` or ``None``) and its pending updates."""
+    """The step cache's part of one model call (``_forward.CallPart``): per row its
+    ``_Slot`` or ``None``, and the call's pending updates.
 
-    __slots__ = ("active", "forward", "slots", "updates")
+    A rank's slice of the call (``narrowed``) is a ``_Call`` of its rows, whose updates
+    its ``RowSlice`` exchange adds to the whole call's, with the other ranks'.
+    """
 
-    def __init__(self, slots: list[_Slot | None]) -> None:
+    __slots__ = ("active", "forward", "low", "outer", "slots", "updates")
+
+    def __init__(self, slots: list[_Slot | None], outer: _Call | None = None, low: int = 0) -> None:
         self.slots = slots
         #: The rows of the denoiser forward under way (a Wan 2.2 expert's subset).
         self.active = slots
         self.updates: list[_Update] = []
         #: The denoiser forward under way, from its head to its last block.
         self.forward: _Forward | None = None
+        #: The whole call, for a rank's slice from row ``low``; ``None``: the whole call.
+        self.outer = outer
+        self.low = low
+
+    def narrowed(self, low: int, high: int) -> _Call:
+        """The call's rows ``low..high``: the step cache decides for them only."""
+        return _Call(self.slots[low:high], outer=self, low=low)
+
+    def exchange(self) -> RowSlice | None:
+        """A slice's updates, to exchange with the other ranks' (``RowSlice``)."""
+        return None if self.outer is None else RowSlice(self)
 
     def commit(self) -> None:
         for update in self.updates:
             update.commit()
 
 
-_local = threading.local()
-
-
 def _current() -> _Call | None:
-    call: _Call | None = getattr(_local, "call", None)
-    return call
+    forward = current()
+    part: _Call | None = None if forward is None else forward.part(NAME)
+    return part
 
 
-def computing_rows() -> list[int] | None:
-    """The model call's rows that the block running now computes; ``None``: every row.
-
-    Inside the tail blocks of a forward where some rows skip, the computing rows'
-    positions among the call's rows, in order (the rows the block's tensors hold);
-    anywhere else ``None``. Adapters read it to give each row its own (``_adapters``).
-    Not for Wan 2.2's experts, whose forwards run on a subset of rows of their own.
-    """
-    call = _current()
-    run = None if call is None else call.forward
-    return None if run is None else run.computing
+def _set_forward(call: _Call, run: _Forward | None) -> None:
+    """The denoiser forward under way (its head ran) or none (its last block ran); the
+    model call's context says which rows compute (``Forward.computing``, for adapters)."""
+    call.forward = run
+    forward = current()
+    if forward is not None:
+        forward.computing = None if run is None else run.computing
 
 
 @contextmanager
@@ -417,27 +423,27 @@ def expert_rows(mask: Sequence[bool]) -> Iterator[None]:
 
 
 class RowSlice:
-    """A rank's slice ``low..high`` of a model call split by rows, its step cache's part.
+    """A rank's slice of a model call split by rows: the step cache's ``_forward.Exchange``.
 
-    Inside ``sliced``, the step cache decides for the slice's rows only (the rank runs
-    them alone). Its updates stay aside until ``merge``, which adds them and the other
-    ranks' (unpacked from their ``pack``) to the call, to be committed with it: every
-    rank's copy of every request's cache then makes the same updates as one process.
+    The step cache decides for the slice's rows only (the rank runs them alone). Its
+    updates stay aside until ``merge``, which adds them and the other ranks' (unpacked
+    from their ``pack``) to the whole call, to be committed with it: every rank's copy
+    of every request's cache then makes the same updates as one process.
     """
 
     #: ``pack``'s record per row: flag (-1 no policy, 0 skipped, 1 computed), denoiser,
     #: blocks, whether a head residual follows, the hidden states' tokens and width.
-    FIELDS = 6
+    fields = 6
 
-    def __init__(self, outer: _Call, low: int, high: int) -> None:
-        self.outer = outer
-        self.low = low
-        self.sub = _Call(outer.slots[low:high])
+    def __init__(self, sub: _Call) -> None:
+        assert sub.outer is not None
+        self.outer = sub.outer
+        self.sub = sub
 
     def pack(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This slice's updates as float32: one ``FIELDS`` record per row (``rows``
         records, the rest -1), and the computed rows' residuals and tails, in order."""
-        meta = torch.full((rows, self.FIELDS), -1.0, dtype=torch.float32)
+        meta = torch.full((rows, self.fields), -1.0, dtype=torch.float32)
         parts: list[torch.Tensor] = []
         position = {
             (id(slot.cache), slot.row): i
@@ -499,34 +505,6 @@ class RowSlice:
                 self.outer.updates.append(update)
 
 
-@contextmanager
-def sliced(low: int, high: int) -> Iterator[RowSlice | None]:
-    """Inside, the model call under way has only its rows ``low..high`` for the step
-    cache (a rank's slice of a call split by rows); ``None`` when no row of the call
-    is cached. See ``RowSlice``."""
-    call = _current()
-    if call is None:
-        yield None
-        return
-    piece = RowSlice(call, low, high)
-    _local.call = piece.sub
-    try:
-        yield piece
-    finally:
-        _local.call = call
-
-
-def shared_sums(reduce: Callable[[torch.Tensor], torch.Tensor]) -> AbstractContextManager[None]:
-    """Inside, first-block decisions read the group's sums, not this process's means.
-
-    ``reduce`` takes a ``[rows, 2]`` float32 tensor (per deciding row: the sum of
-    ``|r - r'|`` and of ``|r'|`` over this rank's tokens) and returns the group's
-    total, the same bits on every rank (sequence parallel: every rank holds a slice
-    of every row's tokens, and must skip alike).
-    """
-    return thread_value(_local, "reduce", reduce)
-
-
 #: What the tail does in a denoiser forward: every row computes (the blocks run as they
 #: are), no row does (they pass the head's outputs on), or some do (sliced, scattered).
 _ALL, _NONE, _SOME = "all", "none", "some"
@@ -579,20 +557,13 @@ class _Forward:
 
 @dataclass(frozen=True, slots=True)
 class _Role:
-    """What a wrapped block is: its spec, its denoiser and place, what ran before it."""
+    """What a wrapped block is: its spec, its denoiser and place."""
 
     spec: BlockSpec
     denoiser: int
     blocks: int
     head: bool
     last: bool
-    #: The forward to call: the one that was there (the class's, or an instance's).
-    original: Any
-    #: An instance ``forward`` that was there before ours (a library's), to put back.
-    instance_forward: Any = None
-
-
-_ROLE = "_omni_trio_step_cache"
 
 
 def _argument(spec: BlockSpec, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -620,27 +591,30 @@ def _packed(spec: BlockSpec, hidden: torch.Tensor, encoder: torch.Tensor | None)
     return tuple(out)
 
 
-def _block_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A wrapped block's ``forward``: see the module doc."""
-    role: _Role = self.__dict__[_ROLE]
-    call = _current()
+def _block_forward(
+    role: _Role, module: torch.nn.Module, proceed: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """A wrapped block's ``forward`` (``proceed``: the block's own): see the module doc."""
+    forward = current()
+    call: _Call | None = None if forward is None else forward.part(NAME)
     if call is None:
-        return role.original(*args, **kwargs)
+        return proceed(*args, **kwargs)
     if role.head:
-        return _head(call, role, args, kwargs)
+        assert forward is not None
+        return _head(call, forward, role, proceed, args, kwargs)
     run = call.forward
     if run is None or run.mode == _ALL:
-        out = role.original(*args, **kwargs)
+        out = proceed(*args, **kwargs)
         if role.last and run is not None:
             _record_tails(role.spec, run, out)
-            call.forward = None
+            _set_forward(call, None)
         return out
     spec = role.spec
     if run.mode == _NONE:
         hidden = _argument(spec, "hidden_states", args, kwargs)
         encoder = _argument(spec, "encoder_hidden_states", args, kwargs)
         if role.last:
-            call.forward = None
+            _set_forward(call, None)
         return _packed(spec, hidden, encoder if spec.carries_encoder else None)
     sliced = list(args)
     for position, value in enumerate(args):
@@ -649,10 +623,10 @@ def _block_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             sliced[position] = run.rows_of(name, value)
     for name in spec.per_row.intersection(kwargs):
         kwargs[name] = run.rows_of(name, kwargs[name])
-    out = role.original(*sliced, **kwargs)
+    out = proceed(*sliced, **kwargs)
     if not role.last:
         return out
-    call.forward = None
+    _set_forward(call, None)
     _record_tails(spec, run, out)
     return _scattered(spec, run, out)
 
@@ -677,7 +651,14 @@ def _scattered(spec: BlockSpec, run: _Forward, out: Any) -> Any:
     return _packed(spec, full, None)
 
 
-def _head(call: _Call, role: _Role, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _head(
+    call: _Call,
+    forward: Forward,
+    role: _Role,
+    proceed: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
     """The head block: run it for every row, decide per row, hand the tail its rows."""
     spec = role.spec
     slots = call.active
@@ -685,29 +666,29 @@ def _head(call: _Call, role: _Role, args: tuple[Any, ...], kwargs: dict[str, Any
         if _argument(spec, name, args, kwargs) is not None:
             raise RuntimeError(f"step cache: a block called with {name} is not covered")
     if not any(slot is not None for slot in slots):
-        return role.original(*args, **kwargs)
+        return proceed(*args, **kwargs)
     hidden_in = _argument(spec, "hidden_states", args, kwargs)
-    out = role.original(*args, **kwargs)
+    out = proceed(*args, **kwargs)
     hidden, encoder = _split(spec, out)
     if hidden.shape[0] != len(slots):
         raise RuntimeError(
             f"step cache: the model call has {hidden.shape[0]} rows, its requests {len(slots)}"
         )
-    updates = _decide(role, slots, hidden_in, hidden)
+    updates = _decide(role, slots, hidden_in, hidden, forward.sums)
     call.updates.extend(update for update in updates if update is not None)
     computing = [i for i, update in enumerate(updates) if update is None or update.computed]
     if len(computing) == len(slots):
         # Every row computes: the tail runs as it is; only the residuals are kept.
         run = _Forward(rows=len(slots), mode=_ALL, head_hidden=hidden)
         run.tails = [(i, u) for i, u in enumerate(updates) if u is not None]
-        call.forward = run
+        _set_forward(call, run)
         return out
     computes = set(computing)
     skipping = [i for i in range(len(slots)) if i not in computes]
     skip_hidden = _skip_hidden(skipping, updates, hidden)
     if not computing:
         # Every row skips: the head's outputs are final, the tail passes them on.
-        call.forward = _Forward(rows=len(slots), mode=_NONE)
+        _set_forward(call, _Forward(rows=len(slots), mode=_NONE))
         return _packed(spec, skip_hidden, encoder)
     device = hidden.device
     index = torch.tensor(computing, device=device, dtype=torch.long)
@@ -719,7 +700,7 @@ def _head(call: _Call, role: _Role, args: tuple[Any, ...], kwargs: dict[str, Any
         skip_index=torch.tensor(skipping, device=device, dtype=torch.long),
         skip_hidden=skip_hidden,
     )
-    call.forward = run
+    _set_forward(call, run)
     run.head_hidden = hidden.index_select(0, index)
     head_encoder = None if encoder is None else encoder.index_select(0, index)
     run.tails = [
@@ -748,13 +729,20 @@ def _skip_hidden(
 
 
 def _decide(
-    role: _Role, slots: list[_Slot | None], hidden_in: torch.Tensor, hidden: torch.Tensor
+    role: _Role,
+    slots: list[_Slot | None],
+    hidden_in: torch.Tensor,
+    hidden: torch.Tensor,
+    reduce: Any,
 ) -> list[_Update | None]:
-    """Each row's update (``None``: no policy), its decision made; one host sync at most."""
+    """Each row's update (``None``: no policy), its decision made; one host sync at most.
+
+    ``reduce``: the group's sums of a call whose tokens are split over ranks
+    (``Forward.sums``), or ``None``.
+    """
     updates: list[_Update | None] = []
     ratios: list[torch.Tensor] = []
     pending: list[_Update] = []
-    reduce: Callable[[torch.Tensor], torch.Tensor] | None = getattr(_local, "reduce", None)
     for i, slot in enumerate(slots):
         if slot is None:
             updates.append(None)
@@ -783,7 +771,7 @@ def _decide(
             # As diffusers' FirstBlockCache for one row: the same operations and shapes.
             ratios.append((residual - previous).abs().mean() / previous.abs().mean())
         else:
-            # A slice of the row's tokens: its sums, for the group's (``shared_sums``).
+            # A slice of the row's tokens: its sums, for the group's (``token_split``).
             sums = ((residual - previous).abs().sum(), previous.abs().sum())
             ratios.append(torch.stack(sums).float())
         pending.append(update)
@@ -815,78 +803,36 @@ def _taylor_computes(policy: StepCache, rows: RowCache) -> bool:
 
 # -- installing the wrappers ------------------------------------------------------------
 
-_lock = threading.Lock()
-# block -> how many BlockCaches hold its wrapper; under _lock.
-_holders: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
-
 
 class BlockCache:
-    """A runner's step cache: the blocks' wrappers, and each model call's context."""
+    """A runner's step cache: the blocks' wrappers, and its part of each model call."""
 
-    def __init__(self, pipe: Any) -> None:
+    def __init__(self, pipe: Any, hooks: ModuleHooks) -> None:
         found = denoiser_blocks(pipe)
         #: The kinds the runner declares (``RunnerCapabilities.step_cache``).
         self.kinds: frozenset[str] = frozenset() if not found else KINDS
-        self._blocks: list[torch.nn.Module] = []
-        if not found:
-            return
-        with _lock:
-            for denoiser, blocks in enumerate(found):
-                for index, block in enumerate(blocks):
-                    self._wrap(block, denoiser, index, len(blocks))
-
-    def _wrap(self, block: torch.nn.Module, denoiser: int, index: int, count: int) -> None:
-        self._blocks.append(block)
-        held = _holders.get(block)
-        if held is not None:
-            _holders[block] = held + 1
-            return
-        spec = _spec_of(block)
-        assert spec is not None
-        # The forward that was there: the class's, or one a library put on the instance.
-        role = _Role(
-            spec,
-            denoiser,
-            count,
-            head=index == 0,
-            last=index == count - 1,
-            original=block.forward,
-            instance_forward=block.__dict__.get("forward"),
-        )
-        block.__dict__[_ROLE] = role
-        # A bound method, so a deep copy of the module rebinds it to the copy.
-        block.__dict__["forward"] = _block_forward.__get__(block)
-        _holders[block] = 1
-
-    def close(self) -> None:
-        """Let go of the wrappers; the last holder of a block's puts its forward back."""
-        blocks, self._blocks = self._blocks, []
-        with _lock:
-            for block in blocks:
-                held = _holders.get(block, 0) - 1
-                if held > 0:
-                    _holders[block] = held
-                    continue
-                _holders.pop(block, None)
-                role: _Role | None = block.__dict__.pop(_ROLE, None)
-                del block.__dict__["forward"]
-                if role is not None and role.instance_forward is not None:
-                    block.__dict__["forward"] = role.instance_forward
+        self._hooks = hooks
+        for denoiser, blocks in enumerate(found or ()):
+            for index, block in enumerate(blocks):
+                spec = _spec_of(block)
+                assert spec is not None
+                last = index == len(blocks) - 1
+                role = _Role(spec, denoiser, len(blocks), head=index == 0, last=last)
+                hooks.wrap(block, NAME, functools.partial(_block_forward, role))
 
     @property
     def count(self) -> int:
-        """How many blocks this runner holds wrapped (0 once closed)."""
-        return len(self._blocks)
+        """How many blocks this runner holds wrapped (0 once its hooks are closed)."""
+        return len(self._hooks.modules(NAME))
 
-    @contextmanager
-    def call(self, states: Sequence[Any], rows: Sequence[int]) -> Iterator[None]:
-        """Inside, one model call over ``states``' rows (``rows`` each), cached where asked.
+    def part(self, call: ModelCall) -> _Call | None:
+        """The step cache's part of ``call`` (``None``: no row of it is cached).
 
-        The cache updates of the call are committed when the block ends normally only.
+        Its updates are committed when the call returns normally only.
         """
         slots: list[_Slot | None] = []
         cached = False
-        for state, count in zip(states, rows, strict=True):
+        for state, _, count in call.owners():
             cache: RequestCache | None = state.cache
             if cache is None:
                 slots.extend([None] * count)
@@ -895,19 +841,9 @@ class BlockCache:
                 raise RuntimeError(f"step cache: {count} rows where the request has {cache.rows}")
             cached = True
             slots.extend(_Slot(cache, row) for row in range(count))
-        if not cached:
-            yield
-            return
-        call = _Call(slots)
-        _local.call = call
-        try:
-            yield
-        finally:
-            _local.call = None
-        call.commit()
+        return _Call(slots) if cached else None
 
 
 def wrapped(block: torch.nn.Module) -> bool:
     """Whether ``block``'s forward is the step cache's now."""
-    with _lock:
-        return block in _holders
+    return has_hook(block, NAME)
