@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import importlib
 import random
-import time
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -43,6 +43,7 @@ from omni_trio._cancelpoint import armed
 from omni_trio.runners import DiffusersRunner, StopRun, tiny_pipeline
 from omni_trio.runners._family import RequestState
 from omni_trio.runners._stepcache import wrapped
+from omni_trio.testing import probe, wait_until
 from tests.support.core import BUDGET
 from tests.support.runners import (
     SIZE,
@@ -284,14 +285,16 @@ async def test_cache_state_is_the_admissions_a_reused_id_starts_afresh() -> None
 
 
 class Faulting(DiffusersRunner):
-    """A tiny runner whose third step fails (``"failure"``) or overruns (``"deadline"``);
-    it keeps every state it prepared, to see their caches after the release."""
+    """A tiny runner whose third step fails (``"failure"``) or overruns (``"deadline"``:
+    it holds until the test opens ``gate``, once the deadline passed); it keeps every
+    state it prepared, to see their caches after the release."""
 
     def __init__(self, pipe: Any, fault: str) -> None:
         super().__init__(pipe)
         self.fault = fault
         self.steps = 0
         self.states: list[RequestState] = []
+        self.gate = threading.Event()
 
     def prepare(self, request: ot.GenerationRequest, request_id: str) -> RequestState:
         state = super().prepare(request, request_id)
@@ -303,7 +306,7 @@ class Faulting(DiffusersRunner):
         if self.steps == 3:
             if self.fault == "failure":
                 raise RuntimeError("a model fault")
-            time.sleep(1.0)  # past the request's 0.5 s deadline (whenever it passed)
+            assert self.gate.wait(BUDGET), "the test never opened the gate"
         super().step(states)
 
 
@@ -312,12 +315,18 @@ class Faulting(DiffusersRunner):
 async def test_a_failed_or_overdue_cached_request_drops_its_cache(fault: str) -> None:
     """L82: a cached request failed by its runner, or ended by its deadline, leaves no cache
     state: the release discards it with the request's state, as for a finish or an abort.
+
+    The overdue step is held until the engine asked for the deadline's abort (no sleep
+    decides it: the step returns once the deadline has passed, whenever that was).
     """
     runner = Faulting(tiny("flux"), fault)
     r = cached("flux", first_block(0.4), seed=10, deadline_s=0.5)
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(runner) as engine:
             async with engine.submit(r, request_id="faulty") as handle:
+                if fault == "deadline":
+                    await wait_until(lambda: probe(handle).cancel_reason == "deadline")
+                    runner.gate.set()
                 with pytest.raises(
                     ot.RequestFailedError if fault == "failure" else ot.RequestError
                 ):
