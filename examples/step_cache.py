@@ -42,10 +42,11 @@ async def main() -> None:
             if cache is None:
                 print(f"{name:12s} every block of every step")
                 continue
+            # block_fraction is the share of the block work that ran (a skip runs one block).
             print(
                 f"{name:12s} {cache.pattern[0]}  skipped {cache.calls_skipped} of"
                 f" {cache.calls_computed + cache.calls_skipped} calls,"
-                f" {cache.block_fraction:.0%} of the block work"
+                f" computed {cache.block_fraction:.0%} of the block work"
             )
 
 

@@ -2,14 +2,15 @@
 
     .venv/bin/python examples/video_client.py http://127.0.0.1:8000 --prompt "a boat" --seconds 2
 
-Given no URL, it starts ``python -m omni_trio serve --model tiny-wan`` on a free
-loopback port for the run and stops it afterwards, so it runs anywhere as is (tiny
-random weights: noise-like frames, real machinery). ``client.videos.create`` makes
-the job and returns at once (``queued``); ``poll`` reads it until it completed or
-failed; ``download_content`` is the MP4, written to ``--out``; ``delete`` frees it
-on the server (finished jobs expire there anyway, after ``--video-ttl``). The
-diffusion fields (steps, seed) travel in ``extra_body``. Needs the ``openai``
-package; PyAV only on the server.
+Given no URL, it starts ``python -m omni_trio serve --model tiny-wan --jobs-dir none``
+on a free loopback port for the run and stops it afterwards, so it runs anywhere as is
+(tiny random weights: noise-like frames, real machinery) and leaves nothing behind
+(``none``: the jobs live in memory, not in the store in your home that a server keeps
+by default). ``client.videos.create`` makes the job and returns at once (``queued``);
+``poll`` reads it until it completed or failed; ``download_content`` is the MP4,
+written to ``--out``; ``delete`` frees it on the server (finished jobs expire there
+anyway, after ``--video-ttl``). The diffusion fields (steps, seed) travel in
+``extra_body``. Needs the ``openai`` package; PyAV only on the server.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.url is not None:
         return make_video(args.url, args)
-    with local_server(["--model", "tiny-wan"]) as url:
+    with local_server(["--model", "tiny-wan", "--jobs-dir", "none"]) as url:
         return make_video(url, args)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import anyio
 import pytest
 
 import omni_trio as ot
+from omni_trio.runners import tiny_pipeline
 from omni_trio.testing import GatedRunner
 from tests.support.core import BUDGET
 
@@ -39,10 +41,42 @@ def test_readme_names_the_main_and_test_commands() -> None:
 #: The files an example writes into its working folder.
 WRITES = {"tutorial_first.py": "flower.png"}
 
+#: A cached request's line of examples/step_cache.py.
+CACHED_LINE = re.compile(
+    r"(?P<name>[\w-]+) +(?P<pattern>[CS]+)  skipped (?P<skipped>\d+) of (?P<calls>\d+) calls,"
+    r" computed (?P<percent>\d+)% of the block work"
+)
+
+
+def check_step_cache(stdout: str) -> None:
+    """L84: each cached request's line says what ran: the calls it skipped (its pattern's
+    ``S``) and the share of the block work it computed (``CacheMetrics.block_fraction``:
+    every block of a computed call, the first block alone of a skipped one), not the share
+    it skipped."""
+    # The blocks of one tiny Flux call, as the runner's step cache counts them.
+    transformer = tiny_pipeline("flux").transformer
+    blocks = len(transformer.transformer_blocks) + len(transformer.single_transformer_blocks)
+    lines = stdout.splitlines()
+    cached = [match for line in lines if (match := CACHED_LINE.fullmatch(line))]
+    assert [match["name"] for match in cached] == ["first-block", "taylorseer"], stdout
+    for match in cached:
+        pattern = match["pattern"]
+        skipped = pattern.count("S")
+        assert (int(match["skipped"]), int(match["calls"])) == (skipped, len(pattern))
+        assert 0 < skipped < len(pattern)  # neither all nor none of the work ran
+        ran = (len(pattern) - skipped) * blocks + skipped  # the first block of each skip
+        assert f"{match['percent']}%" == f"{ran / (len(pattern) * blocks):.0%}"
+
+
+#: What an example prints, checked past its exit status.
+CHECKS = {"step_cache.py": check_step_cache}
+
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_example_runs(path: Path, tmp_path: Path) -> None:
-    """Each example runs to completion on a CPU in seconds (and writes what it says).
+    """Each example runs to completion on a CPU in seconds, writes what it says and prints
+    what it means, and leaves nothing in the user's state folder (L77: a local server it
+    starts keeps no video jobs in serve's default --jobs-dir).
 
     docs/tutorial.md's first program is examples/tutorial_first.py: it writes flower.png.
     """
@@ -52,6 +86,10 @@ def test_example_runs(path: Path, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     if path.name in WRITES:
         assert (tmp_path / WRITES[path.name]).exists()
+    if path.name in CHECKS:
+        CHECKS[path.name](result.stdout)
+    # conftest gives each test its own empty state folder ($XDG_STATE_HOME).
+    assert list(Path(os.environ["XDG_STATE_HOME"]).iterdir()) == []
 
 
 def test_stream_previews_does_what_its_docstring_says(tmp_path: Path) -> None:
