@@ -3,15 +3,15 @@
 Determinism rules:
 - one local Ray cluster (loopback, usage stats off) serves the module's in-process
   tests with two applications of the fake model: ``cluster``, 2 replicas, Ray sending
-  each 2 requests at a time and queueing 6 more; and ``solo``, 1 replica whose engine
-  holds 3 requests (1 running, 2 waiting) and to which Ray sends up to 32 at a time,
-  for the tests that read a busy replica's metrics (Ray routes a request to the less
-  busy replica, so with two, a busy one is never reached) and for backpressure, where
-  the engine's bound is exact and Ray's is best effort (under load Ray once held all
-  16 of 16 requests where its bound read 10); one test deploys a third, ``videos``
-  (2 replicas of a fake video model sharing one job store, L79), and kills a replica
-  (SIGKILL) mid-job: Ray starts another, and the job is taken over once its lease (2 s)
-  lapsed; each test leaves the applications idle, and a test that starts an endless
+  each 2 requests at a time and queueing 6 more; and ``solo``, 1 replica, for the tests
+  that read a busy replica's metrics (Ray routes a request to the less busy replica, so
+  with two, a busy one is never reached); three tests deploy one of their own:
+  ``videos`` (2 replicas of a fake video model sharing one job store, L79), which kills
+  a replica (SIGKILL) mid-job: Ray starts another, and the job is taken over once its
+  lease (2 s) lapsed; ``groups`` (L49); and ``held`` (L47), 1 replica whose every step
+  waits at a gate (a Ray actor, ``tests.support.ray``) until the test opens it, so its
+  requests are held as long as the test needs, and the gate says how many are held;
+  each test leaves the applications idle, and a test that starts an endless or held
   request ends it whatever happens;
 - requests that must overlap take seconds (hundreds of 10 ms steps), so that they
   overlap however slowly the threads that send them start;
@@ -65,6 +65,12 @@ ENDLESS = 100_000
 REPLICAS = 2
 #: Requests Ray sends the solo replica at a time: more than any test sends it at once.
 SOLO_ONGOING = 32
+#: The held replica's bounds: Ray sends it 2 requests at a time (its engine's 2 workers
+#: take one each, so both reach the gate) and its proxy queues 3 more; 3 beyond those
+#: are refused.
+HELD_ONGOING = 2
+HELD_QUEUED = 3
+HELD_REFUSED = 3
 
 
 # -- ReplicaIngress alone ------------------------------------------------------
@@ -180,8 +186,8 @@ def apps() -> Iterator[tuple[Cluster, Cluster]]:
     # Processes this session started before (multiprocessing's resource tracker, which the
     # parallel tests start and which lives as long as pytest) are not Ray's to end.
     before = descendants(os.getpid())
-    # Seven replicas of one CPU each (Ray Serve's default: the two applications, the
-    # video test's and the groups test's), and one to spare.
+    # Eight replicas of one CPU each (Ray Serve's default): the two applications' three,
+    # and the video, groups and held tests' own (each deleted after its test).
     ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=8, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -205,8 +211,8 @@ def apps() -> Iterator[tuple[Cluster, Cluster]]:
             )
 
         # The pair's engines hold what Ray may send them (2 at a time, and Ray's count
-        # of them lags), so their 429 never races Ray's bound. The solo replica's engine
-        # holds 3, and Ray sends it more than a test ever sends: its 429 decides.
+        # of them lags), so their 429 never races Ray's bound. Ray sends the solo
+        # replica more than a test ever sends it.
         pair = serve.run(app(REPLICAS, ongoing=2, waiting=4), name="images", route_prefix="/")
         solo = serve.run(app(1, ongoing=SOLO_ONGOING, waiting=2), name="solo", route_prefix="/solo")
         url = f"http://127.0.0.1:{port}"
@@ -263,6 +269,44 @@ def videos(apps: tuple[Cluster, Cluster], tmp_path: Path) -> Iterator[Cluster]:
         yield Cluster(apps[0].url + "/videos", handle, folder=folder)
     finally:
         serve.delete("videos")
+
+
+@pytest.fixture
+def held(apps: tuple[Cluster, Cluster]) -> Iterator[tuple[Cluster, Any]]:
+    """A fifth application, for its one test: 1 replica whose engine's 2 workers hold
+    every step at a gate (``tests.support.ray``), and the gate. The gate is opened
+    whatever happens, then the application deleted."""
+    import ray
+    from ray import serve
+
+    from omni_trio.serve.ray import deployment
+    from tests.support.ray import held_runners, start_gate
+
+    gate = start_gate()
+    try:
+        handle = serve.run(
+            deployment(
+                functools.partial(held_runners, gate, HELD_ONGOING),
+                # The engine takes every request Ray sends it (2 running, room for 2
+                # waiting): Ray's bound is the one this application reaches.
+                engine_config=ot.EngineConfig(max_batch_size=1, max_waiting=HELD_ONGOING),
+                serve_config=ot.serve.ServeConfig(
+                    model_name="fake", default_width=64, default_height=32, default_steps=4
+                ),
+                max_ongoing_requests=HELD_ONGOING,
+                max_queued_requests=HELD_QUEUED,
+                graceful_shutdown_timeout_s=5.0,
+            ),
+            name="held",
+            route_prefix="/held",
+        )
+        try:
+            yield Cluster(apps[0].url + "/held", handle, replicas=1), gate
+        finally:
+            ray.get(gate.open.remote(), timeout=30)
+            serve.delete("held")
+    finally:
+        ray.kill(gate)
 
 
 def rank_processes() -> set[int]:
@@ -444,55 +488,63 @@ def test_a_cancelled_handle_call_aborts_and_releases(solo: Cluster) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.ray
 @pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
-def test_backpressure_answers_at_once_never_hangs(solo: Cluster) -> None:
-    """L47: a replica whose engine is full (1 running, 2 waiting, all held by handle calls
-    that never end by themselves) answers each of 13 more HTTP requests while those 3
-    still hold it: 429 with ``Retry-After`` from the engine, or 503 from Ray's proxy
-    (which counts requests it is still routing against ``max_queued_requests``, so 13 at
-    once pass its 6). None is admitted, none waits for a place. Then the 3 are cancelled
-    and the replica is idle: nothing hangs."""
-    from ray.serve.exceptions import RequestCancelledError
+def test_backpressure_answers_at_once_never_hangs(held: tuple[Cluster, Any]) -> None:
+    """L47: a replica held full (``max_ongoing_requests``, 2, each at a gate) and its
+    proxy's queue held full (``max_queued_requests``, 3): each further request is answered
+    503 at once, while every admitted one is still held (no place frees, so none of the
+    answers waited for one). Opened, the gate lets the 5 admitted run: 5 answered 200,
+    3 refused, none refused by the engine, and the replica is idle.
 
-    cluster = solo
-    refused = cluster.total("omni_trio_requests_total", outcome="queue_full")
-    endless = ot.GenerationRequest(prompt="a flower", num_steps=ENDLESS, width=64, height=64)
-    held = [cluster.handle.generate.remote(endless)]
+    The replica's 2 are sent one at a time, each held at the gate before the next is
+    sent: the proxy then knows the replica full, so it only asks it, never sends it one
+    more that it would refuse. A request on its way to a replica is not counted as
+    queued, so a burst may let more in than the bounds: of 8 sent at once, fewer than 3
+    were refused in 2 of 5 runs; 16 once all got in where the bounds read 10. The 6
+    after the 2 may come at once: the proxy counts a request as queued in the same step
+    that checks the bound, so exactly 3 are refused."""
+    import ray
 
-    def counts() -> tuple[float, float]:
-        text = cluster.per_replica("/metrics").popitem()[1]
-        names = ("omni_trio_requests_running", "omni_trio_requests_waiting")
-        return metric(text, names[0]), metric(text, names[1])
+    app, gate = held
+    body = {"prompt": "a flower", "num_inference_steps": 4}
+    admitted = HELD_ONGOING + HELD_QUEUED
+    answers: dict[int, httpx.Response] = {}
+    lock = threading.Lock()
+    threads: list[threading.Thread] = []
+
+    def send(index: int) -> None:
+        def post() -> None:
+            answer = app.post(body)
+            with lock:
+                answers[index] = answer
+
+        thread = threading.Thread(target=post)
+        thread.start()
+        threads.append(thread)
 
     try:
-        # One at a time: three at once may all wait before the worker takes the first,
-        # and the third is then refused (seen under load).
-        poll_until(lambda: counts()[0] == 1, timeout=30, what="the first to run")
-        held += [cluster.handle.generate.remote(endless) for _ in range(2)]
-        poll_until(lambda: counts() == (1, 2), timeout=30, what="1 running and 2 waiting")
-        answers: list[httpx.Response] = []
-
-        def one() -> None:
-            answers.append(cluster.post({"prompt": "a flower", "num_inference_steps": 4}))
-
-        threads = [threading.Thread(target=one) for _ in range(13)]
-        for thread in threads:
-            thread.start()
+        for index in range(HELD_ONGOING):
+            send(index)
+            # Held in the replica: its worker's first step waits at the gate.
+            ray.get(gate.wait_arrived.remote(index + 1), timeout=30)
+        for index in range(HELD_ONGOING, admitted + HELD_REFUSED):
+            send(index)
+        poll_until(lambda: len(answers) >= HELD_REFUSED, timeout=30, what="the refusals")
+        with lock:
+            refused = dict(answers)  # the admitted are held: no other answer can come now
+        assert len(refused) == HELD_REFUSED, {i: a.status_code for i, a in refused.items()}
+        assert {a.status_code for a in refused.values()} == {503}, [
+            a.text for a in refused.values()
+        ]
+        assert ray.get(gate.arrived.remote(), timeout=30) == HELD_ONGOING
+    finally:
+        ray.get(gate.open.remote(), timeout=30)  # whatever happened: nothing stays held
         for thread in threads:
             thread.join(60)
-        codes = [a.status_code for a in answers]
-        assert len(codes) == 13 and set(codes) <= {429, 503}, [a.text for a in answers]
-        assert all(a.headers.get("Retry-After") for a in answers if a.status_code == 429)
-        assert counts() == (1, 2), "the 3 held requests still hold the engine"
-    finally:
-        for response in held:
-            response.cancel()  # whatever happened: the endless requests must not run on
-    for response in held:
-        with pytest.raises(RequestCancelledError):
-            response.result(timeout_s=30)
-    cluster.wait_idle()
-    assert cluster.total("omni_trio_requests_total", outcome="queue_full") == refused + codes.count(
-        429
-    )
+    codes = sorted(a.status_code for a in answers.values())
+    assert codes == [200] * admitted + [503] * HELD_REFUSED, [a.text for a in answers.values()]
+    app.wait_idle()
+    assert app.total("omni_trio_requests_total", outcome="completed") == admitted
+    assert app.total("omni_trio_requests_total", outcome="queue_full") == 0
 
 
 @pytest.mark.timeout(300)  # its application's start (two replicas), then the job
