@@ -11,6 +11,7 @@ thread and every other thread it started has ended.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import threading
 import time
@@ -18,9 +19,8 @@ from collections.abc import Callable
 
 from .._config import EngineConfig
 from .._request import MAX_PRIORITY
-from ..serve._jobstore import StoreOpenError, default_jobs_dir
 from ..serve._models import MODELS
-from ..serve._video_jobs import DEFAULT_JOBS_LEASE_S
+from ..serve.jobs import DEFAULT_JOBS_LEASE_S, StoreOpenError, default_jobs_dir
 from ._env import read_environment, resolve_environment
 from ._errors import EXIT_ERROR, CommandError
 from ._given import refuse_unused
@@ -472,7 +472,9 @@ def run_serve(args: argparse.Namespace) -> int:
         raise CommandError(f"cannot listen on {address(args.host, args.port)}: {exc}") from exc
     finally:
         service.videos.close_store()  # closed already, unless the server never ran
-    return _threads_ended()
+    status = _threads_ended()
+    _spare_the_exit()
+    return status
 
 
 def _threads_ended() -> int:
@@ -494,3 +496,16 @@ def _threads_ended() -> int:
         [t.name for t in others] or "none",
     )
     return EXIT_ERROR if left or others else 0
+
+
+def _spare_the_exit() -> None:
+    """Freeze every object alive out of the garbage collector: the process is done with them.
+
+    The interpreter's exit runs full collections as it clears its modules, and each
+    walked every object torch, diffusers and the servers made (about 440,000 with
+    ``tiny-sd``, 0.3 s a walk on this project's 2-core VM): 1.3 to 2.7 s between the
+    "stopped" line and the end of the process, longer on a loaded machine. Frozen
+    (``gc.freeze``), they are out of those walks; the exit still runs every ``atexit``
+    handler and frees each object by its reference count, as before.
+    """
+    gc.freeze()
