@@ -38,7 +38,7 @@ from types import FrameType
 
 from ..serve._models import MODELS, is_video_model
 from ..serve._options import ServiceOptions, build_service
-from ..serve._video_jobs import DEFAULT_JOBS_LEASE_S
+from ..serve.jobs import DEFAULT_JOBS_LEASE_S
 from ._errors import EXIT_ERROR, CommandError, UsageError, exit_status_for, reported, summary
 from ._given import refuse_unused
 from ._logs import configure_logging, log_notes

@@ -22,10 +22,10 @@ cards. The endpoints are siblings that it routes to:
 - ``_images``: ``POST /v1/images/generations`` (and edits, given their parser);
 - ``_edits``: the edit form to an image job (``POST /v1/images/edits``);
 - ``_videos``: the ``/v1/videos`` routes, over ``_video_body`` (the body to a
-  request, an ``input_reference`` checked before it is decoded) and ``_video_jobs``
-  (the jobs' tasks and their bounded store), which writes through to ``_jobstore``
-  (the durable store, L77: SQLite and files under ``--jobs-dir``, and the checkpoint
-  writer's thread, L78).
+  request, an ``input_reference`` checked before it is decoded) and the ``jobs``
+  package: the jobs' tasks and their bounded store, written through to a durable
+  store behind a protocol (L77-L79: SQLite and files under ``--jobs-dir``, the
+  checkpoint writer's thread, L78, a shared store's leases); its docstring draws it.
 
 Under them, the plumbing they share: ``_asgi`` (the ASGI types, headers, the
 body within its limit, JSON and server-sent events, the watched client),
@@ -66,7 +66,7 @@ from ._options import OptionError as OptionError
 from ._options import ServiceOptions as ServiceOptions
 from ._options import build_service as build_service
 from ._upload import UploadLimits as UploadLimits
-from ._video_jobs import VideoConfig as VideoConfig
+from .jobs import VideoConfig as VideoConfig
 
 __all__ = [
     "CLIENT_GONE",

@@ -41,9 +41,9 @@ from ._keys import ApiKeys, KeyGate
 from ._metrics import ServeMetrics
 from ._schema import ImageJob
 from ._upload import UploadLimits
-from ._video_jobs import VideoConfig, VideoJobs
 from ._videos import VideosApi
 from ._warmup import warm_up, warm_up_request
+from .jobs import VideoConfig, VideoJobs
 
 __all__ = ["NOT_STARTED", "Service", "create_app"]
 

@@ -30,8 +30,8 @@ from ._keys import ApiKeys
 from ._models import FALLBACK_FPS, LoadedModel, load_model
 from ._upload import UploadLimits
 from ._video_body import default_frames
-from ._video_jobs import VideoConfig
 from ._warmup import warm_up_request
+from .jobs import VideoConfig
 
 __all__ = ["OptionError", "ServiceOptions", "build_service"]
 

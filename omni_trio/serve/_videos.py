@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from .._engine import Engine
     from ._config import Admission, ServeConfig
     from ._metrics import ServeMetrics
-    from ._video_jobs import VideoJob, VideoJobs
+    from .jobs import VideoJob, VideoJobs
 
 __all__ = ["VideosApi"]
 

@@ -43,7 +43,7 @@ from ._keys import ApiKeys
 from ._options import ServiceOptions, build_service
 from ._ray_ingress import REPLICA_HEADER, App, ReplicaIngress
 from ._video_body import default_frames
-from ._video_jobs import DEFAULT_JOBS_LEASE_S, VideoConfig
+from .jobs import DEFAULT_JOBS_LEASE_S, VideoConfig
 
 __all__ = [
     "DEFAULT_JOBS_LEASE_S",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_trio.serve._jobstore import JobStore
+from omni_trio.serve.jobs import SqliteJobStore
 from tests.support.cli import serve
 
 
@@ -32,7 +32,7 @@ def test_a_busy_jobs_folder_is_one_line_naming_jobs_lease_under_either_server(
 ) -> None:
     """L77 (amended), L79: a second server on a folder another holds says so in one line that
     names --jobs-lease, before it listens, under Hypercorn and Uvicorn alike."""
-    holder = JobStore(tmp_path)
+    holder = SqliteJobStore(tmp_path)
     holder.open()
     try:
         result = serve(

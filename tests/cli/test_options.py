@@ -20,9 +20,9 @@ from omni_trio.cli._main import main
 from omni_trio.cli._options import check_model, load, make_service, service_options
 from omni_trio.cli._serve import add_serve_arguments
 from omni_trio.runners import tiny_lora
-from omni_trio.serve._jobstore import default_jobs_dir
 from omni_trio.serve._models import MODELS, ModelError, load_model
 from omni_trio.serve._options import ServiceOptions
+from omni_trio.serve.jobs import default_jobs_dir
 from tests.support.runners import tiny
 
 BUILT_IN = f"the built-in models are {', '.join(MODELS)}"

@@ -25,7 +25,7 @@ import torch
 import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
 from omni_trio.serve import ServeConfig, Service, UploadLimits, VideoConfig
-from omni_trio.serve._video_jobs import encode_mp4
+from omni_trio.serve.jobs import encode_mp4
 from tests.support.core import BUDGET
 from tests.support.serve import PixelWork, poll_until, run_server
 

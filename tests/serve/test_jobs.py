@@ -21,7 +21,7 @@ import anyio
 import pytest
 
 import omni_trio as ot
-from omni_trio.serve._jobstore import JobStore
+from omni_trio.serve.jobs import SqliteJobStore
 from omni_trio.testing import FakeRunner
 from tests.support.core import BUDGET
 from tests.support.jobs import (
@@ -181,7 +181,7 @@ async def test_a_jobs_time_to_live_counts_across_a_restart(
     """L77: a completed job expires ``ttl_s`` after it finished, whatever restarts came
     between: kept before, gone (404, its row and its file) after."""
     clocks = Clocks()
-    monkeypatch.setattr("omni_trio.serve._video_jobs.time", clocks)
+    monkeypatch.setattr("omni_trio.serve.jobs._runs.time", clocks)
     with anyio.fail_after(BUDGET):
         service, _ = service_on(tmp_path, ttl_s=60.0, clock=clocks.clock)
         async with serving(service) as client:
@@ -202,13 +202,13 @@ async def test_a_jobs_time_to_live_counts_across_a_restart(
 async def test_opening_the_store_removes_what_a_crash_left(tmp_path: Path) -> None:
     """L77: temporary files (a write cut by a crash) and files whose job is gone or not in
     that state are removed when the store opens; nothing half-written is ever served."""
-    store = JobStore(tmp_path)
+    store = SqliteJobStore(tmp_path)
     assert await anyio.to_thread.run_sync(store.open) == []
     for name in ("videos/.video_x.mp4.abc.tmp", "videos/video_gone.mp4",
                  "checkpoints/video_gone.ckpt", "checkpoints/.video_y.ckpt.1.tmp"):  # fmt: skip
         (tmp_path / name).write_bytes(b"half")
     store.close()
-    store = JobStore(tmp_path)
+    store = SqliteJobStore(tmp_path)
     await anyio.to_thread.run_sync(store.open)
     store.close()
     assert not any((tmp_path / "videos").iterdir())
@@ -222,7 +222,7 @@ def test_a_jobs_record_keeps_its_parameters_and_its_image() -> None:
     import torch
 
     from omni_trio.serve._video_body import VideoSpec
-    from omni_trio.serve._video_jobs import spec_from_record, spec_record
+    from omni_trio.serve.jobs import spec_from_record, spec_record
 
     pixels = torch.randint(0, 256, (SIZE, SIZE, 3), dtype=torch.uint8)
     request = ot.GenerationRequest(
@@ -249,7 +249,7 @@ def test_the_command_lines_job_options_reach_the_store(tmp_path: Path) -> None:
     from omni_trio.cli._options import service_options, unused_options
     from omni_trio.cli._ray import _options as ray_options
     from omni_trio.cli._serve import add_serve_arguments
-    from omni_trio.serve._video_jobs import DEFAULT_JOBS_LEASE_S
+    from omni_trio.serve.jobs import DEFAULT_JOBS_LEASE_S
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

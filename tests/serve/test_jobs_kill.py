@@ -31,7 +31,7 @@ import torch
 
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
 from omni_trio.serve import ServeConfig, Service, VideoConfig
-from omni_trio.serve._jobstore import HOLD_VARIABLE
+from omni_trio.serve.jobs import HOLD_VARIABLE
 from tests.support.core import BUDGET
 from tests.support.serve import poll_until, run_server
 

@@ -27,7 +27,7 @@ import pytest
 import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, tiny_lora, tiny_pipeline
 from omni_trio.serve import ServeConfig, Service, VideoConfig
-from omni_trio.serve._jobstore import JobStore, StoreOpenError
+from omni_trio.serve.jobs import SqliteJobStore, StoreOpenError
 from omni_trio.testing import FakeRunner
 from tests.support.core import BUDGET
 from tests.support.jobs import RULE, content, create, finished, service_on, serving, uninterrupted
@@ -128,16 +128,16 @@ async def test_a_failed_mp4_write_fails_that_job_only_and_the_server_answers(
 ) -> None:
     """L77 (amended): a full disk when the MP4 is written fails that job (``storage_error``,
     one log line), not the server: the next job completes, and the server stops cleanly."""
-    real_write = JobStore._write
+    real_write = SqliteJobStore._write
     failing = {"left": 1}
 
-    def write(self: JobStore, path: Path, data: bytes, **kwargs: object) -> None:
+    def write(self: SqliteJobStore, path: Path, data: bytes, **kwargs: object) -> None:
         if path.suffix == ".mp4" and failing["left"]:
             failing["left"] -= 1
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write(self, path, data, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(JobStore, "_write", write)
+    monkeypatch.setattr(SqliteJobStore, "_write", write)
     with anyio.fail_after(BUDGET):
         service, _ = service_on(tmp_path)
         with caplog.at_level(logging.ERROR, logger="omni_trio.serve"):
@@ -162,17 +162,17 @@ async def test_a_store_that_cannot_open_says_why_and_holds_nothing(tmp_path: Pat
     folder = tmp_path / "jobs"
     folder.mkdir()
     (folder / "jobs.sqlite3").write_bytes(b"not a database, " * 512)
-    store = JobStore(folder)
+    store = SqliteJobStore(folder)
     with pytest.raises(StoreOpenError, match=r"jobs\.sqlite3 cannot be read: file is not a"):
         await anyio.to_thread.run_sync(store.open)
     (folder / "jobs.sqlite3").unlink()
-    again = JobStore(folder)
+    again = SqliteJobStore(folder)
     assert await anyio.to_thread.run_sync(again.open) == []
     again.close()
     plain = tmp_path / "plain"
     plain.write_text("a file")
     with pytest.raises(StoreOpenError, match="cannot be used: File exists"):
-        await anyio.to_thread.run_sync(JobStore(plain).open)
+        await anyio.to_thread.run_sync(SqliteJobStore(plain).open)
 
 
 async def test_a_checkpoint_that_cannot_be_read_is_refused_and_the_job_runs_from_step_0(

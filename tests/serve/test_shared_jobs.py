@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from omni_trio.serve import Service
-from omni_trio.serve._jobstore import StoreBusyError
+from omni_trio.serve.jobs import StoreBusyError
 from omni_trio.testing import FakeRunner
 from tests.support.core import BUDGET
 from tests.support.jobs import RULE, content, create, finished, service_on, serving, uninterrupted

@@ -31,7 +31,7 @@ from omni_trio.runners import DiffusersRunner, RunnerCapabilities, tiny_pipeline
 from omni_trio.serve import ApiError, ServeConfig, Service, VideoConfig
 from omni_trio.serve._config import Admission
 from omni_trio.serve._video_body import frames_for, parse_video_body
-from omni_trio.serve._video_jobs import VideoJob
+from omni_trio.serve.jobs import VideoJob
 from omni_trio.testing import (
     FakeRunner,
     GatedRunner,

@@ -20,14 +20,15 @@ SIZE = 16
 
 
 def service_on(
-    folder: Path,
+    folder: Path | None,
     runner: FakeRunner | None = None,
     *,
     max_step_s: float | None = 30.0,
     warm_up: bool = False,
     **video: Any,
 ) -> tuple[Service, FakeRunner]:
-    """A video service keeping its jobs in ``folder``; checkpoints at every step."""
+    """A video service keeping its jobs in ``folder`` (``None``: in ``video``'s ``store``);
+    checkpoints at every step."""
     runner = runner if runner is not None else FakeRunner(frames=RULE, checkpoints=True)
     video.setdefault("checkpoint_every_s", 0.0)
     config = ServeConfig(

@@ -34,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import omni_trio as ot
 from omni_trio.serve import ServeConfig, Service
-from omni_trio.serve._jobstore import JobRow, JobStore
+from omni_trio.serve.jobs import JobRow, SqliteJobStore
 from omni_trio.testing import FakeRunner
 from tests.support.cli import ROOT, free_port
 
@@ -97,7 +97,7 @@ async def serving(service: Service) -> AsyncIterator[httpx.AsyncClient]:
 async def stored_rows(folder: Path) -> list[JobRow]:
     """The rows of the job store in ``folder``, by ``seq`` (opened and closed again, so that
     the next server on the folder gets its lock)."""
-    store = JobStore(folder)
+    store = SqliteJobStore(folder)
     try:
         return await anyio.to_thread.run_sync(store.open)
     finally:

@@ -1,73 +1,41 @@
-"""The durable store of video jobs (L77, L78): SQLite records and files under one folder.
-
-Layout of ``--jobs-dir``::
-
-    jobs.sqlite3 (+ -wal, -shm)   one row per job: parameters, status, error, progress
-    videos/<id>.mp4               a completed job's MP4
-    checkpoints/<id>.ckpt         a running job's last checkpoint (L78)
+"""The video jobs' store in SQLite and files under one folder (L77, L79): ``SqliteJobStore``.
 
 Records are written through the standard library's ``sqlite3`` in WAL mode (one
-connection per store, a lock around it); the event loop calls ``JobStore``'s methods through
-``anyio.to_thread`` (never on the loop), the checkpoint writer (``CheckpointWriter``,
-an owned thread) directly. Files are written atomically: a temporary file in the
-same folder, ``fsync``, ``rename``, ``fsync`` of the folder; a row says
-``completed`` only once its MP4 is in place, so a crash never leaves a half-written
-MP4 that is served. Opening the store removes what a crash may leave: temporary
-files, and files whose job is gone (deleted, or never completed).
+connection per store, a lock around it), files by ``_files`` (atomically, under the
+folder ``_files`` lays out); a row says ``completed`` only once its MP4 is in place,
+so a crash never leaves a half-written MP4 that is served.
 
-One server, or several on one host (L79). A store opened without an ``owner`` is
-one server's: it holds the folder's lock (``lock``, ``flock``) exclusively, so a
-second server on the folder is refused, and it takes every unfinished job. A store
-opened with an ``owner`` (a server's id) shares the folder with the other servers
-that do: each job row names its owner and a lease (Unix seconds) that the owner
-renews; a server takes over a job whose lease lapsed (its owner died or stalled) in
-one SQLite transaction (``claim``), and every write about a running job is fenced
-by its owner (``WHERE owner IS ?``), so a server that lost a job's lease changes
-nothing of it. SQLite's own locking decides; it needs one host's file locks, which a
-network file system does not give: the servers sharing a folder run on one host.
-
-A test hook, never set in production: ``OMNI_TRIO_TEST_HOLD=<point>`` makes the
-process stop for good at one point (``admitted``: a job's row is written, before
-its submit; ``checkpoint:<k>``: a checkpoint of step k or later is written;
-``encode``: a job's output is there, before its MP4 is encoded; ``write``: an MP4's
-temporary file is written, before its rename), after creating ``held-<point>`` in the
-folder, so that a test kills the process at a known moment.
+A shared store (L79, ``_store``'s docstring): each job row names its owner and its
+lease; a takeover is one SQLite transaction (``claim``), and every write about a
+running job is fenced by its owner (``WHERE owner IS ?``) in one. SQLite's own locking
+decides; it needs one host's file locks: the servers sharing a folder run on one host.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import json
-import logging
 import os
 import sqlite3
-import tempfile
 import threading
-import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._checkpoint import Checkpoint
+from ..._checkpoint import Checkpoint
+from ._files import (
+    HOLD_VARIABLE,
+    hold,
+    hold_folder,
+    read_checkpoint,
+    remove,
+    tidy,
+    write_atomically,
+)
+from ._store import LIVE, JobRow, StoreOpenError
 
-__all__ = [
-    "HOLD_VARIABLE",
-    "CheckpointWriter",
-    "JobRow",
-    "JobStore",
-    "StoreBusyError",
-    "StoreOpenError",
-    "default_jobs_dir",
-    "hold",
-]
-
-_log = logging.getLogger("omni_trio.serve")
-
-#: The environment variable of the test hook (see the module's docstring).
-HOLD_VARIABLE = "OMNI_TRIO_TEST_HOLD"
+__all__ = ["SqliteJobStore"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -106,113 +74,18 @@ _ADDED_COLUMNS = {
 }
 
 
-def default_jobs_dir() -> Path:
-    """``$XDG_STATE_HOME/omni-trio/jobs``, else ``~/.local/state/omni-trio/jobs``."""
-    state = os.environ.get("XDG_STATE_HOME")
-    base = Path(state) if state else Path.home() / ".local" / "state"
-    return base / "omni-trio" / "jobs"
-
-
-def hold(point: str, folder: Path) -> None:
-    """The test hook: stop this thread for good at ``point`` if the variable names it."""
-    if os.environ.get(HOLD_VARIABLE) != point:
-        return
-    (folder / f"held-{point.replace(':', '-')}").touch()
-    _log.warning("held at %s for a test (%s)", point, HOLD_VARIABLE)
-    threading.Event().wait()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class JobRow:
-    """One job as the store keeps it.
-
-    Args:
-        id: the job's id.
-        seq: its sequence number (admission order).
-        model: the served model's name.
-        spec: its parameters (``_video_jobs.spec_record``), as JSON data.
-        status: ``queued``, ``in_progress``, ``completed`` or ``failed``.
-        started: whether it ever started (its status never goes back, L73).
-        progress: the percentage it reached.
-        created_at: Unix seconds.
-        completed_at: Unix seconds, once finished.
-        expires_at: Unix seconds (a float), once finished.
-        error: a failed job's error (``code``, ``message``).
-        bytes: a completed job's MP4 size.
-        checkpoint_step: the step of its checkpoint on disk, if any.
-        tenant: the tenant it belongs to, where tenants are set.
-        owner: the server that runs it, in a shared store (``None``: one server's).
-        lease: until when (Unix seconds) its owner holds it, in a shared store.
-        step: the last denoise step it is known to have done (its progress's step).
-        resumes: the times it was run again after a restart or a takeover (L77).
-        resumed_from: the step its last resume started from (its checkpoint's).
-        steps_lost: the steps done before restarts and done again since, in all.
-    """
-
-    id: str
-    seq: int
-    model: str
-    spec: Mapping[str, Any]
-    status: str
-    started: bool = False
-    progress: int = 0
-    created_at: int = 0
-    completed_at: int | None = None
-    expires_at: float | None = None
-    error: Mapping[str, str] | None = None
-    bytes: int = 0
-    checkpoint_step: int | None = None
-    tenant: str | None = None
-    owner: str | None = None
-    lease: float | None = None
-    step: int = 0
-    resumes: int = 0
-    resumed_from: int | None = None
-    steps_lost: int = 0
-
-    @property
-    def is_live(self) -> bool:
-        """Whether it is still to run (queued or in progress)."""
-        return self.status in _LIVE
-
-
-_LIVE = ("queued", "in_progress")
-
-
-class StoreOpenError(OSError):
-    """The store cannot be opened: its folder, its database or its lock; the message
-    says which, in one line."""
-
-
-class StoreBusyError(StoreOpenError):
-    """The folder is another server's: held by one that does not share it, or shared while
-    this one would hold it alone."""
-
-
-def _remove(path: Path) -> None:
-    """Remove a file the store does not need; what cannot be removed is logged and left."""
-    try:
-        path.unlink(missing_ok=True)
-    except OSError as exc:
-        _log.warning("the video jobs' store leaves %s: %s", path, exc.strerror or exc)
-
-
-def _fsync_folder(folder: Path) -> None:
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-class JobStore:
-    """The jobs' records and files under ``folder``; every method blocks (call off the loop).
+class SqliteJobStore:
+    """The jobs' records and files under ``folder`` (a ``SharedJobStore``); every method
+    blocks (call off the loop).
 
     Args:
         folder: the jobs folder; made if missing.
         owner: this server's id, to share the folder with other servers on this host
             (L79; see the module's docstring); ``None``: this server's alone.
     """
+
+    #: A write that failed: the disk's (``OSError``) or the database's.
+    failures: tuple[type[Exception], ...] = (OSError, sqlite3.Error)
 
     def __init__(self, folder: Path, *, owner: str | None = None) -> None:
         self.folder = folder
@@ -238,7 +111,7 @@ class JobStore:
         try:
             for folder in (self.folder, self.videos, self.checkpoints):
                 folder.mkdir(parents=True, exist_ok=True)
-            alone = self._hold_folder()
+            self._held, alone = hold_folder(self.folder, shared=self.owner is not None)
         except StoreOpenError:
             raise
         except OSError as exc:
@@ -250,7 +123,7 @@ class JobStore:
             with self._lock:
                 rows = self._open_database()
             if alone:
-                self._tidy(rows)
+                tidy(self.folder, rows)
         except (sqlite3.Error, OSError, ValueError) as exc:
             self.close()
             raise StoreOpenError(
@@ -276,42 +149,8 @@ class JobStore:
                 db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {definition}")
         if self.owner is None:
             # One server's: every unfinished job is its own, whoever ran it before.
-            db.execute("UPDATE jobs SET owner = NULL, lease = NULL WHERE status IN (?, ?)", _LIVE)
+            db.execute("UPDATE jobs SET owner = NULL, lease = NULL WHERE status IN (?, ?)", LIVE)
         return [self._row(values) for values in db.execute(_SELECT + " ORDER BY seq")]
-
-    def _hold_folder(self) -> bool:
-        """Take the folder's lock; return whether no other server has the folder open.
-
-        Raises:
-            StoreBusyError: another server holds it in the other way.
-        """
-        descriptor = os.open(self.folder / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            try:
-                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                alone = True
-            except BlockingIOError:
-                if self.owner is None:
-                    raise StoreBusyError(
-                        f"another server keeps its video jobs in {self.folder}: give each"
-                        " server its own --jobs-dir, or share the folder with --jobs-lease"
-                        " SECONDS on every server (on one host)"
-                    ) from None
-                alone = False
-            if self.owner is not None:
-                try:
-                    fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    raise StoreBusyError(
-                        f"a server that does not share it keeps its video jobs in"
-                        f" {self.folder}: give this server another --jobs-dir, or start"
-                        " both with --jobs-lease SECONDS"
-                    ) from None
-        except BaseException:
-            os.close(descriptor)
-            raise
-        self._held = descriptor
-        return alone
 
     def close(self) -> None:
         """Close the database and let go of the folder (idempotent)."""
@@ -322,20 +161,6 @@ class JobStore:
             if self._held is not None:
                 os.close(self._held)  # the lock goes with it
                 self._held = None
-
-    def _tidy(self, rows: list[JobRow]) -> None:
-        """Remove temporary files, and files whose job is gone or not in that state."""
-        completed = {row.id for row in rows if row.status == "completed"}
-        live = {row.id for row in rows if row.status in ("queued", "in_progress")}
-        for folder, keep, suffix in (
-            (self.videos, completed, ".mp4"),
-            (self.checkpoints, live, ".ckpt"),
-        ):
-            for path in folder.iterdir():
-                if path.suffix != suffix or path.stem not in keep:
-                    _remove(path)
-        for path in self.folder.glob("held-*"):
-            _remove(path)
 
     # -- records ----------------------------------------------------------------
 
@@ -354,7 +179,7 @@ class JobStore:
         try:
             found = db.execute(
                 "SELECT 1 FROM jobs WHERE id = ? AND status IN (?, ?) AND owner IS ?",
-                (job_id, *_LIVE, self.owner),
+                (job_id, *LIVE, self.owner),
             ).fetchone()
             yield found is not None
         except BaseException:
@@ -393,7 +218,7 @@ class JobStore:
             cursor = self._conn().execute(
                 "UPDATE jobs SET started = 1, status = 'in_progress', progress = MAX(progress, ?),"
                 " step = MAX(step, ?) WHERE id = ? AND status IN (?, ?) AND owner IS ?",
-                (progress, step, job_id, *_LIVE, self.owner),
+                (progress, step, job_id, *LIVE, self.owner),
             )
             return cursor.rowcount == 1
 
@@ -423,7 +248,7 @@ class JobStore:
                     " WHERE id = ?",
                     (len(mp4), completed_at, expires_at, job_id),
                 )
-                _remove(self.checkpoints / f"{job_id}.ckpt")
+                remove(self.checkpoints / f"{job_id}.ckpt")
         return mine
 
     def failed(
@@ -451,13 +276,13 @@ class JobStore:
                     completed_at,
                     expires_at,
                     job_id,
-                    *_LIVE,
+                    *LIVE,
                     self.owner,
                 ),
             )
             kept = cursor.rowcount == 1
             if kept:
-                _remove(self.checkpoints / f"{job_id}.ckpt")
+                remove(self.checkpoints / f"{job_id}.ckpt")
         return kept
 
     def delete(self, job_id: str) -> bool:
@@ -468,8 +293,8 @@ class JobStore:
         """
         with self._lock:
             cursor = self._conn().execute("DELETE FROM jobs WHERE id = ?", (job_id,))
-            _remove(self.videos / f"{job_id}.mp4")
-            _remove(self.checkpoints / f"{job_id}.ckpt")
+            remove(self.videos / f"{job_id}.mp4")
+            remove(self.checkpoints / f"{job_id}.ckpt")
         return cursor.rowcount == 1
 
     # -- a shared store (L79) -----------------------------------------------------
@@ -536,7 +361,7 @@ class JobStore:
             db = self._conn()
             db.execute(
                 "UPDATE jobs SET lease = ? WHERE owner IS ? AND status IN (?, ?)",
-                (until, self.owner, *_LIVE),
+                (until, self.owner, *LIVE),
             )
             found = db.execute("SELECT id FROM jobs WHERE owner IS ?", (self.owner,)).fetchall()
         return {job_id for (job_id,) in found}
@@ -551,7 +376,7 @@ class JobStore:
                 values = db.execute(
                     _SELECT + " WHERE status IN (?, ?) AND (lease IS NULL OR lease < ?)"
                     " ORDER BY seq LIMIT 1",
-                    (*_LIVE, now),
+                    (*LIVE, now),
                 ).fetchone()
                 if values is not None:
                     db.execute(
@@ -571,7 +396,7 @@ class JobStore:
         with self._lock:
             self._conn().execute(
                 "UPDATE jobs SET lease = 0 WHERE id = ? AND owner IS ? AND status IN (?, ?)",
-                (job_id, self.owner, *_LIVE),
+                (job_id, self.owner, *LIVE),
             )
 
     def expired(self, now: float) -> list[str]:
@@ -582,7 +407,7 @@ class JobStore:
                 self._conn()
                 .execute(
                     "SELECT id FROM jobs WHERE status NOT IN (?, ?) AND expires_at <= ?",
-                    (*_LIVE, now),
+                    (*LIVE, now),
                 )
                 .fetchall()
             )
@@ -594,22 +419,10 @@ class JobStore:
     # -- files ------------------------------------------------------------------
 
     def _write(self, path: Path, data: bytes, *, hold_point: str | None = None) -> None:
-        """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync the folder."""
-        descriptor, temporary = tempfile.mkstemp(
-            dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"
-        )
-        try:
-            with os.fdopen(descriptor, "wb") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
-            if hold_point is not None:
-                hold(hold_point, self.folder)
-            os.replace(temporary, path)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
-        _fsync_folder(path.parent)
+        """Write ``data`` to ``path`` atomically (the test hook at ``hold_point`` first)."""
+        folder = self.folder
+        before = None if hold_point is None else lambda: hold(hold_point, folder)
+        write_atomically(path, data, before_rename=before)
 
     def video(self, job_id: str) -> bytes | None:
         """A completed job's MP4, or ``None`` if it is gone."""
@@ -619,23 +432,12 @@ class JobStore:
             return None
 
     def checkpoint(self, job_id: str) -> bytes | None:
-        """The job's last checkpoint, or ``None``: none, or one that cannot be read (a
-        directory, no permission), which is logged and refused as a corrupt one is
-        (the job runs from step 0)."""
-        path = self.checkpoints / f"{job_id}.ckpt"
-        try:
-            return path.read_bytes()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            _log.warning(
-                "video job %s: its checkpoint %s cannot be read (%s): it runs from step 0",
-                job_id,
-                path,
-                exc.strerror or type(exc).__name__,
-                extra={"request_id": job_id},
-            )
-            return None
+        """The job's last checkpoint, or ``None`` (none, or unreadable: logged)."""
+        return read_checkpoint(self.checkpoints / f"{job_id}.ckpt", job_id)
+
+    def hold(self, point: str) -> None:
+        """The test hook (``_files``): stop this thread for good at ``point`` if asked."""
+        hold(point, self.folder)
 
     def write_checkpoint(self, checkpoint: Checkpoint) -> None:
         """Keep ``checkpoint`` as its job's last, and its progress, if the job still runs."""
@@ -693,75 +495,3 @@ _SELECT = (
     " expires_at, error, bytes, checkpoint_step, tenant, owner, lease, step, resumes,"
     " resumed_from, steps_lost FROM jobs"
 )
-
-
-class CheckpointWriter:
-    """An owned thread that writes the jobs' checkpoints, the latest of each job first.
-
-    ``offer`` is the engine's checkpoint sink: it never blocks on the disk (a newer
-    checkpoint of a job replaces one not yet written).
-
-    Args:
-        store: where the checkpoints go.
-    """
-
-    def __init__(self, store: JobStore) -> None:
-        self._store = store
-        self._pending: dict[str, Checkpoint] = {}
-        self._changed = threading.Condition()
-        self._stopped = False
-        self._thread = threading.Thread(
-            target=self._run, name="omni-trio-checkpoints", daemon=False
-        )
-        self.written = 0
-
-    def start(self) -> None:
-        """Start the thread."""
-        self._thread.start()
-
-    def offer(self, checkpoint: Checkpoint) -> None:
-        """Queue ``checkpoint`` (any thread); it replaces its job's unwritten one."""
-        with self._changed:
-            if not self._stopped:
-                self._pending[checkpoint.request_id] = checkpoint
-                self._changed.notify()
-
-    def forget(self, job_id: str) -> None:
-        """Drop the job's unwritten checkpoint (it finished or was deleted)."""
-        with self._changed:
-            self._pending.pop(job_id, None)
-
-    def stop(self) -> None:
-        """Write what is queued, then end the thread; returns once it ended."""
-        with self._changed:
-            self._stopped = True
-            self._changed.notify()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            with self._changed:
-                while not self._pending and not self._stopped:
-                    self._changed.wait()
-                if not self._pending:
-                    return
-                job_id = next(iter(self._pending))
-                checkpoint = self._pending.pop(job_id)
-            started = time.perf_counter()
-            try:
-                self._store.write_checkpoint(checkpoint)
-            except Exception:
-                _log.exception(
-                    "the checkpoint of %s is not written", job_id, extra={"request_id": job_id}
-                )
-            else:
-                self.written += 1
-                _log.debug(
-                    "checkpoint of %s after step %d: %d bytes in %.1f ms",
-                    job_id,
-                    checkpoint.step,
-                    len(checkpoint.data),
-                    (time.perf_counter() - started) * 1e3,
-                )
-            del checkpoint
