@@ -80,8 +80,9 @@ FALLBACK_GUIDANCE = 7.5
 #: where it is not ``guidance_scale`` itself.
 _GUIDANCE_PARAMETER = {"qwen-image": "true_cfg_scale"}
 #: The frames per second of a video family's clips, as their model cards export them
-#: (Wan 16; LTX-Video 25, its ``__call__``'s ``frame_rate``); another video runner 24.
-VIDEO_FPS = {"wan": 16.0, "ltx": 25.0}
+#: (Wan 16; LTX-Video 25, its ``__call__``'s ``frame_rate``), image to video as text to
+#: video; another video runner 24.
+VIDEO_FPS = {"wan": 16.0, "wan-i2v": 16.0, "ltx": 25.0, "ltx-i2v": 25.0}
 FALLBACK_FPS = 24.0
 
 
