@@ -18,6 +18,8 @@ The data (no threads, no event loop):
 - ``_request``: ``GenerationRequest``.
 - ``_codec``: a request to a record of plain data and back, every field (the job
   store, a parallel plan), and the fingerprint of its output's fields (L78).
+- ``_checkpoint``: ``Checkpoint``, ``CheckpointPolicy``, ``CheckpointError`` and the
+  envelope of a checkpoint's bytes (L78).
 - ``_stepcache``: ``StepCache``, a request's step-cache policy, and ``CacheMetrics``,
   what it did (L80-L84).
 - ``_adapters``: the adapters a request names (checked), ``AdapterInfo``, what a
@@ -64,7 +66,8 @@ The thread side (runs in the engine's own threads only):
   and defensively, its frames cleared.
 - ``_queue``: the waiting queue, ranked by priority and deadline, and batch
   formation (pure, synchronous); ``_stepsums`` keeps its steps by deadline, with
-  prefix sums, for admission's steps ahead.
+  prefix sums, for admission's steps ahead; ``_fairshare``, the tenants' virtual
+  times and what a step costs (L57).
 - ``_scheduler``: the boundary policy (``plan_boundary``: pure, synchronous), and
   ``RunningBatch``, the view of its batch a worker publishes for admission.
 

@@ -25,7 +25,14 @@ cards. The endpoints are siblings that it routes to:
   request, an ``input_reference`` checked before it is decoded) and the ``jobs``
   package: the jobs' tasks and their bounded store, written through to a durable
   store behind a protocol (L77-L79: SQLite and files under ``--jobs-dir``, the
-  checkpoint writer's thread, L78, a shared store's leases); its docstring draws it.
+  checkpoint writer's thread, L78, a shared store's leases); its docstring draws it;
+- ``_adapters``: ``/v1/adapters``, the adapters listed, loaded and unloaded as admin
+  actions (L88);
+- ``_warmup``: the request the service runs before it answers (L4).
+
+Beside the app: ``ray`` (public), the Ray Serve deployments of a service (L46, L47),
+over ``_ray_ingress``, the ASGI ingress a replica serves through (the key check and
+the service's routes in the replica's loop).
 
 Under them, the plumbing they share: ``_asgi`` (the ASGI types, headers, the
 body within its limit, JSON and server-sent events, the watched client),

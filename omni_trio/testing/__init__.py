@@ -3,6 +3,11 @@
 ``FakeRunner`` and ``GatedRunner`` stand in for a model; the checks assert that
 nothing leaked; ``probe(handle)`` and ``probe_engine(engine)`` show the engine-side
 facts a test needs. Like ``trio.testing``, this module is public and stable.
+
+Layout: ``_fake`` (the fake runners), ``_checks`` (threads, leaks, waiting),
+``_probe`` (read-only views of an engine and its requests, and the test-only levers:
+``assume_step_time``, ``assume_step_cost``), ``_invariants`` (the engine's
+invariants and ``RequestLedger``), ``_deprecated`` (names on their way out).
 """
 
 from __future__ import annotations
