@@ -1,7 +1,9 @@
 """Sequence parallel through diffusers' own context parallelism, and what it needs on a CPU.
 
 Every rank calls ``enable_parallelism(config=ContextParallelConfig(...))`` on its
-denoisers (Wan 2.2's two experts both): diffusers then splits the token sequence
+denoisers (its family's, Wan 2.2's two experts both; a family whose split is known
+wrong, LTX-Video, is refused: ``omni_trio.runners.context_parallel_denoisers``):
+diffusers then splits the token sequence
 at the model's entry (its ``_cp_plan``), exchanges tokens inside each attention
 (Ulysses: an all-to-all of heads; ring: the keys and values go round) and gathers
 the output, so every rank gets the whole noise prediction. Measured with
@@ -36,10 +38,11 @@ from typing import Any, Literal
 
 import torch
 
+from ..runners import context_parallel_denoisers
+
 __all__ = [
     "ContextKind",
     "ContextSwitch",
-    "context_denoisers",
     "enable_context_parallel",
     "ignore_gather_deprecation",
     "ring_attention",
@@ -47,42 +50,6 @@ __all__ = [
 ]
 
 ContextKind = Literal["ulysses", "ring"]
-
-#: The pipeline attributes that hold a denoiser (Wan 2.2 has two experts).
-_DENOISERS = ("transformer", "transformer_2")
-
-
-#: Denoisers that have diffusers' context-parallel plan but do not make one rank's
-#: output split over ranks (diffusers 0.42.1, two gloo ranks): LTX-Video's text mask
-#: is split with the text tokens, which its cross-attention reads whole. Ulysses
-#: raises there (the mask keeps every head, the ranks have half); ring runs and makes
-#: another video (0.06 off one rank's on tiny LTX-Video). Refused, not served wrong.
-_WRONG_SPLIT = {"LTXVideoTransformer3DModel": "LTX-Video"}
-
-
-def context_denoisers(pipeline: Any) -> list[torch.nn.Module]:
-    """The denoisers of ``pipeline`` that context parallelism applies to.
-
-    Raises:
-        TypeError: the pipeline has no denoiser with a context-parallel plan, or one
-            whose split output is wrong (LTX-Video).
-    """
-    models = [getattr(pipeline, name, None) for name in _DENOISERS]
-    found = [model for model in models if isinstance(model, torch.nn.Module)]
-    if not found or not all(getattr(model, "_cp_plan", None) for model in found):
-        raise TypeError(
-            f"sequence parallel needs a transformer with a context-parallel plan (Flux,"
-            f" Qwen-Image, Wan); {type(pipeline).__name__} has none"
-        )
-    for model in found:
-        family = _WRONG_SPLIT.get(type(model).__name__)
-        if family is not None:
-            raise TypeError(
-                f"sequence parallel: {family} is not supported (diffusers splits its text"
-                f" mask with the text, and the split output is wrong); split its"
-                f" classifier-free guidance instead (cfg)"
-            )
-    return found
 
 
 @contextmanager
@@ -109,7 +76,7 @@ def enable_context_parallel(pipeline: Any, kind: ContextKind, degree: int) -> No
 
     make: Any = ContextParallelConfig
     degrees = {"ulysses_degree": degree} if kind == "ulysses" else {"ring_degree": degree}
-    for model in context_denoisers(pipeline):
+    for model in context_parallel_denoisers(pipeline, kind):
         config = make(**degrees)  # one per model: each builds its own mesh
         denoiser: Any = model
         with _one_accelerator():
@@ -128,7 +95,7 @@ class ContextSwitch:
     """
 
     def __init__(self, pipeline: Any) -> None:
-        self._models: list[Any] = list(context_denoisers(pipeline))
+        self._models: list[Any] = list(context_parallel_denoisers(pipeline))
         self._processors = [
             [
                 module.processor

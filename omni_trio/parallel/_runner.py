@@ -47,14 +47,10 @@ from .._codec import request_record
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities, StopRun
 from .._stepcache import CacheMetrics
+from ..runners import context_parallel_denoisers
 from ._agree import agreed_check, new_flags
 from ._child import RankSpec, main
-from ._context import (
-    ContextSwitch,
-    context_denoisers,
-    enable_context_parallel,
-    ring_attention,
-)
+from ._context import ContextSwitch, enable_context_parallel, ring_attention
 from ._group import close_group, group_in_use, listening_socket, loopback_interfaces, open_group
 from ._plan import Op, OpKind, Plan, PlanKind, RankReport, encode_plan
 from ._processes import RankProcesses, receive
@@ -338,7 +334,7 @@ class ParallelRunner:
                 f"rank 0: the factory raised {type(exc).__name__}: {exc}"
             ) from exc
         if self._layout.kind != "cfg":
-            for model in context_denoisers(pipeline):
+            for model in context_parallel_denoisers(pipeline, self._layout.kind):
                 heads = int(getattr(model.config, "num_attention_heads", 0))
                 if self._layout.kind == "ulysses" and heads % self._layout.degree:
                     raise ValueError(

@@ -16,7 +16,8 @@
   ``ModelCall``, one call of the denoiser as a value; ``rows_slice`` and
   ``token_split``, which tell the call's per-row features that this process runs a
   slice of its rows or of its tokens; ``Exchange``, what a slice must send the other
-  ranks.
+  ranks; ``context_parallel_denoisers``, a pipeline's denoisers that sequence parallel
+  splits, as its family says (or why its family is refused).
 
 Layout: the private modules, each importing only those below it:
 
@@ -31,20 +32,29 @@ Layout: the private modules, each importing only those below it:
 - ``_hooks``: one registry of the runners' hooks on torch modules (cancel points'
   pre-hooks, the step cache's and the adapters' wrappers: a chain per module, counted,
   one close);
-- ``_registry``: which family drives which pipeline (``family_for``,
-  ``is_supported``, ``supported_pipelines``); it imports every family module;
-- the families, which import the base (and ``_edit``, ``_chunks``), never the
-  registry and never each other: ``_sd`` (SD, SDXL on SD, unconditional
-  DDPM/DDIM), ``_flow`` (SD3, Flux, Qwen-Image), ``_video`` (Wan, LTX-Video);
+- ``_registry``: the families (``FAMILIES``) and which drives which pipeline
+  (``family_class``, ``family_for``, ``is_supported``, ``supported_pipelines``); it
+  imports every family module, and the rest of the runners ask it for a pipeline's
+  family and read its facts (``Family``'s class attributes: its pipelines, denoisers
+  and blocks, fps, guidance parameter, sequence-parallel support, adapters);
+- the families, which import the base (and ``_edit``, ``_chunks``, ``_stepcache``'s
+  ``BlockSpec``), never the registry and never each other: ``_sd`` (SD, SDXL on SD,
+  unconditional DDPM/DDIM), ``_flow`` (SD3, Flux, Qwen-Image), ``_video`` (Wan,
+  LTX-Video);
 - ``_edit``: image-to-image and inpainting for SD and SDXL;
 - ``_family``: the base, ``Family`` and ``RequestState``, and the helpers that
   more than one family module uses (public names inside the private module);
 - ``_stepcache``: below ``_family`` (a state holds its request's cache) and imported
   by ``_video`` too (Wan 2.2's experts each run a subset of a call's rows); it reads
-  the model call's context (``_forward``) and hooks through ``_hooks``;
+  the model call's context (``_forward``) and hooks through ``_hooks``; being below
+  the families, it is handed the runner's family (its ``BlockLayout``), never asks
+  the registry;
+- ``_cancel``: the cancel points' hooks, on the blocks the pipeline's family names
+  (asked of the registry);
 - ``_adapters``: the adapters (LoRA) of a runner, row by row inside its model calls
   (L85-L87); it reads the model call's context (which rows compute, which slice of
-  rows this process runs), never the step cache, and imports no family;
+  rows this process runs), never the step cache, and of the families only the
+  registry's facts (whether a pipeline's family takes adapters, its denoisers);
   ``_landing``, below it: where each tensor of an adapter lands (the census a load is
   checked against);
 - ``_chunks``: decodes in chunks (L72).
@@ -78,6 +88,7 @@ from ._forward import Exchange as Exchange
 from ._forward import ModelCall as ModelCall
 from ._forward import rows_slice as rows_slice
 from ._forward import token_split as token_split
+from ._registry import context_parallel_denoisers as context_parallel_denoisers
 from ._tiny import TINY_KINDS as TINY_KINDS
 from ._tiny import TINY_VIDEO_KINDS as TINY_VIDEO_KINDS
 from ._tiny import tiny_pipeline as tiny_pipeline
@@ -101,6 +112,7 @@ __all__ = [
     "SuspendableRunner",
     "WholeCallRunner",
     "cancel_point",
+    "context_parallel_denoisers",
     "for_devices",
     "pack_checkpoint",
     "rows_slice",

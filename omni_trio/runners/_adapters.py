@@ -77,6 +77,7 @@ from ._forward import ModelCall, calling, current
 from ._hooks import ModuleHooks, has_hook
 from ._landing import Target, Unlanded, census, check_landed
 from ._quiet import quiet_notices
+from ._registry import family_class
 
 __all__ = ["NAME", "AdapterSet", "HeldAdapters", "wrapped_layers"]
 
@@ -232,6 +233,17 @@ def _components(pipe: Any) -> list[str]:
     return [name for name in names if isinstance(getattr(pipe, name, None), torch.nn.Module)]
 
 
+def _takes_adapters(pipe: Any) -> bool:
+    """Whether ``pipe``'s family takes adapters, diffusers loads them into it, and it has
+    one denoiser (a second's rows, Wan 2.2's experts, are subsets of their own)."""
+    family = family_class(pipe)
+    if family is None or not family.takes_adapters:
+        return False
+    denoisers = [getattr(pipe, name, None) for name in family.denoisers]
+    experts = [model for model in denoisers if isinstance(model, torch.nn.Module)]
+    return callable(getattr(pipe, "load_lora_weights", None)) and len(experts) == 1
+
+
 def _lora_modules(pipe: Any, components: Sequence[str]) -> Iterator[tuple[str, Any]]:
     from peft.tuners.lora import LoraLayer
 
@@ -299,11 +311,7 @@ class AdapterSet:
         if self.max_bytes is not None and self.max_bytes < 1:
             raise ValueError(f"max_adapter_bytes: must be >= 1 or None, got {self.max_bytes}")
         self._components = _components(self.pipe)
-        self.supported = (
-            callable(getattr(self.pipe, "load_lora_weights", None))
-            and bool(self._components)
-            and getattr(self.pipe, "transformer_2", None) is None
-        )
+        self.supported = bool(self._components) and _takes_adapters(self.pipe)
 
     # -- what admission and the listings read (any thread, never waits for a step) ---
 

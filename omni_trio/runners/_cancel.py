@@ -1,8 +1,9 @@
 """Cancel points inside a model call (L71, L72): forward pre-hooks on its blocks.
 
 A ``DiffusersRunner`` installs, at construction, one forward pre-hook on every block
-of its denoiser (the transformer blocks of a DiT, the down, mid and up blocks of a
-UNet) and on its VAE's decoder (which Wan's and Qwen-Image's VAEs call once per
+of its denoiser (its family's ``denoisers`` and ``block_lists``, read through the
+registry: the transformer blocks of a DiT, the down, mid and up blocks of a UNet) and
+on its VAE's decoder (which Wan's and Qwen-Image's VAEs call once per
 latent frame). The hook is ``cancel_point()``: it raises ``StopRun`` only inside a
 step or decode that the engine armed, in the engine's thread (see
 ``omni_trio._cancelpoint``); elsewhere it reads a thread-local and returns. Nothing
@@ -23,33 +24,27 @@ import torch
 
 from .._cancelpoint import cancel_point
 from ._hooks import ModuleHooks, has_hook
+from ._registry import family_class
 
 __all__ = ["KIND", "cancel_modules", "hold_cancel_points", "hooked", "install_cancel_points"]
-
-#: The attributes of a denoiser that hold its blocks, in call order (DiT, Flux, UNet).
-_BLOCKS = (
-    "blocks",
-    "transformer_blocks",
-    "single_transformer_blocks",
-    "down_blocks",
-    "mid_block",
-    "up_blocks",
-)
-#: The pipeline attributes that hold a denoiser (Wan 2.2 has two experts).
-_DENOISERS = ("transformer", "transformer_2", "unet")
 
 #: The kind of the cancel points' hooks in ``_hooks``.
 KIND = "cancel-point"
 
 
 def cancel_modules(pipe: Any) -> list[torch.nn.Module]:
-    """The modules of ``pipe`` before which a call may be left: denoiser blocks, VAE decoder."""
+    """The modules of ``pipe`` before which a call may be left: denoiser blocks, VAE decoder.
+
+    The blocks are those its family names (none for a pipeline of no family).
+    """
+    family = family_class(pipe)
+    denoisers, block_lists = (family.denoisers, family.block_lists) if family else ((), ())
     modules: list[torch.nn.Module] = []
-    for name in _DENOISERS:
+    for name in denoisers:
         denoiser = getattr(pipe, name, None)
         if not isinstance(denoiser, torch.nn.Module):
             continue
-        for attribute in _BLOCKS:
+        for attribute in block_lists:
             blocks = getattr(denoiser, attribute, None)
             if isinstance(blocks, torch.nn.ModuleList):
                 modules.extend(blocks)

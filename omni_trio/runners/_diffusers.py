@@ -169,7 +169,7 @@ class DiffusersRunner:
         # Every hook of the runner on the pipeline's modules: cancel points, the step
         # cache's blocks, the adapters' LoRA layers (``_hooks``); one close.
         self._hooks = ModuleHooks()
-        self._step_cache = BlockCache(pipeline, self._hooks)
+        self._step_cache = BlockCache(pipeline, self._hooks, self._family)
         # Held around every model call; loads and unloads take it too (see ``_adapters``).
         self._model_lock = threading.RLock()
         self._adapters = AdapterSet(

@@ -5,6 +5,14 @@ and the per-request scheduler (exactly as the pipeline's own ``__call__`` does, 
 a seed gives the same image), calls its denoiser on a batch of rows, and decodes.
 ``Family`` is that interface; the families themselves live in ``_sd``, ``_flow`` and
 ``_video``, the step loop shared by all of them in ``_diffusers``.
+
+A family class also declares its facts, which the rest of the package reads off it
+(through the registry, ``_registry``) instead of keeping tables of its own: the
+pipelines it drives, where its denoisers and their blocks are (the cancel points'
+modules, the step cache's blocks and how each is called), its clips' frames per
+second, the ``__call__`` parameter its guidance is, whether sequence parallel serves
+it (and the splits known wrong), whether it takes adapters. Its tiny pipeline is
+``tiny_pipeline(name)``.
 """
 
 from __future__ import annotations
@@ -12,15 +20,15 @@ from __future__ import annotations
 import inspect
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from .._request import GenerationRequest
 from ._chunks import DecodeChunks
-from ._stepcache import RequestCache
+from ._stepcache import BlockSpec, RequestCache
 
 __all__ = [
     "Family",
@@ -133,9 +141,43 @@ def joined(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 class Family(ABC):
-    """The family-specific half of a ``DiffusersRunner``."""
+    """The family-specific half of a ``DiffusersRunner``, and the family's facts.
 
-    name: str
+    The facts are class attributes without a default here: every family declares
+    each one (a subclass inherits its parent's), and tests/runners/test_families.py
+    holds every registered family to that and to its tiny pipeline.
+    """
+
+    #: ``runner.family``, and the kind of its tiny pipeline (``tiny_pipeline(name)``).
+    name: ClassVar[str]
+    #: The family's name in a message (``"LTX-Video"``).
+    title: ClassVar[str]
+    #: The diffusers pipeline classes it drives, by name (the exact classes).
+    pipelines: ClassVar[tuple[str, ...]]
+    #: The pipeline attributes that hold its denoisers, in order (Wan 2.2 has two
+    #: experts; an attribute may be ``None``).
+    denoisers: ClassVar[tuple[str, ...]]
+    #: The attributes of a denoiser that hold its blocks, in call order: a cancel point
+    #: before each block (L71), and the lists the step cache wraps (L80).
+    block_lists: ClassVar[tuple[str, ...]]
+    #: How each of its block classes is called, by class name, for the step cache (L80);
+    #: empty: its blocks are not cached (a UNet's pass skip connections).
+    block_specs: ClassVar[Mapping[str, BlockSpec]]
+    #: A video family's frames per second, as its model cards export them; ``None`` for
+    #: images.
+    fps: ClassVar[float | None]
+    #: The ``__call__`` parameter the request's ``guidance_scale`` is (its default is the
+    #: server's); ``None``: the pipeline takes no guidance.
+    guidance_parameter: ClassVar[str | None]
+    #: Whether its denoisers carry diffusers' context-parallel plan, which sequence
+    #: parallel (``ulysses``, ``ring``) runs on (L48).
+    context_parallel: ClassVar[bool]
+    #: The sequence-parallel layouts whose split output is known wrong although the plan
+    #: is there, each with why: refused, never served wrong (L48).
+    wrong_splits: ClassVar[Mapping[str, str]]
+    #: Whether its pipelines take adapters (LoRA, L85) where diffusers loads them.
+    takes_adapters: ClassVar[bool]
+
     #: Whether ``negative_prompt`` is honoured.
     negative_prompt = True
     #: The keys of ``GenerationRequest.extra`` the family reads.

@@ -8,6 +8,7 @@ classifier-free guidance, Flux and Qwen-Image over packed latent tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from ._family import (
     retrieve_timesteps,
     wan_denormalized,
 )
+from ._stepcache import BlockSpec
 
 __all__ = ["Flux", "QwenImage", "StableDiffusion3"]
 
@@ -49,10 +51,45 @@ def _vae_decode_shifted(family: Family, state: RequestState, latents: torch.Tens
     return images
 
 
+#: Flux's two block classes: image rotary embeddings are [tokens, dim], shared by every row.
+_FLUX_BLOCK = BlockSpec(
+    (
+        "hidden_states",
+        "encoder_hidden_states",
+        "temb",
+        "image_rotary_emb",
+        "joint_attention_kwargs",
+    ),
+    hidden_out=1,
+    encoder_out=0,
+    per_row=frozenset({"temb"}),
+)
+
+
 class StableDiffusion3(Family):
     """``StableDiffusion3Pipeline``: an MMDiT with classifier-free guidance."""
 
     name = "sd3"
+    title = "Stable Diffusion 3"
+    pipelines = ("StableDiffusion3Pipeline",)
+    denoisers = ("transformer",)
+    block_lists = ("transformer_blocks",)
+    block_specs = MappingProxyType(
+        {
+            # Its last block (context_pre_only) returns None for the encoder.
+            "JointTransformerBlock": BlockSpec(
+                ("hidden_states", "encoder_hidden_states", "temb", "joint_attention_kwargs"),
+                hidden_out=1,
+                encoder_out=0,
+                per_row=frozenset({"temb"}),
+            ),
+        }
+    )
+    fps = None
+    guidance_parameter = "guidance_scale"
+    context_parallel = False
+    wrong_splits = MappingProxyType({})
+    takes_adapters = True
 
     @property
     def size_multiple(self) -> int:
@@ -133,6 +170,19 @@ class Flux(Family):
     """``FluxPipeline``: a guidance-distilled transformer over packed latents."""
 
     name = "flux"
+    title = "Flux"
+    pipelines = ("FluxPipeline",)
+    denoisers = ("transformer",)
+    block_lists = ("transformer_blocks", "single_transformer_blocks")
+    block_specs = MappingProxyType(
+        {"FluxTransformerBlock": _FLUX_BLOCK, "FluxSingleTransformerBlock": _FLUX_BLOCK}
+    )
+    fps = None
+    # It feeds the guidance embedding.
+    guidance_parameter = "guidance_scale"
+    context_parallel = True
+    wrong_splits = MappingProxyType({})
+    takes_adapters = True
     # Flux's negative prompt needs true CFG (a second model call per step and a
     # scale the request has no field for): refused rather than ignored.
     negative_prompt = False
@@ -229,6 +279,36 @@ class QwenImage(Family):
     """
 
     name = "qwen-image"
+    title = "Qwen-Image"
+    pipelines = ("QwenImagePipeline",)
+    denoisers = ("transformer",)
+    block_lists = ("transformer_blocks",)
+    block_specs = MappingProxyType(
+        {
+            # The text mask is per row, the rotary embeddings shared; with ``zero_cond_t``
+            # (modulate_index) temb has two rows per row: not covered.
+            "QwenImageTransformerBlock": BlockSpec(
+                (
+                    "hidden_states",
+                    "encoder_hidden_states",
+                    "encoder_hidden_states_mask",
+                    "temb",
+                    "image_rotary_emb",
+                    "joint_attention_kwargs",
+                    "modulate_index",
+                ),
+                hidden_out=1,
+                encoder_out=0,
+                per_row=frozenset({"encoder_hidden_states_mask", "temb"}),
+                unset=frozenset({"modulate_index"}),
+            ),
+        }
+    )
+    fps = None
+    guidance_parameter = "true_cfg_scale"
+    context_parallel = True
+    wrong_splits = MappingProxyType({})
+    takes_adapters = True
     #: ``__call__``'s ``max_sequence_length`` default: text tokens kept per prompt.
     max_sequence_length = 512
 

@@ -7,6 +7,7 @@ upcast and latent statistics) and inherits the rest, edits included (``_edit``).
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -25,6 +26,10 @@ from ._family import (
 
 __all__ = ["StableDiffusion", "StableDiffusionXL", "Unconditional"]
 
+#: A UNet's blocks, in call order (a cancel point before each; the step cache wraps
+#: none: they pass skip connections from the down to the up blocks).
+_UNET_BLOCKS = ("down_blocks", "mid_block", "up_blocks")
+
 
 class StableDiffusion(Family):
     """``StableDiffusionPipeline``: UNet2DConditionModel with classifier-free guidance.
@@ -35,6 +40,16 @@ class StableDiffusion(Family):
     """
 
     name = "sd"
+    title = "Stable Diffusion"
+    pipelines = ("StableDiffusionPipeline",)
+    denoisers = ("unet",)
+    block_lists = _UNET_BLOCKS
+    block_specs = MappingProxyType({})
+    fps = None
+    guidance_parameter = "guidance_scale"
+    context_parallel = False
+    wrong_splits = MappingProxyType({})
+    takes_adapters = True
     edits = True
     #: SDXL's edit pipelines encode images their own way (see ``_edit._encode``).
     _xl = False
@@ -193,6 +208,8 @@ class StableDiffusionXL(StableDiffusion):
     """
 
     name = "sdxl"
+    title = "Stable Diffusion XL"
+    pipelines = ("StableDiffusionXLPipeline",)
     extra_keys = frozenset({"guidance_rescale"})
     _xl = True
 
@@ -303,6 +320,16 @@ class Unconditional(Family):
     """``DDPMPipeline`` / ``DDIMPipeline``: a UNet2DModel in pixel space, no prompt."""
 
     name = "unet"
+    title = "an unconditional UNet"
+    pipelines = ("DDPMPipeline", "DDIMPipeline")
+    denoisers = ("unet",)
+    block_lists = _UNET_BLOCKS
+    block_specs = MappingProxyType({})
+    fps = None
+    guidance_parameter = None
+    context_parallel = False
+    wrong_splits = MappingProxyType({})
+    takes_adapters = False
     negative_prompt = False
 
     @property

@@ -1,8 +1,9 @@
 """Step caching inside ``DiffusersRunner``'s model calls, row by row (L80-L84).
 
 The runner owns the cache, never diffusers' global hooks. At construction it wraps
-the ``forward`` of every block of each DiT denoiser (``transformer``, and Wan 2.2's
-``transformer_2``, whose rows keep caches of their own) once, in the runner's
+the ``forward`` of every block of each DiT denoiser (its family's ``denoisers`` and
+``block_lists``: ``transformer``, and Wan 2.2's ``transformer_2``, whose rows keep
+caches of their own) once, in the runner's
 ``ModuleHooks`` (``_hooks``): counted per module as the cancel points' hooks are and
 removed by the last runner's ``close``. A forward pre-hook runs before ``forward``, so
 the cancel point (L71) still comes first, on skipped blocks too (L83).
@@ -29,9 +30,10 @@ state, counters). Then, in the blocks:
   keep its shape from one batch to the next. The last block of a call where some
   rows skip returns ``None`` for it;
 - the other blocks (the tail) run only on the rows that compute: the head returns
-  their subset; per-row arguments (a small table per block class: ``_SPECS``) are
-  sliced, shared ones (rotary embeddings, attention kwargs) passed as they are; the
-  last block scatters back into full-batch outputs. When every row computes there is
+  their subset; per-row arguments (a small table per block class: the family's
+  ``block_specs``, ``BlockSpec``) are sliced, shared ones (rotary embeddings,
+  attention kwargs) passed as they are; the last block scatters back into full-batch
+  outputs. When every row computes there is
   no slicing at all; when no row of the call has a policy, the wrappers read one
   thread-local and call the block;
 - updates (new residuals, counters, forecasts' differences) are kept aside and
@@ -57,10 +59,10 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -69,18 +71,13 @@ from .._stepcache import CacheMetrics, StepCache
 from ._forward import Forward, ModelCall, current
 from ._hooks import ModuleHooks, has_hook
 
-__all__ = ["NAME", "BlockCache", "RequestCache", "expert_rows"]
+__all__ = ["NAME", "BlockCache", "BlockLayout", "BlockSpec", "RequestCache", "expert_rows"]
 
 #: The step cache's name in a model call's parts, and its kind of hook (``_hooks``).
 NAME = "step-cache"
 
 #: The kinds the wrappers apply.
 KINDS = frozenset({"first-block", "taylorseer"})
-
-#: The attributes of a DiT denoiser that hold its blocks, read in module order.
-_BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")
-#: The pipeline attributes that hold a DiT denoiser (Wan 2.2 has two experts).
-_DENOISERS = ("transformer", "transformer_2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +91,9 @@ class BlockSpec:
     input of every block, not carried). ``per_row``: the other arguments with one row
     per row of the call (sliced for the rows that compute); the rest are shared.
     ``unset``: arguments that must be ``None`` (a variant the table does not cover).
+    A family's specs (``block_specs``) are checked against the installed diffusers'
+    signatures at construction: a class whose ``forward`` differs is not wrapped (no
+    step cache).
     """
 
     params: tuple[str, ...]
@@ -107,91 +107,40 @@ class BlockSpec:
         return self.encoder_out is not None
 
 
-_FLUX = BlockSpec(
-    (
-        "hidden_states",
-        "encoder_hidden_states",
-        "temb",
-        "image_rotary_emb",
-        "joint_attention_kwargs",
-    ),
-    hidden_out=1,
-    encoder_out=0,
-    per_row=frozenset({"temb"}),
-)
+class BlockLayout(Protocol):
+    """What the step cache reads of a family (``_family.Family``'s facts): where its
+    denoisers and their blocks are, and how each of its block classes is called."""
 
-#: Block classes by name, checked against the installed diffusers' signatures at
-#: construction (a class whose ``forward`` differs is not wrapped: no step cache).
-_SPECS: dict[str, BlockSpec] = {
-    # Flux: image rotary embeddings are [tokens, dim], shared by every row.
-    "FluxTransformerBlock": _FLUX,
-    "FluxSingleTransformerBlock": _FLUX,
-    # SD3's MMDiT; its last block (context_pre_only) returns None for the encoder.
-    "JointTransformerBlock": BlockSpec(
-        ("hidden_states", "encoder_hidden_states", "temb", "joint_attention_kwargs"),
-        hidden_out=1,
-        encoder_out=0,
-        per_row=frozenset({"temb"}),
-    ),
-    # Qwen-Image: the text mask is per row, the rotary embeddings shared; with
-    # ``zero_cond_t`` (modulate_index) temb has two rows per row: not covered.
-    "QwenImageTransformerBlock": BlockSpec(
-        (
-            "hidden_states",
-            "encoder_hidden_states",
-            "encoder_hidden_states_mask",
-            "temb",
-            "image_rotary_emb",
-            "joint_attention_kwargs",
-            "modulate_index",
-        ),
-        hidden_out=1,
-        encoder_out=0,
-        per_row=frozenset({"encoder_hidden_states_mask", "temb"}),
-        unset=frozenset({"modulate_index"}),
-    ),
-    # Wan: called positionally; the text is an input of every block; rotary [1, ...].
-    "WanTransformerBlock": BlockSpec(
-        ("hidden_states", "encoder_hidden_states", "temb", "rotary_emb"),
-        hidden_out=None,
-        encoder_out=None,
-        per_row=frozenset({"encoder_hidden_states", "temb"}),
-    ),
-    # LTX-Video: its rotary embeddings have a row per row ([rows, tokens, dim]).
-    "LTXVideoTransformerBlock": BlockSpec(
-        (
-            "hidden_states",
-            "encoder_hidden_states",
-            "temb",
-            "image_rotary_emb",
-            "encoder_attention_mask",
-        ),
-        hidden_out=None,
-        encoder_out=None,
-        per_row=frozenset(
-            {"encoder_hidden_states", "temb", "image_rotary_emb", "encoder_attention_mask"}
-        ),
-    ),
-}
+    @property
+    def denoisers(self) -> tuple[str, ...]: ...
+
+    @property
+    def block_lists(self) -> tuple[str, ...]: ...
+
+    @property
+    def block_specs(self) -> Mapping[str, BlockSpec]: ...
 
 
-def _spec_of(block: torch.nn.Module) -> BlockSpec | None:
+def _spec_of(block: torch.nn.Module, specs: Mapping[str, BlockSpec]) -> BlockSpec | None:
     """The block's spec, if its class is known and its ``forward`` takes what it says."""
-    spec = _SPECS.get(type(block).__name__)
+    spec = specs.get(type(block).__name__)
     if spec is None:
         return None
     params = tuple(inspect.signature(type(block).forward).parameters)[1:]
     return spec if params == spec.params else None
 
 
-def denoiser_blocks(pipe: Any) -> list[list[torch.nn.Module]] | None:
+def denoiser_blocks(pipe: Any, layout: BlockLayout) -> list[list[torch.nn.Module]] | None:
     """Each DiT denoiser's blocks in call order; ``None`` if a denoiser cannot be cached.
 
-    A denoiser can be cached when every block is of a known class and it has at
-    least two blocks (a head and a tail to skip). Empty for a UNet pipeline.
+    A denoiser can be cached when every block is of a class its family's
+    ``block_specs`` know and it has at least two blocks (a head and a tail to skip).
+    Empty for a family without specs (a UNet).
     """
+    if not layout.block_specs:
+        return []
     found: list[list[torch.nn.Module]] = []
-    for name in _DENOISERS:
+    for name in layout.denoisers:
         denoiser = getattr(pipe, name, None)
         if not isinstance(denoiser, torch.nn.Module):
             continue
@@ -200,10 +149,10 @@ def denoiser_blocks(pipe: Any) -> list[list[torch.nn.Module]] | None:
         blocks = [
             block
             for child, module in denoiser.named_children()
-            if child in _BLOCK_LISTS and isinstance(module, torch.nn.ModuleList)
+            if child in layout.block_lists and isinstance(module, torch.nn.ModuleList)
             for block in module
         ]
-        if len(blocks) < 2 or any(_spec_of(block) is None for block in blocks):
+        if len(blocks) < 2 or any(_spec_of(block, layout.block_specs) is None for block in blocks):
             return None
         found.append(blocks)
     return found
@@ -805,16 +754,20 @@ def _taylor_computes(policy: StepCache, rows: RowCache) -> bool:
 
 
 class BlockCache:
-    """A runner's step cache: the blocks' wrappers, and its part of each model call."""
+    """A runner's step cache: the blocks' wrappers, and its part of each model call.
 
-    def __init__(self, pipe: Any, hooks: ModuleHooks) -> None:
-        found = denoiser_blocks(pipe)
+    ``layout`` is the runner's family (the step cache sits below the families: a
+    request's state holds its cache, so it asks no registry).
+    """
+
+    def __init__(self, pipe: Any, hooks: ModuleHooks, layout: BlockLayout) -> None:
+        found = denoiser_blocks(pipe, layout)
         #: The kinds the runner declares (``RunnerCapabilities.step_cache``).
         self.kinds: frozenset[str] = frozenset() if not found else KINDS
         self._hooks = hooks
         for denoiser, blocks in enumerate(found or ()):
             for index, block in enumerate(blocks):
-                spec = _spec_of(block)
+                spec = _spec_of(block, layout.block_specs)
                 assert spec is not None
                 last = index == len(blocks) - 1
                 role = _Role(spec, denoiser, len(blocks), head=index == 0, last=last)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any, cast
 
 import numpy as np
@@ -29,7 +30,7 @@ from ._family import (
     unit_number,
     wan_denormalized,
 )
-from ._stepcache import expert_rows
+from ._stepcache import BlockSpec, expert_rows
 
 __all__ = ["LTXImageToVideo", "LTXVideo", "Wan", "WanImageToVideo"]
 
@@ -66,6 +67,26 @@ class Wan(_Video):
     """
 
     name = "wan"
+    title = "Wan"
+    pipelines = ("WanPipeline",)
+    denoisers = ("transformer", "transformer_2")
+    block_lists = ("blocks",)
+    block_specs = MappingProxyType(
+        {
+            # Called positionally; the text is an input of every block; rotary [1, ...].
+            "WanTransformerBlock": BlockSpec(
+                ("hidden_states", "encoder_hidden_states", "temb", "rotary_emb"),
+                hidden_out=None,
+                encoder_out=None,
+                per_row=frozenset({"encoder_hidden_states", "temb"}),
+            ),
+        }
+    )
+    fps = 16.0
+    guidance_parameter = "guidance_scale"
+    context_parallel = True
+    wrong_splits = MappingProxyType({})
+    takes_adapters = True
     #: ``__call__``'s ``max_sequence_length`` default: text tokens per prompt.
     max_sequence_length = 512
 
@@ -236,6 +257,7 @@ class WanImageToVideo(Wan):
     """
 
     name = "wan-i2v"
+    pipelines = ("WanImageToVideoPipeline",)
     image_to_video = True
 
     def __init__(self, pipe: Any) -> None:
@@ -330,10 +352,47 @@ class LTXVideo(_Video):
     """
 
     name = "ltx"
+    title = "LTX-Video"
+    pipelines = ("LTXPipeline",)
+    denoisers = ("transformer",)
+    block_lists = ("transformer_blocks",)
+    block_specs = MappingProxyType(
+        {
+            # Its rotary embeddings have a row per row ([rows, tokens, dim]).
+            "LTXVideoTransformerBlock": BlockSpec(
+                (
+                    "hidden_states",
+                    "encoder_hidden_states",
+                    "temb",
+                    "image_rotary_emb",
+                    "encoder_attention_mask",
+                ),
+                hidden_out=None,
+                encoder_out=None,
+                per_row=frozenset(
+                    {"encoder_hidden_states", "temb", "image_rotary_emb", "encoder_attention_mask"}
+                ),
+            ),
+        }
+    )
+    #: ``__call__``'s ``frame_rate``, which scales the positional embedding too.
+    fps = 25.0
+    guidance_parameter = "guidance_scale"
+    context_parallel = True
+    # diffusers 0.42.1, two gloo ranks: its text mask is split with the text tokens,
+    # which its cross-attention reads whole. Ulysses raises there (the mask keeps every
+    # head, the ranks have half); ring runs and makes another video (0.06 off one
+    # rank's on tiny LTX-Video).
+    wrong_splits = MappingProxyType(
+        dict.fromkeys(
+            ("ulysses", "ring"),
+            "diffusers splits its text mask with the text, and the split output is wrong",
+        )
+    )
+    takes_adapters = True
     extra_keys = frozenset({"decode_timestep", "decode_noise_scale"})
-    #: ``__call__``'s defaults: text tokens per prompt, and frames per second.
+    #: ``__call__``'s default: text tokens per prompt.
     max_sequence_length = 128
-    frame_rate = 25
 
     @property
     def size_multiple(self) -> int:
@@ -391,7 +450,7 @@ class LTXVideo(_Video):
         shared = {
             "grid": (frames, height, width),
             "rope_interpolation_scale": (
-                pipe.vae_temporal_compression_ratio / self.frame_rate,
+                pipe.vae_temporal_compression_ratio / self.fps,
                 spatial,
                 spatial,
             ),
@@ -499,6 +558,7 @@ class LTXImageToVideo(LTXVideo):
     """
 
     name = "ltx-i2v"
+    pipelines = ("LTXImageToVideoPipeline",)
     image_to_video = True
 
     def _initial_latents(

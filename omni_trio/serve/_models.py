@@ -49,6 +49,12 @@ __all__ = [
     "model_size",
 ]
 
+# The tables below are the families' (the tiny kinds of ``omni_trio.runners``, each
+# family's pipelines), written out because ``import omni_trio.serve`` loads no torch
+# and the families' modules do; tests/runners/test_families.py holds them to the
+# families. What a loaded model's family says (its fps, its guidance parameter) is
+# read off the family itself.
+
 #: Built-in models: tiny real pipelines with random weights, and a fake one for tests.
 MODELS = (
     "tiny-sd",
@@ -76,13 +82,8 @@ TINY_STEPS = 20
 #: What a pipeline whose ``__call__`` says nothing gets.
 FALLBACK_STEPS = 30
 FALLBACK_GUIDANCE = 7.5
-#: The ``__call__`` parameter a ``DiffusersRunner`` family maps ``guidance_scale`` to,
-#: where it is not ``guidance_scale`` itself.
-_GUIDANCE_PARAMETER = {"qwen-image": "true_cfg_scale"}
-#: The frames per second of a video family's clips, as their model cards export them
-#: (Wan 16; LTX-Video 25, its ``__call__``'s ``frame_rate``), image to video as text to
-#: video; another video runner 24.
-VIDEO_FPS = {"wan": 16.0, "wan-i2v": 16.0, "ltx": 25.0, "ltx-i2v": 25.0}
+#: The frames per second of a video runner of no family (a family says its own:
+#: Wan 16, LTX-Video 25).
 FALLBACK_FPS = 24.0
 
 
@@ -248,6 +249,7 @@ def load_model(
         )
     from ..runners import DiffusersRunner, runner_for
     from ..runners._load import load_pipeline
+    from ..runners._registry import family_class
 
     tiny = spec in MODELS
     if tiny:
@@ -304,8 +306,10 @@ def load_model(
         steps = max(1, min(steps, max_steps))
     fixed = runner.capabilities.fixed_size
     size = (fixed[1], fixed[0]) if fixed is not None else model_size(pipeline, tiny=tiny)
-    family = runner.family if isinstance(runner, DiffusersRunner) or parallel else None
-    guidance = _GUIDANCE_PARAMETER.get(family or "", "guidance_scale")
+    # A pipeline served by its own call has no family: diffusers' names, the fallbacks.
+    family = family_class(pipeline)
+    guidance = family.guidance_parameter if family is not None else "guidance_scale"
+    fps = family.fps if family is not None else None
     video = runner.capabilities.frames is not None
     return LoadedModel(
         runners=tuple(runners),
@@ -313,6 +317,8 @@ def load_model(
         description=description,
         size=size,
         steps=steps,
-        guidance_scale=float(call_default(pipeline, guidance, FALLBACK_GUIDANCE)),
-        fps=VIDEO_FPS.get(family or "", FALLBACK_FPS) if video else None,
+        guidance_scale=float(
+            call_default(pipeline, guidance, FALLBACK_GUIDANCE) if guidance else FALLBACK_GUIDANCE
+        ),
+        fps=(fps or FALLBACK_FPS) if video else None,
     )
