@@ -138,6 +138,7 @@ from ._outputs import EngineStatistics as EngineStatistics
 from ._outputs import GenerationOutput as GenerationOutput
 from ._outputs import RequestMetrics as RequestMetrics
 from ._outputs import RequestStatus as RequestStatus
+from ._outputs import RequestTimeline as RequestTimeline
 from ._outputs import StepEvent as StepEvent
 from ._outputs import WorkerStatistics as WorkerStatistics
 from ._reasons import AbortReason as AbortReason
@@ -173,6 +174,7 @@ __all__ = [
     "RequestHandle",
     "RequestMetrics",
     "RequestStatus",
+    "RequestTimeline",
     "StepCache",
     "StepEvent",
     "WorkerStatistics",

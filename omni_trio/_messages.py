@@ -108,7 +108,8 @@ def discard_state(runner: Runner[Any], item: WorkItem) -> Exception | None:
     the discard's, and the state is discarded all the same.
     """
     state, item.state = item.state, None
-    item.t_released = time.perf_counter()
+    item.t_released = now = time.perf_counter()
+    item.end_run(now)
     if state is None:
         return None
     error = read_cache_metrics(runner, item, state)

@@ -20,6 +20,7 @@ __all__ = [
     "GenerationOutput",
     "RequestMetrics",
     "RequestStatus",
+    "RequestTimeline",
     "StepEvent",
     "WorkerStatistics",
 ]
@@ -57,6 +58,23 @@ class StepEvent:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RequestTimeline:
+    """When a request's life happened, for a trace of it (L99).
+
+    ``admitted_ns`` is the wall clock (``time.time_ns()``) at its admission; the rest
+    are seconds after it, on the engine's monotonic clock: ``runs`` each run segment
+    on its worker (from a take or a resume to a suspension, its last step or its
+    release: a suspended request, L61, has several), ``denoised_s`` its last step's end
+    (``None``: it never got there), ``ended_s`` the moment it became terminal.
+    """
+
+    admitted_ns: int
+    runs: tuple[tuple[float, float], ...]
+    denoised_s: float | None
+    ended_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RequestMetrics:
     """Where a request's time went, filled for every terminal outcome.
 
@@ -72,6 +90,7 @@ class RequestMetrics:
     ``cache`` says what its step cache did (L84: row-calls and row-blocks computed
     and skipped, the threshold it ended with, whether it was loosened); ``None``
     for a request without a policy (or one whose runner did not say).
+    ``timeline`` says when each part of its life happened (a trace's spans, L99).
     """
 
     queue_wait_s: float
@@ -85,6 +104,7 @@ class RequestMetrics:
     preemptions: int = 0
     suspended_s: float = 0.0
     cache: CacheMetrics | None = None
+    timeline: RequestTimeline | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, weakref_slot=True)

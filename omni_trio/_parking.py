@@ -61,7 +61,8 @@ class Parking:
         self.bytes += size
         self.preemptions += 1
         item.preemptions += 1
-        item.t_suspended = time.perf_counter()
+        item.t_suspended = now = time.perf_counter()
+        item.end_run(now)
         item.taken = False
 
     def hold(self, item: WorkItem) -> None:

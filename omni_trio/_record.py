@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from ._channel import CoalescingChannel
-from ._outputs import GenerationOutput, RequestMetrics, RequestStatus, StepEvent
+from ._outputs import GenerationOutput, RequestMetrics, RequestStatus, RequestTimeline, StepEvent
 from ._request import GenerationRequest
 from ._workitem import WorkItem
 
@@ -121,6 +121,13 @@ class Record(WorkItem):
         since = self.t_suspended
         if since is not None:  # ended while suspended (L61)
             suspended_s += max(0.0, released - since)
+        admitted = self.t_admitted
+        timeline = RequestTimeline(
+            admitted_ns=time.time_ns() - round((now - admitted) * 1e9),
+            runs=tuple((start - admitted, end - admitted) for start, end in self.runs),
+            denoised_s=None if denoised is None else denoised - admitted,
+            ended_s=now - admitted,
+        )
         return RequestMetrics(
             queue_wait_s=(taken if taken is not None else now) - self.t_admitted,
             exec_s=0.0 if taken is None else (denoised or released) - taken,
@@ -133,6 +140,7 @@ class Record(WorkItem):
             preemptions=self.preemptions,
             suspended_s=suspended_s,
             cache=self.cache_metrics,
+            timeline=timeline,
         )
 
 

@@ -548,7 +548,7 @@ class Worker:
         if item.state is not None:
             self._resume(item, running, pending)
             return
-        item.t_taken = started = time.perf_counter()
+        item.t_taken = item.t_run = started = time.perf_counter()
         try:
             if item.resume_from is not None:
                 item.state = restored(self._runner, item)
@@ -569,9 +569,10 @@ class Worker:
             self._publish([*running, *pending])
             release(self._runner, item, self._post, exc, call="resume")
             return
+        now = item.t_run = time.perf_counter()
         suspended = item.t_suspended
         if suspended is not None:
-            item.suspended_s += time.perf_counter() - suspended
+            item.suspended_s += now - suspended
             item.t_suspended = None
         running.append(item)
 
@@ -668,7 +669,8 @@ class Worker:
 
     def denoised(self, item: WorkItem) -> None:
         """``item``'s last step is done: to the materializer, to decode (L16)."""
-        item.t_denoised = time.perf_counter()
+        item.t_denoised = now = time.perf_counter()
+        item.end_run(now)
         self._materializer.put(item)
 
     def _preview(self, item: WorkItem) -> Any:

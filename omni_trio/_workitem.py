@@ -67,6 +67,7 @@ class WorkItem:
         "request",
         "request_id",
         "resume_from",
+        "runs",
         "sequence",
         "state",
         "step_pixels",
@@ -77,6 +78,7 @@ class WorkItem:
         "t_deadline",
         "t_denoised",
         "t_released",
+        "t_run",
         "t_suspended",
         "t_taken",
         "taken",
@@ -107,6 +109,11 @@ class WorkItem:
         self.t_taken: float | None = None
         self.t_denoised: float | None = None
         self.t_released: float | None = None
+        # Its run segments on the worker (perf_counter): each from a take or a resume
+        # to a suspension, its last step or its release; the open one's start. Read by
+        # the loop once the request is terminal (its timeline, for traces: L99).
+        self.runs: list[tuple[float, float]] = []
+        self.t_run: float | None = None
         self.prepare_s = 0.0
         self.denoise_s = 0.0
         self.decode_s = 0.0
@@ -135,6 +142,13 @@ class WorkItem:
         self.checkpoint: CheckpointPolicy | None = None
         self.resume_from: bytes | None = None
         self.t_checkpoint: float | None = None
+
+    def end_run(self, at: float) -> None:
+        """Its run segment on the worker ends at ``at`` (a suspension, its last step, its
+        release); nothing if none is open."""
+        start, self.t_run = self.t_run, None
+        if start is not None:
+            self.runs.append((start, at))
 
     def rank(self) -> tuple[int, float, int]:
         """Its rank, as the queue compares them: the smallest is the best-ranked."""

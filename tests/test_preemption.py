@@ -480,3 +480,37 @@ def test_preemption_config_is_validated(field: str, value: object) -> None:
     """Bad preemption settings are refused, naming the field."""
     with pytest.raises(ValueError, match=field):
         ot.EngineConfig(**{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_a_suspended_requests_timeline_has_one_run_per_segment() -> None:
+    """L61, L99: a request suspended once has two run segments in its timeline, in order,
+    the wait between them; its last step ends the second; the high-priority request that
+    suspended it ran once, inside that wait. A request aborted while it waited never ran.
+    """
+    runner = GatedRunner()
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner, config()) as engine:
+            low, high = await low_suspended_for(
+                engine, runner, req(num_steps=2), req(num_steps=1, priority=5)
+            )
+            runner.open_gate()
+            async with low, high:
+                await low.result()
+                await high.result()
+            waiting = engine.submit(req(num_steps=1, height=8, width=8), request_id="late")
+            async with waiting:
+                waiting.abort_nowait()
+    assert low.metrics is not None and high.metrics is not None
+    lows, highs = low.metrics.timeline, high.metrics.timeline
+    assert lows is not None and highs is not None
+    (first_start, first_end), (second_start, second_end) = lows.runs
+    assert 0 <= first_start < first_end < second_start < second_end
+    assert lows.denoised_s == second_end <= lows.ended_s
+    [(high_start, high_end)] = highs.runs
+    high_offset = (highs.admitted_ns - lows.admitted_ns) / 1e9
+    # The clocks agree to rounding: the high request ran inside the low one's wait.
+    assert first_end - 1e-3 <= high_start + high_offset <= high_end + high_offset
+    assert high_end + high_offset <= second_start + 1e-3
+    assert waiting.metrics is not None and waiting.metrics.timeline is not None
+    assert waiting.metrics.timeline.runs == () and waiting.metrics.timeline.denoised_s is None
