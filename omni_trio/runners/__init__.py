@@ -57,7 +57,8 @@ Layout: the private modules, each importing only those below it:
   registry's facts (whether a pipeline's family takes adapters, its denoisers);
   ``_landing``, below it: where each tensor of an adapter lands (the census a load is
   checked against);
-- ``_chunks``: decodes in chunks (L72).
+- ``_chunks``: decodes in chunks (L72);
+- ``_checkpoint``: what a checkpoint of a state holds, and how it comes back (L78).
 
 Apart: ``_tiny`` (and ``_quiet``), ``_tinylora``, ``_load`` and ``_devices`` import no
 family.
