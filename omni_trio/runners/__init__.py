@@ -9,6 +9,8 @@
 - ``DiffusersRunner``: a diffusers pipeline driven one step at a time.
 - ``PipelineCallRunner``: any other pipeline, through its own ``__call__``.
 - ``runner_for(pipeline)``: the first where it can, else the second.
+- ``ModelSpec`` and ``load(spec)``: a model as one value (a folder or a hub id, its
+  dtype, its attention backend; L89) and the runner of it.
 - ``tiny_pipeline``: tiny real pipelines with random weights, for tests and demos;
   ``tiny_lora``: a random LoRA file for one (made with PEFT).
 - ``for_devices(make, devices)``: one runner per device, for ``open_engine``.
@@ -58,6 +60,9 @@ Layout: the private modules, each importing only those below it:
   ``_landing``, below it: where each tensor of an adapter lands (the census a load is
   checked against);
 - ``_chunks``: decodes in chunks (L72);
+- ``_spec``: ``ModelSpec``, a model as one value, and its loading (a folder or a hub id
+  through the Hugging Face cache, its dtypes, its attention backend; L89), over
+  ``_load`` (a local folder, never the network);
 - ``_checkpoint``: what a checkpoint of a state holds, and how it comes back (L78).
 
 Apart: ``_tiny`` (and ``_quiet``), ``_tinylora``, ``_load`` and ``_devices`` import no
@@ -90,6 +95,8 @@ from ._forward import ModelCall as ModelCall
 from ._forward import rows_slice as rows_slice
 from ._forward import token_split as token_split
 from ._registry import context_parallel_denoisers as context_parallel_denoisers
+from ._spec import ModelSpec as ModelSpec
+from ._spec import load as load
 from ._tiny import TINY_KINDS as TINY_KINDS
 from ._tiny import TINY_VIDEO_KINDS as TINY_VIDEO_KINDS
 from ._tiny import tiny_pipeline as tiny_pipeline
@@ -104,6 +111,7 @@ __all__ = [
     "DiffusersRunner",
     "Exchange",
     "ModelCall",
+    "ModelSpec",
     "PipelineCallRunner",
     "Runner",
     "RunnerCapabilities",
@@ -115,6 +123,7 @@ __all__ = [
     "cancel_point",
     "context_parallel_denoisers",
     "for_devices",
+    "load",
     "pack_checkpoint",
     "rows_slice",
     "runner_for",

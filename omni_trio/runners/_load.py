@@ -38,7 +38,9 @@ def check_pipeline_folder(path: str | os.PathLike[str]) -> Path:
     return folder
 
 
-def load_pipeline(path: str | os.PathLike[str]) -> DiffusionPipeline:
+def load_pipeline(
+    path: str | os.PathLike[str], *, torch_dtype: Any = None, variant: str | None = None
+) -> DiffusionPipeline:
     """Load the diffusers pipeline saved in a local folder, never touching the network.
 
     What diffusers needs told, the loader tells it:
@@ -54,6 +56,9 @@ def load_pipeline(path: str | os.PathLike[str]) -> DiffusionPipeline:
 
     Args:
         path: a folder that ``check_pipeline_folder`` accepts.
+        torch_dtype: the modules' dtype (a ``torch.dtype``, or diffusers' mapping of
+            component to dtype with a ``"default"``); ``None``: as saved.
+        variant: the weight files' variant (``fp16``), or ``None``.
 
     Returns:
         The pipeline, as ``DiffusionPipeline.from_pretrained`` built it.
@@ -71,6 +76,12 @@ def load_pipeline(path: str | os.PathLike[str]) -> DiffusionPipeline:
 
         untyped: Any = diffusers  # unannotated constructors; mypy --strict rejects them
         options: dict[str, Any] = {"local_files_only": True}
+        if torch_dtype is not None:
+            # diffusers 0.40 renamed ``torch_dtype`` ``dtype`` (the old name warns).
+            modern = hasattr(untyped.pipelines.pipeline_utils, "_resolve_dtype")
+            options["dtype" if modern else "torch_dtype"] = torch_dtype
+        if variant is not None:
+            options["variant"] = variant
         options |= dict.fromkeys(_saved_as_none(index))
         if not untyped.utils.is_accelerate_available():
             _refuse_without_accelerate(untyped, index)
