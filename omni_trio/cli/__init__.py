@@ -12,9 +12,15 @@ server, the core for the demo). Its modules:
 - ``_given``: which options the command line gave, and the refusal of those that
   do not apply (``--replicas`` without ``--ray``), or, from their variable, the
   note that they are ignored.
-- ``_serve``: ``serve``: its options, checked before it serves, then the service.
-- ``_options``: ``serve``'s options as the serve package's ``ServiceOptions``, and
-  the serve package's errors as the command's, named by their option.
+- ``_declare``: an option declared once (``Option``: its spellings, type, default,
+  help, section, where it applies, the field it sets), and the argparse arguments
+  and the dataclass fields made of a table of them.
+- ``_serve_table``: ``serve``'s table: every option of the command, in ``--help``'s order.
+- ``_serve``: ``serve``: its options (the table's), checked before it serves, then
+  the service.
+- ``_options``: ``serve``'s options as the serve package's ``ServiceOptions``, the
+  options that do not apply to a run, and the serve package's errors as the
+  command's, named by their option.
 - ``_servers``: the service under Hypercorn (trio) or Uvicorn (asyncio), drained on
   SIGTERM or SIGINT.
 - ``_ray``: ``serve --ray``: the same service, N replicas on Ray Serve, Ray in a

@@ -1,63 +1,57 @@
 """``serve``'s options as the serve package's ``ServiceOptions``, and its errors as the command's.
 
 ``serve`` and ``serve --ray`` build their service as ``build_service`` does, from
-the ``ServiceOptions`` of their arguments. The serve package says what is wrong
-without naming an option (a ``ValueError`` for a spec that names no model, a
-``ModelError`` for one that does not load, an ``OptionError`` naming the field of
-a default the model refuses); here those become the command's usage errors and
-errors, named by the option that set them.
+the ``ServiceOptions`` of their arguments: each field that one option sets is that
+option's value (``_serve_table`` says which), and a function here builds each of the
+others from its options (``BUILT``: the devices, the ranks, the keys, the warm-up).
+The serve package says what is wrong without naming an option (a ``ValueError`` for
+a spec that names no model, a ``ModelError`` for one that does not load, an
+``OptionError`` naming the field of a default the model refuses); here those become
+the command's usage errors and errors, named by the option that set them.
 
-Which options do not apply (``_given`` refuses them): ``unused_options`` from the
-arguments alone, before anything loads; ``unused_for_model`` once the model
-loaded, from what it is (a video model, its family).
+Which options do not apply (``_given`` refuses them), from where the table says each
+applies: ``unused_options`` from the arguments alone, before anything loads;
+``unused_for_model`` once the model loaded, from what it is (a video model, its
+family).
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from .._config import EngineConfig
 from ..serve._keys import ApiKeys, load_keys_file
 from ..serve._models import MODELS, LoadedModel, ModelError, model_folder
 from ..serve._options import OptionError, ServiceOptions, build_service
-from ..serve._upload import UploadLimits
+from ._declare import Option, field_values
 from ._errors import CommandError, UsageError, summary
 from ._given import Unused
+from ._serve_table import SERVE_OPTIONS, SPLIT_BY_LOAD, Applies
 
 if TYPE_CHECKING:
     from ..serve._app import Service
 
 __all__ = [
-    "PARALLEL_OPTIONS",
+    "BUILT",
     "check_model",
     "load",
     "make_service",
+    "option_setting",
     "service_options",
     "unused_for_model",
     "unused_options",
 ]
 
-#: The option that sets each field of ``ServiceOptions`` the model can refuse.
-_OPTIONS = {
-    "video_fps": "--video-fps",
-    "default_size": "--default-size",
-    "default_steps": "--default-steps",
-    "default_guidance_scale": "--default-guidance",
-    "default_cache": "--cache",
-    "adapters": "--adapter",
-}
+
+def option_setting(field: str) -> Option:
+    """The option that sets ``field`` of ``ServiceOptions`` (``default_cache``: the
+    engine configuration's, ``--cache``), to name it in an error."""
+    [option] = [o for o in SERVE_OPTIONS if any(f.split(".")[-1] == field for f in o.fields)]
+    return option
 
 
-#: ``serve``'s options of one request over several ranks, and what each splits.
-PARALLEL_OPTIONS = {
-    "--cfg-parallel": "split each request's classifier-free guidance (its two halves)",
-    "--ulysses": "split each model call's tokens, Ulysses attention (DiT models)",
-    "--ring": "split each model call's tokens, ring attention (DiT models)",
-}
-#: The option that turns a token split off while the queue is deep (``by_load``).
-SPLIT_BY_LOAD = "--split-by-load"
-#: Each option's layout (``ParallelRunner``'s keyword).
+#: Each rank option's layout (``ParallelRunner``'s keyword).
 _LAYOUTS = {"--cfg-parallel": "cfg", "--ulysses": "ulysses", "--ring": "ring"}
 
 
@@ -128,54 +122,14 @@ def service_options(args: argparse.Namespace) -> ServiceOptions:
             is out of the engine's range.
     """
     try:
-        engine_config = EngineConfig(
-            max_batch_size=args.max_batch_size,
-            max_waiting=args.max_waiting,
-            shutdown_grace=args.shutdown_grace,
-            stop_timeout_s=args.stop_timeout,
-            max_step_s=args.max_step_time,
-            max_steps=args.max_steps,
-            max_height=args.max_size,
-            max_width=args.max_size,
-            max_num_images=args.max_n,
-            torch_threads=args.torch_threads,
-            default_cache=args.cache,
-        )
-        uploads = UploadLimits(max_bytes=args.max_upload_bytes, max_pixels=args.max_upload_pixels)
+        values = field_values(args, SERVE_OPTIONS, ServiceOptions, built=BUILT)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if args.allow_adapter_admin and args.adapter_dir is None:
         raise UsageError("--allow-adapter-admin: needs --adapter-dir, the folder loads read from")
-    return ServiceOptions(
-        model=args.model,
-        devices=_devices(args),
-        step_seconds=args.step_seconds,
-        decode_tile_above=args.decode_tile_above,
-        decode_framewise_above=args.decode_framewise_above,
-        engine_config=engine_config,
-        model_name=args.model_name,
-        default_size=args.default_size,
-        default_steps=args.default_steps,
-        default_guidance_scale=args.default_guidance,
-        max_body_bytes=args.max_body_bytes,
-        retry_after_s=args.retry_after,
-        max_priority=args.max_priority,
-        upload_limits=uploads,
-        video_bytes=args.video_bytes,
-        jobs_dir=args.jobs_dir,
-        checkpoint_every_s=args.checkpoint_every,
-        jobs_lease_s=args.jobs_lease,
-        video_fps=args.video_fps,
-        video_jobs=args.video_jobs,
-        video_ttl_s=args.video_ttl,
-        parallel=_parallel(args),
-        split_by_load=args.split_by_load,
-        adapters=tuple(args.adapter),
-        adapter_dir=args.adapter_dir,
-        allow_adapter_admin=args.allow_adapter_admin,
-        keys=_keys(args),
-        warm_up=args.warm_up and args.model != "fake",
-    )
+    # In BUILT's order: the first wrong one is the one named.
+    values.update({name: build(args) for name, build in BUILT.items()})
+    return ServiceOptions(**values)
 
 
 def _keys(args: argparse.Namespace) -> ApiKeys | None:
@@ -198,6 +152,20 @@ def _keys(args: argparse.Namespace) -> ApiKeys | None:
     if args.metrics_auth and not keys:
         raise UsageError("--metrics-auth: needs an API key (--api-key or --keys-file)")
     return keys if keys else None
+
+
+def _warm_up(args: argparse.Namespace) -> bool:
+    """``--no-warm-up`` not given, and a real model (the fake one needs no warm-up)."""
+    return bool(args.warm_up) and args.model != "fake"
+
+
+#: The fields of ``ServiceOptions`` built from the options that set them (``sets``).
+BUILT: dict[str, Callable[[argparse.Namespace], Any]] = {
+    "devices": _devices,
+    "parallel": _parallel,
+    "keys": _keys,
+    "warm_up": _warm_up,
+}
 
 
 def load(options: ServiceOptions) -> LoadedModel:
@@ -225,41 +193,30 @@ def make_service(options: ServiceOptions, model: LoadedModel) -> Service:
     try:
         return build_service(options, model=model)
     except OptionError as exc:
-        raise UsageError(f"{_OPTIONS[exc.option]}: {exc.detail}") from None
+        raise UsageError(f"{option_setting(exc.option).flag}: {exc.detail}") from None
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
 
-#: What an option that only ``--ray`` reads, or that ``--ray`` does not read, says.
-_RAY_ONLY = "applies with --ray only"
-_NOT_RAY = "does not apply with --ray (Ray Serve's proxy serves HTTP)"
+def _unused(applies: Applies) -> list[Unused]:
+    """The options that apply only where ``applies`` says, in the table's order."""
+    return [
+        Unused(dest=option.name, option=option.flag, reason=applies.value)
+        for option in SERVE_OPTIONS
+        if option.applies is applies
+    ]
 
 
 def unused_options(args: argparse.Namespace) -> list[Unused]:
     """The options ``serve``'s own arguments leave without effect (the model not loaded)."""
-    unused = []
-    if args.ray:
-        unused += [
-            Unused(dest="server", option="--server", reason=_NOT_RAY),
-            Unused(dest="close_timeout", option="--close-timeout", reason=_NOT_RAY),
-            Unused(dest="access_log", option="--no-access-log", reason=_NOT_RAY),
-        ]
-    else:
-        unused += [
-            Unused(dest="replicas", option="--replicas", reason=_RAY_ONLY),
-            Unused(dest="replica_gpus", option="--replica-gpus", reason=_RAY_ONLY),
-            Unused(dest="ray_address", option="--ray-address", reason=_RAY_ONLY),
-        ]
-    if args.model != "fake":
-        unused.append(
-            Unused(
-                dest="step_seconds", option="--step-seconds", reason="applies to --model fake only"
-            )
-        )
-    else:
-        fake = "applies to a real model (the fake one's step is --step-seconds)"
-        unused.append(Unused(dest="warm_up", option="--no-warm-up", reason=fake))
-    return unused
+    fake = args.model == "fake"
+    holds = {
+        Applies.RAY: args.ray,
+        Applies.NOT_RAY: not args.ray,
+        Applies.FAKE: fake,
+        Applies.REAL: not fake,
+    }
+    return [unused for applies, held in holds.items() if not held for unused in _unused(applies)]
 
 
 def unused_for_model(model: LoadedModel) -> list[Unused]:
@@ -270,41 +227,12 @@ def unused_for_model(model: LoadedModel) -> list[Unused]:
     unconditional UNets have none), framewise decoding an LTX-Video one.
     """
     runner = model.runners[0]
-    unused = []
-    if not runner.capabilities.max_adapters:
-        takes = "applies to models that take adapters (diffusers pipelines with LoRA loading)"
-        unused += [
-            Unused(dest="adapter_dir", option="--adapter-dir", reason=takes),
-            Unused(dest="allow_adapter_admin", option="--allow-adapter-admin", reason=takes),
-        ]
-    if runner.capabilities.frames is None:
-        video = "applies to video models only (Wan, LTX-Video)"
-        unused += [
-            Unused(dest="video_bytes", option="--video-bytes", reason=video),
-            Unused(dest="jobs_dir", option="--jobs-dir", reason=video),
-            Unused(dest="checkpoint_every", option="--checkpoint-every", reason=video),
-            Unused(dest="jobs_lease", option="--jobs-lease", reason=video),
-            Unused(dest="video_fps", option="--video-fps", reason=video),
-            Unused(dest="video_jobs", option="--video-jobs", reason=video),
-            Unused(dest="video_ttl", option="--video-ttl", reason=video),
-        ]
     # DiffusersRunner.family; the fake model and a pipeline served by its own call have none.
     family = getattr(runner, "family", None)
-    if family is None or family == "unet":
-        unused.append(
-            Unused(
-                dest="decode_tile_above",
-                option="--decode-tile-above",
-                reason="applies to models whose VAE omni_trio drives (not fake, an"
-                " unconditional UNet or a pipeline served by its own call)",
-            )
-        )
-    if family != "ltx":
-        unused.append(
-            Unused(
-                dest="decode_framewise_above",
-                option="--decode-framewise-above",
-                reason="applies to LTX-Video models only",
-            )
-        )
-    return unused
+    holds = {
+        Applies.ADAPTERS: bool(runner.capabilities.max_adapters),
+        Applies.VIDEO: runner.capabilities.frames is not None,
+        Applies.VAE: family is not None and family != "unet",
+        Applies.LTX: family == "ltx",
+    }
+    return [unused for applies, held in holds.items() if not held for unused in _unused(applies)]

@@ -44,9 +44,8 @@ from ._given import refuse_unused
 from ._logs import configure_logging, log_notes
 from ._options import check_model, load, make_service, service_options, unused_for_model
 from ._sockets import address, check_port
-from ._types import count, gpus
 
-__all__ = ["APP_NAME", "RAY_ENVIRONMENT", "add_ray_arguments", "run_ray"]
+__all__ = ["APP_NAME", "RAY_ENVIRONMENT", "run_ray"]
 
 _log = logging.getLogger("omni_trio.serve")
 
@@ -58,34 +57,6 @@ APP_NAME = "omni_trio"
 RAY_ENVIRONMENT = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 
 RAY_EXTRA_PIP = "pip install 'omni_trio[ray]'"
-
-
-def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--ray``, ``--replicas``, ``--replica-gpus`` and ``--ray-address`` to ``parser``."""
-    group = parser.add_argument_group(
-        "Ray Serve (scale out; needs the ray extra; --server and --close-timeout do not apply)"
-    )
-    group.add_argument(
-        "--ray",
-        action="store_true",
-        help="serve through Ray Serve: one engine per replica, behind its HTTP proxy",
-    )
-    group.add_argument(
-        "--replicas", type=count(1), default=1, metavar="N", help="replicas (default 1)"
-    )
-    group.add_argument(
-        "--replica-gpus",
-        type=gpus,
-        default=0.0,
-        metavar="G",
-        help="GPUs Ray reserves for each replica (it sees them as cuda:0..); default 0",
-    )
-    group.add_argument(
-        "--ray-address",
-        default=None,
-        metavar="ADDR",
-        help="join this Ray cluster (e.g. 10.0.0.1:6379) instead of starting a local one",
-    )
 
 
 def _options(args: argparse.Namespace) -> ServiceOptions:

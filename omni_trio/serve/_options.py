@@ -10,7 +10,9 @@ second), and the defaults are checked once, as a request that uses them all.
 
 The errors name the options' fields, never a command-line option: the command
 line (``omni_trio.cli``) turns its arguments into ``ServiceOptions`` and names
-its own options in what it prints.
+its own options in what it prints. It declares each of its options against a
+field here, by the field's name, and takes the field's default unless the option
+says otherwise: a field added or renamed needs its option there (its test says so).
 """
 
 from __future__ import annotations

@@ -55,11 +55,12 @@ def serve_options() -> list[str]:
 
 
 def test_the_options_table_is_the_parsers() -> None:
-    """docs/serving.md's table has one row per ``serve`` option, each with its variable: an
-    option added to the parser needs its row."""
+    """docs/serving.md's table has one row per ``serve`` option, in the order of its
+    declarations (``_serve_table``, ``--help``'s order), each with its variable: an option
+    added to the table needs its row there."""
     rows = [OPTION_ROW.match(line) for line in SERVING.read_text().splitlines()]
     table = [(row[1], row[2]) for row in rows if row is not None]
-    assert sorted(option for option, _ in table) == sorted(serve_options())
+    assert [option for option, _ in table] == serve_options()
     assert all(name == variable(option) for option, name in table), table
 
 
