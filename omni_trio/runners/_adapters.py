@@ -296,6 +296,9 @@ class AdapterSet:
     max_bytes: int | None
     hooks: ModuleHooks
     supported: bool = field(init=False)
+    #: Why a runner that could take adapters takes none (its compiled blocks, L93), or
+    #: ``None``.
+    refusal: str | None = None
     _components: list[str] = field(init=False)
     _entries: dict[str, _Entry] = field(init=False, default_factory=dict)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
@@ -311,7 +314,9 @@ class AdapterSet:
         if self.max_bytes is not None and self.max_bytes < 1:
             raise ValueError(f"max_adapter_bytes: must be >= 1 or None, got {self.max_bytes}")
         self._components = _components(self.pipe)
-        self.supported = bool(self._components) and _takes_adapters(self.pipe)
+        self.supported = (
+            bool(self._components) and _takes_adapters(self.pipe) and self.refusal is None
+        )
 
     # -- what admission and the listings read (any thread, never waits for a step) ---
 
@@ -330,7 +335,9 @@ class AdapterSet:
         """Load ``source`` as ``name`` (see ``AdapterRunner.load_adapter``)."""
         name = check_adapter_name(_fail, "name", name)
         if not self.supported:
-            raise AdapterError("this pipeline takes no adapters", reason="invalid", name=name)
+            raise AdapterError(
+                self.refusal or "this pipeline takes no adapters", reason="invalid", name=name
+            )
         entry = _Entry(name, *_source(name, source))
         with self.model_lock:
             if self._closed:

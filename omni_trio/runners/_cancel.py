@@ -24,7 +24,7 @@ import torch
 
 from .._cancelpoint import cancel_point
 from ._hooks import ModuleHooks, has_hook
-from ._registry import family_class
+from ._registry import family_blocks
 
 __all__ = ["KIND", "cancel_modules", "hold_cancel_points", "hooked", "install_cancel_points"]
 
@@ -37,19 +37,7 @@ def cancel_modules(pipe: Any) -> list[torch.nn.Module]:
 
     The blocks are those its family names (none for a pipeline of no family).
     """
-    family = family_class(pipe)
-    denoisers, block_lists = (family.denoisers, family.block_lists) if family else ((), ())
-    modules: list[torch.nn.Module] = []
-    for name in denoisers:
-        denoiser = getattr(pipe, name, None)
-        if not isinstance(denoiser, torch.nn.Module):
-            continue
-        for attribute in block_lists:
-            blocks = getattr(denoiser, attribute, None)
-            if isinstance(blocks, torch.nn.ModuleList):
-                modules.extend(blocks)
-            elif isinstance(blocks, torch.nn.Module):
-                modules.append(blocks)
+    modules = family_blocks(pipe)
     decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
     if isinstance(decoder, torch.nn.Module):
         modules.append(decoder)

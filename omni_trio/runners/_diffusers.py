@@ -40,12 +40,14 @@ from ._cancel import KIND as CANCEL_POINT
 from ._cancel import install_cancel_points
 from ._checkpoint import StateCopy, copy_bytes, model_key, restore_into, state_copy
 from ._chunks import DecodeChunks
+from ._compile import MODES as COMPILE_MODES
+from ._compile import CompiledBlocks
 from ._edit import keep_unmasked
 from ._family import RequestState, joined
 from ._forward import CallPart, ModelCall, calling
 from ._hooks import ModuleHooks
 from ._park import park_on_host, state_tensors, unpark
-from ._registry import family_for
+from ._registry import family_blocks, family_for
 from ._stepcache import NAME as STEP_CACHE
 from ._stepcache import BlockCache, RequestCache
 
@@ -141,10 +143,13 @@ class DiffusersRunner:
             Wan 2.2's two experts).
         max_loaded_adapters: the most adapters loaded at once (L87).
         max_adapter_bytes: the most bytes of loaded adapters' weights, or ``None``.
+        compile: ``"blocks"``: compile each block of the denoiser (L90, ``_compile``):
+            cancel points and the step cache stay outside the graphs; adapters are
+            refused (L93). ``None``: eager.
 
     Raises:
         TypeError: the pipeline's family is not supported.
-        ValueError: a threshold below 1.
+        ValueError: a threshold below 1, a ``compile`` that is not a mode.
 
     Counters (any thread): ``live_states``, ``decodes``.
     """
@@ -160,7 +165,10 @@ class DiffusersRunner:
         max_adapters: int = 4,
         max_loaded_adapters: int = 16,
         max_adapter_bytes: int | None = None,
+        compile: str | None = None,
     ) -> None:
+        if compile is not None and compile not in COMPILE_MODES:
+            raise ValueError(f"compile: one of {', '.join(COMPILE_MODES)}, got {compile!r}")
         chunks = DecodeChunks(
             slices=decode_slices, tile_above=tile_above, framewise_above=framewise_above
         )
@@ -173,7 +181,15 @@ class DiffusersRunner:
         # Held around every model call; loads and unloads take it too (see ``_adapters``).
         self._model_lock = threading.RLock()
         self._adapters = AdapterSet(
-            pipeline, self._model_lock, max_loaded_adapters, max_adapter_bytes, self._hooks
+            pipeline,
+            self._model_lock,
+            max_loaded_adapters,
+            max_adapter_bytes,
+            self._hooks,
+            refusal=None
+            if compile is None
+            else "a compiled runner takes no adapters: their rows run inside its blocks"
+            " (L93); run it without compile to load adapters",
         )
         min_steps, max_steps = step_bounds(pipeline.scheduler)
         self._capabilities = RunnerCapabilities(
@@ -203,6 +219,10 @@ class DiffusersRunner:
             checkpoints=True,
         )
         install_cancel_points(self._hooks, pipeline)
+        # L90: the blocks' own forwards compiled, innermost of their chains.
+        self._compiled = (
+            None if compile is None else CompiledBlocks(family_blocks(pipeline), self._hooks)
+        )
         device = torch.device(pipeline.device)
         # On CUDA, decodes run on their own stream and copy into pinned host
         # memory, overlapping the next steps on the default stream.
@@ -491,6 +511,18 @@ class DiffusersRunner:
         """
         self._adapters.close()
         self._hooks.close()
+
+    @property
+    def compiled_blocks(self) -> int:
+        """How many denoiser blocks run compiled (L90); 0 without ``compile`` or closed."""
+        return 0 if self._compiled is None else self._compiled.count
+
+    def seal_compile(self) -> None:
+        """From now on a shape without a compiled graph runs eager, never compiles
+        (L90): call it once the declared shapes ran (a server's warm-up). Nothing
+        without ``compile``."""
+        if self._compiled is not None:
+            self._compiled.seal()
 
     @property
     def step_cache_blocks(self) -> int:

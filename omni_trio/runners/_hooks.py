@@ -30,13 +30,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["ORDER", "ModuleHooks", "Wrapper", "has_hook"]
+__all__ = ["COMPILED", "ORDER", "ModuleHooks", "Wrapper", "has_hook"]
 
 #: A wrapper of a module's ``forward``: ``(module, proceed, *args, **kwargs)``.
 Wrapper = Callable[..., Any]
 
 #: The kinds of wrapper, outermost first.
 ORDER = ("step-cache", "adapters")
+
+#: The kind of the replacement of a module's own forward by its compiled one (L90).
+COMPILED = "compiled"
 
 _CHAIN = "_omni_trio_chain"
 
@@ -50,15 +53,26 @@ class _Chain:
     instance_forward: Any
     wrappers: dict[str, Wrapper] = field(default_factory=dict)
     ordered: tuple[Wrapper, ...] = ()
+    #: What runs in the original's place, where a holder replaced it (``replace``: a
+    #: compiled forward, L90), or ``None``.
+    inner: Any = None
 
     def order(self) -> None:
         self.ordered = tuple(self.wrappers[kind] for kind in ORDER if kind in self.wrappers)
 
+    @property
+    def innermost(self) -> Callable[..., Any]:
+        run: Callable[..., Any] = self.original if self.inner is None else self.inner
+        return run
+
+    @property
+    def empty(self) -> bool:
+        return not self.wrappers and self.inner is None
+
 
 def _proceed(module: torch.nn.Module, chain: _Chain, depth: int) -> Callable[..., Any]:
     if depth == len(chain.ordered):
-        original: Callable[..., Any] = chain.original
-        return original
+        return chain.innermost
 
     def proceed(*args: Any, **kwargs: Any) -> Any:
         return chain.ordered[depth](module, _proceed(module, chain, depth + 1), *args, **kwargs)
@@ -69,6 +83,8 @@ def _proceed(module: torch.nn.Module, chain: _Chain, depth: int) -> Callable[...
 def _chained_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The ``forward`` of a module with wrappers: the first wrapper, given the rest."""
     chain: _Chain = self.__dict__[_CHAIN]
+    if not chain.ordered:
+        return chain.innermost(*args, **kwargs)
     return chain.ordered[0](self, _proceed(self, chain, 1), *args, **kwargs)
 
 
@@ -102,14 +118,23 @@ class ModuleHooks:
         with _lock:
             if not self._hold(module, kind):
                 return False
-            chain: _Chain | None = module.__dict__.get(_CHAIN)
-            if chain is None:
-                chain = _Chain(module.forward, module.__dict__.get("forward"))
-                module.__dict__[_CHAIN] = chain
-                # A bound method, so a deep copy of the module rebinds it to the copy.
-                module.__dict__["forward"] = _chained_forward.__get__(module)
+            chain = _chain_of(module)
             chain.wrappers[kind] = wrapper
             chain.order()
+            return True
+
+    def replace(
+        self, module: torch.nn.Module, kind: str, make: Callable[[Callable[..., Any]], Any]
+    ) -> bool:
+        """Hold ``make(forward)`` in place of ``module``'s own ``forward``, innermost of its
+        chain (its wrappers and pre-hooks stay outside: a compiled block, L90); return
+        whether this call installed it."""
+        with _lock:
+            if not self._hold(module, kind):
+                return False
+            chain = _chain_of(module)
+            assert chain.inner is None, "one replacement of a module's forward at a time"
+            chain.inner = make(chain.original)
             return True
 
     def _hold(self, module: torch.nn.Module, kind: str) -> bool:
@@ -153,13 +178,27 @@ class ModuleHooks:
                     _unwrap(module, kind)
 
 
+def _chain_of(module: torch.nn.Module) -> _Chain:
+    """``module``'s chain, made (and its ``forward`` put through it) if it has none."""
+    chain: _Chain | None = module.__dict__.get(_CHAIN)
+    if chain is None:
+        chain = _Chain(module.forward, module.__dict__.get("forward"))
+        module.__dict__[_CHAIN] = chain
+        # A bound method, so a deep copy of the module rebinds it to the copy.
+        module.__dict__["forward"] = _chained_forward.__get__(module)
+    return chain
+
+
 def _unwrap(module: torch.nn.Module, kind: str) -> None:
     chain: _Chain | None = module.__dict__.get(_CHAIN)
     if chain is None:
         return
-    chain.wrappers.pop(kind, None)
-    chain.order()
-    if chain.wrappers:
+    if kind in chain.wrappers:
+        chain.wrappers.pop(kind)
+        chain.order()
+    else:
+        chain.inner = None  # the replacement's kind
+    if not chain.empty:
         return
     del module.__dict__[_CHAIN]
     del module.__dict__["forward"]

@@ -66,6 +66,27 @@ def family_class(pipe: object) -> type[Family] | None:
     return family if family is not None and type(pipe) is getattr(diffusers, name) else None
 
 
+def family_blocks(pipe: object) -> list[torch.nn.Module]:
+    """The blocks of ``pipe``'s denoisers that its family names, in call order (a DiT's
+    transformer blocks, a UNet's down, mid and up blocks); none for a pipeline of no
+    family. Cancel points come before them (L71), compilation compiles them (L90)."""
+    family = family_class(pipe)
+    if family is None:
+        return []
+    modules: list[torch.nn.Module] = []
+    for name in family.denoisers:
+        denoiser = getattr(pipe, name, None)
+        if not isinstance(denoiser, torch.nn.Module):
+            continue
+        for attribute in family.block_lists:
+            blocks = getattr(denoiser, attribute, None)
+            if isinstance(blocks, torch.nn.ModuleList):
+                modules.extend(blocks)
+            elif isinstance(blocks, torch.nn.Module):
+                modules.append(blocks)
+    return modules
+
+
 def is_supported(pipe: object) -> bool:
     """Whether ``DiffusersRunner`` can drive ``pipe`` step by step."""
     return family_class(pipe) is not None

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._compile import MODES as COMPILE_MODES
+from ._compile import use_compile_cache
 from ._load import check_pipeline_folder, load_pipeline
 
 if TYPE_CHECKING:
@@ -66,6 +68,10 @@ class ModelSpec:
             model's default.
         offline: only the Hugging Face cache, never the network; ``None``: as
             ``HF_HUB_OFFLINE`` says.
+        compile: ``"blocks"``: the denoiser's blocks compiled (L90, ``_compile``);
+            ``None``: eager.
+        compile_cache: a folder where the compiled artifacts are kept across
+            restarts (torch's inductor cache), or ``None``: torch's default.
 
     Raises:
         ValueError: a field is out of range; the message names it.
@@ -78,6 +84,8 @@ class ModelSpec:
     component_dtypes: tuple[tuple[str, str], ...] = ()
     attention_backend: str | None = None
     offline: bool | None = None
+    compile: str | None = None
+    compile_cache: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, str) or not self.source.strip():
@@ -89,6 +97,10 @@ class ModelSpec:
         names = [name for name, _ in self.component_dtypes]
         if len(set(names)) != len(names):
             raise ValueError(f"component_dtypes: a component named twice in {names}")
+        if self.compile is not None and self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile: one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
+        if self.compile_cache is not None and self.compile is None:
+            raise ValueError("compile_cache: only with compile")
 
     @property
     def is_hub_id(self) -> bool:
@@ -222,9 +234,20 @@ def load(spec: ModelSpec | str, *, device: str | None = None, **options: Any) ->
         ValueError: as ``load_pipeline_of``.
     """
     from ._call import runner_for
+    from ._diffusers import DiffusersRunner
+    from ._registry import is_supported
 
     if isinstance(spec, str):
         spec = ModelSpec(source=spec)
     pipe = load_pipeline_of(spec, device)
     pipe.set_progress_bar_config(disable=True)
-    return runner_for(pipe, **options)
+    if spec.compile is None:
+        return runner_for(pipe, **options)
+    if spec.compile_cache is not None:
+        use_compile_cache(spec.compile_cache)
+    if not is_supported(pipe):
+        raise ValueError(
+            f"compile: {type(pipe).__name__} runs by its own call, whose blocks omni_trio"
+            " does not compile"
+        )
+    return DiffusersRunner(pipe, compile=spec.compile, **options)
