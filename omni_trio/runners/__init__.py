@@ -60,6 +60,8 @@ Layout: the private modules, each importing only those below it:
   ``_landing``, below it: where each tensor of an adapter lands (the census a load is
   checked against);
 - ``_chunks``: decodes in chunks (L72);
+- ``_compile``: the denoiser's blocks compiled, the innermost link of their hook
+  chains, and sealed once the declared shapes ran (L90);
 - ``_spec``: ``ModelSpec``, a model as one value, and its loading (a folder or a hub id
   through the Hugging Face cache, its dtypes, its attention backend; L89), over
   ``_load`` (a local folder, never the network);
