@@ -30,11 +30,14 @@ def worker_group(nodeid: str) -> str:
 
     Each module is a group (a module-scoped fixture, a parallel group or a Ray cluster,
     starts once), every Ray test is in one (one local cluster at a time), and so are the
-    parallel ranks' modules (their ranks' collectives each get a core's share).
+    parallel ranks' modules (their ranks' collectives each get a core's share), and the
+    tests on PostgreSQL (tests/support/postgres.py: one server per worker that uses it).
     """
     path, _, name = nodeid.partition("::")
     if path.endswith("/test_ray.py") or name.startswith("test_ray"):
         return "ray"
+    if path.endswith("/test_jobs_postgres.py") or "postgres" in name.partition("[")[2]:
+        return "postgres"
     if path.startswith("tests/parallel/"):
         return "parallel"
     return path

@@ -92,7 +92,7 @@ ENDPOINTS = {
 #: The video jobs' package: its stores below, its lifecycle above (its docstring).
 JOBS = PACKAGE / "serve" / "jobs"
 #: The stores' modules: they block (called off the loop) and know nothing of the lifecycle.
-JOB_STORES = ("_store", "_files", "_sqlite", "_memory", "_writer")
+JOB_STORES = ("_store", "_files", "_sqlite", "_memory", "_pg_session", "_postgres", "_writer")
 #: The lifecycle's modules: in the event loop, over the stores' protocol.
 JOB_LIFECYCLE = ("_record", "_job", "_table", "_runs", "_leases", "_jobs")
 
@@ -334,11 +334,15 @@ def test_the_jobs_lifecycle_talks_to_the_store_protocol_only() -> None:
     assert sorted(p.stem for p in JOBS.glob("*.py")) == sorted(
         ("__init__", *JOB_STORES, *JOB_LIFECYCLE)
     )
-    stores = {f"omni_trio.serve.jobs.{m}" for m in ("_sqlite", "_memory", "_files")}
+    stores = {
+        f"omni_trio.serve.jobs.{m}"
+        for m in ("_sqlite", "_memory", "_files", "_pg_session", "_postgres")
+    }
     allowed = {
         "__init__": stores,
         "_job": {"omni_trio.serve.jobs._sqlite"},
         "_sqlite": {"omni_trio.serve.jobs._files"},
+        "_postgres": {"omni_trio.serve.jobs._pg_session"},
     }
     for name in ("_jobs", "_runs", "_leases"):
         assert "omni_trio.serve.jobs._store" in imported_modules(JOBS / f"{name}.py"), name

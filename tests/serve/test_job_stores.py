@@ -1,13 +1,15 @@
 """One set of tests over every job store (L77, L79): what the lifecycle relies on, per store.
 
-Each test runs once per store of ``STORES``: ``SqliteJobStore`` on a folder, and
-``MemoryJobStore`` on ``MemoryTables``. A new store (PostgreSQL) joins by adding its
-maker to ``STORES``; every test then runs on it too.
+Each test runs once per store of ``STORES``: ``SqliteJobStore`` on a folder,
+``MemoryJobStore`` on ``MemoryTables``, and ``PostgresJobStore`` on a database of its own
+on the session's PostgreSQL server (tests/support/postgres.py; skipped where PostgreSQL
+is not installed). A new store joins by adding its maker to ``STORES``; every test then
+runs on it too.
 
 Determinism rules:
 - no event loop and no thread: a store's methods block, and the tests call them in
   order; two servers sharing a store are two stores made on one backing (a folder, a
-  ``MemoryTables``), with owners ``a`` and ``b``;
+  ``MemoryTables``, a database), with owners ``a`` and ``b``;
 - leases read the times the tests pass (``now``, ``until``), never a clock.
 """
 
@@ -26,25 +28,38 @@ from omni_trio.serve.jobs import (
     SharedJobStore,
     SqliteJobStore,
     StoreBusyError,
+    postgres_store,
 )
+from tests.support.postgres import PostgresServer
+from tests.support.postgres import postgres as postgres
 
 #: Makes a store on one backing for the server ``owner`` (``None``: its alone).
 Maker = Callable[[str | None], SharedJobStore]
 
 
-def _sqlite(folder: Path) -> Maker:
+def _sqlite(request: pytest.FixtureRequest, folder: Path) -> Maker:
     def make(owner: str | None) -> SharedJobStore:
         return SqliteJobStore(folder, owner=owner)
 
     return make
 
 
-def _memory(folder: Path) -> Maker:
+def _memory(request: pytest.FixtureRequest, folder: Path) -> Maker:
     return MemoryTables().store
 
 
-#: Every store, by name: a maker of stores on one backing, from a test's folder.
-STORES: dict[str, Callable[[Path], Maker]] = {"sqlite": _sqlite, "memory": _memory}
+def _postgres(request: pytest.FixtureRequest, folder: Path) -> Maker:
+    server: PostgresServer = request.getfixturevalue("postgres")
+    return postgres_store(server.database())
+
+
+#: Every store, by name: a maker of stores on one backing, from a test's request (for
+#: the fixtures it needs) and folder.
+STORES: dict[str, Callable[[pytest.FixtureRequest, Path], Maker]] = {
+    "sqlite": _sqlite,
+    "memory": _memory,
+    "postgres": _postgres,
+}
 
 
 class Stores:
@@ -70,7 +85,7 @@ class Stores:
 
 @pytest.fixture(params=sorted(STORES))
 def stores(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Stores]:
-    made = Stores(STORES[request.param](tmp_path))
+    made = Stores(STORES[request.param](request, tmp_path))
     yield made
     for store in made.made:
         store.close()
@@ -171,7 +186,8 @@ def test_a_deleted_job_is_gone_with_its_files(stores: Stores) -> None:
     assert not store.progressed("a", 10, 1)
     assert not store.completed("a", b"mp4", completed_at=1, expires_at=2.0)
     store.write_checkpoint(checkpoint("a", 3))
-    assert stores.again(store)[1] == [] and store.checkpoint("a") is None
+    store, rows = stores.again(store)
+    assert rows == [] and store.checkpoint("a") is None
 
 
 def test_each_resume_is_counted_with_the_steps_it_lost(stores: Stores) -> None:

@@ -11,6 +11,10 @@ Layout. The store, below the lifecycle, blocking (called off the event loop):
 - ``_sqlite``: ``SqliteJobStore``, SQLite in WAL mode under ``--jobs-dir``, over
   ``_files`` (the folder's files written atomically, its lock, the tidy at open,
   ``default_jobs_dir`` and the ``OMNI_TRIO_TEST_HOLD`` test hook);
+- ``_postgres``: ``PostgresJobStore`` and ``postgres_store`` (a ``VideoConfig.store``
+  factory), PostgreSQL, the MP4s and checkpoints in it too, shared by servers that
+  share nothing else (L98), over ``_pg_session`` (one connection, made again when it
+  is lost; the ``postgres`` extra: psycopg 3, imported when a store is made);
 - ``_memory``: ``MemoryJobStore`` on ``MemoryTables``, the same semantics in memory,
   for tests (tests/serve/test_job_stores.py runs one set of tests over every store:
   a new store joins by adding itself to its fixture's parameters);
@@ -47,6 +51,9 @@ from ._jobs import VideoJobs as VideoJobs
 from ._leases import LeaseKeeper as LeaseKeeper
 from ._memory import MemoryJobStore as MemoryJobStore
 from ._memory import MemoryTables as MemoryTables
+from ._pg_session import StoreLostError as StoreLostError
+from ._postgres import PostgresJobStore as PostgresJobStore
+from ._postgres import postgres_store as postgres_store
 from ._record import encode_mp4 as encode_mp4
 from ._record import error_record as error_record
 from ._record import spec_from_record as spec_from_record
@@ -69,10 +76,12 @@ __all__ = [
     "LeaseKeeper",
     "MemoryJobStore",
     "MemoryTables",
+    "PostgresJobStore",
     "Resumes",
     "SharedJobStore",
     "SqliteJobStore",
     "StoreBusyError",
+    "StoreLostError",
     "StoreOpenError",
     "VideoConfig",
     "VideoJob",
@@ -80,6 +89,7 @@ __all__ = [
     "default_jobs_dir",
     "encode_mp4",
     "error_record",
+    "postgres_store",
     "spec_from_record",
     "spec_record",
 ]
