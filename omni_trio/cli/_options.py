@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..serve._keys import ApiKeys, load_keys_file
-from ..serve._models import MODELS, LoadedModel, ModelError, model_folder
+from ..serve._models import MODELS, LoadedModel, ModelError, is_hub_id, model_folder
 from ..serve._options import OptionError, ServiceOptions, build_service
 from ._declare import Option, field_values
 from ._errors import CommandError, UsageError, summary
@@ -87,8 +87,8 @@ def check_model(spec: str) -> None:
     Raises:
         UsageError: it names none; the message names ``--model``.
     """
-    if spec in MODELS:
-        return
+    if spec in MODELS or is_hub_id(spec):
+        return  # a hub id is looked up when it loads (offline: in the cache only)
     try:
         model_folder(spec)
     except ValueError as exc:
@@ -172,12 +172,14 @@ def load(options: ServiceOptions) -> LoadedModel:
     """``options.load_model()``, its errors the command's.
 
     Raises:
-        UsageError: ``--model`` names no model.
+        UsageError: ``--model`` names no model, or a setting it does not take.
         CommandError: the model does not load, or not on a device.
     """
     check_model(options.model)
     try:
         return options.load_model()
+    except ValueError as exc:  # a setting the model does not take (--revision of a tiny one)
+        raise UsageError(str(exc)) from None
     except ModelError as exc:
         reason = "" if exc.__cause__ is None else f": {summary(exc.__cause__)}"
         raise CommandError(f"--model: {exc}{reason}") from exc

@@ -19,7 +19,7 @@ import enum
 
 from .._config import EngineConfig
 from .._request import MAX_PRIORITY
-from ..serve._models import MODELS
+from ..serve._models import COMPILE_MODES, DTYPES, MODELS
 from ..serve.jobs import DEFAULT_JOBS_LEASE_S, default_jobs_dir
 from ._declare import Group, Option
 from ._logs import LOG_FORMATS
@@ -84,6 +84,7 @@ class _AppendKeys(argparse.Action):
 #: The option that turns a token split off while the queue is deep (``by_load``).
 SPLIT_BY_LOAD = "--split-by-load"
 
+_MODEL = Group(title="the model's precision and speed (L89-L92)")
 _DEVICES = Group(title="devices (one worker each, one queue)")
 _RANKS = Group(
     title="several ranks on one request (one worker, N processes: faster requests, not more)"
@@ -106,10 +107,59 @@ SERVE_OPTIONS = (
         flag="--model",
         sets="model",
         required=True,
-        metavar="MODEL|PATH",
-        help=f"one of {', '.join(MODELS)}, or a local diffusers folder",
+        metavar="MODEL|PATH|ORG/NAME",
+        help=f"one of {', '.join(MODELS)}, a local diffusers folder, or a Hugging Face hub"
+        " id (from the cache with HF_HUB_OFFLINE=1)",
     ),
     Option(flag="--model-name", sets="model_name", help="the id in /v1/models"),
+    Option(
+        flag="--revision",
+        sets="revision",
+        group=_MODEL,
+        applies=Applies.REAL,
+        help="the hub id's revision: a branch, tag or commit (default: main)",
+    ),
+    Option(
+        flag="--variant",
+        sets="variant",
+        group=_MODEL,
+        applies=Applies.REAL,
+        help="the weight files' variant, as fp16 for *.fp16.safetensors (default: none)",
+    ),
+    Option(
+        flag="--dtype",
+        sets="dtype",
+        group=_MODEL,
+        choices=DTYPES,
+        applies=Applies.REAL,
+        help="the modules' dtype: auto is bf16 on CUDA, fp32 on a CPU (default auto)",
+    ),
+    Option(
+        flag="--attention-backend",
+        sets="attention_backend",
+        group=_MODEL,
+        metavar="NAME",
+        applies=Applies.REAL,
+        help="one of diffusers' attention backends (native, flash, sage, ...); one this"
+        " machine lacks stops the start (default: the model's)",
+    ),
+    Option(
+        flag="--compile",
+        sets="compile",
+        group=_MODEL,
+        choices=COMPILE_MODES,
+        applies=Applies.REAL,
+        help="blocks: compile the denoiser's blocks, the warm-up's shapes before the server"
+        " answers; other shapes then run eager, never stalling a batch (default: eager)",
+    ),
+    Option(
+        flag="--compile-cache",
+        sets="compile_cache",
+        group=_MODEL,
+        metavar="DIR",
+        applies=Applies.REAL,
+        help="keep the compiled artifacts in DIR, for a restart in seconds (default: torch's)",
+    ),
     Option(flag="--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)"),
     Option(
         flag="--port",

@@ -31,18 +31,25 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..runners import ModelSpec
 
 __all__ = [
+    "COMPILE_MODES",
+    "DTYPES",
     "MODELS",
     "TINY_SIZE",
     "TINY_STEPS",
     "LoadedModel",
     "ModelError",
     "call_default",
+    "is_hub_id",
     "is_video_model",
     "load_model",
     "model_folder",
@@ -67,6 +74,11 @@ MODELS = (
     "tiny-ltx",
     "fake",
 )
+
+#: A model's dtypes and compile modes, as ``runners.ModelSpec`` takes them (written out:
+#: ``omni_trio.serve`` imports no torch; tests/runners/test_spec.py holds them equal).
+DTYPES = ("auto", "fp32", "fp16", "bf16")
+COMPILE_MODES = ("blocks",)
 
 #: The built-in models that make videos.
 VIDEO_MODELS = ("tiny-wan", "tiny-ltx")
@@ -145,6 +157,15 @@ def model_size(pipeline: Any, *, tiny: bool) -> tuple[int, int]:
     return sides[1] * scale, sides[0] * scale
 
 
+#: A Hugging Face hub id: ``org/name`` (as ``runners.ModelSpec`` reads one).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def is_hub_id(spec: str) -> bool:
+    """Whether ``spec`` names a hub model (``org/name``, and no file or folder of that path)."""
+    return _HUB_ID.fullmatch(spec) is not None and not Path(spec).expanduser().exists()
+
+
 def model_folder(spec: str) -> Path:
     """The diffusers folder ``spec`` names (not one of ``MODELS``); checked, nothing loaded.
 
@@ -157,31 +178,93 @@ def model_folder(spec: str) -> Path:
     try:
         return check_pipeline_folder(spec)
     except ValueError as exc:
-        raise ValueError(f"{exc}; the built-in models are {', '.join(MODELS)}") from None
+        raise ValueError(
+            f"{exc}; the built-in models are {', '.join(MODELS)}, or give a hub id (org/name)"
+        ) from None
 
 
-def is_video_model(spec: str) -> bool:
-    """Whether ``spec`` (a built-in model, or a diffusers folder) makes videos; nothing loads.
+def is_video_model(spec: str, revision: str | None = None) -> bool:
+    """Whether ``spec`` (a built-in model, a diffusers folder, or a hub id in the Hugging Face
+    cache) makes videos; nothing loads, nothing is downloaded.
 
-    A folder's pipeline class is read from its ``model_index.json``; a folder that
-    cannot be read is not a video model here (loading it says why).
+    A folder's pipeline class is read from its ``model_index.json``; one that cannot be
+    read (or a hub id not in the cache yet) is not a video model here (loading it says
+    why).
     """
     if spec in MODELS:
         return spec in VIDEO_MODELS
+    path: Path | None = Path(spec) / "model_index.json"
+    if is_hub_id(spec):
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(spec, "model_index.json", revision=revision)
+        path = Path(cached) if isinstance(cached, str) else None
     try:
-        index = json.loads((Path(spec) / "model_index.json").read_text())
+        index = json.loads(path.read_text()) if path is not None else None
     except (OSError, ValueError):
         return False
     return isinstance(index, dict) and index.get("_class_name") in VIDEO_PIPELINES
 
 
-def _folder_pipeline(folder: Path) -> Any:
-    """The pipeline in ``folder``, its progress bar off (a rank's factory: it pickles)."""
-    from ..runners._load import load_pipeline
+def _source(
+    model: ModelSpec, *, tiny: bool
+) -> tuple[Callable[..., Any], Callable[..., Any], str, str]:
+    """How ``model`` is built: its pipeline's factory (a device in, a pipeline out; it
+    pickles, for a rank), the runner it is wrapped in, its name in ``/v1/models`` and
+    its description (``{}`` for the pipeline's class).
 
-    loaded: Any = load_pipeline(folder)
+    Raises:
+        ValueError: a setting that does not apply to it, or a folder that is not one.
+    """
+    from ..runners import DiffusersRunner, runner_for
+
+    name = model.source
+    wrap: Callable[..., Any]
+    if tiny:
+        if model.revision is not None or model.variant is not None:
+            raise ValueError(f"revision, variant: for a hub id, not the built-in {name!r}")
+        factory: Callable[..., Any] = functools.partial(_tiny_pipeline, model)
+        wrap, shown, description = DiffusersRunner, name, "tiny {}, random weights"
+    else:
+        if not model.is_hub_id:
+            model_folder(name)  # a plain error for a folder that is not one
+        factory = functools.partial(_loaded_pipeline, model)
+        wrap = runner_for
+        shown = name if model.is_hub_id else Path(name).resolve().name
+        description = "{} from " + name
+    if model.compile is not None:
+        wrap = functools.partial(DiffusersRunner, compile=model.compile)
+        if model.compile_cache is not None:
+            from ..runners._compile import use_compile_cache
+
+            use_compile_cache(model.compile_cache)
+    return factory, wrap, shown, description
+
+
+def _loaded_pipeline(model: ModelSpec, device: str | None = None) -> Any:
+    """The pipeline of a folder or a hub id, its progress bar off (a rank's factory: it
+    pickles, and a rank builds the very same model)."""
+    from ..runners._spec import load_pipeline_of
+
+    loaded: Any = load_pipeline_of(model, device)
     loaded.set_progress_bar_config(disable=True)
     return loaded
+
+
+def _tiny_pipeline(model: ModelSpec, device: str | None = None) -> Any:
+    """A built-in tiny pipeline in the spec's dtypes and attention backend, on ``device``."""
+    from ..runners import tiny_pipeline
+    from ..runners._spec import apply_dtype, resolve_dtype, set_attention_backend
+
+    pipe = tiny_pipeline(model.source.removeprefix("tiny-"), seed=0)
+    if model.dtype != "auto" or model.component_dtypes or device is not None:
+        components = {name: resolve_dtype(value, device) for name, value in model.component_dtypes}
+        apply_dtype(pipe, resolve_dtype(model.dtype, device), components)
+    if device is not None:
+        pipe = pipe.to(device)
+    if model.attention_backend is not None:
+        set_attention_backend(pipe, model.attention_backend)
+    return pipe
 
 
 def _parallel_runner(
@@ -207,7 +290,7 @@ def _parallel_runner(
 
 
 def load_model(
-    spec: str,
+    spec: str | ModelSpec,
     *,
     step_seconds: float,
     max_steps: int = 200,
@@ -216,7 +299,8 @@ def load_model(
     parallel: tuple[str, int] | None = None,
     by_load: bool = False,
 ) -> LoadedModel:
-    """Build the runners for ``spec`` (a name in ``MODELS`` or a diffusers folder).
+    """Build the runners for ``spec``: a name in ``MODELS``, a diffusers folder or a hub id,
+    or a ``ModelSpec`` of one with its dtype, attention backend and compilation (L89-L92).
 
     Args:
         spec: the model.
@@ -230,10 +314,14 @@ def load_model(
         by_load: its token split chosen per step by the batch (``by_load``).
 
     Raises:
-        ValueError: ``spec`` is neither a known name nor a diffusers folder.
+        ValueError: ``spec`` names no model, or a setting does not apply to it.
         ModelError: the pipeline does not load, or not on a device.
     """
-    if spec == "fake":
+    from ..runners import ModelSpec
+
+    model = spec if isinstance(spec, ModelSpec) else ModelSpec(source=spec)
+    name = model.source
+    if name == "fake":
         if parallel is not None:
             raise ValueError("the fake model runs in one process; parallel needs a real model")
         from ..testing import FakeRunner
@@ -247,50 +335,28 @@ def load_model(
             steps=TINY_STEPS,
             guidance_scale=FALLBACK_GUIDANCE,
         )
-    from ..runners import DiffusersRunner, runner_for
-    from ..runners._load import load_pipeline
     from ..runners._registry import family_class
 
-    tiny = spec in MODELS
-    if tiny:
-        from ..runners import tiny_pipeline
-
-        def load() -> Any:
-            return tiny_pipeline(spec.removeprefix("tiny-"), seed=0)
-
-        wrap: Callable[..., Any] = DiffusersRunner
-        steps = TINY_STEPS
-        name = spec
-    else:
-        folder = model_folder(spec)
-
-        def load() -> Any:
-            loaded: Any = load_pipeline(folder)
-            loaded.set_progress_bar_config(disable=True)
-            return loaded
-
-        wrap = runner_for
-        name = folder.resolve().name
+    if parallel is not None and model.compile is not None:
+        raise ValueError("compile: a parallel group's ranks run eager (not yet compiled)")
+    tiny = name in MODELS
+    factory, wrap, shown, description = _source(model, tiny=tiny)
+    steps = TINY_STEPS
     pipelines: list[Any] = []
     runners: list[Any] = []
     if parallel is not None:
-        factory: Callable[[], Any] = (
-            functools.partial(tiny_pipeline, spec.removeprefix("tiny-"), seed=0)
-            if tiny
-            else functools.partial(_folder_pipeline, folder)
-        )
         try:
             runners.append(_parallel_runner(factory, parallel, devices, by_load=by_load))
         except Exception as exc:
-            raise ModelError(f"cannot start {spec!r} over {parallel[1]} ranks") from exc
+            raise ModelError(f"cannot start {name!r} over {parallel[1]} ranks") from exc
         pipelines.append(runners[0].pipeline)
     for device in [] if parallel is not None else devices if devices is not None else [None]:
         try:
-            pipeline: Any = load() if device is None else load().to(device)
+            pipeline: Any = factory(device)
             runners.append(wrap(pipeline, **(runner_options or {})))
         except Exception as exc:
             where = "" if device is None else f" on {device}"
-            raise ModelError(f"cannot load {spec!r}{where}") from exc
+            raise ModelError(f"cannot load {name!r}{where}") from exc
         pipelines.append(pipeline)
     pipeline = pipelines[0]
     runner = runners[0]
@@ -298,10 +364,10 @@ def load_model(
     if parallel is not None:
         where += f", {parallel[0]} over {parallel[1]} ranks"
         where += ", split by load" if by_load else ""
-    if tiny:
-        description = f"tiny {type(pipeline).__name__}, random weights{where}"
-    else:
-        description = f"{type(pipeline).__name__} from {folder}{where}"
+    where += "" if model.dtype == "auto" else f", {model.dtype}"
+    where += "" if model.compile is None else ", compiled blocks"
+    description = description.format(type(pipeline).__name__) + where
+    if not tiny:
         steps = int(call_default(pipeline, "num_inference_steps", FALLBACK_STEPS))
         steps = max(1, min(steps, max_steps))
     fixed = runner.capabilities.fixed_size
@@ -313,7 +379,7 @@ def load_model(
     video = runner.capabilities.frames is not None
     return LoadedModel(
         runners=tuple(runners),
-        name=name,
+        name=shown,
         description=description,
         size=size,
         steps=steps,

@@ -79,7 +79,16 @@ class ServiceOptions:
     guidance scale, and a video model's frames per second.
 
     Args:
-        model: one of ``MODELS`` (``fake``, ``tiny-sd``, ...) or a diffusers folder.
+        model: one of ``MODELS`` (``fake``, ``tiny-sd``, ...), a diffusers folder, or a
+            Hugging Face hub id (``org/name``, from the cache when offline; L89).
+        revision: the hub id's revision (a branch, tag or commit).
+        variant: the weight files' variant (``fp16``).
+        dtype: ``auto`` (bf16 on CUDA, fp32 on a CPU), ``fp32``, ``fp16``, ``bf16`` (L89).
+        attention_backend: a diffusers attention backend by name; one this machine
+            lacks is refused when the model loads (L92).
+        compile: ``blocks``: the denoiser's blocks compiled, the declared shapes at
+            the warm-up (L90); ``None``: eager.
+        compile_cache: a folder that keeps the compiled artifacts across restarts.
         devices: one runner per device (``parse_devices`` checked them); ``None``:
             one runner, where the model loads.
         step_seconds: the ``fake`` model's simulated compute per step.
@@ -120,6 +129,12 @@ class ServiceOptions:
     """
 
     model: str
+    revision: str | None = None
+    variant: str | None = None
+    dtype: str = "auto"
+    attention_backend: str | None = None
+    compile: str | None = None
+    compile_cache: str | None = None
     devices: tuple[str, ...] | None = None
     step_seconds: float = 0.05
     # DiffusersRunner's own defaults: importing it here would import torch.
@@ -176,8 +191,18 @@ class ServiceOptions:
             "tile_above": self.decode_tile_above,
             "framewise_above": self.decode_framewise_above,
         }
+        from ..runners import ModelSpec
+
         return load_model(
-            self.model,
+            ModelSpec(
+                source=self.model,
+                revision=self.revision,
+                variant=self.variant,
+                dtype=self.dtype,
+                attention_backend=self.attention_backend,
+                compile=self.compile,
+                compile_cache=self.compile_cache,
+            ),
             step_seconds=self.step_seconds,
             max_steps=self.engine_config.max_steps,
             devices=self.devices,

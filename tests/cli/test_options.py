@@ -25,7 +25,7 @@ from omni_trio.serve._options import ServiceOptions
 from omni_trio.serve.jobs import default_jobs_dir
 from tests.support.runners import tiny
 
-BUILT_IN = f"the built-in models are {', '.join(MODELS)}"
+BUILT_IN = f"the built-in models are {', '.join(MODELS)}, or give a hub id (org/name)"
 
 
 def broken_folder(tmp_path: Path) -> Path:

@@ -152,3 +152,13 @@ def test_an_attention_backend_is_set_or_refused_in_one_line(tmp_path: Path) -> N
         with pytest.raises(ValueError, match=why) as info:
             load_pipeline_of(ModelSpec(source=str(folder), attention_backend=name))
         assert "\n" not in str(info.value)
+
+
+def test_the_servers_torch_free_tables_are_the_specs() -> None:
+    """L89: ``omni_trio.serve`` writes the dtypes and compile modes out (it imports no
+    torch); they are the ones ``ModelSpec`` takes."""
+    from omni_trio.runners._compile import MODES
+    from omni_trio.runners._spec import DTYPES
+    from omni_trio.serve import _models
+
+    assert (_models.DTYPES, _models.COMPILE_MODES) == (DTYPES, MODES)

@@ -87,15 +87,15 @@ async def test_every_tiny_model_name_serves(name: str, one_torch_thread: None) -
 
 
 def test_the_command_line_refuses_an_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:
-    """--model must be a built-in name or a diffusers folder; anything else stops before
-    serving, with one line and the usage status."""
+    """--model must be a built-in name, a diffusers folder or a hub id (L89); anything else
+    stops before serving, with one line and the usage status."""
     from omni_trio.cli import main
 
     assert main(["serve", "--model", "/no/such/folder"]) == 2
     assert capsys.readouterr().err == (
         "omni-trio: error: --model: no such folder: '/no/such/folder';"
         " the built-in models are tiny-sd, tiny-sdxl, tiny-sd3, tiny-flux, tiny-qwen-image,"
-        " tiny-unet, tiny-wan, tiny-ltx, fake\n"
+        " tiny-unet, tiny-wan, tiny-ltx, fake, or give a hub id (org/name)\n"
     )
     with pytest.raises(SystemExit):
         main(["serve", "--model", "fake", "--default-size", "64"])  # argparse: exit 2
