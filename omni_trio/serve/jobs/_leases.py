@@ -15,6 +15,7 @@ touches the lifecycle's jobs.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
@@ -22,6 +23,8 @@ from typing import Any, Protocol, TypeVar
 import anyio
 
 from ._store import JobRow, SharedJobStore
+
+_log = logging.getLogger("omni_trio.serve")
 
 __all__ = ["Holder", "LeaseKeeper", "Stored"]
 
@@ -79,7 +82,16 @@ class LeaseKeeper:
             Stops between two store calls (each call is shielded: one that began ends).
         """
         while True:
-            await self.keep_once(holder)
+            try:
+                await self.keep_once(holder)
+            except self._store.failures as exc:
+                # A store down a while (L98): the leases are kept at the next pass; one
+                # that lapsed meanwhile may be another server's by then (told then).
+                _log.warning(
+                    "video jobs' leases not kept this pass (%s): again in %g s",
+                    exc,
+                    self._lease_s / 3,
+                )
             await anyio.sleep(self._lease_s / 3)
 
     async def keep_once(self, holder: Holder) -> None:

@@ -233,6 +233,25 @@ class JobRuns(JobTable):
         job.handle = handle
         self._tasks.start_soon(self._run, job, handle, name=f"video job {job.id}")
 
+    async def _progressed(self, job: VideoJob, step: int) -> bool:
+        """Write the job's progress to the store; return whether the job is still this
+        server's. A store that cannot take it now (down a while) costs the job nothing:
+        progress is what a restart reads to count the steps lost (L77), so the job runs
+        on, and the next write says where it is."""
+        store = self.store
+        assert store is not None
+        try:
+            kept: bool = await self._stored(store.progressed, job.id, job.progress, step)
+        except store.failures as exc:
+            _log.warning(
+                "video job %s: its progress is not written (%s); it runs on",
+                job.id,
+                exc,
+                extra={"request_id": job.id},
+            )
+            return True
+        return kept
+
     async def _run(self, job: VideoJob, handle: RequestHandle) -> None:
         """Follow the job's request to its end, encode its MP4, record the outcome."""
         mp4: bytes | None = None
@@ -252,9 +271,7 @@ class JobRuns(JobTable):
                         if (
                             self.store is not None
                             and (not started or job.progress != progress)
-                            and not await self._stored(
-                                self.store.progressed, job.id, job.progress, event.step
-                            )
+                            and not await self._progressed(job, event.step)
                         ):
                             self._lost(job, TAKEN_OVER)
                     try:
