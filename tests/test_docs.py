@@ -44,6 +44,7 @@ SNIPPETS_RUN_BY = {
     "edit_request.py": "tests/test_doc_snippets.py",
     "images_sdk.py": "tests/test_doc_snippets.py",
     "mount_service.py": "tests/test_doc_snippets.py",
+    "output_store.py": "tests/serve/test_output_urls.py",
     "probe_abort.py": "tests/test_doc_snippets.py",
     "ray_deployment.py": "tests/test_doc_snippets.py",
     "real_runner.py": "tests/test_docs.py",

@@ -3,6 +3,9 @@
 - ``Service`` / ``create_app(runner, ...)``: the ASGI app, its engine bound to the
   app's lifespan (``ImageService`` is the deprecated old name of ``Service``);
 - ``ServeConfig``: the HTTP layer's own settings (model name, defaults, body limit);
+- ``OutputConfig``, ``OutputStore``, ``FolderStore``, ``S3Store``,
+  ``OutputStoreError``: the output store behind ``response_format: "url"`` (L97): a
+  folder or an S3-compatible bucket, signed URLs that expire;
 - ``UploadLimits``: how large an edit's upload may be (bytes, pixels);
 - ``ApiKeys``, ``ApiKey``, ``TenantLimits``, ``load_keys_file`` (``_keys``): the
   API keys a service accepts, their tenants, weights and limits (L55, L56), and
@@ -28,6 +31,8 @@ cards. The endpoints are siblings that it routes to:
   checkpoint writer's thread, L78, a shared store's leases); its docstring draws it;
 - ``_adapters``: ``/v1/adapters``, the adapters listed, loaded and unloaded as admin
   actions (L88);
+- ``_files``: ``GET /v1/files/{key}``, an output kept as a signed URL, streamed
+  from the output store (L97);
 - ``_warmup``: the request the service runs before it answers (L4).
 
 Beside the app: ``ray`` (public), the Ray Serve deployments of a service (L46, L47),
@@ -40,10 +45,13 @@ body within its limit, JSON and server-sent events, the watched client),
 checks), ``_errors`` (OpenAI-style errors, the engine's mapped to them),
 ``_metrics`` (the Prometheus registry and each request's outcome), ``_encode``
 (images to files), ``_upload`` (uploaded images within limits, their headers read
-before their pixels) and ``_config`` (``ServeConfig``; ``with_defaults``, the one
-filling of a request's defaults, which the Ray handle shares; ``Admission``, the
-engine's limits checked before a body costs work) and ``_keys`` (the key check
-before routing, the caller's tenant on its requests, the tenants' limits).
+before their pixels), ``_output_store`` (``OutputStore``: the folder and the S3
+bucket, blocking, called from worker threads) and ``_output_urls`` (``OutputUrls``:
+outputs written, their URLs signed and checked, the sweeper of expired ones; L97),
+``_config`` (``ServeConfig``, ``OutputConfig``; ``with_defaults``, the one filling of
+a request's defaults, which the Ray handle shares; ``Admission``, the engine's limits
+checked before a body costs work) and ``_keys`` (the key check before routing, the
+caller's tenant on its requests, the tenants' limits).
 An endpoint imports the plumbing, never another endpoint nor ``_app``
 (tests/test_layers.py checks it).
 """
@@ -57,6 +65,7 @@ from .. import _exports
 from ._app import Service as Service
 from ._app import create_app as create_app
 from ._asgi import CLIENT_GONE as CLIENT_GONE
+from ._config import OutputConfig as OutputConfig
 from ._config import ServeConfig as ServeConfig
 from ._errors import ApiError as ApiError
 from ._keys import ApiKey as ApiKey
@@ -72,6 +81,10 @@ from ._models import load_model as load_model
 from ._options import OptionError as OptionError
 from ._options import ServiceOptions as ServiceOptions
 from ._options import build_service as build_service
+from ._output_store import FolderStore as FolderStore
+from ._output_store import OutputStore as OutputStore
+from ._output_store import OutputStoreError as OutputStoreError
+from ._output_store import S3Store as S3Store
 from ._upload import UploadLimits as UploadLimits
 from .jobs import VideoConfig as VideoConfig
 
@@ -82,9 +95,14 @@ __all__ = [
     "ApiError",
     "ApiKey",
     "ApiKeys",
+    "FolderStore",
     "LoadedModel",
     "ModelError",
     "OptionError",
+    "OutputConfig",
+    "OutputStore",
+    "OutputStoreError",
+    "S3Store",
     "ServeConfig",
     "Service",
     "ServiceOptions",

@@ -36,9 +36,11 @@ from ._asgi import Asgi, Scope, error_response
 from ._config import Admission, ServeConfig
 from ._edits import parse_edit_form
 from ._errors import ApiError, api_error_from, unexpected_error
+from ._files import FilesEndpoint
 from ._images import ImagesEndpoint
 from ._keys import ApiKeys, KeyGate
 from ._metrics import ServeMetrics
+from ._output_urls import FILES_PATH, OutputUrls
 from ._schema import ImageJob
 from ._upload import UploadLimits
 from ._videos import VideosApi
@@ -70,6 +72,9 @@ class Service:
       a job and answers at once, ``GET`` lists them, ``GET /v1/videos/{id}`` reads
       one, ``DELETE`` aborts and drops it, ``.../content`` is its MP4 and
       ``.../events`` its progress as server-sent events;
+    - ``GET /v1/files/{key}``, with an output store (``ServeConfig.outputs``, L97):
+      an output kept as a signed URL (``response_format: "url"``), which needs
+      no API key: its signature is its credential;
     - ``GET /v1/models`` and ``GET /v1/models/{id}``: the served model, and the
       adapters it has loaded (L88);
     - ``/v1/adapters``: ``GET`` lists the adapters; ``POST`` loads one from the
@@ -148,6 +153,10 @@ class Service:
             checkpoints=bool(getattr(capabilities, "checkpoints", False)),
         )
         self.metrics.add_video_jobs(self.videos.counts, self.videos.held_bytes)
+        #: The output store behind ``response_format: "url"`` (L97), if configured.
+        self.outputs = OutputUrls(self.config.outputs) if self.config.outputs else None
+        if self.outputs is not None:
+            self.videos.on_delete = self._forget_video
         groups = _groups(runner)
         if groups:
             self.metrics.add_groups(groups)
@@ -159,6 +168,7 @@ class Service:
             rule=self.frames,
             admission=self._admission,
             upload_limits=self.upload_limits,
+            outputs=self.outputs,
         )
         adapters = AdaptersApi(config=self.config, engine=self.engine_for_requests)
         self.app = Starlette(
@@ -169,6 +179,7 @@ class Service:
                         config=self.config,
                         metrics=self.metrics,
                         admitting_engine=self._engine_for_images,
+                        outputs=self.outputs,
                     ),
                     methods=["POST"],
                 ),
@@ -180,6 +191,7 @@ class Service:
                         admitting_engine=self._engine_for_images,
                         parse=self._parse_edit,
                         max_body_bytes=self.upload_limits.max_bytes,
+                        outputs=self.outputs,
                     ),
                     methods=["POST"],
                 ),
@@ -195,13 +207,33 @@ class Service:
                 Route("/v1/models/{model_id:path}", self._model, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/metrics", self._metrics, methods=["GET"]),
+                *self._files_routes(),
             ],
             lifespan=self._lifespan,
             exception_handlers={HTTPException: self._http_error, Exception: self._unexpected},
             # The key check comes before routing: an unknown path needs a key too.
-            middleware=[Middleware(KeyGate, keys=self.keys, refused=self._refused)],
+            middleware=[
+                Middleware(
+                    KeyGate,
+                    keys=self.keys,
+                    refused=self._refused,
+                    open_prefixes=(FILES_PATH,) if self.outputs is not None else (),
+                )
+            ],
         )
         self.app.state.service = self
+
+    def _files_routes(self) -> list[Route]:
+        """``GET /v1/files/{key}`` where there is an output store (L97)."""
+        if self.outputs is None:
+            return []
+        endpoint = FilesEndpoint(self.outputs)
+        return [Route(FILES_PATH + "{key:path}", endpoint, methods=["GET"])]
+
+    async def _forget_video(self, job_id: str) -> None:
+        """A video job was deleted: its URL outputs go with it (L97)."""
+        assert self.outputs is not None
+        await self.outputs.forget(f"videos/{job_id}")
 
     # -- state ---------------------------------------------------------------
 
@@ -358,6 +390,8 @@ class Service:
 
         Raises:
             RuntimeError: the lifespan ran before (the engine closes the runner).
+            OutputStoreError: the output store (``ServeConfig.outputs``) cannot be
+                used: its folder cannot be written, its bucket reached (L97).
             EngineDeadError: on exit, if the worker died (L23).
 
         Cancellation:
@@ -375,7 +409,7 @@ class Service:
                 len(self.keys.tenants),
                 "needs a key" if self.keys.metrics_auth else "is open",
             )
-        async with open_engine(self._runner, self.engine_config) as engine:
+        async with self._outputs_open(), open_engine(self._runner, self.engine_config) as engine:
             self._engine = engine
             capabilities = self._admission.capabilities
             if self.config.warm_up and capabilities is not None:
@@ -384,6 +418,9 @@ class Service:
             async with anyio.create_task_group() as jobs:
                 # A video model's jobs, from the durable store if there is one (L77).
                 await jobs.start(self.videos.serve, engine if self.frames is not None else None)
+                if self.outputs is not None:
+                    # The output store's sweeper (L97), and its close at the end.
+                    await jobs.start(self.outputs.serve)
                 try:
                     yield self
                 except BaseException as exc:
@@ -395,8 +432,23 @@ class Service:
                         await self.drain()
                     # Every job's request is terminal now: its task ends by itself.
                     self.videos.close()
+                    if self.outputs is not None:
+                        self.outputs.close()  # the sweeper; the store closes last
             if left is not None:
                 raise left
+
+    @asynccontextmanager
+    async def _outputs_open(self) -> AsyncIterator[None]:
+        """The output store (L97) checked before the engine opens, closed after it."""
+        outputs = self.outputs
+        if outputs is None:
+            yield
+            return
+        await outputs.open()
+        try:
+            yield
+        finally:
+            await outputs.aclose()
 
     @asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:

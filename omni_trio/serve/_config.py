@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._request import MAX_PRIORITY
@@ -15,8 +17,81 @@ if TYPE_CHECKING:
     from .._request import GenerationRequest
     from .._runner import RunnerCapabilities
     from .._runner_adapters import RunnerAdapters
+    from ._output_store import OutputStore
 
-__all__ = ["Admission", "ServeConfig", "with_defaults"]
+__all__ = ["Admission", "OutputConfig", "ServeConfig", "with_defaults"]
+
+#: The longest time-to-live of an output's URL: a year, in seconds.
+MAX_OUTPUT_TTL_S = 366 * 24 * 3600.0
+
+#: The fewest bytes of a URL-signing secret (HMAC-SHA256's own key size is 32).
+MIN_SECRET_BYTES = 16
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutputConfig:
+    """Where ``response_format: "url"`` outputs are kept, and how their URLs are signed (L97).
+
+    An image asked for as a URL (and a video job's content, asked for as one) is
+    written to the store, and the answer carries a URL of this server's
+    ``GET /v1/files/{key}``, signed (HMAC-SHA256 of the key and the expiry, with
+    ``secret``) and expiring with the object ``ttl_s`` seconds later. Every replica
+    that shares the store and the secret serves every URL.
+
+    Args:
+        store: a folder (a path), ``"s3://BUCKET[/PREFIX]"`` (an S3-compatible bucket
+            through boto3, the ``s3`` extra: its credentials and endpoint from the
+            standard ``AWS_*`` variables), or an ``OutputStore`` (``FolderStore``,
+            ``S3Store`` with an ``endpoint_url``, or one of your own).
+        ttl_s: seconds an output and its URL live (a video job's never outlive its
+            job); then the URL is a 404 and the object is deleted.
+        secret: the key URLs are signed with, shared by the replicas (at least 16
+            bytes); ``None``: random bytes at start, logged as such: the URLs then die
+            with the process and no other replica serves them.
+        public_url: the server's address as clients reach it (``https://img.example``,
+            a load balancer's), which URLs start with; ``None``: the request's own
+            (its scheme, ``Host`` and root path).
+        sweep_every_s: seconds between two sweeps of the store's expired objects.
+        clock: wall-clock seconds since the epoch for expiries (tests pass a fake
+            one); replicas compare them, so it is no monotonic clock.
+
+    Raises:
+        ValueError: a field is out of range; the message names it.
+    """
+
+    store: str | os.PathLike[str] | OutputStore
+    ttl_s: float = 3600.0
+    secret: bytes | None = field(default=None, repr=False)
+    public_url: str | None = None
+    sweep_every_s: float = 60.0
+    clock: Callable[[], float] = field(default=time.time, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        from ._output_store import OutputStore, output_store
+
+        store = self.store
+        if isinstance(store, str | os.PathLike) and os.fspath(store):
+            output_store(store)  # a bucket's name is checked
+        elif not isinstance(store, OutputStore):
+            raise ValueError(
+                f"store: must be a folder, 's3://BUCKET[/PREFIX]' or an OutputStore, got {store!r}"
+            )
+        for name, most in (("ttl_s", MAX_OUTPUT_TTL_S), ("sweep_every_s", MAX_OUTPUT_TTL_S)):
+            value = getattr(self, name)
+            if (
+                not isinstance(value, int | float)
+                or isinstance(value, bool)
+                or not 1 <= value <= most
+            ):
+                raise ValueError(f"{name}: must be a number from 1 to {most:g}, got {value!r}")
+        secret = self.secret
+        if secret is not None and (not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES):
+            raise ValueError(f"secret: must be bytes, at least {MIN_SECRET_BYTES} of them")
+        url = self.public_url
+        if url is not None and (
+            not isinstance(url, str) or not url.startswith(("http://", "https://"))
+        ):
+            raise ValueError(f"public_url: must start with http:// or https://, got {url!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,6 +128,8 @@ class ServeConfig:
             service starts, before it answers (``omni_trio.serve._warmup``): the
             engine's ``max_step_s`` then bounds the first client's step too. Off by
             default; ``omni-trio serve`` turns it on for a real model.
+        outputs: the output store behind ``response_format: "url"`` (L97); ``None``:
+            none, and a ``url`` is a 400 that names this setting.
 
     Raises:
         ValueError: a field is out of range; the message names it.
@@ -69,8 +146,11 @@ class ServeConfig:
     allow_adapter_admin: bool = False
     adapter_dir: str | None = None
     warm_up: bool = False
+    outputs: OutputConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.outputs is not None and not isinstance(self.outputs, OutputConfig):
+            raise ValueError(f"outputs: must be an OutputConfig or None, got {self.outputs!r}")
         if not isinstance(self.model_name, str) or not self.model_name:
             raise ValueError("model_name: must be a non-empty str")
         for name in ("default_width", "default_height", "default_steps", "max_body_bytes"):

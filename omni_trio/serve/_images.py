@@ -12,6 +12,10 @@ The endpoint is a plain ASGI app, so every step is explicit:
    cancels the group. Leaving the handle's block then waits until the worker let go
    of the request (one step at most), so the next request runs at full speed.
 
+With ``response_format: "url"`` (L97) the encoded images are written to the output
+store (``_output_urls``, in a worker thread) and the answer, or each stream's
+``completed`` event, carries their signed URLs instead of their base64.
+
 Why the receive channel and not ``Request.is_disconnected()``: the latter only
 polls, and only when called; a request waiting for its result never calls it.
 Why not rely on ``send`` failing: Uvicorn drops writes to a closed connection
@@ -35,6 +39,8 @@ from ._asgi import Client, Receive, Scope, Send, header, read_body, send_error, 
 from ._encode import b64, encode_images
 from ._errors import ApiError, api_error_from, invalid
 from ._keys import caller_tenant, tenant_request
+from ._output_store import OutputStoreError
+from ._output_urls import OutputUrls, storage_failed
 from ._schema import DEADLINE_HEADER, ImageJob, parse_generation_body
 
 if TYPE_CHECKING:
@@ -68,6 +74,8 @@ class ImagesEndpoint:
             raises ``ApiError`` (503 while starting, draining or dead).
         parse: how a body becomes a job (default: a generation's JSON body).
         max_body_bytes: the body limit (default: ``config.max_body_bytes``).
+        outputs: the output store that ``response_format: "url"`` writes to (L97);
+            ``None`` when the server has none (the body's check refuses ``url``).
     """
 
     def __init__(
@@ -78,8 +86,10 @@ class ImagesEndpoint:
         admitting_engine: Callable[[], Engine],
         parse: JobParser | None = None,
         max_body_bytes: int | None = None,
+        outputs: OutputUrls | None = None,
     ) -> None:
         self._config = config
+        self._outputs = outputs
         self._metrics = metrics
         self._admitting_engine = admitting_engine
         self._parse = parse if parse is not None else self._parse_generation
@@ -132,14 +142,44 @@ class ImagesEndpoint:
             async with handle:
                 if job.stream:
                     await client.stream(
-                        handle.request_id, lambda: self._send_events(handle, job, client)
+                        handle.request_id, lambda: self._send_events(handle, job, client, scope)
                     )
                 else:
-                    await self._answer_json(handle, job, client)
+                    await self._answer_json(handle, job, client, scope)
         finally:
             self._metrics.account(handle, gone=client.is_gone)
 
-    async def _answer_json(self, handle: RequestHandle, job: ImageJob, client: Client) -> None:
+    def _failure(self, exc: OmniTrioError | ApiError, request_id: str) -> ApiError:
+        """The error that answers an admitted request whose result or output failed."""
+        if isinstance(exc, ApiError):
+            return exc
+        return api_error_from(exc, retry_after_s=self._config.retry_after_s, request_id=request_id)
+
+    async def _images(
+        self, images: list[bytes], job: ImageJob, request_id: str, scope: Scope
+    ) -> list[dict[str, str]]:
+        """Each image as the answer carries it: base64, or (L97) kept in the output store
+        and given as its signed URL.
+
+        Raises:
+            ApiError: 500 ``storage_error``: the store could not keep one (logged).
+        """
+        if job.response_format != "url":
+            return [{"b64_json": b64(image)} for image in images]
+        outputs = self._outputs
+        assert outputs is not None, "the body's check refuses url without a store"
+        expires = outputs.expiry()
+        extension = job.output_format
+        files = [(f"{index}.{extension}", image) for index, image in enumerate(images)]
+        try:
+            keys = await outputs.keep(f"images/{request_id}", files, expires=expires)
+        except OutputStoreError as exc:
+            raise storage_failed(exc, f"request {request_id}") from None
+        return [{"url": outputs.url(scope, key, expires)} for key in keys]
+
+    async def _answer_json(
+        self, handle: RequestHandle, job: ImageJob, client: Client, scope: Scope
+    ) -> None:
         status = 200
         headers: Mapping[str, str] = {"X-Request-Id": handle.request_id}
         body: object = None
@@ -151,19 +191,16 @@ class ImagesEndpoint:
                     images = await encode_images(
                         output.images, job.output_format, job.output_compression
                     )
-                except OmniTrioError as exc:
-                    error = api_error_from(
-                        exc,
-                        retry_after_s=self._config.retry_after_s,
-                        request_id=handle.request_id,
-                    )
+                    data = await self._images(images, job, handle.request_id, scope)
+                except (OmniTrioError, ApiError) as exc:
+                    error = self._failure(exc, handle.request_id)
                     status, body = error.status, error.body()
                     headers = {**headers, **error.headers}
                 else:
                     metrics = output.metrics
                     body = {
                         "created": int(time.time()),
-                        "data": [{"b64_json": b64(image)} for image in images],
+                        "data": data,
                         "background": "opaque",
                         "output_format": job.output_format,
                         "quality": job.quality,
@@ -181,7 +218,9 @@ class ImagesEndpoint:
         if not client.is_gone:
             await send_json(client.send, status, body, headers)
 
-    async def _send_events(self, handle: RequestHandle, job: ImageJob, client: Client) -> None:
+    async def _send_events(
+        self, handle: RequestHandle, job: ImageJob, client: Client, scope: Scope
+    ) -> None:
         common = {
             "background": "opaque",
             "output_format": job.output_format,
@@ -223,20 +262,17 @@ class ImagesEndpoint:
             partial_index += 1
         try:
             output = await handle.result()
-        except OmniTrioError as exc:
-            error = api_error_from(
-                exc,
-                retry_after_s=self._config.retry_after_s,
-                request_id=handle.request_id,
-            )
+            images = await encode_images(output.images, job.output_format, job.output_compression)
+            answers = await self._images(images, job, handle.request_id, scope)
+        except (OmniTrioError, ApiError) as exc:
+            error = self._failure(exc, handle.request_id)
             await client.chunk(sse_event("error", {"type": "error", **error.body()}))
         else:
-            images = await encode_images(output.images, job.output_format, job.output_compression)
             now = int(time.time())
-            for index, data in enumerate(images):
+            for index, image in enumerate(answers):
                 completed = {
                     "type": f"{job.events}.completed",
-                    "b64_json": b64(data),
+                    **image,
                     "image_index": index,
                     "created_at": now,
                     "usage": _NO_USAGE,

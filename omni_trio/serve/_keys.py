@@ -499,6 +499,8 @@ class KeyGate:
         limiter: the tenants' rates.
         refused: called with each refusal of a generation request (its
             ``ApiError``) and the tenant, if known, for the metrics.
+        open_prefixes: paths whose ``GET`` and ``HEAD`` need no key: the signed
+            URLs of the outputs (``/v1/files/``, L97), which are their own credential.
     """
 
     def __init__(
@@ -508,8 +510,10 @@ class KeyGate:
         keys: ApiKeys | None,
         limiter: RateLimiter | None = None,
         refused: Callable[[ApiError, str | None], None] | None = None,
+        open_prefixes: tuple[str, ...] = (),
     ) -> None:
         self._app = app
+        self._open_prefixes = open_prefixes
         self._keys = keys if keys else None
         self._limiter = limiter if limiter is not None else RateLimiter()
         self._refused = refused
@@ -520,7 +524,11 @@ class KeyGate:
             await self._app(scope, receive, send)
             return
         path = scope.get("path", "")
-        if path in OPEN_PATHS or (path == "/metrics" and not keys.metrics_auth):
+        if (
+            path in OPEN_PATHS
+            or (path == "/metrics" and not keys.metrics_auth)
+            or (path.startswith(self._open_prefixes) and scope.get("method") in ("GET", "HEAD"))
+        ):
             await self._app(scope, receive, send)
             return
         key: ApiKey | None = None

@@ -1,7 +1,8 @@
 """The body of ``POST /v1/images/generations``: decoded, parsed, validated, turned into a request.
 
 Every field of the OpenAI images API is known: the ones this server can honour are
-honoured (``prompt``, ``n``, ``size``, ``response_format``, ``output_format``,
+honoured (``prompt``, ``n``, ``size``, ``response_format`` (``url`` where the server
+has an output store, L97), ``output_format``,
 ``output_compression``, ``partial_images``, ``stream``, ``model``), the rest are
 type-checked and ignored (``quality``, ``style``, ``user``, ``moderation``, ...).
 Diffusion fields extend it: ``num_inference_steps``, ``guidance_scale``, ``seed``,
@@ -76,6 +77,7 @@ __all__ = [
     "deadline_seconds",
     "job_from_body",
     "load_json",
+    "no_output_store",
     "parse_generation_body",
     "parse_int",
     "parse_size",
@@ -242,7 +244,7 @@ class GenerationBody(BaseModel):
     model: Text | None = None
     n: Count | None = None
     size: Text | None = None
-    response_format: Annotated[Text, AfterValidator(_choice(("b64_json",), ("url",)))] | None = None
+    response_format: Annotated[Text, AfterValidator(_choice(("b64_json", "url")))] | None = None
     output_format: (
         Annotated[Text, AfterValidator(_choice(OUTPUT_FORMATS, ("gif", "svg")))] | None
     ) = None
@@ -389,6 +391,8 @@ class ImageJob:
         quality: the ``quality`` to echo back.
         events: the prefix of the stream's event types: ``image_generation``, or
             ``image_edit`` for ``/v1/images/edits``, as OpenAI names them.
+        response_format: ``b64_json``, or ``url`` (L97): each image written to the
+            server's output store, answered as its signed URL.
     """
 
     request: GenerationRequest
@@ -398,6 +402,17 @@ class ImageJob:
     size: str
     quality: str
     events: str = "image_generation"
+    response_format: str = "b64_json"
+
+
+def no_output_store(param: str) -> ApiError:
+    """The 400 of a ``url`` asked of a server without an output store (L97), naming ``param``."""
+    return invalid(
+        f"{param}: 'url' needs an output store, and this server has none: set"
+        " ServeConfig.outputs (a folder or an s3:// bucket), or ask for b64_json",
+        param,
+        "unsupported_value",
+    )
 
 
 def check_model(model: str | None, config: ServeConfig) -> None:
@@ -543,6 +558,8 @@ def job_from_body(
         ApiError: 400 naming the field at fault (``param``).
     """
     check_model(parsed.model, config)
+    if parsed.response_format == "url" and config.outputs is None:
+        raise no_output_store("response_format")
     width, height = size if size is not None else size_given(parsed.size)
     fields = with_defaults(
         {
@@ -585,4 +602,5 @@ def job_from_body(
         size=f"{request.width}x{request.height}",
         quality=quality if quality in _QUALITIES else "auto",
         events=events,
+        response_format=parsed.response_format or "b64_json",
     )

@@ -5,7 +5,12 @@
 - ``GET /v1/videos``: the jobs, newest first, OpenAI's list shape and cursor
   (``limit``, ``after``, ``order``);
 - ``GET /v1/videos/{id}``: the job; ``DELETE``: abort and drop it, at once;
-- ``GET /v1/videos/{id}/content``: the MP4 (``video/mp4``) once completed;
+- ``GET /v1/videos/{id}/content``: the MP4 (``video/mp4``) once completed; with
+  ``?response_format=url`` (L97), JSON instead: the MP4 kept in the output store
+  (once; a later ask reuses it) and its signed URL, expiring no later than the job.
+  A query parameter, not a field of the job, because ``client.videos.download_content``
+  passes it (``extra_query``) and hands back the JSON (``.json()``), while the job stays
+  OpenAI's ``Video`` and a list or a poll costs no store write or listing;
 - ``GET /v1/videos/{id}/events``: server-sent events: the job after every change
   (``video.progress``), then ``video.completed`` or ``video.failed`` (or
   ``error`` if it is deleted meanwhile). A watcher that disconnects stops only
@@ -39,7 +44,9 @@ from ._asgi import (
 from ._errors import ApiError, api_error_from, invalid
 from ._forms import read_form
 from ._keys import caller, caller_tenant, check_running_jobs, tenant_request, viewer
-from ._schema import DEADLINE_HEADER, shown
+from ._output_store import OutputStoreError
+from ._output_urls import OutputUrls, storage_failed
+from ._schema import DEADLINE_HEADER, no_output_store, shown
 from ._upload import UploadLimits
 from ._video_body import parse_video_body, with_reference
 
@@ -70,6 +77,8 @@ class VideosApi:
         admission: the engine's limits, checked before a job takes a place.
         upload_limits: how large an ``input_reference`` may be (its pixels; the
             body's bytes are ``config.max_body_bytes``).
+        outputs: the output store that a content URL is kept in (L97); ``None``:
+            none (``?response_format=url`` is a 400 naming it).
     """
 
     def __init__(
@@ -82,7 +91,9 @@ class VideosApi:
         rule: tuple[int, int] | None,
         admission: Admission,
         upload_limits: UploadLimits | None = None,
+        outputs: OutputUrls | None = None,
     ) -> None:
+        self._outputs = outputs
         self._admission = admission
         self._uploads = upload_limits if upload_limits is not None else UploadLimits()
         self._config = config
@@ -189,15 +200,24 @@ class VideosApi:
             return error_response(error)
 
     async def content(self, request: Request) -> Response:
-        """``GET /v1/videos/{id}/content``: the MP4 of a completed job."""
+        """``GET /v1/videos/{id}/content``: the MP4 of a completed job, or its URL (L97)."""
         try:
-            variant = request.query_params.get("variant", "video")
+            params = request.query_params
+            variant = params.get("variant", "video")
             if variant != "video":
                 raise invalid(
                     f"variant: only 'video' is served here, got {shown(variant)}",
                     "variant",
                     "unsupported_value",
                 )
+            as_url = params.get("response_format")
+            if as_url not in (None, "url"):
+                raise invalid(
+                    f"response_format: must be 'url' (or absent: the MP4), got {shown(as_url)}",
+                    "response_format",
+                )
+            if as_url is not None and self._outputs is None:
+                raise no_output_store("response_format")
             job = await self._jobs.find(
                 request.path_params["video_id"], tenant=viewer(request.scope)
             )
@@ -208,14 +228,47 @@ class VideosApi:
                     "video_id",
                     "video_not_ready",
                 )
+            if self._outputs is not None and as_url is not None:
+                return JSONResponse(await self._content_url(job, self._outputs, request))
             mp4 = await self._jobs.content(job)
             if mp4 is None:  # deleted or expired meanwhile
-                raise ApiError(
-                    404, f"video {job.id} was deleted or expired", code="video_not_found"
-                )
+                raise _gone(job)
         except ApiError as error:
             return error_response(error)
         return Response(mp4, media_type="video/mp4")
+
+    async def _content_url(
+        self, job: VideoJob, outputs: OutputUrls, request: Request
+    ) -> dict[str, object]:
+        """The job's MP4 in the output store (kept once, until the job expires at the
+        latest) and its signed URL.
+
+        Raises:
+            ApiError: 404 if the job went meanwhile; 500 ``storage_error``.
+        """
+        group = f"videos/{job.id}"
+        expires = outputs.expiry(job.expires_at)
+        try:
+            found = await outputs.kept(group, expires=expires)
+            if found is None:
+                mp4 = await self._jobs.content(job)
+                if mp4 is None:
+                    raise _gone(job)
+                keys = await outputs.keep(group, [("video.mp4", mp4)], expires=expires)
+                del mp4
+                found = keys[0], expires
+        except OutputStoreError as exc:
+            raise storage_failed(exc, f"video {job.id}") from None
+        if job.removed:  # deleted while it was written: it goes with its job
+            await outputs.forget(group)
+            raise _gone(job)
+        key, expires = found
+        return {
+            "id": job.id,
+            "object": "video.content",
+            "url": outputs.url(request.scope, key, expires),
+            "expires_at": expires,
+        }
 
     async def events(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``GET /v1/videos/{id}/events``: the job's changes as server-sent events (ASGI).
@@ -236,9 +289,7 @@ class VideosApi:
         sent: tuple[str, int] | None = None
         while True:
             if job.removed:
-                error = ApiError(
-                    404, f"video {job.id} was deleted or expired", code="video_not_found"
-                )
+                error = _gone(job)
                 await client.chunk(sse_event("error", {"type": "error", **error.body()}))
                 break
             now = (job.status, job.progress)
@@ -253,6 +304,10 @@ class VideosApi:
             # Nothing awaited since the check above: no change can slip past this wait.
             job = await self._jobs.next_change(job, tenant=tenant)
         await client.end()
+
+
+def _gone(job: VideoJob) -> ApiError:
+    return ApiError(404, f"video {job.id} was deleted or expired", code="video_not_found")
 
 
 def _limit(text: str | None) -> int:

@@ -48,6 +48,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import anyio
@@ -113,6 +114,9 @@ class VideoJobs(JobRuns):
         self._sweeper: anyio.CancelScope | None = None  # made in serve(): a loop's object
         # The rows the store held when it opened, until ``serve`` takes them back.
         self._rows: list[JobRow] = []
+        #: Called with a job's id once ``delete`` dropped it (the service's output store
+        #: deletes the job's URL outputs there, L97); it handles its own failures.
+        self.on_delete: Callable[[str], Awaitable[None]] | None = None
         if is_durable(config) and config.lease_s is not None:
             self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
@@ -357,6 +361,7 @@ class VideoJobs(JobRuns):
             if self.store is None or not await self._stored(self.store.delete, job_id):
                 raise not_found(job_id)
             job.removed = True
+            await self._deleted(job_id)
             return job
         handle = job.handle
         if handle is not None:
@@ -367,7 +372,13 @@ class VideoJobs(JobRuns):
             self._writer.forget(job_id)
         if self.store is not None:
             await self._stored(self._store().delete, job_id)
+        await self._deleted(job_id)
         return dropped
+
+    async def _deleted(self, job_id: str) -> None:
+        if self.on_delete is not None:
+            with anyio.CancelScope(shield=True):
+                await self.on_delete(job_id)
 
     async def find(self, job_id: str, *, tenant: str | None = None) -> VideoJob:
         """The job ``job_id``, as ``get``; in a shared store (L79), as the store has it
