@@ -87,6 +87,7 @@ ENDPOINTS = {
     "images": ["_images"],
     "edits": ["_edits"],
     "videos": ["_videos", "_video_body", "jobs"],
+    "files": ["_files"],
 }
 
 #: The video jobs' package: its stores below, its lifecycle above (its docstring).
@@ -401,3 +402,17 @@ def test_no_module_imports_itself_back_when_it_runs() -> None:
             seen |= frontier
             frontier = {m for f in frontier for m in graph.get(f, ())} - seen
     assert not cycles, cycles
+
+
+def _packages() -> list[Path]:
+    return sorted(init.parent for init in PACKAGE.rglob("__init__.py"))
+
+
+@pytest.mark.parametrize("package", _packages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_module_is_named_in_its_packages_layout_note(package: Path) -> None:
+    """A package's docstring names every module in it (the layout a newcomer reads first):
+    a module added without its line, or renamed, fails here."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    modules = sorted(path.stem for path in package.glob("*.py") if path.stem != "__init__")
+    unnamed = [name for name in modules if f"``{name}``" not in doc and f"`{name}`" not in doc]
+    assert not unnamed, f"{package.name}'s docstring does not name {unnamed}"

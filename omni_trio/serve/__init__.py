@@ -33,7 +33,9 @@ cards. The endpoints are siblings that it routes to:
   actions (L88);
 - ``_files``: ``GET /v1/files/{key}``, an output kept as a signed URL, streamed
   from the output store (L97);
-- ``_warmup``: the request the service runs before it answers (L4).
+- ``_warmup``: the request the service runs before it answers (L4);
+- ``_tracing``: OpenTelemetry spans of the requests, written from their timelines
+  once they are terminal (L99).
 
 Beside the app: ``ray`` (public), the Ray Serve deployments of a service (L46, L47),
 over ``_ray_ingress``, the ASGI ingress a replica serves through (the key check and
