@@ -191,6 +191,12 @@ def unexpected_error() -> ApiError:
     )
 
 
+def _retry_later(status: int, message: str, kind: str, code: str, retry_after_s: int) -> ApiError:
+    """An error the client may retry after ``retry_after_s`` (its ``Retry-After``)."""
+    headers = {"Retry-After": str(retry_after_s)}
+    return ApiError(status, message, type=kind, code=code, headers=headers)
+
+
 def api_error_from(
     exc: OmniTrioError, *, retry_after_s: int = 1, request_id: str | None = None
 ) -> ApiError:
@@ -211,30 +217,18 @@ def api_error_from(
         case InvalidRequestError():
             return _invalid_request(exc)
         case QueueFullError():
-            return ApiError(
-                429,
-                f"the server is busy ({exc}); retry later",
-                type="rate_limit_error",
-                code="queue_full",
-                headers={"Retry-After": str(retry_after_s)},
-            )
+            message = f"the server is busy ({exc}); retry later"
+            return _retry_later(429, message, "rate_limit_error", "queue_full", retry_after_s)
         case DeadlineError():
-            return ApiError(
-                429,
+            message = (
                 f"the deadline cannot be met: the estimate is {exc.estimate_s:.3f} s,"
-                f" the deadline {exc.deadline_s * 1000:.0f} ms; retry later or allow longer",
-                type="rate_limit_error",
-                code="deadline_unmeetable",
-                headers={"Retry-After": str(retry_after_s)},
+                f" the deadline {exc.deadline_s * 1000:.0f} ms; retry later or allow longer"
             )
+            code = "deadline_unmeetable"
+            return _retry_later(429, message, "rate_limit_error", code, retry_after_s)
         case EngineClosedError():
-            return ApiError(
-                503,
-                "the server is shutting down",
-                type="server_error",
-                code="shutting_down",
-                headers={"Retry-After": str(retry_after_s)},
-            )
+            message = "the server is shutting down"
+            return _retry_later(503, message, "server_error", "shutting_down", retry_after_s)
         case EngineDeadError():
             return _hidden_failure(
                 exc, request_id, "the engine's worker died", "engine_dead", 503, logged=True

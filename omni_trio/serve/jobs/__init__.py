@@ -7,7 +7,8 @@ Layout. The store, below the lifecycle, blocking (called off the event loop):
 
 - ``_store``: ``JobRow``, the open errors, and the protocols: ``JobStore`` (what the
   lifecycle asks of every store) and ``SharedJobStore`` (what only a store shared by
-  several servers does, L79: ids, leases, takeovers, every server's jobs);
+  several servers does, L79: ids, leases, takeovers, every server's jobs); and
+  ``rows_query``, the list's query, which the two SQL stores share;
 - ``_sqlite``: ``SqliteJobStore``, SQLite in WAL mode under ``--jobs-dir``, over
   ``_files`` (the folder's files written atomically, its lock, the tidy at open,
   ``default_jobs_dir`` and the ``OMNI_TRIO_TEST_HOLD`` test hook);

@@ -14,11 +14,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-from collections.abc import Mapping
 from typing import Any
 
 from ..._checkpoint import Checkpoint
-from ._store import JobRow, StoreBusyError
+from ._store import ErrorBody, JobRow, StoreBusyError
 
 __all__ = ["MemoryJobStore", "MemoryTables"]
 
@@ -146,46 +145,39 @@ class MemoryJobStore:
 
     def completed(self, job_id: str, mp4: bytes, *, completed_at: int, expires_at: float) -> bool:
         """Keep the MP4 and mark the job completed; whether it was this store's and live."""
-        with self.tables.lock:
-            row = self._mine(job_id)
-            if row is not None:
-                self.tables.videos[job_id] = bytes(mp4)
-                self._set(
-                    row,
-                    status="completed",
-                    progress=100,
-                    bytes=len(mp4),
-                    completed_at=completed_at,
-                    expires_at=expires_at,
-                    checkpoint_step=None,
-                    lease=None,
-                )
-                self.tables.checkpoints.pop(job_id, None)
-        return row is not None
+        return self._end(
+            job_id,
+            mp4=bytes(mp4),
+            status="completed",
+            progress=100,
+            bytes=len(mp4),
+            completed_at=completed_at,
+            expires_at=expires_at,
+        )
 
     def failed(
-        self,
-        job_id: str,
-        error: Mapping[str, str],
-        *,
-        progress: int,
-        completed_at: int,
-        expires_at: float,
+        self, job_id: str, error: ErrorBody, *, progress: int, completed_at: int, expires_at: float
     ) -> bool:
         """Mark the job failed with ``error``; whether it was this store's and live."""
+        return self._end(
+            job_id,
+            status="failed",
+            error=dict(error),
+            progress=progress,
+            completed_at=completed_at,
+            expires_at=expires_at,
+        )
+
+    def _end(self, job_id: str, *, mp4: bytes | None = None, progress: int, **fields: Any) -> bool:
+        """End the job (its MP4 kept first, if any), its checkpoint dropped; whether it
+        was this store's and live. ``progress`` never goes down."""
         with self.tables.lock:
             row = self._mine(job_id)
             if row is not None:
-                self._set(
-                    row,
-                    status="failed",
-                    error=dict(error),
-                    progress=max(row.progress, progress),
-                    completed_at=completed_at,
-                    expires_at=expires_at,
-                    checkpoint_step=None,
-                    lease=None,
-                )
+                if mp4 is not None:
+                    self.tables.videos[job_id] = mp4
+                progress = max(row.progress, progress)
+                self._set(row, progress=progress, checkpoint_step=None, lease=None, **fields)
                 self.tables.checkpoints.pop(job_id, None)
         return row is not None
 

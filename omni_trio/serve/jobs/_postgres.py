@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..._checkpoint import Checkpoint
@@ -44,7 +44,7 @@ from ._pg_session import (
     Session,
     psycopg_missing,
 )
-from ._store import LIVE, JobRow
+from ._store import LIVE, ErrorBody, JobRow, rows_query
 
 if TYPE_CHECKING:
     from ._pg_session import Db
@@ -289,13 +289,7 @@ class PostgresJobStore:
         return self._call(work)
 
     def failed(
-        self,
-        job_id: str,
-        error: Mapping[str, str],
-        *,
-        progress: int,
-        completed_at: int,
-        expires_at: float,
+        self, job_id: str, error: ErrorBody, *, progress: int, completed_at: int, expires_at: float
     ) -> bool:
         """Mark the job failed with ``error`` at ``progress`` (never lower); drop its
         checkpoint.
@@ -402,17 +396,10 @@ class PostgresJobStore:
         self, *, limit: int, after: int | None, descending: bool, tenant: str | None
     ) -> list[JobRow]:
         """Up to ``limit`` rows by ``seq`` (after the cursor ``after``), of ``tenant`` if named."""
-        where: list[str] = []
-        args: list[object] = []
-        if after is not None:
-            where.append("seq < %s" if descending else "seq > %s")
-            args.append(after)
-        if tenant is not None:
-            where.append("tenant = %s")
-            args.append(tenant)
-        sql = _SELECT + (" WHERE " + " AND ".join(where) if where else "")
-        sql += f" ORDER BY seq {'DESC' if descending else 'ASC'} LIMIT %s"
-        found = self._call(lambda db, again: db.execute(sql, (*args, limit)).fetchall())
+        sql, args = rows_query(
+            _SELECT, "%s", limit=limit, after=after, descending=descending, tenant=tenant
+        )
+        found = self._call(lambda db, again: db.execute(sql, args).fetchall())
         return [JobRow(**values) for values in found]
 
     def totals(self) -> tuple[int, int]:

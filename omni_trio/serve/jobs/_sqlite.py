@@ -19,7 +19,7 @@ import json
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from ._files import (
     tidy,
     write_atomically,
 )
-from ._store import LIVE, JobRow, StoreOpenError
+from ._store import LIVE, ErrorBody, JobRow, StoreOpenError, rows_query
 
 __all__ = ["SqliteJobStore"]
 
@@ -252,13 +252,7 @@ class SqliteJobStore:
         return mine
 
     def failed(
-        self,
-        job_id: str,
-        error: Mapping[str, str],
-        *,
-        progress: int,
-        completed_at: int,
-        expires_at: float,
+        self, job_id: str, error: ErrorBody, *, progress: int, completed_at: int, expires_at: float
     ) -> bool:
         """Mark the job failed with ``error`` at ``progress``; drop its checkpoint.
 
@@ -330,18 +324,11 @@ class SqliteJobStore:
         self, *, limit: int, after: int | None, descending: bool, tenant: str | None
     ) -> list[JobRow]:
         """Up to ``limit`` rows by ``seq`` (after the cursor ``after``), of ``tenant`` if named."""
-        where: list[str] = []
-        args: list[object] = []
-        if after is not None:
-            where.append("seq < ?" if descending else "seq > ?")
-            args.append(after)
-        if tenant is not None:
-            where.append("tenant = ?")
-            args.append(tenant)
-        sql = _SELECT + (" WHERE " + " AND ".join(where) if where else "")
-        sql += f" ORDER BY seq {'DESC' if descending else 'ASC'} LIMIT ?"
+        sql, args = rows_query(
+            _SELECT, "?", limit=limit, after=after, descending=descending, tenant=tenant
+        )
         with self._lock:
-            found = self._conn().execute(sql, (*args, limit)).fetchall()
+            found = self._conn().execute(sql, args).fetchall()
         return [self._row(values) for values in found]
 
     def totals(self) -> tuple[int, int]:

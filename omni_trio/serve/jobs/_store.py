@@ -28,12 +28,17 @@ from ..._checkpoint import Checkpoint
 
 __all__ = [
     "LIVE",
+    "ErrorBody",
     "JobRow",
     "JobStore",
     "SharedJobStore",
     "StoreBusyError",
     "StoreOpenError",
+    "rows_query",
 ]
+
+#: A failed job's error, as its record keeps it: ``code`` and ``message``.
+ErrorBody = Mapping[str, str]
 
 #: The statuses of a job still to run.
 LIVE = ("queued", "in_progress")
@@ -91,6 +96,24 @@ class JobRow:
     def is_live(self) -> bool:
         """Whether it is still to run (queued or in progress)."""
         return self.status in LIVE
+
+
+def rows_query(
+    select: str, mark: str, *, limit: int, after: int | None, descending: bool, tenant: str | None
+) -> tuple[str, tuple[object, ...]]:
+    """The SQL stores' ``rows`` query and its parameters, ``mark`` their placeholder
+    (``?`` or ``%s``): up to ``limit`` rows by ``seq`` after ``after``, of ``tenant``."""
+    where: list[str] = []
+    args: list[object] = []
+    if after is not None:
+        where.append(f"seq {'<' if descending else '>'} {mark}")
+        args.append(after)
+    if tenant is not None:
+        where.append(f"tenant = {mark}")
+        args.append(tenant)
+    sql = select + (" WHERE " + " AND ".join(where) if where else "")
+    sql += f" ORDER BY seq {'DESC' if descending else 'ASC'} LIMIT {mark}"
+    return sql, (*args, limit)
 
 
 class StoreOpenError(OSError):
@@ -154,13 +177,7 @@ class JobStore(Protocol):
         ...
 
     def failed(
-        self,
-        job_id: str,
-        error: Mapping[str, str],
-        *,
-        progress: int,
-        completed_at: int,
-        expires_at: float,
+        self, job_id: str, error: ErrorBody, *, progress: int, completed_at: int, expires_at: float
     ) -> bool:
         """Mark the job failed with ``error`` at ``progress`` (never lower) and drop its
         checkpoint; return whether it was still this store's and live."""
