@@ -42,9 +42,10 @@ from ._keys import ApiKeys, KeyGate
 from ._metrics import ServeMetrics
 from ._output_urls import FILES_PATH, OutputUrls
 from ._schema import ImageJob
+from ._tracing import Tracing
 from ._upload import UploadLimits
 from ._videos import VideosApi
-from ._warmup import warm_up, warm_up_request
+from ._warmup import warm_up, warm_up_requests
 from .jobs import VideoConfig, VideoJobs
 
 __all__ = ["NOT_STARTED", "Service", "create_app"]
@@ -98,6 +99,8 @@ class Service:
             and the tenants' weights and waiting bounds join ``engine_config``'s
             (``tenant_weights``, ``tenant_max_waiting``). ``None``: an open
             server, as it says in its log at start.
+        tracing: the server's tracer (``Tracing``, L99): a span per route and per
+            request; ``None``: off (``Tracing.from_environment`` reads ``OTEL_*``).
     """
 
     def __init__(
@@ -109,6 +112,7 @@ class Service:
         upload_limits: UploadLimits | None = None,
         video_config: VideoConfig | None = None,
         keys: ApiKeys | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.config = config if config is not None else ServeConfig()
         self.upload_limits = upload_limits if upload_limits is not None else UploadLimits()
@@ -153,6 +157,9 @@ class Service:
             checkpoints=bool(getattr(capabilities, "checkpoints", False)),
         )
         self.metrics.add_video_jobs(self.videos.counts, self.videos.held_bytes)
+        #: The server's tracer (L99): its routes' spans and its requests'; off unless given.
+        self.tracing = tracing if tracing is not None else Tracing()
+        self.videos.tracing = self.tracing
         #: The output store behind ``response_format: "url"`` (L97), if configured.
         self.outputs = OutputUrls(self.config.outputs) if self.config.outputs else None
         if self.outputs is not None:
@@ -180,6 +187,7 @@ class Service:
                         metrics=self.metrics,
                         admitting_engine=self._engine_for_images,
                         outputs=self.outputs,
+                        tracing=self.tracing,
                     ),
                     methods=["POST"],
                 ),
@@ -192,6 +200,7 @@ class Service:
                         parse=self._parse_edit,
                         max_body_bytes=self.upload_limits.max_bytes,
                         outputs=self.outputs,
+                        tracing=self.tracing,
                     ),
                     methods=["POST"],
                 ),
@@ -409,33 +418,58 @@ class Service:
                 len(self.keys.tenants),
                 "needs a key" if self.keys.metrics_auth else "is open",
             )
-        async with self._outputs_open(), open_engine(self._runner, self.engine_config) as engine:
-            self._engine = engine
-            capabilities = self._admission.capabilities
-            if self.config.warm_up and capabilities is not None:
-                await warm_up(engine, warm_up_request(capabilities, self.config))
-            left: BaseException | None = None
-            async with anyio.create_task_group() as jobs:
-                # A video model's jobs, from the durable store if there is one (L77).
-                await jobs.start(self.videos.serve, engine if self.frames is not None else None)
-                if self.outputs is not None:
-                    # The output store's sweeper (L97), and its close at the end.
-                    await jobs.start(self.outputs.serve)
-                try:
-                    yield self
-                except BaseException as exc:
-                    # Re-raised below, outside the task group, which would wrap it
-                    # in an exception group.
-                    left = exc
-                finally:
-                    with anyio.CancelScope(shield=True):
-                        await self.drain()
-                    # Every job's request is terminal now: its task ends by itself.
-                    self.videos.close()
+        try:
+            async with (
+                self._outputs_open(),
+                open_engine(self._runner, self.engine_config) as engine,
+            ):
+                self._engine = engine
+                await self._warm_up(engine)
+                left: BaseException | None = None
+                async with anyio.create_task_group() as jobs:
+                    # A video model's jobs, from the durable store if there is one (L77).
+                    await jobs.start(self.videos.serve, engine if self.frames is not None else None)
                     if self.outputs is not None:
-                        self.outputs.close()  # the sweeper; the store closes last
-            if left is not None:
-                raise left
+                        # The output store's sweeper (L97), and its close at the end.
+                        await jobs.start(self.outputs.serve)
+                    try:
+                        yield self
+                    except BaseException as exc:
+                        # Re-raised below, outside the task group, which would wrap it
+                        # in an exception group.
+                        left = exc
+                    finally:
+                        with anyio.CancelScope(shield=True):
+                            await self.drain()
+                        # Every job's request is terminal now: its task ends by itself.
+                        self.videos.close()
+                        if self.outputs is not None:
+                            self.outputs.close()  # the sweeper; the store closes last
+                if left is not None:
+                    raise left
+        finally:
+            with anyio.CancelScope(shield=True):
+                # The spans still queued go out (L99); the tracer is its owner's to stop.
+                await anyio.to_thread.run_sync(self.tracing.flush)
+
+    async def _warm_up(self, engine: Engine) -> None:
+        """The warm-up requests (L4), before the server answers; a compiled runner's
+        declared shapes at one and two rows, then its graphs sealed (L90)."""
+        capabilities = self._admission.capabilities
+        if not self.config.warm_up or capabilities is None:
+            return
+        compiled: list[Any] = [each for each in runner_sequence(self._runner) if _compiled(each)]
+
+        def seal() -> None:
+            for runner in compiled:
+                runner.seal_compile()
+
+        await warm_up(
+            engine,
+            warm_up_requests(capabilities, self.config),
+            together=min(2, self.engine_config.max_batch_size) if compiled else 1,
+            seal=seal if compiled else None,
+        )
 
     @asynccontextmanager
     async def _outputs_open(self) -> AsyncIterator[None]:
@@ -536,6 +570,13 @@ class Service:
             headers=exc.headers,
         )
         return error_response(error)
+
+
+def _compiled(runner: object) -> bool:
+    """Whether ``runner`` runs compiled blocks, to seal after the warm-up (L90)."""
+    return bool(getattr(runner, "compiled_blocks", 0)) and callable(
+        getattr(runner, "seal_compile", None)
+    )
 
 
 def create_app(

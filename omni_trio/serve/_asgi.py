@@ -47,6 +47,7 @@ __all__ = [
     "send_error",
     "send_json",
     "sse_event",
+    "trace_headers",
 ]
 
 Scope = Mapping[str, Any]
@@ -86,6 +87,13 @@ def header(scope: Scope, name: str) -> str | None:
         if key == wanted:
             return bytes(value).decode("latin-1")
     return None
+
+
+def trace_headers(scope: Scope) -> dict[str, str]:
+    """The request's W3C trace context (``traceparent``, ``tracestate``), the only headers a
+    trace reads (L99: never a key)."""
+    found = {name: header(scope, name) for name in ("traceparent", "tracestate")}
+    return {name: value for name, value in found.items() if value is not None}
 
 
 def headers(scope: Scope) -> dict[str, str]:

@@ -128,6 +128,10 @@ class ServeConfig:
             service starts, before it answers (``omni_trio.serve._warmup``): the
             engine's ``max_step_s`` then bounds the first client's step too. Off by
             default; ``omni-trio serve`` turns it on for a real model.
+        warm_up_sizes: the ``(width, height)`` sizes the warm-up runs, each its own
+            request (and, for a compiled model, a batch of two: L90); empty: the
+            default size. Declare the sizes clients use: the first client's request of
+            each is neither slow nor refused by an estimate from another shape.
         outputs: the output store behind ``response_format: "url"`` (L97); ``None``:
             none, and a ``url`` is a 400 that names this setting.
 
@@ -146,6 +150,7 @@ class ServeConfig:
     allow_adapter_admin: bool = False
     adapter_dir: str | None = None
     warm_up: bool = False
+    warm_up_sizes: tuple[tuple[int, int], ...] = ()
     outputs: OutputConfig | None = None
 
     def __post_init__(self) -> None:
@@ -177,6 +182,18 @@ class ServeConfig:
             raise ValueError(f"default_guidance_scale: must be a finite number, got {scale!r}")
         if self.allow_adapter_admin and self.adapter_dir is None:
             raise ValueError("allow_adapter_admin: needs an adapter_dir to load adapters from")
+        sizes = self.warm_up_sizes
+        if not isinstance(sizes, tuple) or not all(_is_size(size) for size in sizes):
+            raise ValueError(f"warm_up_sizes: (width, height) pairs of ints >= 1, got {sizes!r}")
+
+
+def _is_size(size: object) -> bool:
+    """Whether ``size`` is a ``(width, height)`` pair of ints >= 1."""
+    return (
+        isinstance(size, tuple)
+        and len(size) == 2
+        and all(isinstance(side, int) and not isinstance(side, bool) and side >= 1 for side in size)
+    )
 
 
 def with_defaults(

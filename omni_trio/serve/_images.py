@@ -30,18 +30,30 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from .._errors import OmniTrioError
-from ._asgi import Client, Receive, Scope, Send, header, read_body, send_error, send_json, sse_event
+from ._asgi import (
+    Client,
+    Receive,
+    Scope,
+    Send,
+    header,
+    read_body,
+    send_error,
+    send_json,
+    sse_event,
+    trace_headers,
+)
 from ._encode import b64, encode_images
 from ._errors import ApiError, api_error_from, invalid
 from ._keys import caller_tenant, tenant_request
 from ._output_store import OutputStoreError
 from ._output_urls import OutputUrls, storage_failed
 from ._schema import DEADLINE_HEADER, ImageJob, parse_generation_body
+from ._tracing import Tracing
 
 if TYPE_CHECKING:
     from .._engine import Engine
@@ -76,6 +88,7 @@ class ImagesEndpoint:
         max_body_bytes: the body limit (default: ``config.max_body_bytes``).
         outputs: the output store that ``response_format: "url"`` writes to (L97);
             ``None`` when the server has none (the body's check refuses ``url``).
+        tracing: the server's tracer (L99); off by default.
     """
 
     def __init__(
@@ -87,8 +100,10 @@ class ImagesEndpoint:
         parse: JobParser | None = None,
         max_body_bytes: int | None = None,
         outputs: OutputUrls | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self._config = config
+        self._tracing = tracing if tracing is not None else Tracing()
         self._outputs = outputs
         self._metrics = metrics
         self._admitting_engine = admitting_engine
@@ -110,12 +125,17 @@ class ImagesEndpoint:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Answer one generation request (see the module docstring).
+        """Answer one generation request (see the module docstring), traced where the
+        server traces (L99: the route's span, the request's under it).
 
         Cancellation:
             Cancelling the server's task aborts the request; the call returns once
             the engine released it.
         """
+        with self._tracing.route("POST", str(scope.get("path", "")), trace_headers(scope)) as span:
+            await self._answer(scope, receive, send, span)
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send, span: Any) -> None:
         config = self._config
         metrics = self._metrics
         try:
@@ -125,16 +145,17 @@ class ImagesEndpoint:
                 metrics.count("disconnected", caller_tenant(scope))
                 return
             job = await self._parse(scope, body)
-            handle = engine.submit(
-                tenant_request(job.request, scope), request_id=f"img-{uuid.uuid4().hex}"
-            )
+            request = tenant_request(job.request, scope)
+            handle = engine.submit(request, request_id=f"img-{uuid.uuid4().hex}")
         except OmniTrioError as exc:
             error = api_error_from(exc, retry_after_s=config.retry_after_s)
             metrics.count(error.outcome, caller_tenant(scope))
+            Tracing.status(span, error.status)
             await send_error(send, error)
             return
         except ApiError as error:
             metrics.count(error.outcome, caller_tenant(scope))
+            Tracing.status(span, error.status)
             await send_error(send, error)
             return
         client = Client(receive, send, handle)
@@ -147,7 +168,16 @@ class ImagesEndpoint:
                 else:
                     await self._answer_json(handle, job, client, scope)
         finally:
-            self._metrics.account(handle, gone=client.is_gone)
+            outcome = self._metrics.account(handle, gone=client.is_gone)
+            self._tracing.request(
+                span,
+                request=request,
+                request_id=handle.request_id,
+                model=config.model_name,
+                outcome=outcome,
+                metrics=handle.metrics,
+                answered_ns=time.time_ns(),
+            )
 
     def _failure(self, exc: OmniTrioError | ApiError, request_id: str) -> ApiError:
         """The error that answers an admitted request whose result or output failed."""

@@ -29,6 +29,15 @@ omni_trio_video_bytes                     gauge      MP4 bytes the finished vide
 omni_trio_video_jobs_resumed_total        counter    video jobs run again after a restart or a
                                                      takeover (L77)
 omni_trio_video_steps_lost_total          counter    steps those jobs had done and did again
+omni_trio_prompt_cache_hits_total         counter    texts whose encoding the runners' prompt
+                                                     caches held (L94)
+omni_trio_prompt_cache_misses_total       counter    texts the text encoders encoded
+omni_trio_prompt_cache_evictions_total    counter    encodings the caches' byte bound put out
+omni_trio_prompt_cache_bytes              gauge      bytes the caches hold now
+omni_trio_prompt_cache_encode_seconds     counter    the text encoders' seconds on misses
+_total
+omni_trio_prompt_cache_saved_seconds      counter    encoder seconds the hits saved (each hit:
+_total                                               its entry's encode time)
 omni_trio_group_ranks{group}              gauge      the ranks of each parallel worker (L49)
 omni_trio_group_calls_total{group,way}    counter    its model calls split by ``rows`` or ``tokens``
 omni_trio_tenant_requests_total           counter    generation requests by tenant and outcome
@@ -63,8 +72,8 @@ change every registry of the process.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -173,6 +182,62 @@ class _VideoCollector:
     def describe(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("omni_trio_video_jobs", "", labels=["status"])
         yield GaugeMetricFamily("omni_trio_video_bytes", "")
+
+
+class _PromptCacheStatistics(Protocol):
+    """What the collector reads of a runner's ``PromptCacheStatistics`` (serve imports no
+    runner)."""
+
+    @property
+    def bytes(self) -> int: ...
+
+
+class _PromptCacheCollector:
+    """Reads the runners' prompt caches at scrape time (L94), summed over the runners.
+
+    ``statistics``: each runner's ``prompt_cache_statistics``; its counters are read by
+    the names below.
+    """
+
+    _COUNTERS = (
+        ("omni_trio_prompt_cache_hits", "hits", "Texts whose encoding a prompt cache held."),
+        ("omni_trio_prompt_cache_misses", "misses", "Texts the text encoders encoded."),
+        (
+            "omni_trio_prompt_cache_evictions",
+            "evictions",
+            "Encodings the prompt caches' byte bound put out.",
+        ),
+        (
+            "omni_trio_prompt_cache_encode_seconds",
+            "encode_s",
+            "Seconds the text encoders took on the prompt caches' misses.",
+        ),
+        (
+            "omni_trio_prompt_cache_saved_seconds",
+            "saved_s",
+            "Text encoder seconds the prompt caches' hits saved.",
+        ),
+    )
+
+    def __init__(self, statistics: Sequence[Callable[[], _PromptCacheStatistics]]) -> None:
+        self._statistics = tuple(statistics)
+
+    def collect(self) -> Iterator[Metric]:
+        read = [statistics() for statistics in self._statistics]
+        for name, field, documentation in self._COUNTERS:
+            counter = CounterMetricFamily(name, documentation)
+            counter.add_metric([], sum(getattr(stats, field) for stats in read))
+            yield counter
+        yield GaugeMetricFamily(
+            "omni_trio_prompt_cache_bytes",
+            "Bytes of text encodings the prompt caches hold now.",
+            value=sum(stats.bytes for stats in read),
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        for name, _, _ in self._COUNTERS:
+            yield CounterMetricFamily(name, "")
+        yield GaugeMetricFamily("omni_trio_prompt_cache_bytes", "")
 
 
 class _GroupCollector:
@@ -372,6 +437,17 @@ class ServeMetrics:
         self.video_resumes.inc()
         self.video_steps_lost.inc(steps_lost)
 
+    def add_prompt_caches(self, runners: Iterable[object]) -> None:
+        """Export the prompt caches of those of ``runners`` that have one (L94: a
+        ``prompt_cache_statistics()``), summed, read at scrape time."""
+        found = [
+            read
+            for runner in runners
+            if callable(read := getattr(runner, "prompt_cache_statistics", None))
+        ]
+        if found:
+            self.registry.register(_PromptCacheCollector(found))
+
     def add_groups(self, groups: Mapping[int, tuple[int, Callable[[], Mapping[str, int]]]]) -> None:
         """Export each parallel worker's ranks and calls each way (``_GroupCollector``)."""
         self.registry.register(_GroupCollector(groups))
@@ -391,8 +467,8 @@ class ServeMetrics:
         self.requests.labels(outcome=outcome).inc()
         self.tenant_requests.labels(tenant=self.tenant_label(tenant), outcome=outcome).inc()
 
-    def account(self, handle: RequestHandle, *, gone: bool = False) -> None:
-        """Count a terminal request's outcome and its timings.
+    def account(self, handle: RequestHandle, *, gone: bool = False) -> str:
+        """Count a terminal request's outcome and its timings; return the outcome.
 
         The outcome is ``disconnected`` if its client is ``gone``, else the
         handle's: ``completed``, ``failed``, ``shutdown`` or ``deadline`` for
@@ -415,6 +491,7 @@ class ServeMetrics:
             self.observe(handle.metrics)
             label = self.tenant_label(handle.tenant)
             self.tenant_queue_wait.labels(tenant=label).observe(handle.metrics.queue_wait_s)
+        return outcome
 
     def observe(self, metrics: RequestMetrics) -> None:
         """Record a terminal request's timings, and what its step cache did."""

@@ -233,6 +233,11 @@ class Tracing:
             attributes["omni_trio.prompt"] = request.prompt
         return attributes
 
+    def flush(self) -> None:
+        """Send what is queued now (blocks: call it off the event loop)."""
+        if self.provider is not None:
+            self.provider.force_flush()
+
     def shutdown(self) -> None:
         """Send what is still queued and stop the exporters (idempotent)."""
         provider, self.provider, self._tracer = self.provider, None, None

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 from starlette.requests import Request
@@ -40,6 +40,7 @@ from ._asgi import (
     send_error,
     send_json,
     sse_event,
+    trace_headers,
 )
 from ._errors import ApiError, api_error_from, invalid
 from ._forms import read_form
@@ -47,6 +48,7 @@ from ._keys import caller, caller_tenant, check_running_jobs, tenant_request, vi
 from ._output_store import OutputStoreError
 from ._output_urls import OutputUrls, storage_failed
 from ._schema import DEADLINE_HEADER, no_output_store, shown
+from ._tracing import Tracing
 from ._upload import UploadLimits
 from ._video_body import parse_video_body, with_reference
 
@@ -111,22 +113,25 @@ class VideosApi:
             Safe: a job is started only once the answer is decided, and runs in
             the service's task group, not in this call.
         """
-        try:
-            job = await self._create(scope, receive)
-        except OmniTrioError as exc:
-            error = api_error_from(exc, retry_after_s=self._config.retry_after_s)
-        except ApiError as exc:
-            error = exc
-        else:
-            if job is not None:
-                await send_json(send, 200, job.body(), {"X-Request-Id": job.id})
+        tracing = self._jobs.tracing
+        with tracing.route("POST", str(scope.get("path", "")), trace_headers(scope)) as span:
+            try:
+                job = await self._create(scope, receive, span)
+            except OmniTrioError as exc:
+                error = api_error_from(exc, retry_after_s=self._config.retry_after_s)
+            except ApiError as exc:
+                error = exc
             else:
-                self._metrics.count("disconnected", caller_tenant(scope))
-            return
-        self._metrics.count(error.outcome, caller_tenant(scope))
-        await send_error(send, error)
+                if job is not None:
+                    await send_json(send, 200, job.body(), {"X-Request-Id": job.id})
+                else:
+                    self._metrics.count("disconnected", caller_tenant(scope))
+                return
+            self._metrics.count(error.outcome, caller_tenant(scope))
+            Tracing.status(span, error.status)
+            await send_error(send, error)
 
-    async def _create(self, scope: Scope, receive: Receive) -> VideoJob | None:
+    async def _create(self, scope: Scope, receive: Receive, span: Any) -> VideoJob | None:
         engine = self._admitting_engine()
         assert self._rule is not None  # admitting_engine refused an image model
         limit = self._config.max_body_bytes
@@ -158,7 +163,7 @@ class VideosApi:
             spec = await anyio.to_thread.run_sync(with_reference, spec)
         spec = dataclasses.replace(spec, request=tenant_request(spec.request, scope))
         return await self._jobs.create(
-            engine, spec, self._config.model_name, tenant=spec.request.tenant
+            engine, spec, self._config.model_name, tenant=spec.request.tenant, trace=span
         )
 
     # -- the other routes -------------------------------------------------------

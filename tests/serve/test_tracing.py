@@ -206,3 +206,57 @@ async def test_spans_reach_an_otlp_http_receiver_configured_by_the_environment()
         thread.join()
         server.server_close()
     assert sorted(received) == sorted([REQUEST_SPAN, "wait", "run", "decode"])
+
+
+@pytest.mark.anyio
+async def test_the_routes_trace_images_refusals_and_video_jobs(
+    spans: tuple[Tracing, InMemorySpanExporter],
+) -> None:
+    """L99: through the HTTP app, an image request's span is the child of its route's
+    SERVER span, which continues the client's traceparent; a refused body is its route's
+    span with the status; a video job's span, written when the job ends, is the child of
+    the route that made it."""
+    from omni_trio.serve import ServeConfig, Service
+    from tests.support.serve import serving
+
+    tracing, exporter = spans
+    images = Service(
+        FakeRunner(),
+        config=ServeConfig(model_name="fake", default_width=16, default_height=16),
+        tracing=tracing,
+    )
+    with anyio.fail_after(BUDGET):
+        async with serving(images) as client:
+            ok = await client.post(
+                "/v1/images/generations",
+                json={"prompt": "a fox", "num_inference_steps": 2},
+                headers={"traceparent": TRACEPARENT},
+            )
+            bad = await client.post("/v1/images/generations", json={"prompt": 3})
+    assert (ok.status_code, bad.status_code) == (200, 400)
+    named = by_name(exporter.get_finished_spans())
+    route, refused = named["POST /v1/images/generations"]
+    [span] = named[REQUEST_SPAN]
+    assert route.context is not None and span.parent is not None
+    assert format(route.context.trace_id, "032x") == TRACE_ID
+    assert span.parent.span_id == route.context.span_id
+    assert [s.name for s in named["response"]] == ["response"]
+    assert dict(refused.attributes or {})["http.response.status_code"] == 400
+    exporter.clear()
+    from tests.support.jobs import RULE, create, finished
+
+    videos = Service(
+        FakeRunner(frames=RULE),
+        config=ServeConfig(model_name="fake-video", default_width=16, default_height=16),
+        tracing=tracing,
+    )
+    with anyio.fail_after(BUDGET):
+        async with serving(videos) as client:
+            job = await create(client, num_frames=5)
+            await finished(client, job["id"])
+    named = by_name(exporter.get_finished_spans())
+    [made] = named["POST /v1/videos"]
+    [video] = named[REQUEST_SPAN]
+    assert made.context is not None and video.parent is not None
+    assert video.parent.span_id == made.context.span_id
+    assert dict(video.attributes or {})["omni_trio.request_id"] == job["id"]

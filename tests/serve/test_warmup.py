@@ -26,7 +26,7 @@ import omni_trio as ot
 from omni_trio.runners import RunnerCapabilities
 from omni_trio.serve import ServeConfig, Service
 from omni_trio.serve._warmup import WARM_UP_ID, warm_up_request
-from omni_trio.testing import FakeRunner
+from omni_trio.testing import FakeRunner, probe_engine
 from tests.support.core import BUDGET
 from tests.support.serve import PixelWork, serving
 
@@ -178,3 +178,43 @@ def test_the_warm_up_is_the_cheapest_request_that_measures_a_step_warm() -> None
     assert isinstance(i2v.image, torch.Tensor) and i2v.image.shape == (3, 48, 32)
     assert torch.equal(i2v.image, torch.full((3, 48, 32), 0.5))
     assert WARM_UP_ID == "omni_trio-warm-up"
+
+
+class CompiledFake(FakeRunner):
+    """A fake runner that says it runs compiled blocks, and records its seal (L90)."""
+
+    compiled_blocks = 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sealed = False
+
+    def seal_compile(self) -> None:
+        self.sealed = True
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+async def test_the_warm_up_runs_each_declared_size_and_seals_a_compiled_model(
+    compiled: bool,
+) -> None:
+    """L4 (amended), L90: with ``warm_up_sizes`` the warm-up runs each declared size (each
+    measured warm); a compiled model's each alone and two at once (its batch graphs), then
+    its runner is sealed, before the server answers."""
+    runner = CompiledFake() if compiled else FakeRunner()
+    config = ServeConfig(
+        model_name="fake", default_width=SMALL, default_height=SMALL, default_steps=2,
+        warm_up=True, warm_up_sizes=((16, 16), (8, 8)),
+    )  # fmt: skip
+    service = Service(runner, engine_config=ot.EngineConfig(max_batch_size=4), config=config)
+    with anyio.fail_after(BUDGET):
+        async with serving(service):
+            engine = service.engine
+            assert engine is not None
+            [worker] = probe_engine(engine).workers
+            assert engine.statistics().completed == (6 if compiled else 2)
+            assert sorted(worker.step_times) == [64, 256]
+    assert isinstance(runner, CompiledFake) is compiled
+    if isinstance(runner, CompiledFake):
+        assert runner.sealed
+    with pytest.raises(ValueError, match="warm_up_sizes"):
+        ServeConfig(warm_up_sizes=((16, 0),))

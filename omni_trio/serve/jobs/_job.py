@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -202,12 +202,15 @@ class VideoJob:
         "size",
         "spec",
         "tenant",
+        "trace",
     )
 
     def __init__(self, *, job_id: str, seq: int, model: str, spec: VideoSpec) -> None:
         self.id = job_id
         self.seq = seq
         self.model = model
+        #: The span of the route that made it (L99), the parent of its request's span.
+        self.trace: Any = None
         self.spec = spec
         self.created_at = int(time.time())
         self.completed_at: int | None = None

@@ -44,12 +44,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import secrets
-import socket
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -59,7 +57,6 @@ from .._video_body import VideoSpec
 from ._job import (
     DELETED,
     TAKEN_OVER,
-    VideoConfig,
     VideoJob,
     id_seq,
     is_durable,
@@ -78,7 +75,6 @@ if TYPE_CHECKING:
     from anyio.abc import TaskStatus
 
     from ..._engine import Engine
-    from .._metrics import ServeMetrics
 
 __all__ = ["SHARED_POLL_S", "VideoJobs"]
 
@@ -95,30 +91,15 @@ class VideoJobs(JobRuns):
     jobs held in memory), ``JobRuns`` (``_runs``, each job's run, written through to
     the store) and this one: the lifespan, admission, deletion, the reads.
 
-    Args:
-        config: the fps, the bounds, the time-to-live and the durable store.
-        metrics: where each job's outcome and timings are counted.
-        retry_after_s: the ``Retry-After`` of a 429.
-        checkpoints: whether the runner takes checkpoints (L78).
+    Takes ``JobRuns``' arguments.
     """
 
-    def __init__(
-        self,
-        config: VideoConfig,
-        metrics: ServeMetrics,
-        *,
-        retry_after_s: int,
-        checkpoints: bool = False,
-    ) -> None:
-        super().__init__(config, metrics, retry_after_s=retry_after_s, checkpoints=checkpoints)
-        self._sweeper: anyio.CancelScope | None = None  # made in serve(): a loop's object
-        # The rows the store held when it opened, until ``serve`` takes them back.
-        self._rows: list[JobRow] = []
-        #: Called with a job's id once ``delete`` dropped it (the service's output store
-        #: deletes the job's URL outputs there, L97); it handles its own failures.
-        self.on_delete: Callable[[str], Awaitable[None]] | None = None
-        if is_durable(config) and config.lease_s is not None:
-            self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+    _sweeper: anyio.CancelScope | None = None  # made in serve(): a loop's object
+    # The rows the store held when it opened, until ``serve`` takes them back.
+    _rows: Sequence[JobRow] = ()
+    #: Called with a job's id once ``delete`` dropped it (the service's output store
+    #: deletes the job's URL outputs there, L97); it handles its own failures.
+    on_delete: Callable[[str], Awaitable[None]] | None = None
 
     # -- the lifespan ---------------------------------------------------------
 
@@ -147,7 +128,7 @@ class VideoJobs(JobRuns):
             self._limiter = anyio.CapacityLimiter(1)
             if self.store is None:
                 await anyio.to_thread.run_sync(self.open_store, limiter=self._limiter)
-            rows, self._rows = self._rows, []
+            rows, self._rows = list(self._rows), ()
             self._writer = CheckpointWriter(self._store())
             self._writer.start()
             if self.owner is not None:
@@ -223,7 +204,7 @@ class VideoJobs(JobRuns):
         the server never ran)."""
         writer, store = self._writer, self.store
         self._writer = self.store = self._shared = None
-        self._rows = []
+        self._rows = ()
         if writer is not None:
             writer.stop()
         if store is not None:
@@ -295,7 +276,13 @@ class VideoJobs(JobRuns):
             )
 
     async def create(
-        self, engine: Engine, spec: VideoSpec, model: str, *, tenant: str | None = None
+        self,
+        engine: Engine,
+        spec: VideoSpec,
+        model: str,
+        *,
+        tenant: str | None = None,
+        trace: Any = None,
     ) -> VideoJob:
         """Make a job of ``spec``: hold it (durably first, with a store), submit it, start it.
 
@@ -317,6 +304,7 @@ class VideoJobs(JobRuns):
             spec = dataclasses.replace(spec, request=request)
         job = VideoJob(job_id=job_id, seq=int(job_id[6:14], 16), model=model, spec=spec)
         job.tenant = tenant
+        job.trace = trace
         self._jobs[job_id] = job  # its place is taken from now on
         self._creating.add(job_id)
         try:

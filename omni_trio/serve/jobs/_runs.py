@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import secrets
+import socket
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -24,7 +27,17 @@ from ..._checkpoint import CheckpointPolicy
 from ..._errors import EngineClosedError, OmniTrioError, RequestAbortedError
 from ..._reasons import AbortReason
 from .._errors import ApiError, api_error_from, unexpected_error
-from ._job import DELETED, TAKEN_OVER, Resumes, VideoConfig, VideoJob, id_seq, view
+from .._tracing import Tracing
+from ._job import (
+    DELETED,
+    TAKEN_OVER,
+    Resumes,
+    VideoConfig,
+    VideoJob,
+    id_seq,
+    is_durable,
+    view,
+)
 from ._record import encode_mp4, error_record, storage_error
 from ._store import JobRow, JobStore, SharedJobStore
 from ._table import JobTable
@@ -65,6 +78,8 @@ class JobRuns(JobTable):
     ) -> None:
         super().__init__(config)
         self._metrics = metrics
+        #: The server's tracer (L99): each job's request span when it ends; off until set.
+        self.tracing = Tracing()
         self._retry_after_s = retry_after_s
         self._checkpoints = checkpoints
         self._tasks: TaskGroup | None = None
@@ -73,6 +88,8 @@ class JobRuns(JobTable):
         self._limiter: anyio.CapacityLimiter | None = None
         # This server's id in a shared store (L79); ``None``: the store is its alone.
         self.owner: str | None = None
+        if is_durable(config) and config.lease_s is not None:
+            self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self._engine: Engine | None = None  # where jobs taken over run (L79)
 
     def _store(self) -> JobStore:
@@ -296,7 +313,15 @@ class JobRuns(JobTable):
             mp4, error = None, unexpected_error()
         finally:
             if handle.status.is_terminal:  # cancelled from outside: the fallback closes it
-                self._metrics.account(handle)
+                outcome = self._metrics.account(handle)
+                self.tracing.request(
+                    job.trace,
+                    request=job.spec.request,
+                    request_id=job.id,
+                    model=job.model,
+                    outcome=outcome,
+                    metrics=handle.metrics,
+                )
         if job.removed:
             return  # deleted: its request was aborted, nothing is kept
         if cut and self.store is not None:
