@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from omni_trio.serve.jobs import MemoryJobStore, MemoryTables
+from omni_trio.serve.jobs._jobs import SWEEP_RETRY_S
 from omni_trio.serve.jobs._leases import LeaseKeeper
 from omni_trio.serve.jobs._store import JobRow
 from omni_trio.testing import FakeRunner
@@ -25,9 +26,17 @@ from tests.support.jobs import RULE, create, finished, service_on, serving
 
 
 class Flaky(MemoryJobStore):
-    """A memory store whose ``progressed`` and ``renew`` fail the first ``failing`` times."""
+    """A memory store whose ``progressed`` and ``renew`` fail the first ``failing`` times,
+    and whose ``delete`` the first ``failing_deletes`` times."""
 
     failing = 0
+    failing_deletes = 0
+
+    def delete(self, job_id: str) -> bool:
+        if self.failing_deletes:
+            self.failing_deletes -= 1
+            raise OSError("the store's connection is lost (a test)")
+        return super().delete(job_id)
 
     def progressed(self, job_id: str, progress: int, step: int = 0) -> bool:
         if self.failing:
@@ -100,3 +109,44 @@ async def test_the_lease_keeper_rides_out_a_store_that_fails_a_while(
             await keeper.keep(Holder())
     lines = [r.getMessage() for r in caplog.records if "leases not kept" in r.getMessage()]
     assert len(lines) == 2 and store.failing == 0
+
+
+@pytest.mark.trio
+async def test_an_expired_job_the_store_fails_to_delete_costs_no_server(
+    mock_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """L77: an expired job whose delete the store fails (down a while, L98) is one warning
+    per try; the sweeper tries again and deletes it, and the server answers throughout."""
+    mock_clock.rate = 1.0  # virtual time runs as real time, and jumps where the test says
+    tables = MemoryTables()
+    made: list[Flaky] = []
+
+    def store(owner: str | None = None) -> Flaky:
+        flaky = Flaky(tables, owner=owner)
+        flaky.failing_deletes = 2
+        made.append(flaky)
+        return flaky
+
+    def warned() -> int:
+        return sum("not deleted from the store" in r.getMessage() for r in caplog.records)
+
+    async def until(condition: Any) -> None:
+        while not condition():
+            await trio.sleep(0.001)
+
+    runner = FakeRunner(frames=RULE, checkpoints=True)
+    budget = BUDGET + 2 * SWEEP_RETRY_S + 11.0  # the jumps count against it
+    with trio.fail_after(budget), caplog.at_level(logging.WARNING, logger="omni_trio.serve"):
+        service, _ = service_on(None, runner, store=store, ttl_s=10.0, clock=trio.current_time)
+        async with serving(service) as client:
+            job_id = (await finished(client, (await create(client))["id"]))["id"]
+            mock_clock.jump(11.0)  # expired: gone for clients at once
+            assert (await client.get(f"/v1/videos/{job_id}")).status_code == 404
+            await until(lambda: warned() == 1)
+            assert job_id in tables.rows  # the store's delete failed: the row waits
+            mock_clock.jump(SWEEP_RETRY_S)
+            await until(lambda: warned() == 2)
+            mock_clock.jump(SWEEP_RETRY_S)
+            await until(lambda: job_id not in tables.rows)  # deleted on the third try
+            assert (await finished(client, (await create(client))["id"]))["status"] == "completed"
+    assert warned() == 2 and made[0].failing_deletes == 0

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -76,12 +77,15 @@ if TYPE_CHECKING:
 
     from ..._engine import Engine
 
-__all__ = ["SHARED_POLL_S", "VideoJobs"]
+__all__ = ["SHARED_POLL_S", "SWEEP_RETRY_S", "VideoJobs"]
 
 _log = logging.getLogger("omni_trio.serve")
 
 #: Seconds between two reads of another server's job for its event stream (L79).
 SHARED_POLL_S = 0.5
+
+#: Seconds before the sweeper tries again to delete an expired job the store failed to.
+SWEEP_RETRY_S = 30.0
 
 
 class VideoJobs(JobRuns):
@@ -217,15 +221,39 @@ class VideoJobs(JobRuns):
         """Drop expired jobs when they expire (also checked on every use of the store)."""
         while True:
             self.purge()
-            while self._doomed:
-                await self._stored(self._store().delete, self._doomed.pop())
+            failed = await self._delete_doomed()
             wake = self._wake = anyio.Event()
-            if self._expiries:
-                delay = min(self._expiries.values()) - self.config.clock()
+            if self._expiries or failed:
+                delay = min(self._expiries.values(), default=math.inf) - self.config.clock()
+                if failed:
+                    delay = min(delay, SWEEP_RETRY_S)  # the store's deletes again then
                 with anyio.move_on_after(max(delay, 0.0)):
                     await wake.wait()
             else:
                 await wake.wait()
+
+    async def _delete_doomed(self) -> bool:
+        """Delete the expired jobs from the store; whether a delete failed (its job is kept
+        to delete on the next pass, one warning each: a store down a while costs no
+        server, L77, and the row, expired, is dropped again if a restart reads it)."""
+        store = self._store()
+        kept: list[str] = []
+        while self._doomed:
+            job_id = self._doomed.pop()
+            try:
+                await self._stored(store.delete, job_id)
+            except store.failures as exc:
+                _log.warning(
+                    "video job %s: expired, but not deleted from the store (%s); tried again"
+                    " in %.0f s",
+                    job_id,
+                    exc,
+                    SWEEP_RETRY_S,
+                    extra={"request_id": job_id},
+                )
+                kept.append(job_id)
+        self._doomed.extend(kept)
+        return bool(kept)
 
     def close(self) -> None:
         """Admit no more jobs and stop the sweeper; ``serve`` returns once the jobs ended."""
