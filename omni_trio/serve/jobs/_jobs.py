@@ -236,6 +236,8 @@ class VideoJobs(JobRuns):
         """Delete the expired jobs from the store; whether a delete failed (its job is kept
         to delete on the next pass, one warning each: a store down a while costs no
         server, L77, and the row, expired, is dropped again if a restart reads it)."""
+        if not self._doomed:
+            return False
         store = self._store()
         kept: list[str] = []
         while self._doomed:
