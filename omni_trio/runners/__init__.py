@@ -60,6 +60,9 @@ Layout: the private modules, each importing only those below it:
   ``_landing``, below it: where each tensor of an adapter lands (the census a load is
   checked against);
 - ``_chunks``: decodes in chunks (L72);
+- ``_prompts``: a runner's prompt-embedding cache (L94): each text's encoding, keyed by
+  all that changes it, bounded in bytes; the families encode through it, the runner
+  holds it and the adapters tell it what left the model;
 - ``_compile``: the denoiser's blocks compiled, the innermost link of their hook
   chains, and sealed once the declared shapes ran (L90);
 - ``_spec``: ``ModelSpec``, a model as one value, and its loading (a folder or a hub id

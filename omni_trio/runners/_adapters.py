@@ -49,6 +49,11 @@ cannot be done (its file is gone, no room) ``prepare`` fails it with an
 ``AdapterError``: it never runs without it. An unload of an adapter that a request
 holds is refused (``in-use``).
 
+Text encoders (L94): a load records whether the adapter has a layer outside the
+family's denoisers (``text_adapters`` picks those of a request's adapters: the prompt
+cache's key), and every adapter whose weights leave the model is told to
+``on_removed`` (the prompt cache drops what was encoded with it).
+
 Threads: loads, unloads and evictions change the model's modules, so they take the
 runner's model lock, which ``step`` and ``prepare`` hold around their model calls:
 a load waits for the step under way and the next step waits for the load (decodes
@@ -63,7 +68,7 @@ import itertools
 import os
 import threading
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -299,7 +304,15 @@ class AdapterSet:
     #: Why a runner that could take adapters takes none (its compiled blocks, L93), or
     #: ``None``.
     refusal: str | None = None
+    #: Called with an adapter's PEFT name once its weights left the model (an unload,
+    #: an eviction, a load refused for room, the close), the model lock held: the
+    #: prompt cache drops what it encoded with them (L94).
+    on_removed: Callable[[str], None] | None = None
     _components: list[str] = field(init=False)
+    #: The components that are not the family's denoisers: its text encoders.
+    _text_components: frozenset[str] = field(init=False)
+    #: The PEFT names of the loaded adapters with a layer in a text encoder.
+    _text: set[str] = field(init=False, default_factory=set)
     _entries: dict[str, _Entry] = field(init=False, default_factory=dict)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
     _layers: list[torch.nn.Module] = field(init=False, default_factory=list)
@@ -314,6 +327,9 @@ class AdapterSet:
         if self.max_bytes is not None and self.max_bytes < 1:
             raise ValueError(f"max_adapter_bytes: must be >= 1 or None, got {self.max_bytes}")
         self._components = _components(self.pipe)
+        family = family_class(self.pipe)
+        denoisers = () if family is None else family.denoisers
+        self._text_components = frozenset(c for c in self._components if c not in denoisers)
         self.supported = (
             bool(self._components) and _takes_adapters(self.pipe) and self.refusal is None
         )
@@ -328,6 +344,12 @@ class AdapterSet:
     def infos(self) -> tuple[AdapterInfo, ...]:
         with self._lock:
             return tuple(self._entries[name].info() for name in sorted(self._entries))
+
+    def text_adapters(self, held: HeldAdapters) -> HeldAdapters:
+        """Those of ``held`` that touch a text encoder, in their order: what changes a
+        request's text encoding (the prompt cache's key, L94)."""
+        with self._lock:
+            return tuple(pair for pair in held if pair[0] in self._text)
 
     # -- load, unload --------------------------------------------------------------
 
@@ -483,7 +505,7 @@ class AdapterSet:
                 else:
                     assert entry.state_dict is not None
                     self.pipe.load_lora_weights(dict(entry.state_dict), adapter_name=peft)
-            layers, size = self._check_loaded(entry.name, peft, landing)
+            layers, size, components = self._check_loaded(entry.name, peft, landing)
         except Exception as exc:
             with suppress(Exception):
                 self._delete(peft)
@@ -505,22 +527,28 @@ class AdapterSet:
                 self.hooks.wrap(layer, NAME, _lora_forward)
                 self._layers.append(layer)
         entry.peft, entry.bytes = peft, size
+        if components & self._text_components:
+            with self._lock:
+                self._text.add(peft)
 
     def _check_loaded(
         self, name: str, peft: str, landing: Mapping[str, Target]
-    ) -> tuple[list[torch.nn.Module], int]:
-        """The layers the load reached and its bytes; ``AdapterError`` if it is not plain
-        LoRA, ``Unlanded`` if a tensor of it did not land (``check_landed``)."""
+    ) -> tuple[list[torch.nn.Module], int, frozenset[str]]:
+        """The layers the load reached, its bytes and the components they are in;
+        ``AdapterError`` if it is not plain LoRA, ``Unlanded`` if a tensor of it did not
+        land (``check_landed``)."""
         from peft.tuners.lora import Conv2d, Conv3d, Linear
 
         def invalid(message: str) -> AdapterError:
             return AdapterError(f"adapter {name!r}: {message}", reason="invalid", name=name)
 
         layers: list[torch.nn.Module] = []
+        components: set[str] = set()
         size = 0
-        for _, layer in _lora_modules(self.pipe, self._components):
+        for component, layer in _lora_modules(self.pipe, self._components):
             if peft not in layer.lora_A:
                 continue
+            components.add(component)
             if type(layer) not in (Linear, Conv2d, Conv3d):  # not a quantized or other kind
                 raise invalid(f"a LoRA of a {type(layer).__name__} layer is not applied per row")
             if peft in layer.lora_variant or layer.use_dora.get(peft, False):
@@ -533,7 +561,7 @@ class AdapterSet:
         if not layers:
             raise invalid("it changes no layer of this model")
         check_landed(self.pipe, self._components, landing, peft)
-        return layers, size
+        return layers, size, frozenset(components)
 
     def _make_room(self, *, keep: _Entry, drop_on_failure: bool) -> None:
         """Evict the least recently used unheld adapters until the bounds hold (L87).
@@ -581,7 +609,13 @@ class AdapterSet:
         """Take ``entry``'s weights out of the model; its record stays (an eviction)."""
         peft, entry.peft, entry.bytes = entry.peft, None, 0
         if peft is not None:
-            self._delete(peft)
+            with self._lock:
+                self._text.discard(peft)
+            try:
+                self._delete(peft)
+            finally:
+                if self.on_removed is not None:
+                    self.on_removed(peft)
 
     def _delete(self, peft: str) -> None:
         with _peft_notes():

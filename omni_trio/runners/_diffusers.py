@@ -19,6 +19,9 @@ Step caching (L80-L84; see ``_stepcache``): for the DiT families the runner decl
 
 Adapters (L85-L87; see ``_adapters``): LoRA files loaded by name while serving; each
 row of a model call runs its own request's adapters and scales.
+
+Prompt cache (L94; see ``_prompts``): each text's encoding, kept for the next request
+that has it, keyed by all that changes it.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from ._family import RequestState, joined
 from ._forward import CallPart, ModelCall, calling
 from ._hooks import ModuleHooks
 from ._park import park_on_host, state_tensors, unpark
+from ._prompts import PROMPT_CACHE_BYTES, PromptCache, PromptCacheStatistics
 from ._registry import family_blocks, family_for
 from ._stepcache import NAME as STEP_CACHE
 from ._stepcache import BlockCache, RequestCache
@@ -146,10 +150,13 @@ class DiffusersRunner:
         compile: ``"blocks"``: compile each block of the denoiser (L90, ``_compile``):
             cancel points and the step cache stay outside the graphs; adapters are
             refused (L93). ``None``: eager.
+        prompt_cache_bytes: the most bytes of text encodings kept for the requests
+            that repeat a text (L94, ``_prompts``); 0 keeps none.
 
     Raises:
         TypeError: the pipeline's family is not supported.
-        ValueError: a threshold below 1, a ``compile`` that is not a mode.
+        ValueError: a threshold below 1, a ``compile`` that is not a mode, a negative
+            ``prompt_cache_bytes``.
 
     Counters (any thread): ``live_states``, ``decodes``.
     """
@@ -166,6 +173,7 @@ class DiffusersRunner:
         max_loaded_adapters: int = 16,
         max_adapter_bytes: int | None = None,
         compile: str | None = None,
+        prompt_cache_bytes: int = PROMPT_CACHE_BYTES,
     ) -> None:
         if compile is not None and compile not in COMPILE_MODES:
             raise ValueError(f"compile: one of {', '.join(COMPILE_MODES)}, got {compile!r}")
@@ -180,6 +188,7 @@ class DiffusersRunner:
         self._step_cache = BlockCache(pipeline, self._hooks, self._family)
         # Held around every model call; loads and unloads take it too (see ``_adapters``).
         self._model_lock = threading.RLock()
+        self._prompts = PromptCache(pipeline, prompt_cache_bytes)
         self._adapters = AdapterSet(
             pipeline,
             self._model_lock,
@@ -190,6 +199,7 @@ class DiffusersRunner:
             if compile is None
             else "a compiled runner takes no adapters: their rows run inside its blocks"
             " (L93); run it without compile to load adapters",
+            on_removed=self._prompts.drop_adapter,
         )
         min_steps, max_steps = step_bounds(pipeline.scheduler)
         self._capabilities = RunnerCapabilities(
@@ -261,13 +271,19 @@ class DiffusersRunner:
         """
         with self._model_lock:
             held = self._adapters.acquire(request.adapter_pairs)
+            text = self._adapters.text_adapters(held)
             try:
-                with torch.no_grad(), self._adapters.every_row(held):
+                with (
+                    torch.no_grad(),
+                    self._adapters.every_row(held),
+                    self._prompts.scope(text, self._family.device) as prompts,
+                ):
                     state = self._family.prepare(request, request_id)
             except BaseException:
                 self._adapters.release(request.adapter_pairs)
                 raise
         state.adapters = held
+        state.prompts = prompts.metrics()
         assert state.latents is not None
         rows = state.latents.shape[0] * (2 if state.cfg else 1)
         state.cache = RequestCache.create(request, rows)
@@ -503,14 +519,25 @@ class DiffusersRunner:
         """The names requests may use now (admission reads them, L85)."""
         return self._adapters.names()
 
+    def prompt_cache_statistics(self) -> PromptCacheStatistics:
+        """What the prompt cache did and holds now (L94); any thread."""
+        return self._prompts.statistics()
+
+    def clear_prompt_cache(self) -> None:
+        """Drop every kept text encoding (L94): call it after changing the text encoders'
+        weights other than through ``load_adapter`` and ``unload_adapter``."""
+        self._prompts.clear()
+
     def close(self) -> None:
-        """Remove the cancel points' hooks, the step cache's wrappers and the adapters.
+        """Remove the cancel points' hooks, the step cache's wrappers and the adapters,
+        and free the prompt cache.
 
         The pipeline belongs to the caller and stays usable; the adapters this runner
         loaded leave it (PEFT's LoRA layers, with no adapter in them, stay).
         """
         self._adapters.close()
         self._hooks.close()
+        self._prompts.close()
 
     @property
     def compiled_blocks(self) -> int:

@@ -28,6 +28,7 @@ import torch
 
 from .._request import GenerationRequest
 from ._chunks import DecodeChunks
+from ._prompts import Encoded, PromptCacheMetrics, encoded
 from ._stepcache import BlockSpec, RequestCache
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "calculate_shift",
     "guidance_rows",
     "joined",
+    "per_image",
     "randn",
     "retrieve_timesteps",
     "step_groups",
@@ -59,6 +61,7 @@ class RequestState:
     ``cache`` is the request's step cache (``_stepcache.RequestCache``, L80-L82), or
     ``None`` without a policy. ``adapters`` are the adapters its rows run with, as the
     runner's ``AdapterSet`` resolved and holds them: ``(PEFT name, scale)`` pairs (L85).
+    ``prompts`` is what the runner's prompt cache did for its texts (L94), or ``None``.
     """
 
     request_id: str
@@ -81,6 +84,7 @@ class RequestState:
     parked_from: dict[int, torch.device] | None = None
     cache: RequestCache | None = None
     adapters: tuple[tuple[str, float], ...] = ()
+    prompts: PromptCacheMetrics | None = None
 
 
 def step_groups(calls: int, steps: int, order: int) -> list[int]:
@@ -133,6 +137,14 @@ def retrieve_timesteps(scheduler: Any, steps: int, device: Any, **kwargs: Any) -
     timesteps, _ = retrieve(scheduler, steps, device, **kwargs)
     result: torch.Tensor = timesteps
     return result
+
+
+def per_image(tensor: torch.Tensor, count: int) -> torch.Tensor:
+    """One image's text rows for ``count`` images: repeated, as ``num_images_per_prompt``
+    repeats a prompt's one encoding (a copy); one image: ``tensor`` itself."""
+    if count == 1:
+        return tensor
+    return tensor.repeat(count, *(1,) * (tensor.dim() - 1))
 
 
 def joined(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -192,6 +204,42 @@ class Family(ABC):
     def __init__(self, pipe: Any) -> None:
         self.pipe = pipe
         self.device = pipe.device
+
+    def _encoded(self, text: str, encode: Callable[[str], Encoded]) -> dict[str, torch.Tensor]:
+        """``encode(text)``: one text's encoding for one image, through the runner's prompt
+        cache (L94, ``_prompts``), keyed with this family's encoding too. The tensors are
+        the caller's own (computed, or copies of the cache's)."""
+        parameters = (
+            type(self).__name__,
+            getattr(encode, "__qualname__", None),
+            getattr(self, "max_sequence_length", None),
+        )
+        return encoded(parameters, text, encode)
+
+    def _text_cond(
+        self,
+        request: GenerationRequest,
+        cfg: bool,
+        encode: Callable[[str], Encoded],
+        names: Mapping[str, str],
+    ) -> dict[str, torch.Tensor]:
+        """The request's text conditioning: each tensor of ``encode``'s (``names``' keys)
+        as the ``cond`` entry its value names, one row per image, and with guidance the
+        negative prompt's rows first.
+
+        The pipelines encode a negative prompt (``""`` for none) with the computation
+        of a prompt, so each text goes through the prompt cache on its own (L94).
+        """
+        count = request.num_images
+        text = self._encoded(request.prompt, encode)
+        rows = {key: per_image(text[name], count) for name, key in names.items()}
+        if cfg:
+            negative = self._encoded(request.negative_prompt or "", encode)
+            rows = {
+                key: guidance_rows(cfg, per_image(negative[name], count), rows[key])
+                for name, key in names.items()
+            }
+        return rows
 
     def _vae_decode(
         self, state: RequestState, rows: int, decode: Callable[[slice], torch.Tensor]

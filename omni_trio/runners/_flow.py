@@ -19,12 +19,13 @@ from ._family import (
     Family,
     RequestState,
     calculate_shift,
-    guidance_rows,
     joined,
+    per_image,
     randn,
     retrieve_timesteps,
     wan_denormalized,
 )
+from ._prompts import Encoded
 from ._stepcache import BlockSpec
 
 __all__ = ["Flux", "QwenImage", "StableDiffusion3"]
@@ -95,6 +96,19 @@ class StableDiffusion3(Family):
     def size_multiple(self) -> int:
         return int(self.pipe.vae_scale_factor * self.pipe.transformer.config.patch_size)
 
+    def _text(self, text: str) -> Encoded:
+        """One text's embeddings (CLIP and T5) and pooled embeddings for one image, as
+        ``encode_prompt`` makes a prompt's and a negative prompt's (``""`` for none)."""
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=text,
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=False,
+        )
+        return {"embeds": embeds, "pooled": pooled}
+
     def _prepare(
         self,
         request: GenerationRequest,
@@ -104,19 +118,8 @@ class StableDiffusion3(Family):
     ) -> RequestState:
         pipe = self.pipe
         cfg = request.guidance_scale > 1
-        positive, negative, pooled, negative_pooled = pipe.encode_prompt(
-            prompt=request.prompt,
-            prompt_2=None,
-            prompt_3=None,
-            device=self.device,
-            num_images_per_prompt=request.num_images,
-            do_classifier_free_guidance=cfg,
-            negative_prompt=request.negative_prompt,
-        )
-        cond = {
-            "encoder_hidden_states": guidance_rows(cfg, negative, positive),
-            "pooled_projections": guidance_rows(cfg, negative_pooled, pooled),
-        }
+        names = {"embeds": "encoder_hidden_states", "pooled": "pooled_projections"}
+        cond = self._text_cond(request, cfg, self._text, names)
         vae_factor = pipe.vae_scale_factor
         shape = (
             request.num_images,
@@ -124,7 +127,7 @@ class StableDiffusion3(Family):
             request.height // vae_factor,
             request.width // vae_factor,
         )
-        latents = randn(shape, generator, self.device, positive.dtype)
+        latents = randn(shape, generator, self.device, cond["encoder_hidden_states"].dtype)
         kwargs: dict[str, Any] = {}
         if scheduler.config.get("use_dynamic_shifting", None):
             patch = pipe.transformer.config.patch_size
@@ -191,6 +194,14 @@ class Flux(Family):
     def size_multiple(self) -> int:
         return int(self.pipe.vae_scale_factor * 2)
 
+    def _text(self, text: str) -> Encoded:
+        """One text's T5 embeddings, CLIP pooled embeddings and text ids for one image,
+        as ``encode_prompt`` makes them."""
+        embeds, pooled, text_ids = self.pipe.encode_prompt(
+            prompt=text, prompt_2=None, device=self.device, num_images_per_prompt=1
+        )
+        return {"embeds": embeds, "pooled": pooled, "text_ids": text_ids}
+
     def _prepare(
         self,
         request: GenerationRequest,
@@ -199,12 +210,10 @@ class Flux(Family):
         scheduler: Any,
     ) -> RequestState:
         pipe = self.pipe
-        positive, pooled, text_ids = pipe.encode_prompt(
-            prompt=request.prompt,
-            prompt_2=None,
-            device=self.device,
-            num_images_per_prompt=request.num_images,
-        )
+        text = self._encoded(request.prompt, self._text)
+        positive = per_image(text["embeds"], request.num_images)
+        pooled = per_image(text["pooled"], request.num_images)
+        text_ids = text["text_ids"]
         latents, image_ids = pipe.prepare_latents(
             request.num_images,
             pipe.transformer.config.in_channels // 4,
@@ -316,16 +325,24 @@ class QwenImage(Family):
     def size_multiple(self) -> int:
         return int(self.pipe.vae_scale_factor * 2)
 
-    def _encode(self, prompt: str, num_images: int) -> tuple[torch.Tensor, list[int]]:
+    def _text(self, text: str) -> Encoded:
+        """One text's embeddings for one image (and its mask, where it has padding), as
+        ``encode_prompt`` makes them."""
         embeds, mask = self.pipe.encode_prompt(
-            prompt=prompt,
+            prompt=text,
             device=self.device,
-            num_images_per_prompt=num_images,
+            num_images_per_prompt=1,
             max_sequence_length=self.max_sequence_length,
         )
+        return {"embeds": embeds} if mask is None else {"embeds": embeds, "mask": mask}
+
+    def _encode(self, prompt: str, num_images: int) -> tuple[torch.Tensor, list[int]]:
+        text = self._encoded(prompt, self._text)
+        embeds = per_image(text["embeds"], num_images)
         # A single prompt is never padded (encode_prompt then returns no mask).
-        lengths = [embeds.shape[1]] * embeds.shape[0] if mask is None else mask.sum(1).tolist()
-        return embeds, lengths
+        mask = text.get("mask")
+        lengths = [embeds.shape[1]] if mask is None else mask.sum(1).tolist()
+        return embeds, lengths * num_images
 
     def _prepare(
         self,

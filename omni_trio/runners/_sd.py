@@ -23,6 +23,7 @@ from ._family import (
     retrieve_timesteps,
     unit_number,
 )
+from ._prompts import Encoded
 
 __all__ = ["StableDiffusion", "StableDiffusionXL", "Unconditional"]
 
@@ -93,18 +94,21 @@ class StableDiffusion(Family):
         # As the pipelines' do_classifier_free_guidance: never for a guidance-embedding UNet.
         return request.guidance_scale > 1 and self.pipe.unet.config.time_cond_proj_dim is None
 
+    def _text(self, text: str) -> Encoded:
+        """One text's embeddings for one image, as ``encode_prompt`` makes a prompt's.
+
+        Its negative prompt's are the same computation (``""`` for none): each is
+        encoded, and kept by the prompt cache (L94), on its own.
+        """
+        embeds, _ = self.pipe.encode_prompt(text, self.device, 1, False)
+        return {"embeds": embeds}
+
     def _encode(
         self, request: GenerationRequest, cfg: bool
     ) -> tuple[dict[str, torch.Tensor], torch.dtype]:
         """The prompt's per-row UNet conditioning, and its embeddings' dtype (the latents')."""
-        positive, negative = self.pipe.encode_prompt(
-            request.prompt,
-            self.device,
-            request.num_images,
-            cfg,
-            request.negative_prompt,
-        )
-        return {"encoder_hidden_states": guidance_rows(cfg, negative, positive)}, positive.dtype
+        cond = self._text_cond(request, cfg, self._text, {"embeds": "encoder_hidden_states"})
+        return cond, cond["encoder_hidden_states"].dtype
 
     def _latents(
         self,
@@ -213,21 +217,33 @@ class StableDiffusionXL(StableDiffusion):
     extra_keys = frozenset({"guidance_rescale"})
     _xl = True
 
+    def _text(self, text: str) -> Encoded:
+        """One text's embeddings and pooled embeddings for one image, as ``encode_prompt``
+        makes a prompt's (and a negative prompt's; none guides against zeros where
+        ``force_zeros_for_empty_prompt`` says, as there)."""
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=text,
+            device=self.device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=False,
+        )
+        return {"embeds": embeds, "pooled": pooled}
+
     def _encode(
         self, request: GenerationRequest, cfg: bool
     ) -> tuple[dict[str, torch.Tensor], torch.dtype]:
         """SD's conditioning, plus the pooled embeddings and the size conditioning."""
         pipe = self.pipe
         _guidance_rescale(request)  # refused before any model work
-        positive, negative, pooled, negative_pooled = pipe.encode_prompt(
-            prompt=request.prompt,
-            device=self.device,
-            num_images_per_prompt=request.num_images,
-            do_classifier_free_guidance=cfg,
-            negative_prompt=request.negative_prompt,
-        )
+        # Without a negative prompt, guidance against zeros where the pipeline says so.
+        zeros = request.negative_prompt is None and pipe.config.force_zeros_for_empty_prompt
+        names = {"embeds": "encoder_hidden_states", "pooled": "text_embeds"}
+        cond = self._text_cond(request, cfg and not zeros, self._text, names)
+        positive = cond["encoder_hidden_states"]
+        if cfg and zeros:
+            cond = {key: guidance_rows(cfg, torch.zeros_like(t), t) for key, t in cond.items()}
         if pipe.text_encoder_2 is None:
-            projection_dim = int(pooled.shape[-1])
+            projection_dim = int(cond["text_embeds"].shape[-1])
         else:
             projection_dim = pipe.text_encoder_2.config.projection_dim
         size = (request.height, request.width)
@@ -238,12 +254,7 @@ class StableDiffusionXL(StableDiffusion):
         time_ids = pipe._get_add_time_ids(
             size, (0, 0), size, dtype=positive.dtype, text_encoder_projection_dim=projection_dim
         ).to(self.device)
-        time_ids = time_ids.repeat(request.num_images * (2 if cfg else 1), 1)
-        cond = {
-            "encoder_hidden_states": guidance_rows(cfg, negative, positive),
-            "text_embeds": guidance_rows(cfg, negative_pooled, pooled),
-            "time_ids": time_ids,
-        }
+        cond["time_ids"] = time_ids.repeat(request.num_images * (2 if cfg else 1), 1)
         return cond, positive.dtype
 
     def _latents(

@@ -30,6 +30,7 @@ from ._family import (
     unit_number,
     wan_denormalized,
 )
+from ._prompts import Encoded
 from ._stepcache import BlockSpec, expert_rows
 
 __all__ = ["LTXImageToVideo", "LTXVideo", "Wan", "WanImageToVideo"]
@@ -151,21 +152,24 @@ class Wan(_Video):
             {"encoder_hidden_states": rows},
         )
 
-    def _text_rows(self, request: GenerationRequest, cfg: bool) -> torch.Tensor:
-        """The prompt's rows (the negative prompt's first, with guidance), as ``__call__``
-        encodes them, in the transformer's dtype (read here: ``_dtype``)."""
-        positive, negative = self.pipe.encode_prompt(
-            prompt=request.prompt,
-            negative_prompt=request.negative_prompt,
-            do_classifier_free_guidance=cfg,
-            num_videos_per_prompt=request.num_images,
+    def _text(self, text: str) -> Encoded:
+        """One text's embeddings for one video, as ``encode_prompt`` makes a prompt's and
+        a negative prompt's (``""`` for none)."""
+        embeds, _ = self.pipe.encode_prompt(
+            prompt=text,
+            do_classifier_free_guidance=False,
+            num_videos_per_prompt=1,
             max_sequence_length=self.max_sequence_length,
             device=self.device,
         )
+        return {"embeds": embeds}
+
+    def _text_rows(self, request: GenerationRequest, cfg: bool) -> torch.Tensor:
+        """The prompt's rows (the negative prompt's first, with guidance), as ``__call__``
+        encodes them, in the transformer's dtype (read here: ``_dtype``)."""
+        rows = self._text_cond(request, cfg, self._text, {"embeds": "rows"})["rows"]
         self._dtype = self.pipe.transformer.dtype
-        # Without guidance, ``negative`` is ``None``: the rows are the prompt's only.
-        rows: torch.Tensor = guidance_rows(cfg, negative, positive).to(self._dtype)
-        return rows
+        return rows.to(self._dtype)
 
     def _call(
         self,
@@ -404,6 +408,18 @@ class LTXVideo(_Video):
     def _temporal(self) -> int:
         return int(self.pipe.vae_temporal_compression_ratio)
 
+    def _text(self, text: str) -> Encoded:
+        """One text's embeddings and attention mask for one video, as ``encode_prompt``
+        makes a prompt's and a negative prompt's (``""`` for none)."""
+        embeds, mask, _, _ = self.pipe.encode_prompt(
+            prompt=text,
+            do_classifier_free_guidance=False,
+            num_videos_per_prompt=1,
+            max_sequence_length=self.max_sequence_length,
+            device=self.device,
+        )
+        return {"embeds": embeds, "mask": mask}
+
     def _grid(self, request: GenerationRequest) -> tuple[int, int, int]:
         """Latent frames, height and width."""
         assert request.num_frames is not None  # a video runner's rule (L70)
@@ -424,18 +440,8 @@ class LTXVideo(_Video):
         for key, default in (("decode_timestep", 0.0), ("decode_noise_scale", 0.0)):
             unit_number(request, key, default)  # refused before any model work
         cfg = request.guidance_scale > 1
-        positive, positive_mask, negative, negative_mask = pipe.encode_prompt(
-            prompt=request.prompt,
-            negative_prompt=request.negative_prompt,
-            do_classifier_free_guidance=cfg,
-            num_videos_per_prompt=request.num_images,
-            max_sequence_length=self.max_sequence_length,
-            device=self.device,
-        )
-        cond = {
-            "encoder_hidden_states": guidance_rows(cfg, negative, positive),
-            "encoder_attention_mask": guidance_rows(cfg, negative_mask, positive_mask),
-        }
+        names = {"embeds": "encoder_hidden_states", "mask": "encoder_attention_mask"}
+        cond = self._text_cond(request, cfg, self._text, names)
         latents = self._initial_latents(request, generator, cond)
         frames, height, width = self._grid(request)
         steps = request.num_steps

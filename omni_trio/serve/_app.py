@@ -167,6 +167,7 @@ class Service:
         groups = _groups(runner)
         if groups:
             self.metrics.add_groups(groups)
+        self.metrics.add_prompt_caches(runner_sequence(runner))
         videos = VideosApi(
             config=self.config,
             metrics=self.metrics,
