@@ -24,6 +24,9 @@ The data (no threads, no event loop):
   what it did (L80-L84).
 - ``_adapters``: the adapters a request names (checked), ``AdapterInfo``, what a
   runner reports of one, and ``AdapterError`` (L85-L88).
+- ``_results``: ``ResultCache``, the result cache's configuration, its key (a
+  request's output fields, its adapters' weights, the model), an output as it keeps
+  it, its files, and ``ResultCacheStatistics`` (L95, L96).
 - ``_outputs``: what the engine hands out: ``RequestStatus``, ``StepEvent``,
   ``GenerationOutput``, ``RequestMetrics``, ``EngineStatistics``, ``WorkerStatistics``.
 - ``_mp4``: the MP4 encoder behind ``GenerationOutput.save_video`` (PyAV, imported
@@ -44,6 +47,9 @@ The loop side (runs in the event loop's thread only):
   ``_dispatch``, where every state change happens.
 - ``_runner_adapters``: ``RunnerAdapters``, the engine's adapters across its runners:
   admission's check of the names, all-or-nothing loads, unloads, the listing (L85, L87).
+- ``_resultstore``: ``ResultStore``, the engine's result cache: admission's lookup,
+  its entries in LRU order within their bound, their files written by its own task
+  (L95, L96).
 - ``_record``: ``Record``, one admission as the loop sees it, and its state machine.
 - ``_handle``: ``RequestHandle``, the consumer's side of one record.
 - ``_owner``: ``RequestOwner``, the three calls a handle may make on its engine.
@@ -143,6 +149,8 @@ from ._outputs import StepEvent as StepEvent
 from ._outputs import WorkerStatistics as WorkerStatistics
 from ._reasons import AbortReason as AbortReason
 from ._request import GenerationRequest as GenerationRequest
+from ._results import ResultCache as ResultCache
+from ._results import ResultCacheStatistics as ResultCacheStatistics
 from ._stepcache import CacheMetrics as CacheMetrics
 from ._stepcache import StepCache as StepCache
 from ._version import __version__ as __version__
@@ -175,6 +183,8 @@ __all__ = [
     "RequestMetrics",
     "RequestStatus",
     "RequestTimeline",
+    "ResultCache",
+    "ResultCacheStatistics",
     "StepCache",
     "StepEvent",
     "WorkerStatistics",

@@ -8,7 +8,8 @@ same record:
 - a parallel group's plan carries a joining request to every rank (pickled);
 - a checkpoint's envelope names the request it belongs to by a digest of the
   fields that decide its output (``request_fingerprint``, L78), so a checkpoint
-  is restored only into the request that made it.
+  is restored only into the request that made it; a result cache's key (L95) is
+  made of the same fields (``output_record``).
 
 ``request_record`` walks ``dataclasses.fields(GenerationRequest)``: a field added
 to the request is carried by all three at once (a plain value as it is; a field
@@ -37,6 +38,7 @@ from ._stepcache import StepCache, parse_step_cache
 
 __all__ = [
     "ImageMode",
+    "output_record",
     "request_fingerprint",
     "request_from_record",
     "request_record",
@@ -90,12 +92,20 @@ def request_from_record(record: Mapping[str, Any]) -> GenerationRequest:
     return GenerationRequest(**fields)
 
 
-def request_fingerprint(request: GenerationRequest) -> str:
-    """A digest of the fields that decide ``request``'s output (L78): not its priority,
-    deadline, previews or tenant."""
+def output_record(request: GenerationRequest) -> dict[str, Any]:
+    """The fields that decide ``request``'s output as plain data, its images as digests:
+    every field but its priority, deadline, previews and tenant (``NOT_OUTPUT``). A
+    checkpoint's fingerprint (L78) and a result cache's key (L95) are made of it."""
     record = request_record(request, images="digest")
     for name in NOT_OUTPUT:
         del record[name]
+    return record
+
+
+def request_fingerprint(request: GenerationRequest) -> str:
+    """A digest of the fields that decide ``request``'s output (L78): not its priority,
+    deadline, previews or tenant."""
+    record = output_record(request)
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from ._errors import InvalidRequestError
+from ._results import ResultCache
 from ._stepcache import StepCache
 from ._validate import (
     check_float,
@@ -115,6 +116,11 @@ class EngineConfig:
             tenant that ran little lately may hold more than its share for a
             while. Requests of one tenant (and of the default tenant alone) never
             preempt each other.
+        result_cache: keep the outputs of seeded requests and answer exact repeats
+            from them at ``submit``, without a worker (``ResultCache``: its bound, its
+            folder, its scope; L95, L96); ``None`` (the default): off. The runners must
+            name their model (``result_fingerprint()``): ``open_engine`` refuses them
+            otherwise.
     """
 
     max_batch_size: int = 4
@@ -138,6 +144,7 @@ class EngineConfig:
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     tenant_max_waiting: Mapping[str, int] = field(default_factory=dict)
     tenant_preemption: bool = True
+    result_cache: ResultCache | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -179,6 +186,9 @@ class EngineConfig:
             object.__setattr__(self, "torch_threads", threads)
         grace = check_float(fail_config, "shutdown_grace", self.shutdown_grace, minimum=0.0)
         object.__setattr__(self, "shutdown_grace", grace)
+        if self.result_cache is not None and not isinstance(self.result_cache, ResultCache):
+            kind = type(self.result_cache).__name__
+            fail_config("result_cache", f"must be a ResultCache or None, got {kind}")
         if self.default_cache is not None and not isinstance(self.default_cache, StepCache):
             kind = type(self.default_cache).__name__
             fail_config("default_cache", f"must be a StepCache or None, got {kind}")

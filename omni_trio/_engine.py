@@ -50,6 +50,7 @@ from ._pool import Pool, Withdrawal
 from ._reasons import AbortReason
 from ._record import Record, wait_shielded
 from ._request import GenerationRequest
+from ._resultstore import ResultStore
 from ._runner import (
     Runner,
     shared_capabilities,
@@ -81,6 +82,8 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         )
         self._config = config
         config.check_default_cache(self._capabilities)
+        cache = config.result_cache
+        self._results = None if cache is None else ResultStore(cache, runners, self.adapters)
         self._inbox: LoopInbox[Message[WorkItem]] = LoopInbox(self._dispatch)
         self._pool = Pool(weights=self._config.tenant_weights)
         number = next(_engine_numbers)
@@ -143,7 +146,8 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
     ) -> RequestHandle:
         """Admit ``request`` now and return its handle.
 
-        When this returns, the request waits in the queue (L1).
+        When this returns, the request waits in the queue (L1), or is complete: an exact
+        repeat answered from the result cache (L95), admitted as a miss would be (L96).
 
         Args:
             request: what to generate.
@@ -224,6 +228,8 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         )
         record.checkpoint = checkpoint
         record.resume_from = resume_from
+        # L95: an exact repeat is answered now; L96: where a miss would be admitted.
+        kept = None if self._results is None else self._results.lookup(record)
         full = self._pool.enqueue(
             record,
             limit=None if accepted else self._config.max_waiting,
@@ -233,14 +239,20 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
                 else self._config.tenant_max_waiting.get(request.tenant)
             ),
             deadline=math.inf if deadline is None else deadline,
+            queue=kept is None,
         )
         if full is not None:
             raise QueueFullError(full, request_id=request_id)
-        if deadline is not None:
+        if deadline is not None and kept is None:
             self._deadlines.add(record, deadline)
         self._live[request_id] = record
         self._admitted += 1
-        return RequestHandle._create(self._owner, record)
+        handle = RequestHandle._create(self._owner, record)
+        if self._results is not None:
+            self._results.admitted(record, kept)
+        if kept is not None:
+            self._terminate(record, RequestStatus.COMPLETED, Completed(record, *kept.tensors()))
+        return handle
 
     def check_step_time(self, request: GenerationRequest) -> None:
         """Refuse ``request`` as ``submit`` does if one step of it alone would outlast
@@ -308,11 +320,14 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             cancellation propagates.
         """
         self._check_admitting()
+        digest = None if self._results is None else await self._results.digest(source)
         try:
             await self._adapters.load(name, source)
         except AdapterError:
             self._check_admitting()  # shutdown began meanwhile and closed a runner: say so
             raise
+        if self._results is not None:
+            self._results.loaded(name, digest)  # L95: part of its requests' keys
 
     async def unload_adapter(self, name: str) -> None:
         """Unload ``name`` from every runner (L85); refused while a live request holds it.
@@ -332,6 +347,8 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         """
         self._check_admitting()
         await self._adapters.unload(name)
+        if self._results is not None:
+            self._results.unloaded(name)
 
     def _runner_broke(self, index: int, exc: BaseException) -> Exception | None:
         """Runner ``index`` raised ``exc`` (not an ``Exception``) outside its worker's
@@ -442,6 +459,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             workers=workers,
             is_closing=self._closing,
             is_dead=self._dead is not None,
+            result_cache=None if self._results is None else self._results.statistics(),
         )
 
     # -- shutdown ------------------------------------------------------------
@@ -573,6 +591,8 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         if metrics.steps_after_abort is not None:
             self._steps_after_abort += metrics.steps_after_abort
         if status is RequestStatus.COMPLETED:
+            if self._results is not None:
+                self._results.completed(record, outcome.kept)
             # ``outcome`` is the Completed message: the images, and a video's frames.
             outcome = GenerationOutput(
                 request_id=record.request_id,

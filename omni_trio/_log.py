@@ -103,6 +103,8 @@ def log_finished(record: Record, status: RequestStatus, outcome: object) -> None
     ]
     if reason is not None:
         parts.append(f", reason {reason}")
+    if metrics.result_cache_hit:
+        parts.append(", from the result cache")
     if status is RequestStatus.FAILED:
         parts.append(f", error {_summary(outcome)}")
     if dropped:

@@ -36,6 +36,7 @@ from ._imagecheck import checked_images, checked_video
 from ._log import WORKER
 from ._messages import Completed, Post, discard_quietly, discard_state, ended, release
 from ._reasons import AbortReason
+from ._results import keep_output
 from ._runner import CheckpointRunner, Runner, StopRun
 from ._workitem import WorkItem
 
@@ -230,9 +231,14 @@ class Materializer:
             del images, video
             self._post(ended(item, error, "discard"))
             return
+        # L95: the result cache's own copy, made here, off the loop; never the consumer's.
+        tensor = images if video is None else video
+        keep = 0 < tensor.numel() * tensor.element_size() <= item.keep_result
+        kept = keep_output(images, video) if keep else None
+        del tensor
         # Hand the images over without keeping a reference in this frame: the
         # consumer may drop them the moment the loop delivers them (L12).
-        completed = [Completed(item, images, video)]
+        completed = [Completed(item, images, video, kept)]
         del images, video
         self._post(completed.pop())
 

@@ -21,6 +21,7 @@ from ._workitem import WorkItem
 if TYPE_CHECKING:
     import torch
 
+    from ._results import KeptOutput
     from ._runner import Runner
 
 __all__ = [
@@ -56,12 +57,14 @@ class Stepped(Generic[W]):
 class Completed(Generic[W]):
     """The request's images are decoded and on the host; its state is released.
 
-    ``video`` is a video request's ``[N, F, C, H, W]`` (``images`` its first frames).
+    ``video`` is a video request's ``[N, F, C, H, W]`` (``images`` its first frames);
+    ``kept`` the copy of them its result cache keeps (L95), made in this thread.
     """
 
     item: W
     images: torch.Tensor
     video: torch.Tensor | None = None
+    kept: KeptOutput | None = None
 
 
 @dataclass(frozen=True, slots=True)

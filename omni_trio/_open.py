@@ -1,8 +1,9 @@
 """``open_engine``: the engine's structured entry, started and shut down with a block.
 
-It creates the engine (``_engine``), starts each worker's threads and the deadline
-timer in its task group, and on leaving the block runs the shutdown sequence
-shielded (``Engine.aclose``), so no thread or task outlives it.
+It creates the engine (``_engine``), starts each worker's threads, the deadline
+timer and, with a result cache, its writer (``_resultstore``) in its task group, and
+on leaving the block runs the shutdown sequence shielded (``Engine.aclose``), so no
+thread or task outlives it.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ async def open_engine(
     async with anyio.create_task_group() as group:
         try:
             await group.start(engine._deadlines.run)
+            if engine._results is not None:
+                # L95: ready (its folder read) before the first request.
+                await group.start(engine._results.run)
             yield engine
         except BaseException as exc:
             raised = exc
@@ -69,6 +73,9 @@ async def open_engine(
                 await engine.aclose()
             # The timer holds nothing: told to stop, it returns at once.
             engine._deadlines.close()
+            if engine._results is not None:
+                # Its writer returns once the outputs kept so far are in their files.
+                engine._results.close()
     if raised is not None:
         try:
             raise raised

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO
 
 from ._mp4 import write_mp4
+from ._results import ResultCacheStatistics
 from ._stepcache import CacheMetrics
 
 if TYPE_CHECKING:
@@ -91,6 +92,9 @@ class RequestMetrics:
     and skipped, the threshold it ended with, whether it was loosened); ``None``
     for a request without a policy (or one whose runner did not say).
     ``timeline`` says when each part of its life happened (a trace's spans, L99).
+    ``result_cache_hit`` says that its output came from the engine's result cache
+    (L95, L96): it never reached a worker, so ``steps_done`` is 0 and its time is all
+    ``queue_wait_s`` (its admission).
     """
 
     queue_wait_s: float
@@ -105,6 +109,7 @@ class RequestMetrics:
     suspended_s: float = 0.0
     cache: CacheMetrics | None = None
     timeline: RequestTimeline | None = None
+    result_cache_hit: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, weakref_slot=True)
@@ -190,6 +195,7 @@ class EngineStatistics:
     the member-steps run for requests after their abort was asked, summed.
     ``workers_alive`` counts the workers whose threads have not died (L43), and
     ``workers`` holds each worker's own counts, in the order of the runners.
+    ``result_cache`` says what the result cache did (L95); ``None`` without one.
     """
 
     admitted: int
@@ -207,3 +213,4 @@ class EngineStatistics:
     steps_after_abort: int = 0
     workers_alive: int = 1
     workers: tuple[WorkerStatistics, ...] = ()
+    result_cache: ResultCacheStatistics | None = None

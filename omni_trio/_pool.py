@@ -69,14 +69,22 @@ class Pool:
         return WaitingQueue(self.share)
 
     def enqueue(
-        self, item: WorkItem, *, limit: int | None, tenant_limit: int | None, deadline: float
+        self,
+        item: WorkItem,
+        *,
+        limit: int | None,
+        tenant_limit: int | None,
+        deadline: float,
+        queue: bool = True,
     ) -> str | None:
         """Queue ``item`` unless a limit is reached; return ``None``, or why not.
 
         ``limit`` (``None``: none) bounds the items waiting, ``tenant_limit`` those
         of its tenant; ``deadline`` is its absolute deadline, for ranking
         (``math.inf``: none). Its cost for fair share is its steps times the
-        step's estimated seconds (``StepCosts``), fixed now.
+        step's estimated seconds (``StepCosts``), fixed now. With ``queue`` false,
+        only the limits are checked (a result-cache hit, L96: refused where a miss
+        would be, though it never waits).
         """
         tenant = item.request.tenant
         with self.cond:
@@ -84,6 +92,8 @@ class Pool:
                 return f"{limit} requests are waiting already"
             if tenant_limit is not None and self.share.waiting(tenant) >= tenant_limit:
                 return f"{tenant_limit} requests of tenant {tenant!r} are waiting already"
+            if not queue:
+                return None
             item.rank_deadline = deadline
             item.sequence = self.fresh.push(
                 item,

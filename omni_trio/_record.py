@@ -55,6 +55,8 @@ class Record(WorkItem):
         "handle_ref",
         "metrics",
         "outcome",
+        "result_hit",
+        "result_key",
         "steps_at_abort",
         "t_abort",
         "t_admitted",
@@ -86,6 +88,10 @@ class Record(WorkItem):
         self.t_abort: float | None = None
         self.steps_at_abort = 0
         self.t_terminal: float | None = None
+        # L95: its key in the engine's result cache (None: never cached), and whether
+        # it was answered from it at admission.
+        self.result_key: str | None = None
+        self.result_hit = False
 
     def mark_abort(self) -> None:
         """Note when, and at which step, the abort (or shutdown's cut) was asked."""
@@ -141,6 +147,7 @@ class Record(WorkItem):
             suspended_s=suspended_s,
             cache=self.cache_metrics,
             timeline=timeline,
+            result_cache_hit=self.result_hit,
         )
 
 

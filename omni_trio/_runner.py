@@ -29,6 +29,11 @@ threads only, never from the event loop. The engine owns the denoise loop:
   boundary when its deadline is at risk.
 - ``load_adapter``, ``unload_adapter``, ``adapters()``, ``adapter_names()``: only for
   runners that declare ``max_adapters`` (L85-L87), and callable from any thread.
+- ``result_fingerprint()``: optional, for an engine with a result cache (L95): a str
+  that names the model the runner's outputs come from, different whenever the same
+  request could make other pixels (other weights, dtype or kind of device), constant
+  while it serves; called once, when the engine opens. Without it, ``open_engine``
+  refuses a result cache.
 - ``cancel_point()`` (a function, not a method): a runner that declares
   ``cancel_points`` calls it at every point inside ``step`` (between transformer
   blocks) and ``decode`` (between chunks) where the call may be left (L71, L72).

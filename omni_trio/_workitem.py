@@ -60,6 +60,7 @@ class WorkItem:
         "checkpoint",
         "decode_s",
         "denoise_s",
+        "keep_result",
         "preemptions",
         "prepare_s",
         "rank_deadline",
@@ -142,6 +143,9 @@ class WorkItem:
         self.checkpoint: CheckpointPolicy | None = None
         self.resume_from: bytes | None = None
         self.t_checkpoint: float | None = None
+        # L95: the materializer keeps a copy of its output for the result cache when
+        # that output is at most this many bytes (0: none is kept).
+        self.keep_result = 0
 
     def end_run(self, at: float) -> None:
         """Its run segment on the worker ends at ``at`` (a suspension, its last step, its

@@ -31,6 +31,7 @@ LOOP_SIDE = (
     "_open",
     "_engine",
     "_runner_adapters",
+    "_resultstore",
     "_record",
     "_handle",
     "_owner",

@@ -147,6 +147,11 @@ class FakeRunner:
         """Batching with joins, previews, sizes in multiples of 8, suspension."""
         return self._capabilities
 
+    def result_fingerprint(self) -> str:
+        """Name the model its outputs come from, for a result cache's key (L95): the same
+        for every fake runner, whose images depend on the request alone."""
+        return f"omni_trio.testing.{_MODEL_KEY} 1"
+
     def _count(self, **increments: int) -> None:
         with self._changed:
             self.threads.add(threading.current_thread().name)
