@@ -157,6 +157,8 @@ class Service:
             checkpoints=bool(getattr(capabilities, "checkpoints", False)),
         )
         self.metrics.add_video_jobs(self.videos.counts, self.videos.held_bytes)
+        if engine_config.result_cache is not None:
+            self.metrics.add_result_cache()
         #: The server's tracer (L99): its routes' spans and its requests'; off unless given.
         self.tracing = tracing if tracing is not None else Tracing()
         self.videos.tracing = self.tracing

@@ -148,6 +148,11 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
             return b"".join(chunks)
 
 
+def _raw_headers(headers: Mapping[str, str] | None) -> list[tuple[bytes, bytes]]:
+    """``headers`` as ASGI takes them: lower-case latin-1 names and latin-1 values."""
+    return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
+
+
 async def send_json(
     send: Send, status: int, body: object, headers: Mapping[str, str] | None = None
 ) -> None:
@@ -161,7 +166,7 @@ async def send_json(
     raw = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(data)).encode()),
-        *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()),
+        *_raw_headers(headers),
     ]
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": data, "more_body": False})
@@ -238,8 +243,14 @@ class Client:
             self.gone()
             await anyio.lowlevel.checkpoint()  # delivers the cancellation
 
-    async def stream(self, request_id: str, events: Callable[[], Awaitable[None]]) -> None:
-        """Answer with server-sent events: the headers, then what ``events`` sends.
+    async def stream(
+        self,
+        request_id: str,
+        events: Callable[[], Awaitable[None]],
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        """Answer with server-sent events: the headers (``headers`` too), then what
+        ``events`` sends.
 
         The client is watched meanwhile: a disconnect cancels ``events`` (and, with
         a handle, aborts its request). ``events`` ends the body (``end()``).
@@ -247,9 +258,9 @@ class Client:
         Cancellation:
             Stops the stream; the cancellation propagates.
         """
-        headers = [*SSE_HEADERS, (b"x-request-id", request_id.encode())]
+        raw = [*SSE_HEADERS, (b"x-request-id", request_id.encode()), *_raw_headers(headers)]
         with self.scope:
-            await self.send({"type": "http.response.start", "status": 200, "headers": headers})
+            await self.send({"type": "http.response.start", "status": 200, "headers": raw})
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self.watch)
                 await events()

@@ -16,6 +16,11 @@ With ``response_format: "url"`` (L97) the encoded images are written to the outp
 store (``_output_urls``, in a worker thread) and the answer, or each stream's
 ``completed`` event, carries their signed URLs instead of their base64.
 
+A request the engine answered from its result cache (L95, L96) is complete when
+``submit`` returns: its answer says so in the header ``x-omni-trio-result-cache: hit``
+(``RESULT_CACHE_HEADER``) and in its ``omni_trio.result_cache_hit``; streamed, it sends
+no progress or partial image (no step ran), only its ``completed`` events.
+
 Why the receive channel and not ``Request.is_disconnected()``: the latter only
 polls, and only when called; a request waiting for its result never calls it.
 Why not rely on ``send`` failing: Uvicorn drops writes to a closed connection
@@ -61,7 +66,10 @@ if TYPE_CHECKING:
     from ._config import ServeConfig
     from ._metrics import ServeMetrics
 
-__all__ = ["ImagesEndpoint", "JobParser"]
+__all__ = ["RESULT_CACHE_HEADER", "ImagesEndpoint", "JobParser"]
+
+#: The header of an answer that came from the engine's result cache (L96): ``hit``.
+RESULT_CACHE_HEADER = "x-omni-trio-result-cache"
 
 #: OpenAI's completed-event ``usage``: tokens do not apply to a diffusion model.
 _NO_USAGE = {
@@ -163,7 +171,9 @@ class ImagesEndpoint:
             async with handle:
                 if job.stream:
                     await client.stream(
-                        handle.request_id, lambda: self._send_events(handle, job, client, scope)
+                        handle.request_id,
+                        lambda: self._send_events(handle, job, client, scope),
+                        _cache_headers(handle),
                     )
                 else:
                     await self._answer_json(handle, job, client, scope)
@@ -211,7 +221,7 @@ class ImagesEndpoint:
         self, handle: RequestHandle, job: ImageJob, client: Client, scope: Scope
     ) -> None:
         status = 200
-        headers: Mapping[str, str] = {"X-Request-Id": handle.request_id}
+        headers: Mapping[str, str] = {"X-Request-Id": handle.request_id, **_cache_headers(handle)}
         body: object = None
         with client.scope:
             async with anyio.create_task_group() as tg:
@@ -242,6 +252,7 @@ class ImagesEndpoint:
                             "queue_wait_s": metrics.queue_wait_s,
                             "exec_s": metrics.exec_s,
                             "total_s": metrics.total_s,
+                            "result_cache_hit": metrics.result_cache_hit,
                         },
                     }
                 tg.cancel_scope.cancel()
@@ -310,3 +321,9 @@ class ImagesEndpoint:
                 }
                 await client.chunk(sse_event(f"{job.events}.completed", completed))
         await client.end()
+
+
+def _cache_headers(handle: RequestHandle) -> dict[str, str]:
+    """``RESULT_CACHE_HEADER: hit`` for a request answered from the result cache (L96)."""
+    metrics = handle.metrics
+    return {RESULT_CACHE_HEADER: "hit"} if metrics is not None and metrics.result_cache_hit else {}

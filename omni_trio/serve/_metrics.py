@@ -38,6 +38,14 @@ omni_trio_prompt_cache_encode_seconds     counter    the text encoders' seconds 
 _total
 omni_trio_prompt_cache_saved_seconds      counter    encoder seconds the hits saved (each hit:
 _total                                               its entry's encode time)
+omni_trio_result_cache_hits_total         counter    requests answered from the engine's result
+                                                     cache (L95)
+omni_trio_result_cache_misses_total       counter    seeded requests it could have answered and
+                                                     did not
+omni_trio_result_cache_kept_total         counter    outputs put in it
+omni_trio_result_cache_evictions_total    counter    outputs its byte bound put out
+omni_trio_result_cache_entries            gauge      outputs it holds now
+omni_trio_result_cache_bytes              gauge      bytes it holds now (on disk: its files')
 omni_trio_group_ranks{group}              gauge      the ranks of each parallel worker (L49)
 omni_trio_group_calls_total{group,way}    counter    its model calls split by ``rows`` or ``tokens``
 omni_trio_tenant_requests_total           counter    generation requests by tenant and outcome
@@ -73,7 +81,7 @@ change every registry of the process.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -184,60 +192,88 @@ class _VideoCollector:
         yield GaugeMetricFamily("omni_trio_video_bytes", "")
 
 
-class _PromptCacheStatistics(Protocol):
-    """What the collector reads of a runner's ``PromptCacheStatistics`` (serve imports no
-    runner)."""
-
-    @property
-    def bytes(self) -> int: ...
+#: A series read from statistics objects' fields: its name, the field, its help.
+_Series = tuple[str, str, str]
 
 
-class _PromptCacheCollector:
-    """Reads the runners' prompt caches at scrape time (L94), summed over the runners.
+class _SummedCollector:
+    """Reads counters and gauges at scrape time from statistics objects' fields, each
+    summed over the objects ``read`` returns (none: zeros).
 
-    ``statistics``: each runner's ``prompt_cache_statistics``; its counters are read by
-    the names below.
+    The runners' prompt caches (L94, one object per runner) and the engine's result cache
+    (L95, one object while an engine with one is open).
     """
 
-    _COUNTERS = (
-        ("omni_trio_prompt_cache_hits", "hits", "Texts whose encoding a prompt cache held."),
-        ("omni_trio_prompt_cache_misses", "misses", "Texts the text encoders encoded."),
-        (
-            "omni_trio_prompt_cache_evictions",
-            "evictions",
-            "Encodings the prompt caches' byte bound put out.",
-        ),
-        (
-            "omni_trio_prompt_cache_encode_seconds",
-            "encode_s",
-            "Seconds the text encoders took on the prompt caches' misses.",
-        ),
-        (
-            "omni_trio_prompt_cache_saved_seconds",
-            "saved_s",
-            "Text encoder seconds the prompt caches' hits saved.",
-        ),
-    )
-
-    def __init__(self, statistics: Sequence[Callable[[], _PromptCacheStatistics]]) -> None:
-        self._statistics = tuple(statistics)
+    def __init__(
+        self,
+        read: Callable[[], Sequence[object]],
+        counters: Sequence[_Series],
+        gauges: Sequence[_Series],
+    ) -> None:
+        self._read = read
+        self._counters = tuple(counters)
+        self._gauges = tuple(gauges)
 
     def collect(self) -> Iterator[Metric]:
-        read = [statistics() for statistics in self._statistics]
-        for name, field, documentation in self._COUNTERS:
+        read = self._read()
+        for name, field, documentation in self._counters:
             counter = CounterMetricFamily(name, documentation)
             counter.add_metric([], sum(getattr(stats, field) for stats in read))
             yield counter
-        yield GaugeMetricFamily(
-            "omni_trio_prompt_cache_bytes",
-            "Bytes of text encodings the prompt caches hold now.",
-            value=sum(stats.bytes for stats in read),
-        )
+        for name, field, documentation in self._gauges:
+            value = sum(getattr(stats, field) for stats in read)
+            yield GaugeMetricFamily(name, documentation, value=value)
 
     def describe(self) -> Iterator[Metric]:
-        for name, _, _ in self._COUNTERS:
+        for name, _, _ in self._counters:
             yield CounterMetricFamily(name, "")
-        yield GaugeMetricFamily("omni_trio_prompt_cache_bytes", "")
+        for name, _, _ in self._gauges:
+            yield GaugeMetricFamily(name, "")
+
+
+#: A runner's ``PromptCacheStatistics``, by field (serve imports no runner).
+_PROMPT_CACHE_COUNTERS: tuple[_Series, ...] = (
+    ("omni_trio_prompt_cache_hits", "hits", "Texts whose encoding a prompt cache held."),
+    ("omni_trio_prompt_cache_misses", "misses", "Texts the text encoders encoded."),
+    (
+        "omni_trio_prompt_cache_evictions",
+        "evictions",
+        "Encodings the prompt caches' byte bound put out.",
+    ),
+    (
+        "omni_trio_prompt_cache_encode_seconds",
+        "encode_s",
+        "Seconds the text encoders took on the prompt caches' misses.",
+    ),
+    (
+        "omni_trio_prompt_cache_saved_seconds",
+        "saved_s",
+        "Text encoder seconds the prompt caches' hits saved.",
+    ),
+)
+_PROMPT_CACHE_GAUGES: tuple[_Series, ...] = (
+    (
+        "omni_trio_prompt_cache_bytes",
+        "bytes",
+        "Bytes of text encodings the prompt caches hold now.",
+    ),
+)
+
+#: The engine's ``ResultCacheStatistics``, by field.
+_RESULT_CACHE_COUNTERS: tuple[_Series, ...] = (
+    ("omni_trio_result_cache_hits", "hits", "Requests answered from the result cache."),
+    (
+        "omni_trio_result_cache_misses",
+        "misses",
+        "Seeded requests the result cache could have answered and did not.",
+    ),
+    ("omni_trio_result_cache_kept", "kept", "Outputs put in the result cache."),
+    ("omni_trio_result_cache_evictions", "evicted", "Outputs the result cache's bound put out."),
+)
+_RESULT_CACHE_GAUGES: tuple[_Series, ...] = (
+    ("omni_trio_result_cache_entries", "entries", "Outputs the result cache holds now."),
+    ("omni_trio_result_cache_bytes", "bytes", "Bytes the result cache holds now."),
+)
 
 
 class _GroupCollector:
@@ -303,6 +339,7 @@ class ServeMetrics:
         is_draining: Callable[[], bool],
     ) -> None:
         self.registry = registry = CollectorRegistry()
+        self._statistics = statistics
         self.requests = Counter(
             "omni_trio_requests",
             "Image generation requests by outcome.",
@@ -446,7 +483,20 @@ class ServeMetrics:
             if callable(read := getattr(runner, "prompt_cache_statistics", None))
         ]
         if found:
-            self.registry.register(_PromptCacheCollector(found))
+            collector = _SummedCollector(
+                lambda: [read() for read in found], _PROMPT_CACHE_COUNTERS, _PROMPT_CACHE_GAUGES
+            )
+            self.registry.register(collector)
+
+    def add_result_cache(self) -> None:
+        """Export what the engine's result cache did and holds (L95), read at scrape time."""
+        statistics = self._statistics
+
+        def read() -> list[object]:
+            stats = statistics()
+            return [] if stats is None or stats.result_cache is None else [stats.result_cache]
+
+        self.registry.register(_SummedCollector(read, _RESULT_CACHE_COUNTERS, _RESULT_CACHE_GAUGES))
 
     def add_groups(self, groups: Mapping[int, tuple[int, Callable[[], Mapping[str, int]]]]) -> None:
         """Export each parallel worker's ranks and calls each way (``_GroupCollector``)."""

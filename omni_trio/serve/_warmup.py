@@ -52,9 +52,8 @@ def warm_up_request(
     height, width = capabilities.fixed_size or (height, width)
     most = capabilities.max_steps
     steps = max(capabilities.min_steps, WARM_UP_STEPS if most is None else min(WARM_UP_STEPS, most))
-    request = GenerationRequest(
-        prompt="warm-up", num_steps=steps, height=height, width=width, seed=0
-    )
+    # No seed: a result cache (L95) never answers it, so it runs and warms.
+    request = GenerationRequest(prompt="warm-up", num_steps=steps, height=height, width=width)
     if capabilities.frames is not None:
         period, remainder = capabilities.frames
         request = dataclasses.replace(request, num_frames=remainder or period)
