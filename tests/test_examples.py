@@ -68,8 +68,25 @@ def check_step_cache(stdout: str) -> None:
         assert f"{match['percent']}%" == f"{ran / (len(pattern) * blocks):.0%}"
 
 
+def check_result_cache(stdout: str) -> None:
+    """L95, L96: exact seeded repeats come from the cache, equal bytewise; another seed,
+    no seed and another tenant run; a folder answers after a restart."""
+    assert stdout.splitlines() == [
+        "first                ran 8 steps",
+        "the same again       from the cache",
+        "  equal bytewise: True",
+        "another seed         ran 8 steps",
+        "no seed              ran 8 steps",
+        "tenant acme          ran 8 steps",
+        "tenant acme again    from the cache",
+        "hits 2, misses 3, 3 outputs kept",
+        "before a restart     ran 8 steps",
+        "after a restart      from the cache",
+    ], stdout
+
+
 #: What an example prints, checked past its exit status.
-CHECKS = {"step_cache.py": check_step_cache}
+CHECKS = {"step_cache.py": check_step_cache, "result_cache.py": check_result_cache}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
