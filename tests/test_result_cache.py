@@ -10,6 +10,7 @@ block is left. Each test has a hang budget.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -22,8 +23,15 @@ import torch
 
 import omni_trio as ot
 from omni_trio._record import Record
-from omni_trio._results import keep_output, result_key
-from omni_trio._resultstore import ResultStore
+from omni_trio._results import (
+    CorruptEntryError,
+    entry_bytes,
+    keep_output,
+    read_entry,
+    result_key,
+    source_digest,
+)
+from omni_trio._resultstore import ResultStore, _write_file
 from omni_trio.testing import FakeRunner, GatedRunner
 from tests.support.core import BUDGET, req
 
@@ -499,3 +507,108 @@ def test_a_bad_result_cache_is_refused_naming_its_field(fields: dict[str, Any], 
         ot.ResultCache(**fields)
     with pytest.raises(ValueError, match=r"^result_cache: must be a ResultCache"):
         ot.EngineConfig(result_cache=1 << 20)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_two_identical_requests_in_flight_both_run_and_keep_one_entry() -> None:
+    """L95: a repeat admitted before the first completed runs too (nothing is kept yet);
+    the second completion finds the entry there and keeps nothing more."""
+    runner = GatedRunner()
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner, cached()) as engine:
+            async with engine.submit(req()) as first, engine.submit(req()) as second:
+                runner.open_gate()
+                outputs = [await first.result(), await second.result()]
+            stats = engine.statistics().result_cache
+    assert not any(output.metrics.result_cache_hit for output in outputs)
+    assert pixels(outputs[0]) == pixels(outputs[1])
+    assert stats == ot.ResultCacheStatistics(misses=2, kept=1, entries=1, bytes=IMAGE_BYTES)
+
+
+@pytest.mark.anyio
+async def test_a_file_deleted_by_someone_else_is_a_quiet_miss(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """L95: an entry whose file is gone (another server's bound put it out) runs, without
+    a warning, and is kept again."""
+    config = cached(folder=str(tmp_path))
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(FakeRunner(), config) as engine:
+            await engine.generate(req())
+        runner = FakeRunner()
+        with caplog.at_level(logging.WARNING, logger="omni_trio.engine"):
+            async with ot.open_engine(runner, config) as engine:
+                for path in [Path(p) async for p in anyio.Path(tmp_path).iterdir()]:
+                    path.unlink()
+                assert not (await engine.generate(req())).metrics.result_cache_hit
+                stats = engine.statistics().result_cache
+    assert runner.prepares == 1 and not caplog.records
+    assert stats is not None and (stats.entries, stats.kept) == (1, 1)
+
+
+def test_an_entry_of_another_key_version_or_shape_is_refused_whole() -> None:
+    """L95: a file is read only as the whole entry of its key, in this version."""
+    key, other = "a" * 64, "b" * 64
+    kept = keep_output(torch.rand(1, 3, 2, 2), None)
+    data = entry_bytes(key, kept)
+    assert read_entry(data, key) == kept
+    magic = data[: data.index(b"\n") + 1]
+    start = len(magic) + 4
+    header = json.loads(data[start : start + int.from_bytes(data[len(magic) : start], "big")])
+
+    def forged(text: bytes | None = None, **changes: object) -> bytes:
+        text = text if text is not None else json.dumps({**header, **changes}).encode()
+        return magic + len(text).to_bytes(4, "big") + text + kept.data
+
+    for damaged, says in (
+        (entry_bytes(other, kept), "another entry or version"),
+        (forged(v=2), "another entry or version"),
+        (forged(shape=[3, 2, 2]), "another entry or version"),
+        (forged(shape=[1, 3, 2, 1]), "bytes of pixels"),
+        (forged(b"{not json"), "header is unreadable"),
+        (forged(b'{"v":1}'), "header is unreadable"),
+        (data + b"\0", "bytes of pixels"),
+        (b"omni", "not a result cache entry"),
+    ):
+        with pytest.raises(CorruptEntryError, match=says):
+            read_entry(damaged, key)
+
+
+def test_an_adapters_weights_are_digested_by_their_bytes(tmp_path: Path) -> None:
+    """L95: a file by its bytes alone, a folder by its files' names and bytes, a state dict
+    by its tensors; a hub id, or a state dict with a value that is not a tensor: unknown."""
+    for name, data in (("a.bin", b"A"), ("b.bin", b"A"), ("c.bin", b"C")):
+        (tmp_path / name).write_bytes(data)
+    folder = tmp_path / "lora"
+    folder.mkdir()
+    (folder / "weights.safetensors").write_bytes(b"A")
+    first = source_digest(folder)
+    assert source_digest(tmp_path / "a.bin") == source_digest(str(tmp_path / "b.bin"))
+    assert source_digest(tmp_path / "a.bin") != source_digest(tmp_path / "c.bin")
+    (folder / "config.json").write_text("{}")
+    assert first is not None and source_digest(folder) not in (first, None)
+    assert source_digest("org/lora") is None and source_digest(3) is None
+    assert source_digest({"w": torch.ones(2)}) == source_digest({"w": torch.ones(2)})
+    assert source_digest({"w": torch.ones(2)}) != source_digest({"w": torch.ones(2).half()})
+    assert source_digest({"w": [1.0]}) is None
+
+
+@pytest.mark.anyio
+async def test_a_folder_that_cannot_be_made_or_written_is_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """L95: a folder that cannot be made refuses the engine in one line; a write that fails
+    is one warning and keeps nothing (its temporary file removed)."""
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"^result_cache\.folder: cannot make '.*file/cache'"):
+        async with ot.open_engine(FakeRunner(), cached(folder=str(blocker / "cache"))):
+            pass
+    kept = keep_output(torch.zeros(1, 3, 2, 2), None)
+    with caplog.at_level(logging.WARNING, logger="omni_trio.engine"):
+        assert _write_file(tmp_path / "gone", "a" * 64, kept) is None
+    (warning,) = caplog.records
+    assert warning.getMessage().startswith("result cache: cannot write to ")
+    assert _write_file(tmp_path, "a" * 64, kept) == len(entry_bytes("a" * 64, kept))
+    names = sorted([path.name async for path in anyio.Path(tmp_path).iterdir()])
+    assert names == ["a" * 64 + ".bin", "file"]
