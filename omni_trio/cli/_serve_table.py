@@ -19,7 +19,7 @@ import enum
 
 from .._config import EngineConfig
 from .._request import MAX_PRIORITY
-from ..serve._models import COMPILE_MODES, DTYPES, MODELS
+from ..serve._models import COMPILE_MODES, DTYPES, MODELS, QUANTIZATIONS
 from ..serve.jobs import DEFAULT_JOBS_LEASE_S, default_jobs_dir
 from ._declare import Group, Option
 from ._logs import LOG_FORMATS
@@ -79,6 +79,14 @@ class _AppendKeys(argparse.Action):
     ) -> None:
         given = getattr(namespace, self.dest, None)
         setattr(namespace, self.dest, [*(given if isinstance(given, list) else ()), values])
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated list of names (``transformer,text_encoder_2``)."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("expected names, comma-separated")
+    return names
 
 
 #: The option that turns a token split off while the queue is deep (``by_load``).
@@ -159,6 +167,34 @@ SERVE_OPTIONS = (
         metavar="DIR",
         applies=Applies.REAL,
         help="keep the compiled artifacts in DIR, for a restart in seconds (default: torch's)",
+    ),
+    Option(
+        flag="--quantization",
+        sets="quantization",
+        group=_MODEL,
+        choices=QUANTIZATIONS,
+        applies=Applies.REAL,
+        help="int8-weight, int8-dynamic (torchao: the quant extra), fp8 (CUDA only), or gguf"
+        " (the denoiser from --gguf-file): the denoiser's weights quantized as the model"
+        " loads (default: none)",
+    ),
+    Option(
+        flag="--quantize-components",
+        sets="quantize_components",
+        group=_MODEL,
+        type=_names,
+        metavar="LIST",
+        applies=Applies.REAL,
+        help="the models --quantization quantizes, comma-separated, as"
+        " transformer,text_encoder_2 (default: the denoisers)",
+    ),
+    Option(
+        flag="--gguf-file",
+        sets="gguf_file",
+        group=_MODEL,
+        metavar="FILE",
+        applies=Applies.REAL,
+        help="with --quantization gguf: the denoiser's single-file GGUF checkpoint",
     ),
     Option(flag="--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)"),
     Option(

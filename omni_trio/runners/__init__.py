@@ -68,6 +68,9 @@ Layout: the private modules, each importing only those below it:
 - ``_spec``: ``ModelSpec``, a model as one value, and its loading (a folder or a hub id
   through the Hugging Face cache, its dtypes, its attention backend; L89), over
   ``_load`` (a local folder, never the network);
+- ``_quantize``: a spec's quantization (L91): torchao's int8 and float8 as a folder loads
+  (diffusers' quantizers) or on a pipeline built in memory, a GGUF file's denoiser, and
+  the bytes a quantized weight is stored in (``_checkpoint`` keys a model by them);
 - ``_checkpoint``: what a checkpoint of a state holds, and how it comes back (L78).
 
 Apart: ``_tiny`` (and ``_quiet``), ``_tinylora``, ``_load`` and ``_devices`` import no

@@ -538,6 +538,7 @@ class AdapterSet:
         ``AdapterError`` if it is not plain LoRA, ``Unlanded`` if a tensor of it did not
         land (``check_landed``)."""
         from peft.tuners.lora import Conv2d, Conv3d, Linear
+        from peft.tuners.lora.torchao import TorchaoLoraLinear
 
         def invalid(message: str) -> AdapterError:
             return AdapterError(f"adapter {name!r}: {message}", reason="invalid", name=name)
@@ -549,7 +550,9 @@ class AdapterSet:
             if peft not in layer.lora_A:
                 continue
             components.add(component)
-            if type(layer) not in (Linear, Conv2d, Conv3d):  # not a quantized or other kind
+            # A torchao-quantized base layer runs per row as any (``_quantize``); not
+            # bitsandbytes' or another kind's.
+            if type(layer) not in (Linear, TorchaoLoraLinear, Conv2d, Conv3d):
                 raise invalid(f"a LoRA of a {type(layer).__name__} layer is not applied per row")
             if peft in layer.lora_variant or layer.use_dora.get(peft, False):
                 raise invalid("DoRA and other LoRA variants are not applied per row")
@@ -630,11 +633,14 @@ class AdapterSet:
 
 @contextmanager
 def _peft_notes() -> Iterator[None]:
-    """Drop PEFT's two notes on what the runner does on purpose: several adapters in one
-    model, and deleting the one PEFT had active (the runner never reads PEFT's active set).
-    Under the model lock; ``catch_warnings`` restores the filters it found."""
+    """Drop PEFT's three notes on what the runner does on purpose: several adapters in one
+    model, deleting the one PEFT had active (the runner never reads PEFT's active set),
+    and a LoRA on a torchao layer that cannot merge (the runner never merges: a fused
+    layer is refused). Under the model lock; ``catch_warnings`` restores the filters it
+    found."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Already found a `peft_config`", UserWarning)
+        warnings.filterwarnings("ignore", "TorchaoLoraLinear was instantiated without", UserWarning)
         warnings.filterwarnings(
             "ignore", r"Adapter \S+ was active which is now deleted", UserWarning
         )

@@ -27,6 +27,7 @@ import torch
 from .._checkpoint import CheckpointError, pack_checkpoint, unpack_checkpoint
 from .._request import GenerationRequest
 from ._family import RequestState
+from ._quantize import layout, storage_tensors
 
 __all__ = ["StateCopy", "copy_bytes", "model_key", "restore_into", "state_copy"]
 
@@ -167,7 +168,8 @@ def model_key(family: str, pipeline: Any) -> str:
     """What names a model in its checkpoints: its family, its class and its weights.
 
     A digest of each component's config and of the first and last values of every
-    parameter tensor: two models of one config with other weights differ, and it
+    parameter tensor (a quantized one's layout and the tensors that hold it): two
+    models of one config with other weights, or other quantizations, differ, and it
     costs one pass over the parameters' metadata, once per runner.
     """
     digest = hashlib.sha256(f"{family}:{type(pipeline).__name__}".encode())
@@ -179,9 +181,12 @@ def model_key(family: str, pipeline: Any) -> str:
         parameters = getattr(component, "parameters", None)
         if callable(parameters):
             with torch.no_grad():
+                # A quantized weight by its layout and the tensors that hold it (``_quantize``).
                 for tensor in parameters():
-                    flat = tensor.detach().reshape(-1)
-                    if flat.numel():
-                        ends = torch.stack([flat[0], flat[-1]]).float().cpu()
-                        digest.update(ends.numpy().tobytes())
+                    digest.update(layout(tensor).encode())
+                    for part in storage_tensors(tensor.detach()):
+                        flat = part.reshape(-1)
+                        if flat.numel():
+                            ends = torch.stack([flat[0], flat[-1]]).float().cpu()
+                            digest.update(ends.numpy().tobytes())
     return f"{family}:{type(pipeline).__name__}:{digest.hexdigest()[:16]}"

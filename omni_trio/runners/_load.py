@@ -39,7 +39,11 @@ def check_pipeline_folder(path: str | os.PathLike[str]) -> Path:
 
 
 def load_pipeline(
-    path: str | os.PathLike[str], *, torch_dtype: Any = None, variant: str | None = None
+    path: str | os.PathLike[str],
+    *,
+    torch_dtype: Any = None,
+    variant: str | None = None,
+    **extra: Any,
 ) -> DiffusionPipeline:
     """Load the diffusers pipeline saved in a local folder, never touching the network.
 
@@ -59,6 +63,8 @@ def load_pipeline(
         torch_dtype: the modules' dtype (a ``torch.dtype``, or diffusers' mapping of
             component to dtype with a ``"default"``); ``None``: as saved.
         variant: the weight files' variant (``fp16``), or ``None``.
+        extra: more keyword arguments of ``from_pretrained``: a
+            ``quantization_config``, a component loaded apart (``_quantize``).
 
     Returns:
         The pipeline, as ``DiffusionPipeline.from_pretrained`` built it.
@@ -83,6 +89,7 @@ def load_pipeline(
         if variant is not None:
             options["variant"] = variant
         options |= dict.fromkeys(_saved_as_none(index))
+        options |= extra
         if not untyped.utils.is_accelerate_available():
             _refuse_without_accelerate(untyped, index)
             options["low_cpu_mem_usage"] = False

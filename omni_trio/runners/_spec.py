@@ -17,8 +17,9 @@ same pipeline from it everywhere:
   (``set_attention_backend`` on the denoisers); one this machine or build lacks is
   refused when the model loads, in one line.
 
-Quantization and compilation are fields of the spec too, applied by their own modules
-once the pipeline is built.
+Quantization and compilation are fields of the spec too, applied by their own modules:
+``quantization`` (``_quantize``: ``int8-weight``, ``int8-dynamic``, ``fp8`` on CUDA, or
+``gguf`` with a ``gguf_file``) as the pipeline loads, ``compile`` once it is built.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 from ._compile import MODES as COMPILE_MODES
 from ._compile import use_compile_cache
 from ._load import check_pipeline_folder, load_pipeline
+from ._quantize import MODES as QUANTIZATION_MODES
+from ._quantize import check_quantization, load_options
 
 if TYPE_CHECKING:
     import torch
@@ -72,6 +75,12 @@ class ModelSpec:
             ``None``: eager.
         compile_cache: a folder where the compiled artifacts are kept across
             restarts (torch's inductor cache), or ``None``: torch's default.
+        quantization: ``int8-weight``, ``int8-dynamic``, ``fp8`` (CUDA only) or
+            ``gguf`` (``_quantize``); ``None``: the weights as ``dtype`` says.
+        quantize_components: the models quantized (a text encoder too:
+            ``("transformer", "text_encoder_2")``); ``None``: the denoisers.
+        gguf_file: with ``quantization="gguf"``: the single-file GGUF checkpoint of
+            the denoiser, whose weights replace the source's.
 
     Raises:
         ValueError: a field is out of range; the message names it.
@@ -86,6 +95,9 @@ class ModelSpec:
     offline: bool | None = None
     compile: str | None = None
     compile_cache: str | None = None
+    quantization: str | None = None
+    quantize_components: tuple[str, ...] | None = None
+    gguf_file: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, str) or not self.source.strip():
@@ -101,6 +113,18 @@ class ModelSpec:
             raise ValueError(f"compile: one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if self.compile_cache is not None and self.compile is None:
             raise ValueError("compile_cache: only with compile")
+        self._check_quantization()
+
+    def _check_quantization(self) -> None:
+        mode = self.quantization
+        if mode is not None and mode not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization: one of {', '.join(QUANTIZATION_MODES)}, got {mode!r}")
+        if self.quantize_components is not None and mode in (None, "gguf"):
+            raise ValueError("quantize_components: only with an int8 or fp8 quantization")
+        if self.quantize_components is not None and not self.quantize_components:
+            raise ValueError("quantize_components: name at least one model")
+        if (mode == "gguf") != (self.gguf_file is not None):
+            raise ValueError("gguf_file: with quantization gguf, and only with it")
 
     @property
     def is_hub_id(self) -> bool:
@@ -136,27 +160,36 @@ def apply_dtype(pipe: Any, dtype: torch.dtype, components: Mapping[str, torch.dt
 
 
 def load_pipeline_of(spec: ModelSpec, device: str | None = None) -> Any:
-    """The diffusers pipeline ``spec`` names, in its dtypes, on ``device`` (``None``: where it
-    loads), its attention backend set.
+    """The diffusers pipeline ``spec`` names, in its dtypes, quantized as it says, on
+    ``device`` (``None``: where it loads), its attention backend set.
 
     Raises:
         ValueError: the source is neither a diffusers folder nor a hub id in reach (one
-            line naming it and how to fetch it), or the attention backend is not
-            available here.
+            line naming it and how to fetch it), the attention backend or the
+            quantization is not available here.
         Exception: whatever diffusers raises for a model it cannot load.
     """
+    from ._quiet import quiet_notices
+
+    check_quantization(spec.quantization, device)
     dtype = resolve_dtype(spec.dtype, device)
     components = {name: resolve_dtype(value, device) for name, value in spec.component_dtypes}
     torch_dtype: Any = dtype if not components else {"default": dtype, **components}
     if not spec.is_hub_id:
         if spec.revision is not None:
             raise ValueError(f"revision: only for a hub id, and {spec.source!r} is a folder")
-        check_pipeline_folder(Path(spec.source).expanduser())
-        pipe = load_pipeline(
-            Path(spec.source).expanduser(), torch_dtype=torch_dtype, variant=spec.variant
-        )
+        folder = check_pipeline_folder(Path(spec.source).expanduser())
     else:
-        pipe = _from_hub(spec, torch_dtype)
+        folder = _from_hub(spec)
+    with quiet_notices():
+        quantized = load_options(
+            spec.quantization,
+            spec.quantize_components,
+            folder,
+            dtype=dtype,
+            gguf_file=spec.gguf_file,
+        )
+        pipe = load_pipeline(folder, torch_dtype=torch_dtype, variant=spec.variant, **quantized)
     if device is not None:
         pipe = pipe.to(device)
     if spec.attention_backend is not None:
@@ -170,10 +203,8 @@ def _offline(spec: ModelSpec) -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _from_hub(spec: ModelSpec, torch_dtype: Any) -> Any:
-    """The pipeline of a hub id, through the Hugging Face cache (only it, offline)."""
-    from ._quiet import quiet_notices
-
+def _from_hub(spec: ModelSpec) -> Path:
+    """The folder of a hub id in the Hugging Face cache (fetched there unless offline)."""
     offline = _offline(spec)
     try:
         from huggingface_hub import snapshot_download
@@ -193,8 +224,7 @@ def _from_hub(spec: ModelSpec, torch_dtype: Any) -> Any:
             + (f" at revision {spec.revision!r}" if spec.revision else "")
             + f" is not {where} ({type(exc).__name__}): {how}"
         ) from None
-    with quiet_notices():
-        return load_pipeline(Path(folder), torch_dtype=torch_dtype, variant=spec.variant)
+    return Path(folder)
 
 
 def set_attention_backend(pipe: Any, name: str) -> None:

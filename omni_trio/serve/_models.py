@@ -44,6 +44,7 @@ __all__ = [
     "COMPILE_MODES",
     "DTYPES",
     "MODELS",
+    "QUANTIZATIONS",
     "TINY_SIZE",
     "TINY_STEPS",
     "LoadedModel",
@@ -75,10 +76,12 @@ MODELS = (
     "fake",
 )
 
-#: A model's dtypes and compile modes, as ``runners.ModelSpec`` takes them (written out:
-#: ``omni_trio.serve`` imports no torch; tests/runners/test_spec.py holds them equal).
+#: A model's dtypes, compile modes and quantizations, as ``runners.ModelSpec`` takes them
+#: (written out: ``omni_trio.serve`` imports no torch; tests/runners/test_spec.py and
+#: tests/runners/test_quantize.py hold them equal).
 DTYPES = ("auto", "fp32", "fp16", "bf16")
 COMPILE_MODES = ("blocks",)
+QUANTIZATIONS = ("int8-weight", "int8-dynamic", "fp8", "gguf")
 
 #: The built-in models that make videos.
 VIDEO_MODELS = ("tiny-wan", "tiny-ltx")
@@ -252,16 +255,21 @@ def _loaded_pipeline(model: ModelSpec, device: str | None = None) -> Any:
 
 
 def _tiny_pipeline(model: ModelSpec, device: str | None = None) -> Any:
-    """A built-in tiny pipeline in the spec's dtypes and attention backend, on ``device``."""
+    """A built-in tiny pipeline in the spec's dtypes, quantization and attention backend, on
+    ``device``."""
     from ..runners import tiny_pipeline
+    from ..runners._quantize import check_quantization, quantize_pipeline
     from ..runners._spec import apply_dtype, resolve_dtype, set_attention_backend
 
+    check_quantization(model.quantization, device)
     pipe = tiny_pipeline(model.source.removeprefix("tiny-"), seed=0)
     if model.dtype != "auto" or model.component_dtypes or device is not None:
         components = {name: resolve_dtype(value, device) for name, value in model.component_dtypes}
         apply_dtype(pipe, resolve_dtype(model.dtype, device), components)
     if device is not None:
         pipe = pipe.to(device)
+    # Built in memory: quantized once on its device, as a folder is as it loads.
+    quantize_pipeline(pipe, model.quantization, model.quantize_components)
     if model.attention_backend is not None:
         set_attention_backend(pipe, model.attention_backend)
     return pipe
@@ -300,7 +308,8 @@ def load_model(
     by_load: bool = False,
 ) -> LoadedModel:
     """Build the runners for ``spec``: a name in ``MODELS``, a diffusers folder or a hub id,
-    or a ``ModelSpec`` of one with its dtype, attention backend and compilation (L89-L92).
+    or a ``ModelSpec`` of one with its dtype, attention backend, compilation and
+    quantization (L89-L92).
 
     Args:
         spec: the model.
@@ -339,6 +348,8 @@ def load_model(
 
     if parallel is not None and model.compile is not None:
         raise ValueError("compile: a parallel group's ranks run eager (not yet compiled)")
+    if parallel is not None and model.quantization is not None:
+        raise ValueError("quantization: a parallel group's ranks run unquantized (not yet)")
     tiny = name in MODELS
     factory, wrap, shown, description = _source(model, tiny=tiny)
     steps = TINY_STEPS
@@ -366,6 +377,7 @@ def load_model(
         where += ", split by load" if by_load else ""
     where += "" if model.dtype == "auto" else f", {model.dtype}"
     where += "" if model.compile is None else ", compiled blocks"
+    where += "" if model.quantization is None else f", {model.quantization}"
     description = description.format(type(pipeline).__name__) + where
     if not tiny:
         steps = int(call_default(pipeline, "num_inference_steps", FALLBACK_STEPS))

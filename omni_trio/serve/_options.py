@@ -89,6 +89,13 @@ class ServiceOptions:
         compile: ``blocks``: the denoiser's blocks compiled, the declared shapes at
             the warm-up (L90); ``None``: eager.
         compile_cache: a folder that keeps the compiled artifacts across restarts.
+        quantization: ``int8-weight``, ``int8-dynamic``, ``fp8`` (CUDA only) or
+            ``gguf`` (with ``gguf_file``): the denoiser's weights quantized (L91);
+            ``None``: as ``dtype`` says.
+        quantize_components: the models quantized (``transformer,text_encoder_2``);
+            ``None``: the denoisers.
+        gguf_file: the denoiser's single-file GGUF checkpoint, with ``quantization``
+            ``gguf``.
         devices: one runner per device (``parse_devices`` checked them); ``None``:
             one runner, where the model loads.
         step_seconds: the ``fake`` model's simulated compute per step.
@@ -135,6 +142,9 @@ class ServiceOptions:
     attention_backend: str | None = None
     compile: str | None = None
     compile_cache: str | None = None
+    quantization: str | None = None
+    quantize_components: tuple[str, ...] | None = None
+    gguf_file: str | None = None
     devices: tuple[str, ...] | None = None
     step_seconds: float = 0.05
     # DiffusersRunner's own defaults: importing it here would import torch.
@@ -202,6 +212,9 @@ class ServiceOptions:
                 attention_backend=self.attention_backend,
                 compile=self.compile,
                 compile_cache=self.compile_cache,
+                quantization=self.quantization,
+                quantize_components=self.quantize_components,
+                gguf_file=self.gguf_file,
             ),
             step_seconds=self.step_seconds,
             max_steps=self.engine_config.max_steps,
