@@ -472,6 +472,33 @@ class DiffusersRunner:
                 self._model_key = model_key(self._family.name, self._pipeline)
             return self._model_key
 
+    def result_fingerprint(self) -> str:
+        """Name the model its outputs come from, for an engine's result cache (L95): its
+        checkpoints' model key (the family, the class, each component's config and weights,
+        sampled, a quantization's layout), each model's dtype, the kind of device, whether
+        it is compiled, where a decode is tiled, and the torch and diffusers versions.
+        Made once, on the first call (a pass over the parameters' ends)."""
+        import diffusers
+
+        dtypes = [
+            f"{name}={module.dtype}"
+            for name, module in sorted(self._pipeline.components.items())
+            if isinstance(module, torch.nn.Module) and hasattr(module, "dtype")
+        ]
+        chunks = self._family.chunks
+        return " ".join(
+            [
+                self._key(),
+                *dtypes,
+                torch.device(self._pipeline.device).type,
+                f"compile={self._compiled is not None}",
+                f"tile_above={chunks.tile_above}",
+                f"framewise_above={chunks.framewise_above}",
+                f"torch={torch.__version__}",
+                f"diffusers={diffusers.__version__}",
+            ]
+        )
+
     def cache_metrics(self, state: RequestState) -> CacheMetrics | None:
         """What the request's step cache did so far (L84); ``None`` without a policy."""
         return None if state.cache is None else state.cache.metrics()
