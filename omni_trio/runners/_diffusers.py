@@ -475,21 +475,33 @@ class DiffusersRunner:
     def result_fingerprint(self) -> str:
         """Name the model its outputs come from, for an engine's result cache (L95): its
         checkpoints' model key (the family, the class, each component's config and weights,
-        sampled, a quantization's layout), each model's dtype, the kind of device, whether
-        it is compiled, where a decode is tiled, and the torch and diffusers versions.
-        Made once, on the first call (a pass over the parameters' ends)."""
+        sampled, a quantization's layout), each model's dtype and attention backends, the
+        kind of device, whether it is compiled, where a decode is tiled, and the torch and
+        diffusers versions. A pass over the parameters' ends, the first time."""
         import diffusers
 
-        dtypes = [
-            f"{name}={module.dtype}"
+        models = [
+            (name, module)
             for name, module in sorted(self._pipeline.components.items())
-            if isinstance(module, torch.nn.Module) and hasattr(module, "dtype")
+            if isinstance(module, torch.nn.Module)
         ]
+        dtypes = [f"{name}={module.dtype}" for name, module in models if hasattr(module, "dtype")]
+        backends = sorted(
+            {
+                f"{name}:{backend}"
+                for name, module in models
+                for part in module.modules()
+                if (
+                    backend := getattr(getattr(part, "processor", None), "_attention_backend", None)
+                )
+            }
+        )
         chunks = self._family.chunks
         return " ".join(
             [
                 self._key(),
                 *dtypes,
+                *backends,
                 torch.device(self._pipeline.device).type,
                 f"compile={self._compiled is not None}",
                 f"tile_above={chunks.tile_above}",

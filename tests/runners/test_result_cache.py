@@ -13,12 +13,13 @@ import torch
 
 import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
+from omni_trio.runners._spec import set_attention_backend
 from tests.support.core import BUDGET
 
 
-def test_a_diffusers_runner_names_its_weights_dtypes_and_decodes() -> None:
+def test_a_diffusers_runner_names_its_weights_dtypes_backends_and_decodes() -> None:
     """L95: the same weights give the same fingerprint; other weights, another dtype of
-    one model, or another decode tiling give another."""
+    one model, an attention backend set, or another decode tiling give another."""
     fingerprint = DiffusersRunner(tiny_pipeline("sd")).result_fingerprint()
     assert DiffusersRunner(tiny_pipeline("sd")).result_fingerprint() == fingerprint
     assert DiffusersRunner(tiny_pipeline("sd", seed=1)).result_fingerprint() != fingerprint
@@ -26,6 +27,10 @@ def test_a_diffusers_runner_names_its_weights_dtypes_and_decodes() -> None:
     widened = tiny_pipeline("sd")
     widened.vae.to(torch.float64)
     assert DiffusersRunner(widened).result_fingerprint() != fingerprint
+    flux = DiffusersRunner(tiny_pipeline("flux")).result_fingerprint()
+    native = tiny_pipeline("flux")
+    set_attention_backend(native, "native")
+    assert DiffusersRunner(native).result_fingerprint() != flux
 
 
 @pytest.mark.anyio
