@@ -6,8 +6,8 @@ from a GGUF file, at load where diffusers' quantizers do it, else on the loaded 
 - ``int8-weight``: int8 weights, per output channel, dequantized in each matmul
   (torchao's ``Int8WeightOnlyConfig``); CPU and CUDA;
 - ``int8-dynamic``: int8 weights and int8 activations, each token's scale computed as
-  it runs (``Int8DynamicActivationInt8WeightConfig``): an integer matmul, the fastest
-  once compiled; CPU and CUDA;
+  it runs (``Int8DynamicActivationInt8WeightConfig``): an integer matmul (on a CPU, half
+  a linear-heavy DiT's step, compiled or not; docs/runners.md); CPU and CUDA;
 - ``fp8``: float8 weights and activations, per row (``Float8DynamicActivationFloat8WeightConfig``
   with ``PerRow``); CUDA only (a GPU of compute capability 8.9 or later), refused
   elsewhere in one line;
@@ -54,7 +54,6 @@ __all__ = [
     "layout",
     "load_options",
     "quantize_pipeline",
-    "quantized_components",
     "storage_tensors",
     "torchao_quantization",
     "weight_bytes",
@@ -285,16 +284,3 @@ def weight_bytes(module: torch.nn.Module) -> int:
     """The bytes that hold ``module``'s parameters and buffers, quantized ones as stored."""
     tensors = [*module.parameters(), *module.buffers()]
     return sum(part.nbytes for tensor in tensors for part in storage_tensors(tensor))
-
-
-def quantized_components(pipe: Any) -> list[str]:
-    """The pipeline's models that hold a quantized weight (a torchao tensor, a GGUF one)."""
-    found: list[str] = []
-    for name, module in pipe.components.items():
-        if not isinstance(module, torch.nn.Module):
-            continue
-        for parameter in module.parameters():
-            if hasattr(type(parameter), "__tensor_flatten__") or hasattr(parameter, "quant_type"):
-                found.append(name)
-                break
-    return found
