@@ -9,6 +9,9 @@ Layout: the private modules, each importing only those below it:
 
 - ``_runner``: ``ParallelRunner``, rank 0, in the engine's process: the runner the
   engine drives, the plans it sends (L40), the group's failures (L41);
+- ``_start``: a group's start (the arguments checked, the ranks spawned, rank 0
+  built, every rank joined) and its end (every rank reaped), and what the other
+  ranks said when the group breaks;
 - ``_child``: ranks 1..N-1: build, join, then run the plans they are sent;
 - ``_rank``: one rank's model, the same on every rank (``RankRunner``: a
   ``DiffusersRunner`` whose model calls are shared) and the other ranks' copy of
@@ -29,8 +32,8 @@ from .. import _exports
 from ._plan import RankReport as RankReport
 from ._runner import ParallelGroupError as ParallelGroupError
 from ._runner import ParallelRunner as ParallelRunner
-from ._runner import ParallelStartError as ParallelStartError
 from ._runner import ParallelState as ParallelState
+from ._start import ParallelStartError as ParallelStartError
 
 __all__ = [
     "ParallelGroupError",

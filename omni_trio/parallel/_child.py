@@ -91,8 +91,7 @@ def main(spec: RankSpec) -> None:
 def _run(spec: RankSpec, connection: Connection) -> None:
     import torch
 
-    from ._context import ContextSwitch, enable_context_parallel, ring_attention
-    from ._group import loopback_interfaces, open_group
+    from ._group import open_group
     from ._rank import RankRunner, RankStates
 
     torch.set_num_threads(spec.threads)
@@ -115,13 +114,7 @@ def _run(spec: RankSpec, connection: Connection) -> None:
             backend=spec.backend,
             timeout_s=spec.timeout_s,
         )
-        if layout.kind != "cfg":
-            if layout.kind == "ring":
-                stack.enter_context(ring_attention())
-            with loopback_interfaces():
-                enable_context_parallel(pipeline, layout.kind, layout.degree)
-            if layout.by_load:
-                runner.switch = ContextSwitch(pipeline)
+        runner.share_context(stack)
         connection.send(("ready",))
         states = RankStates(runner)
         try:

@@ -55,6 +55,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -64,8 +65,14 @@ from .._codec import request_from_record
 from .._runner import StopRun
 from ..runners import DiffusersRunner, Exchange, rows_slice, token_split
 from ._agree import Agreement, choose
-from ._context import ContextSwitch, ignore_gather_deprecation, waited
-from ._group import all_gather
+from ._context import (
+    ContextSwitch,
+    enable_context_parallel,
+    ignore_gather_deprecation,
+    ring_attention,
+    waited,
+)
+from ._group import all_gather, loopback_interfaces
 from ._plan import Op, OpKind
 
 __all__ = ["Layout", "RankRunner", "RankStates", "Way", "state_digest"]
@@ -122,6 +129,21 @@ class RankRunner(DiffusersRunner):
         self.calls: dict[str, int] = {"rows": 0, "tokens": 0}
         #: Set once context parallelism is on, for a layout by load.
         self.switch: ContextSwitch | None = None
+
+    def share_context(self, stack: ExitStack) -> None:
+        """Turn on the layout's context parallelism (sequence layouts; the split has
+        none): every rank, once it joined the group, in the same order (it makes the
+        mesh's groups). What stays set up in the process until the rank closes (ring
+        attention's wrapper) goes on ``stack``."""
+        layout = self._layout
+        if layout.kind == "cfg":
+            return
+        if layout.kind == "ring":
+            stack.enter_context(ring_attention())
+        with loopback_interfaces():
+            enable_context_parallel(self.pipeline, layout.kind, layout.degree)
+        if layout.by_load:
+            self.switch = ContextSwitch(self.pipeline)
 
     def _denoise(
         self, rows: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor], shared: Any

@@ -2,12 +2,13 @@
 
 Rank 0 is the engine's process: the engine's worker thread calls this runner as
 it calls any runner, and this runner is rank 0 (its model, its states, its
-decodes). Ranks 1..N-1 are processes it owns (``_processes``), each with the whole
-pipeline, built from the same picklable factory, looping on "read a plan, run
-it" (``_child``). At every call that changes the group's states (a join, a drop,
-a suspension, a resumption) and at every step, rank 0 sends a plan (``_plan``)
-down every rank's control pipe before it makes any collective itself, so every
-rank makes the same steps and so the same collectives in the same order (L40).
+decodes). Ranks 1..N-1 are processes it owns (``_start`` starts the group and
+reaps it), each with the whole pipeline, built from the same picklable factory,
+looping on "read a plan, run it" (``_child``). At every call that changes the
+group's states (a join, a drop, a suspension, a resumption) and at every step,
+rank 0 sends a plan (``_plan``) down every rank's control pipe before it makes any
+collective itself, so every rank makes the same steps and so the same collectives
+in the same order (L40).
 Cancel points are agreed (``_agree``): all ranks leave a step at the same point.
 Adapters load on rank 0 first (its validation is the load's), then on every other
 rank, all or nothing; their loads and unloads are ops in the same order as the
@@ -28,15 +29,12 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
-import multiprocessing
 import os
-import pickle
 import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack, suppress
-from multiprocessing.connection import Connection, wait
+from contextlib import suppress
 from typing import Any
 
 import torch
@@ -47,24 +45,16 @@ from .._codec import request_record
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities, StopRun
 from .._stepcache import CacheMetrics
-from ..runners import context_parallel_denoisers
-from ._agree import agreed_check, new_flags
-from ._child import RankSpec, main
-from ._context import ContextSwitch, enable_context_parallel, ring_attention
-from ._group import close_group, group_in_use, listening_socket, loopback_interfaces, open_group
+from ._agree import agreed_check
 from ._plan import Op, OpKind, Plan, PlanKind, RankReport, encode_plan
-from ._processes import RankProcesses, receive
-from ._rank import Layout, RankRunner, state_digest
+from ._processes import receive
+from ._rank import RankRunner, state_digest
+from ._start import failure_reasons, layout_of, start_group
 
-__all__ = ["KEEPER", "ParallelGroupError", "ParallelRunner", "ParallelStartError", "ParallelState"]
+__all__ = ["ParallelGroupError", "ParallelRunner", "ParallelState"]
 
-#: The rank processes' names, and their keeper thread's (``<KEEPER>-keeper``): not an
-#: engine thread's name (the runner starts it, and its ``close`` joins it).
-KEEPER = "parallel-ranks"
 #: Seconds the ranks get to exit by themselves at a clean close before SIGKILL.
 _CLOSE_GRACE_S = 10.0
-#: Seconds a failure waits for a peer's exit, to say why it failed.
-_FAILURE_WAIT_S = 0.5
 
 
 class ParallelGroupError(BaseException):
@@ -76,10 +66,6 @@ class ParallelGroupError(BaseException):
     """
 
 
-class ParallelStartError(Exception):
-    """The ranks did not start: a factory raised, a rank died, or the start timed out."""
-
-
 class ParallelState:
     """One request in a ``ParallelRunner``: its key on every rank, and rank 0's state."""
 
@@ -89,46 +75,6 @@ class ParallelState:
         self.key = key
         self.request_id = request_id
         self.inner = inner
-
-
-def _layout(cfg: int, ulysses: int, ring: int, by_load: bool) -> Layout:
-    degrees = {"cfg": cfg, "ulysses": ulysses, "ring": ring}
-    for name, degree in degrees.items():
-        if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
-            raise ValueError(f"{name}: must be an int >= 1, got {degree!r}")
-    split = [name for name, degree in degrees.items() if degree > 1]
-    if len(split) != 1:
-        raise ValueError(
-            "give exactly one of cfg, ulysses or ring above 1 (they do not combine yet);"
-            f" got {degrees}"
-        )
-    kind = split[0]
-    if not isinstance(by_load, bool):
-        raise ValueError(f"by_load: must be a bool, got {by_load!r}")
-    if by_load and kind == "cfg":
-        raise ValueError(
-            "by_load: only with ulysses or ring (the split already cuts every call by rows)"
-        )
-    return Layout(kind=kind, degree=degrees[kind], by_load=by_load)  # type: ignore[arg-type]
-
-
-def _devices(devices: Sequence[str] | None, degree: int) -> list[str | None]:
-    if devices is None:
-        return [None] * degree
-    names = list(devices)
-    if len(names) != degree:
-        raise ValueError(f"devices: give one per rank ({degree}), got {len(names)}")
-    kinds = {torch.device(name).type for name in names}
-    if len(kinds) != 1 or not kinds <= {"cpu", "cuda"}:
-        raise ValueError(f"devices: all CPU or all CUDA, got {names}")
-    if "cuda" in kinds and len(set(names)) != len(names):
-        raise ValueError(f"devices: a GPU named twice in {names}")
-    return list(names)
-
-
-def _cores() -> int:
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 class ParallelRunner:
@@ -205,31 +151,9 @@ class ParallelRunner:
         max_loaded_adapters: int = 16,
         max_adapter_bytes: int | None = None,
     ) -> None:
-        layout = _layout(cfg, ulysses, ring, by_load)
-        names = _devices(devices, layout.degree)
-        if not (timeout_s > 0 and start_timeout_s > 0):
-            raise ValueError("timeout_s, start_timeout_s: must be > 0")
-        try:
-            pickle.dumps(factory)
-        except Exception as exc:
-            raise TypeError(
-                f"factory: must pickle, to reach the ranks (a module-level function or a"
-                f" functools.partial of one): {exc}"
-            ) from None
-        if group_in_use():
-            raise ParallelStartError(
-                "torch.distributed's default group is in use: one ParallelRunner per process"
-            )
+        layout = layout_of(cfg, ulysses, ring, by_load)
         self._layout = layout
         self._timeout_s = float(timeout_s)
-        threads = torch_threads if torch_threads is not None else max(1, _cores() // layout.degree)
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        backend = (
-            "nccl" if names[0] is not None and torch.device(names[0]).type == "cuda" else "gloo"
-        )
-        context = multiprocessing.get_context("spawn")
-        self._flags = new_flags(context)
         self._lock = threading.Lock()  # the control pipes: one sender at a time
         # Rank 0's book: the live states, their state changes and the ops queued for
         # the other ranks change together under it, so a report sees rank 0 exactly
@@ -241,71 +165,21 @@ class ParallelRunner:
         self._live: dict[int, ParallelState] = {}
         self._broken: str | None = None
         self._closed = False
-        self._stack = ExitStack()
         options: dict[str, Any] = {
             "max_batch_size": max_batch_size,
             "max_adapters": max_adapters,
             "max_loaded_adapters": max_loaded_adapters,
             "max_adapter_bytes": max_adapter_bytes,
         }
-        listen = listening_socket()
-        pipes = [context.Pipe() for _ in range(layout.degree - 1)]
-        self._connections: list[Connection] = [ours for ours, _ in pipes]
-        specs = [
-            RankSpec(
-                rank=rank,
-                layout=layout,
-                factory=factory,
-                device=names[rank],
-                backend=backend,
-                port=listen.getsockname()[1],
-                timeout_s=self._timeout_s,
-                parent=os.getpid(),
-                threads=threads,
-                options=options,
-                connection=theirs,
-                flags=self._flags,
-            )
-            for rank, (_, theirs) in enumerate(pipes, start=1)
-        ]
-        self._ranks = RankProcesses(context, main, [(spec,) for spec in specs], name=KEEPER)
-        runner: RankRunner | None = None
-        try:
-            try:
-                self._ranks.start()
-            finally:
-                for _, theirs in pipes:
-                    theirs.close()  # the child's end is the child's: its exit is our EOF
-            runner = self._build(factory, names[0], options)
-            self._await("built", start_timeout_s)
-            for connection in self._connections:
-                connection.send(("go",))
-            open_group(
-                rank=0,
-                world=layout.degree,
-                port=listen.getsockname()[1],
-                listen=listen,
-                backend=backend,
-                timeout_s=self._timeout_s,
-            )
-            if layout.kind != "cfg":
-                if layout.kind == "ring":
-                    self._stack.enter_context(ring_attention())
-                with loopback_interfaces():
-                    enable_context_parallel(runner.pipeline, layout.kind, layout.degree)
-                if layout.by_load:
-                    runner.switch = ContextSwitch(runner.pipeline)
-            self._await("ready", self._timeout_s)
-        except BaseException:
-            listen.close()
-            self._ranks.reap(grace=0)
-            for connection in self._connections:
-                connection.close()
-            close_group()
-            self._stack.close()
-            if runner is not None:
-                runner.close()
-            raise
+        self._group, runner = start_group(
+            factory,
+            layout,
+            devices=devices,
+            timeout_s=self._timeout_s,
+            start_timeout_s=start_timeout_s,
+            torch_threads=torch_threads,
+            options=options,
+        )
         self._runner: RankRunner | None = runner
         self._family = runner.family
         inner = runner.capabilities
@@ -320,59 +194,6 @@ class ParallelRunner:
             step_cache=frozenset() if layout.by_load else inner.step_cache,
             checkpoints=False,
         )
-
-    def _build(
-        self, factory: Callable[[], Any], device: str | None, options: dict[str, Any]
-    ) -> RankRunner:
-        """Rank 0's pipeline and runner, checked against the layout."""
-        try:
-            pipeline = factory()
-            if device is not None:
-                pipeline = pipeline.to(device)
-        except Exception as exc:
-            raise ParallelStartError(
-                f"rank 0: the factory raised {type(exc).__name__}: {exc}"
-            ) from exc
-        if self._layout.kind != "cfg":
-            for model in context_parallel_denoisers(pipeline, self._layout.kind):
-                heads = int(getattr(model.config, "num_attention_heads", 0))
-                if self._layout.kind == "ulysses" and heads % self._layout.degree:
-                    raise ValueError(
-                        f"ulysses: {heads} attention heads do not divide by"
-                        f" {self._layout.degree} ranks"
-                    )
-        return RankRunner(pipeline, layout=self._layout, rank=0, **options)
-
-    def _await(self, stage: str, timeout: float) -> None:
-        """Wait for every rank to say ``stage``; fail at once when one fails or ends.
-
-        Raises:
-            ParallelStartError: a rank failed, ended, or was late.
-        """
-        deadline = time.monotonic() + timeout
-        waiting = dict(enumerate(self._connections, start=1))
-        while waiting:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ParallelStartError(
-                    f"ranks {sorted(waiting)} were not {stage} within {timeout:g} s"
-                )
-            ready = wait(list(waiting.values()), left)
-            for rank, connection in list(waiting.items()):
-                if connection not in ready:
-                    continue
-                try:
-                    message = connection.recv()
-                except EOFError:
-                    self._ranks.wait_exit(_FAILURE_WAIT_S)
-                    code = self._ranks.exit_codes()[rank - 1]
-                    raise ParallelStartError(
-                        f"rank {rank} ended while starting ({_exit_text(code)})"
-                    ) from None
-                if message[0] == "error":
-                    raise ParallelStartError(f"rank {rank} failed to start:\n{message[1]}")
-                if message == (stage,):
-                    del waiting[rank]
 
     # -- what the engine sees -------------------------------------------------
 
@@ -409,7 +230,7 @@ class ParallelRunner:
     @property
     def pids(self) -> tuple[int, ...]:
         """The process ids of ranks 1..N-1."""
-        return self._ranks.pids
+        return self._group.ranks.pids
 
     @property
     def pipeline(self) -> Any:
@@ -460,7 +281,7 @@ class ParallelRunner:
             seq = self._send(PlanKind.STEP, members=tuple(state.key for state in states))
             engine = current_check()
             check = agreed_check(
-                self._layout.agreement, self._flags, seq, writer=True, engine=engine
+                self._layout.agreement, self._group.flags, seq, writer=True, engine=engine
             )
             try:
                 with armed(check):
@@ -540,7 +361,7 @@ class ParallelRunner:
                 raise AdapterError(
                     "the runner is closed: it loads nothing", reason="invalid", name=name
                 )
-            exited = [code for code in self._ranks.exit_codes() if code is not None]
+            exited = [code for code in self._group.ranks.exit_codes() if code is not None]
             if self._broken is not None or exited:
                 raise self._failure(RuntimeError("a rank has exited"), "an adapter's load")
             # Under the book lock, rank 0's load and its op take one place among the
@@ -550,7 +371,7 @@ class ParallelRunner:
                 self._ops.append(Op(kind=OpKind.LOAD_ADAPTER, key=0, name=name, source=source))
             try:
                 self._send(PlanKind.ADAPTERS)
-                answers = [receive(c, self._timeout_s) for c in self._connections]
+                answers = [receive(c, self._timeout_s) for c in self._group.connections]
             except BaseException as exc:
                 failure = self._failure(exc, "an adapter's load")
                 with self._book_lock, suppress(Exception):
@@ -616,7 +437,7 @@ class ParallelRunner:
                 RankReport(rank=0, states=ours, calls=self.calls(), adapters=self.adapters())
             ]
             try:
-                for connection in self._connections:
+                for connection in self._group.connections:
                     message = receive(connection, self._timeout_s)
                     assert isinstance(message, tuple) and message[0] == "report", message
                     reports.append(message[1])
@@ -640,11 +461,7 @@ class ParallelRunner:
                     grace = _CLOSE_GRACE_S
                 except ParallelGroupError:
                     pass
-            self._ranks.reap(grace=grace)
-            for connection in self._connections:
-                connection.close()
-            close_group()
-            self._stack.close()
+            self._group.release(grace=grace)
             # Let go of rank 0's model: diffusers' context parallelism keeps its mesh's
             # groups, and their listening sockets, for as long as the model lives, and
             # the model's modules hold each other in cycles: collect them now.
@@ -688,7 +505,7 @@ class ParallelRunner:
         )
         data = encode_plan(plan)
         try:
-            for connection in self._connections:
+            for connection in self._group.connections:
                 connection.send_bytes(data)
         except BaseException as exc:
             raise self._failure(exc, "sending a plan") from exc
@@ -697,35 +514,8 @@ class ParallelRunner:
     def _failure(self, exc: BaseException, during: str) -> ParallelGroupError:
         """The group is broken by ``exc``: remember why, once; the error to raise."""
         if self._broken is None:
-            self._ranks.wait_exit(_FAILURE_WAIT_S)
-            reasons = "".join(f"; {reason}" for reason in self._rank_reasons())
+            reasons = failure_reasons(self._group)
             self._broken = (
                 f"the parallel group broke during {during}: {type(exc).__name__}: {exc}{reasons}"
             )
         return ParallelGroupError(self._broken)
-
-    def _rank_reasons(self) -> list[str]:
-        """What each other rank said or did before the failure: its error, its exit."""
-        reasons = []
-        codes = self._ranks.exit_codes()
-        for rank, connection in enumerate(self._connections, start=1):
-            said = ""
-            try:
-                while connection.poll(0):
-                    message = connection.recv()
-                    if isinstance(message, tuple) and message[0] == "error":
-                        said = str(message[1]).strip().splitlines()[-1]
-            except (EOFError, OSError):
-                pass
-            code = codes[rank - 1]
-            if code is not None or said:
-                reasons.append(f"rank {rank} {_exit_text(code)}" + (f": {said}" if said else ""))
-        return reasons
-
-
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "is still running"
-    if code < 0:
-        return f"was killed by signal {-code}"
-    return f"exited with code {code}"

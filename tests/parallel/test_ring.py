@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from omni_trio.parallel._runner import KEEPER
+from omni_trio.parallel._start import KEEPER
 from omni_trio.runners import DiffusersRunner
 from tests.support.parallel import (
     cached_like_one_rank,
