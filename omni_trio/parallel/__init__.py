@@ -8,7 +8,8 @@ omni_trio.parallel`` loads torch; ``import omni_trio`` does not load this packag
 Layout: the private modules, each importing only those below it:
 
 - ``_runner``: ``ParallelRunner``, rank 0, in the engine's process: the runner the
-  engine drives, the plans it sends (L40), the group's failures (L41);
+  engine drives, the plans it sends (L40), the group's failures (L41), what its
+  caches answer (L94, L95);
 - ``_start``: a group's start (the arguments checked, the ranks spawned, rank 0
   built, every rank joined) and its end (every rank reaped), and what the other
   ranks said when the group breaks;

@@ -13,6 +13,9 @@ Cancel points are agreed (``_agree``): all ranks leave a step at the same point.
 Adapters load on rank 0 first (its validation is the load's), then on every other
 rank, all or nothing; their loads and unloads are ops in the same order as the
 joins and drops, so every rank holds and evicts the same adapters (L85-L87).
+What the engine and the server read of the caches is rank 0's, in this process, with
+no message: the result cache's fingerprint (L95: the layout and rank 0's model) and
+the prompt cache's statistics (L94: every rank's cache sees the same requests).
 
 The group is fatal as a whole: a rank that dies, a collective that times out
 (``timeout_s``), a step that fails part-way, any failure once a plan is out,
@@ -45,6 +48,7 @@ from .._codec import request_record
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities, StopRun
 from .._stepcache import CacheMetrics
+from ..runners import PromptCacheStatistics
 from ._agree import agreed_check
 from ._plan import Op, OpKind, Plan, PlanKind, RankReport, encode_plan
 from ._processes import receive
@@ -165,6 +169,7 @@ class ParallelRunner:
         self._live: dict[int, ParallelState] = {}
         self._broken: str | None = None
         self._closed = False
+        self._fingerprint: str | None = None
         options: dict[str, Any] = {
             "max_batch_size": max_batch_size,
             "max_adapters": max_adapters,
@@ -181,6 +186,9 @@ class ParallelRunner:
             options=options,
         )
         self._runner: RankRunner | None = runner
+        # What ``prompt_cache_statistics`` answers once rank 0's runner is let go of
+        # (``close`` renews it).
+        self._prompts_closed = runner.prompt_cache_statistics()
         self._family = runner.family
         inner = runner.capabilities
         multiple = inner.size_multiple * (1 if layout.kind == "cfg" else layout.degree)
@@ -417,6 +425,40 @@ class ParallelRunner:
         runner = self._runner
         return frozenset() if runner is None else runner.adapter_names()
 
+    # -- the caches (L94, L95) ------------------------------------------------------
+
+    def result_fingerprint(self) -> str:
+        """Name the model and the layout the outputs come from, for an engine's result
+        cache (L95): the layout (its kind, its degree, whether it splits by load: each
+        adds the ranks' parts in another order, within float tolerance of one process,
+        L48, never bitwise) and rank 0's model (``DiffusersRunner.result_fingerprint``;
+        every rank builds the same pipeline from the same factory, on the same kind of
+        device). Computed in this process, once (the engine asks when it opens): no
+        rank is asked, and no request ever waits for it.
+
+        Raises:
+            ParallelGroupError: the runner closed before it was first asked.
+        """
+        with self._lock:  # no step runs: a layout by load switches hooks between calls
+            if self._fingerprint is None:
+                layout = self._layout
+                self._fingerprint = (
+                    f"parallel {layout.kind}={layout.degree} by_load={layout.by_load}"
+                    f" {self._model.result_fingerprint()}"
+                )
+            return self._fingerprint
+
+    def prompt_cache_statistics(self) -> PromptCacheStatistics:
+        """Rank 0's prompt cache (L94), which stands for every rank's: every rank prepares
+        every request alike, so each encodes, keeps and hits the same texts (each holds
+        ``bytes`` of its own). Any thread, without a message: rank 0's cache is in this
+        process and has a lock of its own, never held across an encode, so a read never
+        waits for a step. Once closed: the last counts, holding nothing."""
+        runner = self._runner
+        if runner is None:
+            return self._prompts_closed
+        return runner.prompt_cache_statistics()
+
     def report(self) -> tuple[RankReport, ...]:
         """What every rank holds now, rank 0 first; waits for a step in progress.
 
@@ -465,9 +507,13 @@ class ParallelRunner:
             # Let go of rank 0's model: diffusers' context parallelism keeps its mesh's
             # groups, and their listening sockets, for as long as the model lives, and
             # the model's modules hold each other in cycles: collect them now.
-            runner, self._runner = self._runner, None
+            runner = self._runner
             if runner is not None:
+                # A reader sees the last counts from here on: its series never go back.
+                self._prompts_closed = runner.prompt_cache_statistics()
+                self._runner = None
                 runner.close()
+                self._prompts_closed = runner.prompt_cache_statistics()
                 del runner
                 if self._layout.kind != "cfg":
                     gc.collect()

@@ -6,7 +6,8 @@
   adapters need (L85-L87), ``CheckpointRunner`` the three that checkpoints need (L78:
   with ``pack_checkpoint``, ``unpack_checkpoint``);
   ``cancel_point()`` what a runner declaring ``cancel_points`` calls (L71, L72).
-- ``DiffusersRunner``: a diffusers pipeline driven one step at a time.
+- ``DiffusersRunner``: a diffusers pipeline driven one step at a time;
+  ``PromptCacheStatistics``, what its prompt cache did and holds (L94).
 - ``PipelineCallRunner``: any other pipeline, through its own ``__call__``.
 - ``runner_for(pipeline)``: the first where it can, else the second.
 - ``ModelSpec`` and ``load(spec)``: a model as one value (a folder or a hub id, its
@@ -102,6 +103,7 @@ from ._forward import Exchange as Exchange
 from ._forward import ModelCall as ModelCall
 from ._forward import rows_slice as rows_slice
 from ._forward import token_split as token_split
+from ._prompts import PromptCacheStatistics as PromptCacheStatistics
 from ._registry import context_parallel_denoisers as context_parallel_denoisers
 from ._spec import ModelSpec as ModelSpec
 from ._spec import load as load
@@ -121,6 +123,7 @@ __all__ = [
     "ModelCall",
     "ModelSpec",
     "PipelineCallRunner",
+    "PromptCacheStatistics",
     "Runner",
     "RunnerCapabilities",
     "StepCacheRunner",
