@@ -21,6 +21,8 @@ import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .._results import ResultCache
+from ..serve._config import OutputConfig
 from ..serve._keys import ApiKeys, load_keys_file
 from ..serve._models import MODELS, LoadedModel, ModelError, is_hub_id, model_folder
 from ..serve._options import OptionError, ServiceOptions, build_service
@@ -159,12 +161,70 @@ def _warm_up(args: argparse.Namespace) -> bool:
     return bool(args.warm_up) and args.model != "fake"
 
 
+def _result_cache(args: argparse.Namespace) -> ResultCache | None:
+    """``--result-cache BYTES[:DIR]`` with its ``--result-cache-scope``.
+
+    Raises:
+        UsageError: the cache refuses them (the message names the option).
+    """
+    if args.result_cache is None:
+        return None
+    max_bytes, folder = args.result_cache
+    try:
+        return ResultCache(max_bytes=max_bytes, folder=folder, scope=args.result_cache_scope)
+    except ValueError as exc:
+        raise UsageError(f"--result-cache: {exc}") from None
+
+
+def _outputs(args: argparse.Namespace) -> OutputConfig | None:
+    """The output store of ``--output-store`` and its TTL, secret and public URL.
+
+    Raises:
+        UsageError: the secret's file cannot be read, or the store refuses a setting,
+            or one of them is given without ``--output-store``.
+    """
+    if args.output_store is None:
+        for flag in ("--output-secret-file", "--output-url"):
+            if getattr(args, flag.removeprefix("--").replace("-", "_")) is not None:
+                raise UsageError(f"{flag}: needs --output-store")
+        return None
+    secret = None
+    if args.output_secret_file is not None:
+        try:
+            with open(args.output_secret_file, "rb") as file:
+                secret = file.read().strip()
+        except OSError as exc:
+            raise UsageError(f"--output-secret-file: {summary(exc)}") from None
+    try:
+        return OutputConfig(
+            store=args.output_store,
+            ttl_s=args.output_ttl,
+            secret=secret,
+            public_url=args.output_url,
+        )
+    except ValueError as exc:
+        field, _, detail = str(exc).partition(": ")
+        option = _OUTPUT_FLAGS.get(field)
+        raise UsageError(f"{option}: {detail}" if option else f"--output-store: {exc}") from None
+
+
+#: The option that sets each field of ``OutputConfig`` a refusal may name.
+_OUTPUT_FLAGS = {
+    "store": "--output-store",
+    "ttl_s": "--output-ttl",
+    "secret": "--output-secret-file",
+    "public_url": "--output-url",
+}
+
+
 #: The fields of ``ServiceOptions`` built from the options that set them (``sets``).
 BUILT: dict[str, Callable[[argparse.Namespace], Any]] = {
     "devices": _devices,
     "parallel": _parallel,
     "keys": _keys,
     "warm_up": _warm_up,
+    "result_cache": _result_cache,
+    "outputs": _outputs,
 }
 
 

@@ -72,12 +72,14 @@ def _options(args: argparse.Namespace) -> ServiceOptions:
         raise UsageError("--port: Ray Serve's proxy needs a fixed port with --ray, not 0")
     check_model(args.model)
     options = service_options(args)
-    if options.jobs_dir is not None and is_video_model(args.model):
-        # One folder that every replica shares (L79); the replicas run on the head node.
+    durable = options.jobs_db is not None or options.jobs_dir is not None
+    if durable and is_video_model(args.model):
+        # One store that every replica shares (L79): a database any node reaches (L98),
+        # or a folder, and then the replicas run on the head node, which holds it.
         lease = options.jobs_lease_s if options.jobs_lease_s is not None else DEFAULT_JOBS_LEASE_S
         options = dataclasses.replace(options, jobs_lease_s=lease)
     else:
-        options = dataclasses.replace(options, jobs_dir=None, jobs_lease_s=None)
+        options = dataclasses.replace(options, jobs_dir=None, jobs_db=None, jobs_lease_s=None)
     if args.ray_address is None:
         check_port(args.host, args.port)
     return options
@@ -127,7 +129,7 @@ def _deploy(args: argparse.Namespace, options: ServiceOptions) -> None:
         num_replicas=args.replicas,
         ray_actor_options={"num_gpus": args.replica_gpus} if args.replica_gpus else None,
         name=APP_NAME,
-        shares_jobs=options.jobs_dir is not None,
+        shares_jobs=options.jobs_dir is not None and options.jobs_db is None,
     )
     try:
         serve.run(app, name=APP_NAME, route_prefix="/")
@@ -299,7 +301,14 @@ def _serve(
                 "a local cluster" if local else args.ray_address,
                 address(args.host, args.port),
             )
-            if options.jobs_dir is not None:
+            if options.jobs_db is not None:
+                _log.info(
+                    "video jobs are kept in PostgreSQL (--jobs-db), shared by the replicas on"
+                    " any node: a job whose replica stopped is taken over after %g s"
+                    " (--jobs-lease)",
+                    options.jobs_lease_s,
+                )
+            elif options.jobs_dir is not None:
                 _log.info(
                     "video jobs are kept in %s (--jobs-dir), shared by the replicas on the head"
                     " node: a job whose replica stopped is taken over after %g s (--jobs-lease)",

@@ -33,8 +33,10 @@ from ._types import (
     interval,
     jobs_dir,
     positive,
+    result_cache,
     seconds,
     size,
+    sizes,
     step_cache,
     threshold,
 )
@@ -102,8 +104,11 @@ _VIDEOS = Group(title="video jobs (a video model's /v1/videos)")
 _DECODING = Group(title="decodes in chunks (L72: an abort during a decode lands within one chunk)")
 _DEFAULTS = Group(title="request defaults (by default: what suits the model)")
 _ADAPTERS = Group(title="adapters (LoRA, L85-L88)")
+_OUTPUTS = Group(
+    title='outputs as URLs (L97: response_format "url", a signed URL of GET /v1/files/KEY)'
+)
 _KEYS = Group(title="API keys and tenants (with any key, every route but /health needs one)")
-_LOGS = Group(title="logging (stderr)")
+_LOGS = Group(title="logging (stderr) and traces")
 _RAY = Group(
     title="Ray Serve (scale out; needs the ray extra; --server and --close-timeout do not apply)"
 )
@@ -353,6 +358,25 @@ SERVE_OPTIONS = (
         help="most images per request (default 8)",
     ),
     Option(
+        flag="--result-cache",
+        sets="result_cache",
+        group=_LIMITS,
+        type=result_cache,
+        metavar="BYTES[:DIR]",
+        help="keep the outputs of seeded requests and answer their exact repeats from them"
+        " (L95): at most BYTES (512M, 2G), in memory, or in files under DIR that survive a"
+        " restart (default: off)",
+    ),
+    Option(
+        flag="--result-cache-scope",
+        sets="result_cache",
+        group=_LIMITS,
+        choices=("tenant", "global"),
+        default="tenant",
+        help="whose requests share the result cache's outputs (L96): each tenant its own,"
+        " or all (global: a hit's speed tells one tenant what another asked) (default tenant)",
+    ),
+    Option(
         flag="--max-body-bytes",
         sets="max_body_bytes",
         group=_LIMITS,
@@ -439,6 +463,16 @@ SERVE_OPTIONS = (
         help="folder of the durable job store: jobs and MP4s survive a restart or a crash;"
         " 'none' keeps them in memory (default: $XDG_STATE_HOME/omni-trio/jobs, else"
         " ~/.local/state/omni-trio/jobs)",
+    ),
+    Option(
+        flag="--jobs-db",
+        sets="jobs_db",
+        group=_VIDEOS,
+        metavar="postgresql://...",
+        applies=Applies.VIDEO,
+        help="keep the jobs, MP4s and checkpoints in PostgreSQL instead of --jobs-dir (L98;"
+        " the postgres extra): with --jobs-lease, servers that share nothing but the database"
+        " share its jobs (default: --jobs-dir)",
     ),
     Option(
         flag="--checkpoint-every",
@@ -558,6 +592,58 @@ SERVE_OPTIONS = (
         help="answer at once, without the warm-up request (the fewest steps at the default"
         " size) that measures a step first, so that --max-step-time holds for the first"
         " client's request too (default: a real model warms up)",
+    ),
+    Option(
+        flag="--warm-up-sizes",
+        sets="warm_up_sizes",
+        type=sizes,
+        metavar="WxH[,WxH...]",
+        applies=Applies.REAL,
+        help="the sizes clients ask for, each warmed up before the server answers (a"
+        " compiled model's at one and two rows, L90), so that no first request of one is"
+        " slow or refused by an estimate from another size (default: the default size)",
+    ),
+    Option(
+        flag="--output-store",
+        sets="outputs",
+        group=_OUTPUTS,
+        metavar="DIR|s3://BUCKET[/PREFIX]",
+        help="where response_format url outputs are kept: a folder this server serves, or an"
+        " S3-compatible bucket (the s3 extra; AWS_* variables: credentials, AWS_ENDPOINT_URL)"
+        " (default: none, and url is a 400)",
+    ),
+    Option(
+        flag="--output-ttl",
+        sets="outputs",
+        group=_OUTPUTS,
+        type=positive,
+        default=3600.0,
+        metavar="S",
+        help="seconds an output and its URL live (default 3600)",
+    ),
+    Option(
+        flag="--output-secret-file",
+        sets="outputs",
+        group=_OUTPUTS,
+        metavar="PATH",
+        help="the key URLs are signed with (16 bytes or more), shared by the replicas that"
+        " share the store (default: random at start: URLs die with the process)",
+    ),
+    Option(
+        flag="--output-url",
+        sets="outputs",
+        group=_OUTPUTS,
+        metavar="URL",
+        help="the server's address as clients reach it (a load balancer's), which URLs"
+        " start with (default: the request's own)",
+    ),
+    Option(
+        flag="--trace-prompts",
+        sets="trace_prompts",
+        group=_LOGS,
+        action="store_true",
+        help="with OTEL_TRACES_EXPORTER set (traces, L99; the trace extra): each request's"
+        " span holds its prompt too (default: never)",
     ),
     Option(
         # "--api-keys" first: its variable is OMNI_TRIO_API_KEYS, comma-separated.

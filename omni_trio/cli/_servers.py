@@ -178,6 +178,10 @@ async def _close_stage(ports: Collection[int], close_s: float, next_signal: Next
         )
 
 
+#: The most the lifespan's start (the model's warm-up, its compiles) may take: a day.
+STARTUP_TIMEOUT_S = 24 * 3600.0
+
+
 def _bound_port(address: str) -> int:
     """The port of Hypercorn's ``http://HOST:PORT`` (``[::1]`` included)."""
     return int(address.rsplit(":", 1)[1])
@@ -191,6 +195,9 @@ def run_hypercorn(service: Service, args: argparse.Namespace) -> None:
     config = Config()
     config.bind = [address(args.host, args.port)]
     config.graceful_timeout = args.close_timeout + BACKSTOP_S
+    # The lifespan's start holds the warm-up, which a cold compile makes minutes long
+    # (L90; 84 s measured for a quantized tiny Flux): Hypercorn's 60 s would end it.
+    config.startup_timeout = STARTUP_TIMEOUT_S
     # Loggers, not "-": their lines go through the one handler (text or JSON).
     config.accesslog = logging.getLogger("hypercorn.access") if args.access_log else None
     config.errorlog = logging.getLogger("hypercorn.error")

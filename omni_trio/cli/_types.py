@@ -185,6 +185,36 @@ def size(text: str) -> tuple[int, int]:
     return sides
 
 
+def sizes(text: str) -> tuple[tuple[int, int], ...]:
+    """``WIDTHxHEIGHT``, or several comma-separated, as ``(width, height)`` pairs."""
+    return tuple(size(item.strip()) for item in text.split(","))
+
+
+#: The binary multiples a number of bytes may end with.
+_BYTE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def byte_count(text: str) -> int:
+    """A number of bytes >= 1, plain or with a binary unit (``512M``, ``2G``, ``64KiB``)."""
+    digits = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = digits[-1:] if digits[-1:] in _BYTE_UNITS else ""
+    try:
+        value = int(digits[: len(digits) - len(unit)]) * _BYTE_UNITS[unit]
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes (512M, 2G), got {text!r}")
+    return value
+
+
+def result_cache(text: str) -> tuple[int, str | None]:
+    """``BYTES[:DIR]``: the result cache's bound and its folder (``None``: in memory)."""
+    bound_text, sep, folder = text.partition(":")
+    if sep and not folder:
+        raise argparse.ArgumentTypeError(f"expected BYTES[:DIR], got {text!r}")
+    return byte_count(bound_text), folder or None
+
+
 def header(text: str) -> tuple[str, str]:
     """An HTTP header, ``'Name: value'``, as ``(name, value)`` stripped."""
     name, sep, value = text.partition(":")

@@ -18,6 +18,7 @@ says otherwise: a field added or renamed needs its option there (its test says s
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -25,15 +26,17 @@ from .._adapters import AdapterError
 from .._config import EngineConfig
 from .._errors import InvalidRequestError
 from .._request import GenerationRequest
+from .._results import ResultCache
 from .._runner import AdapterRunner
 from ._app import Service
-from ._config import ServeConfig, with_defaults
+from ._config import OutputConfig, ServeConfig, with_defaults
 from ._keys import ApiKeys
 from ._models import FALLBACK_FPS, LoadedModel, load_model
+from ._tracing import Tracing
 from ._upload import UploadLimits
 from ._video_body import default_frames
 from ._warmup import warm_up_request
-from .jobs import VideoConfig
+from .jobs import JobStore, VideoConfig, postgres_store
 
 __all__ = ["OptionError", "ServiceOptions", "build_service"]
 
@@ -133,6 +136,16 @@ class ServiceOptions:
             L56; ``Service``'s ``keys``); ``None``: an open server. Only digests
             travel: the keys themselves are never kept.
         warm_up: as ``ServeConfig``'s: one request before the service answers.
+        warm_up_sizes: as ``ServeConfig``'s: the sizes the warm-up runs.
+        result_cache: the engine's result cache (``EngineConfig.result_cache``, L95,
+            L96); ``None``: ``engine_config``'s.
+        jobs_db: a PostgreSQL connection string (``postgresql://...``): the video jobs'
+            durable store (L98) instead of ``jobs_dir``; shared with the other servers
+            on it with ``jobs_lease_s``.
+        outputs: as ``ServeConfig``'s: the output store behind ``response_format``
+            ``url`` (L97).
+        trace_prompts: a request's span holds its prompt (L99; traces are on when the
+            ``OTEL_*`` variables say so).
     """
 
     model: str
@@ -173,6 +186,11 @@ class ServiceOptions:
     allow_adapter_admin: bool = False
     keys: ApiKeys | None = None
     warm_up: bool = False
+    warm_up_sizes: tuple[tuple[int, int], ...] = ()
+    result_cache: ResultCache | None = None
+    jobs_db: str | None = None
+    outputs: OutputConfig | None = None
+    trace_prompts: bool = False
 
     def with_serve_config(self, config: ServeConfig) -> ServiceOptions:
         """These options with every setting of ``config``: its defaults, not the model's."""
@@ -188,6 +206,8 @@ class ServiceOptions:
             adapter_dir=config.adapter_dir,
             allow_adapter_admin=config.allow_adapter_admin,
             warm_up=config.warm_up,
+            warm_up_sizes=config.warm_up_sizes,
+            outputs=config.outputs,
         )
 
     def load_model(self) -> LoadedModel:
@@ -245,25 +265,36 @@ def build_service(options: ServiceOptions, *, model: LoadedModel | None = None) 
     loaded = model if model is not None else options.load_model()
     config = _serve_config(options, loaded)
     _load_adapters(options.adapters, loaded)
-    fps = options.video_fps if options.video_fps is not None else loaded.fps or FALLBACK_FPS
-    videos = VideoConfig(
-        fps=fps,
-        max_jobs=options.video_jobs,
-        ttl_s=options.video_ttl_s,
-        max_bytes=options.video_bytes,
-        jobs_dir=options.jobs_dir,
-        checkpoint_every_s=options.checkpoint_every_s,
-        lease_s=options.jobs_lease_s if options.jobs_dir is not None else None,
-    )
-    _check_defaults(options.engine_config, config, videos, loaded)
+    videos = _video_config(options, loaded)
+    engine_config = options.engine_config
+    if options.result_cache is not None:
+        engine_config = dataclasses.replace(engine_config, result_cache=options.result_cache)
+    _check_defaults(engine_config, config, videos, loaded)
     runners = loaded.runners[0] if len(loaded.runners) == 1 else list(loaded.runners)
     return Service(
         runners,
-        engine_config=options.engine_config,
+        engine_config=engine_config,
         config=config,
         upload_limits=options.upload_limits,
         video_config=videos,
         keys=options.keys,
+        tracing=Tracing.from_environment(prompts=options.trace_prompts),
+    )
+
+
+def _video_config(options: ServiceOptions, model: LoadedModel) -> VideoConfig:
+    """The video jobs' configuration: in PostgreSQL (``jobs_db``), a folder, or memory."""
+    fps = options.video_fps if options.video_fps is not None else model.fps or FALLBACK_FPS
+    durable = options.jobs_db is not None or options.jobs_dir is not None
+    return VideoConfig(
+        fps=fps,
+        max_jobs=options.video_jobs,
+        ttl_s=options.video_ttl_s,
+        max_bytes=options.video_bytes,
+        jobs_dir=options.jobs_dir if options.jobs_db is None else None,
+        store=None if options.jobs_db is None else _postgres(options.jobs_db),
+        checkpoint_every_s=options.checkpoint_every_s,
+        lease_s=options.jobs_lease_s if durable else None,
     )
 
 
@@ -286,7 +317,21 @@ def _serve_config(options: ServiceOptions, model: LoadedModel) -> ServeConfig:
         adapter_dir=options.adapter_dir,
         allow_adapter_admin=options.allow_adapter_admin,
         warm_up=options.warm_up,
+        warm_up_sizes=options.warm_up_sizes,
+        outputs=options.outputs,
     )
+
+
+def _postgres(dsn: str) -> Callable[[str | None], JobStore]:
+    """``postgres_store(dsn)``.
+
+    Raises:
+        OptionError: psycopg is not installed (``option``: ``jobs_db``).
+    """
+    try:
+        return postgres_store(dsn)
+    except ImportError as exc:
+        raise OptionError("jobs_db", str(exc)) from None
 
 
 def _load_adapters(adapters: tuple[tuple[str, str], ...], model: LoadedModel) -> None:

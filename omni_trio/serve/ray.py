@@ -14,7 +14,9 @@ Needs the ``ray`` extra (``pip install 'omni_trio[ray]'``); ``import omni_trio``
   returns only once the worker released it (L11, L51);
 - ``deployment(..., jobs_dir=folder)`` (``serve --ray``'s ``--jobs-dir``): a video
   model's replicas share one job store on the head node (L79): any replica serves
-  any job, and a dead replica's jobs are taken over from their last checkpoints.
+  any job, and a dead replica's jobs are taken over from their last checkpoints;
+  ``deployment(..., jobs_db=dsn)`` (``--jobs-db``): the same through PostgreSQL
+  (L98), the replicas on any node.
 
 The engine's lifetime is the replica's: the lifespan opens it when the replica
 starts and Ray Serve's destructor runs its shutdown sequence (L30-L35) when the
@@ -43,7 +45,7 @@ from ._keys import ApiKeys
 from ._options import ServiceOptions, build_service
 from ._ray_ingress import REPLICA_HEADER, App, ReplicaIngress
 from ._video_body import default_frames
-from .jobs import DEFAULT_JOBS_LEASE_S, VideoConfig
+from .jobs import DEFAULT_JOBS_LEASE_S, VideoConfig, postgres_store
 
 __all__ = [
     "DEFAULT_JOBS_LEASE_S",
@@ -211,6 +213,7 @@ def deployment(
     name: str = "omni_trio",
     keys: ApiKeys | None = None,
     jobs_dir: str | os.PathLike[str] | None = None,
+    jobs_db: str | None = None,
     checkpoint_every_s: float | None = 30.0,
     jobs_lease_s: float = DEFAULT_JOBS_LEASE_S,
 ) -> Application:
@@ -257,6 +260,9 @@ def deployment(
             job, and a job whose replica died is taken over by another from its last
             checkpoint. The replicas then run on the head node, which holds the
             folder. ``None``: each replica keeps its jobs in memory.
+        jobs_db: a PostgreSQL connection string instead of ``jobs_dir`` (L98): the
+            replicas share the jobs, their MP4s and checkpoints through the database,
+            on any node (the ``postgres`` extra on each); a factory's replicas too.
         checkpoint_every_s: seconds between a running job's checkpoints (L78).
         jobs_lease_s: seconds a replica holds a job without renewing it before
             another takes it over (a dead replica's jobs wait this long).
@@ -278,8 +284,8 @@ def deployment(
         raise ValueError(
             f"max_queued_requests: must be >= 1 (a bounded queue), got {max_queued_requests}"
         )
-    folder = None if jobs_dir is None else os.fspath(jobs_dir)
-    lease = jobs_lease_s if folder is not None else None
+    folder = None if jobs_dir is None or jobs_db is not None else os.fspath(jobs_dir)
+    lease = jobs_lease_s if folder is not None or jobs_db is not None else None
     make: ServiceFactory
     if isinstance(model, str):
         options = ServiceOptions(
@@ -291,6 +297,7 @@ def deployment(
             engine_config=config,
             keys=keys,
             jobs_dir=folder,
+            jobs_db=jobs_db,
             checkpoint_every_s=checkpoint_every_s,
             jobs_lease_s=lease,
         )
@@ -303,7 +310,10 @@ def deployment(
                 "parallel, split_by_load: for a named model; a factory returns its own"
                 " ParallelRunner"
             )
-        videos = VideoConfig(jobs_dir=folder, checkpoint_every_s=checkpoint_every_s, lease_s=lease)
+        store = None if jobs_db is None else postgres_store(jobs_db)
+        videos = VideoConfig(
+            jobs_dir=folder, store=store, checkpoint_every_s=checkpoint_every_s, lease_s=lease
+        )
         make = functools.partial(_runner_service, model, config, serve_config, keys, videos)
     return application(
         make,

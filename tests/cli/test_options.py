@@ -265,3 +265,76 @@ def test_a_bad_max_step_time_is_one_line_and_status_2(
     monkeypatch.setenv("OMNI_TRIO_MAX_STEP_TIME", value)
     assert main(["serve", "--model", "fake"]) == EXIT_USAGE
     assert capsys.readouterr().err == f"omni-trio: error: OMNI_TRIO_MAX_STEP_TIME: {expected}\n"
+
+
+def test_caches_outputs_traces_and_warm_up_sizes_reach_the_service(tmp_path: Path) -> None:
+    """L95, L96, L97, L99, L4: ``--result-cache`` and its scope, the output store's four
+    options, ``--trace-prompts`` and ``--warm-up-sizes`` become the service's settings."""
+    secret = tmp_path / "secret"
+    secret.write_text("a-secret-of-more-than-16-bytes\n")
+    argv = [
+        "--model", "fake",
+        "--result-cache", "2M:" + str(tmp_path / "results"),
+        "--result-cache-scope", "global",
+        "--output-store", str(tmp_path / "outputs"),
+        "--output-ttl", "60",
+        "--output-secret-file", str(secret),
+        "--output-url", "https://img.example",
+        "--trace-prompts",
+        "--warm-up-sizes", "64x64,32x48",
+    ]  # fmt: skip
+    options = service_options(parse(*argv))
+    service = make_service(options, load(options))
+    cache = service.engine_config.result_cache
+    assert cache is not None
+    assert (cache.max_bytes, cache.folder, cache.scope) == (
+        2 << 20,
+        str(tmp_path / "results"),
+        "global",
+    )
+    outputs = service.config.outputs
+    assert outputs is not None
+    assert (outputs.store, outputs.ttl_s, outputs.public_url) == (
+        str(tmp_path / "outputs"),
+        60.0,
+        "https://img.example",
+    )
+    assert outputs.secret == b"a-secret-of-more-than-16-bytes"
+    assert service.config.warm_up_sizes == ((64, 64), (32, 48))
+    assert options.trace_prompts and service.tracing.provider is None  # no OTEL_* variable
+    plain = make_service(service_options(parse("--model", "fake")), load(options))
+    assert plain.engine_config.result_cache is None and plain.config.outputs is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["--output-url", "https://x.example"], "--output-url: needs --output-store"),
+        (["--output-secret-file", "s"], "--output-secret-file: needs --output-store"),
+        (["--output-store", "o", "--output-url", "ftp://x"], "--output-url: must start with"),
+        (["--output-store", "o", "--output-secret-file", "missing"], "--output-secret-file: "),
+        (["--output-store", "o", "--output-secret-file", "short"], "--output-secret-file: must"),
+    ],
+)
+def test_a_wrong_output_store_setting_names_its_option(
+    argv: list[str], line: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L97: each refusal of the output store's options is one line naming the option."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "short").write_text("too short")
+    with pytest.raises(UsageError) as refused:
+        service_options(parse("--model", "fake", *argv))
+    assert str(refused.value).startswith(line)
+
+
+def test_jobs_db_keeps_the_jobs_in_postgresql_instead_of_the_folder() -> None:
+    """L98: ``--jobs-db`` makes the video jobs' store PostgreSQL's (opened when the server
+    starts, not here); the folder is then unused, and ``--jobs-lease`` shares it."""
+    dsn = "postgresql://jobs@127.0.0.1:1/jobs"
+    options = service_options(parse("--model", "fake", "--jobs-db", dsn, "--jobs-lease", "5"))
+    assert options.jobs_db == dsn
+    service = make_service(options, load(options))
+    videos = service.videos.config
+    assert videos.jobs_dir is None and videos.store is not None and videos.lease_s == 5.0
+    alone = service_options(parse("--model", "fake", "--jobs-db", dsn))
+    assert make_service(alone, load(alone)).videos.config.lease_s is None

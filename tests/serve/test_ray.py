@@ -124,6 +124,33 @@ def test_a_factory_deployment_takes_no_rank_layout() -> None:
         deployment(FakeRunner, parallel=("ulysses", 2))
 
 
+@pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
+@pytest.mark.parametrize("model", ["tiny-wan", "factory"])
+def test_replicas_sharing_a_database_are_not_pinned_to_the_head_node(
+    model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L98 under Ray Serve: replicas that share their jobs through PostgreSQL (``jobs_db``)
+    run on any node; those that share a folder run on the head node, which holds it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import omni_trio.serve.ray as ray_serve
+
+    placed: dict[str, bool] = {}
+
+    def application(make: Any, **options: Any) -> None:
+        placed[options["name"]] = options["shares_jobs"]
+        if model != "factory":  # a named model's options travel, to be built on the replica
+            assert make.args[0].jobs_db == (
+                "postgresql://j@db/j" if options["name"] == "db" else None
+            )
+
+    monkeypatch.setattr(ray_serve, "application", application)
+    named: Any = model if model != "factory" else functools.partial(FakeRunner, frames=(4, 1))
+    ray_serve.deployment(named, jobs_db="postgresql://j@db/j", jobs_dir="/jobs", name="db")
+    ray_serve.deployment(named, jobs_dir="/jobs", name="folder")
+    assert placed == {"db": False, "folder": True}
+
+
 # -- one cluster for the rest ----------------------------------------------------
 
 
