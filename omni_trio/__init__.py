@@ -22,6 +22,8 @@ The data (no threads, no event loop):
   envelope of a checkpoint's bytes (L78).
 - ``_stepcache``: ``StepCache``, a request's step-cache policy, and ``CacheMetrics``,
   what it did (L80-L84).
+- ``_sampling``: ``SDESampler`` and ``DDIMSampler``, a request's stochastic sampler,
+  and ``Trajectory``, the steps it returns (L100).
 - ``_adapters``: the adapters a request names (checked), ``AdapterInfo``, what a
   runner reports of one, and ``AdapterError`` (L85-L88).
 - ``_results``: ``ResultCache``, the result cache's configuration, its key (a
@@ -151,6 +153,9 @@ from ._reasons import AbortReason as AbortReason
 from ._request import GenerationRequest as GenerationRequest
 from ._results import ResultCache as ResultCache
 from ._results import ResultCacheStatistics as ResultCacheStatistics
+from ._sampling import DDIMSampler as DDIMSampler
+from ._sampling import SDESampler as SDESampler
+from ._sampling import Trajectory as Trajectory
 from ._stepcache import CacheMetrics as CacheMetrics
 from ._stepcache import StepCache as StepCache
 from ._version import __version__ as __version__
@@ -163,6 +168,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointPolicy",
+    "DDIMSampler",
     "DeadlineError",
     "DuplicateRequestError",
     "Engine",
@@ -185,8 +191,10 @@ __all__ = [
     "RequestTimeline",
     "ResultCache",
     "ResultCacheStatistics",
+    "SDESampler",
     "StepCache",
     "StepEvent",
+    "Trajectory",
     "WorkerStatistics",
     "open_engine",
 ]

@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeAlias
 
 from ._request import GenerationRequest
+from ._sampling import parse_sampler, sampler_record
 from ._stepcache import StepCache, parse_step_cache
 
 __all__ = [
@@ -123,11 +124,13 @@ def _cache_record(cache: StepCache) -> dict[str, Any]:
 _ENCODE: dict[str, Callable[[Any], Any]] = {
     "extra": dict,
     "cache": _cache_record,
+    "sampler": sampler_record,
     "adapters": lambda pairs: [[name, scale] for name, scale in pairs],
 }
 
 _DECODE: dict[str, Callable[[Any], Any]] = {
     "cache": parse_step_cache,
+    "sampler": parse_sampler,
     "adapters": lambda pairs: [tuple(pair) for pair in pairs],
 }
 

@@ -599,6 +599,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
                 images=outcome.images,
                 video=outcome.video,
                 metrics=metrics,
+                trajectory=outcome.trajectory,
             )
         if record.deadline is not None:
             self._deadlines.ended(record)

@@ -37,7 +37,7 @@ from ._log import WORKER
 from ._messages import Completed, Post, discard_quietly, discard_state, ended, release
 from ._reasons import AbortReason
 from ._results import keep_output
-from ._runner import CheckpointRunner, Runner, StopRun
+from ._runner import CheckpointRunner, Runner, StopRun, TrajectoryRunner
 from ._workitem import WorkItem
 
 __all__ = ["Materializer"]
@@ -224,6 +224,13 @@ class Materializer:
             release(self._runner, item, self._post, exc, call="decode")
             return
         item.decode_s = time.perf_counter() - started
+        trajectory = None
+        if request.return_trajectory:
+            try:  # L100: read before the state is discarded
+                trajectory = cast("TrajectoryRunner[Any]", self._runner).trajectory(item.state)
+            except Exception as exc:
+                release(self._runner, item, self._post, exc, call="trajectory")
+                return
         error = discard_state(self._runner, item)
         if error is not None or _cut(item):
             # An abort that arrived during the decode wins: the image is dropped
@@ -238,8 +245,8 @@ class Materializer:
         del tensor
         # Hand the images over without keeping a reference in this frame: the
         # consumer may drop them the moment the loop delivers them (L12).
-        completed = [Completed(item, images, video, kept)]
-        del images, video
+        completed = [Completed(item, images, video, kept, trajectory)]
+        del images, video, trajectory
         self._post(completed.pop())
 
     def _decode(self, item: WorkItem) -> Any:

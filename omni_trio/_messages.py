@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from ._results import KeptOutput
     from ._runner import Runner
+    from ._sampling import Trajectory
 
 __all__ = [
     "Completed",
@@ -58,13 +59,15 @@ class Completed(Generic[W]):
     """The request's images are decoded and on the host; its state is released.
 
     ``video`` is a video request's ``[N, F, C, H, W]`` (``images`` its first frames);
-    ``kept`` the copy of them its result cache keeps (L95), made in this thread.
+    ``kept`` the copy of them its result cache keeps (L95), made in this thread;
+    ``trajectory`` the request's trajectory, where it asked for one (L100).
     """
 
     item: W
     images: torch.Tensor
     video: torch.Tensor | None = None
     kept: KeptOutput | None = None
+    trajectory: Trajectory | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from ._mp4 import write_mp4
 from ._results import ResultCacheStatistics
+from ._sampling import Trajectory
 from ._stepcache import CacheMetrics
 
 if TYPE_CHECKING:
@@ -119,13 +120,16 @@ class GenerationOutput:
     For a video request (``num_frames`` set, L70) ``video`` is the CPU float tensor
     ``[N, F, C, H, W]`` in [0, 1] and ``images`` its first frames (``video[:, 0]``, a
     view, no copy), so what reads images (``to_pil``, the HTTP answer) shows a
-    still; for an image request ``video`` is ``None``.
+    still; for an image request ``video`` is ``None``. ``trajectory`` is the request's
+    trajectory (each step's latents, the noise drawn, the timesteps, the transition
+    log-probabilities, L100) where it asked for one (``return_trajectory``), else ``None``.
     """
 
     request_id: str
     images: torch.Tensor
     metrics: RequestMetrics
     video: torch.Tensor | None = None
+    trajectory: Trajectory | None = None
 
     def save_video(
         self, path: str | os.PathLike[str] | BinaryIO, fps: float = 24.0, *, index: int = 0

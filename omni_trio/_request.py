@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from ._adapters import AdapterPairs, check_adapter_pairs
+from ._sampling import Sampler, check_sampler
 from ._stepcache import StepCache
 from ._validate import (
     MAX_TENANT_CHARS,
@@ -144,6 +145,14 @@ class GenerationRequest:
             text, as ``prompt``, of 1 to ``MAX_TENANT_CHARS`` (256) characters on one
             line, with no whitespace but inner spaces (a log field and a metrics
             label).
+        sampler: sample stochastically (L100): an ``SDESampler`` (flow matching) or a
+            ``DDIMSampler`` (DDIM with ``eta > 0``), its steps below ``denoise_steps``;
+            ``None`` (the default): the scheduler's own step. A runner that declares no
+            such sampler (``RunnerCapabilities.samplers``) refuses it at ``submit``.
+            Never part of a batch key.
+        return_trajectory: return the request's trajectory with its output
+            (``GenerationOutput.trajectory``: each step's latents, the noise drawn, the
+            timesteps and the transition log-probabilities, L100). Needs ``sampler``.
 
     Equality compares every field, images by value; ``repr`` leaves the images out.
 
@@ -170,6 +179,8 @@ class GenerationRequest:
     cache: StepCache | None = None
     adapters: Mapping[str, float] | AdapterPairs = ()
     tenant: str | None = None
+    sampler: Sampler | None = None
+    return_trajectory: bool = False
 
     def __post_init__(self) -> None:
         fail = fail_request
@@ -223,6 +234,24 @@ class GenerationRequest:
         if self.tenant is not None:
             store(self, "tenant", check_tenant(fail, "tenant", self.tenant))
         self._check_edit()
+        self._check_sampler()
+
+    def _check_sampler(self) -> None:
+        """L100: the sampler's steps are among those that run; a trajectory needs a sampler."""
+        if self.sampler is not None:
+            check_sampler(self.sampler, self.denoise_steps)
+            if self.mask is not None:
+                fail_request(
+                    "sampler",
+                    "inpainting keeps part of every step's latent: a transition's"
+                    " probability would not be the sampler's; leave the mask or the sampler out",
+                )
+        if not isinstance(self.return_trajectory, bool):
+            fail_request(
+                "return_trajectory", f"must be a bool, got {type(self.return_trajectory).__name__}"
+            )
+        if self.return_trajectory and self.sampler is None:
+            fail_request("return_trajectory", "needs a sampler (SDESampler or DDIMSampler)")
 
     def _check_edit(self) -> None:
         """L74: ``image``, ``mask`` and ``strength``; sizes are read before any conversion."""

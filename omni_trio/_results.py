@@ -8,7 +8,8 @@
   the request (``_codec.output_record``: its images as digests, its seed), each
   adapter's scale and the digest of its weights, and with scope ``"tenant"`` the
   tenant. ``None`` for a request that is never cached: no seed, an adapter whose
-  weights are not known, an ``extra`` value that is not JSON data.
+  weights are not known, an ``extra`` value that is not JSON data, a trajectory asked
+  for (L100).
 - ``KeptOutput``: an output's pixels as one immutable copy (``keep_output``, made in
   the materializer's thread); each hit gets tensors of its own from it (``tensors``).
 - ``entry_bytes`` and ``read_entry``: an entry's file (a header with the payload's
@@ -141,8 +142,8 @@ def result_key(
         adapters: the digest of each loaded adapter's weights, by name.
         scope: with ``"tenant"``, the request's tenant is part of the key.
     """
-    if request.seed is None:
-        return None
+    if request.seed is None or request.return_trajectory:
+        return None  # L100: a trajectory is never kept, so its request never answered
     named = []
     for name, scale in request.adapter_pairs:
         digest = adapters.get(name)

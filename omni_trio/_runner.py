@@ -34,6 +34,9 @@ threads only, never from the event loop. The engine owns the denoise loop:
   request could make other pixels (other weights, dtype or kind of device), constant
   while it serves; called once, when the engine opens. Without it, ``open_engine``
   refuses a result cache.
+- ``trajectory(state)``: only for runners that declare ``samplers`` (L100): the
+  trajectory of a request with ``return_trajectory``, read after its ``decode`` and
+  before its ``discard`` (materializer thread).
 - ``cancel_point()`` (a function, not a method): a runner that declares
   ``cancel_points`` calls it at every point inside ``step`` (between transformer
   blocks) and ``decode`` (between chunks) where the call may be left (L71, L72).
@@ -55,12 +58,14 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ._errors import InvalidRequestError
 from ._request import GenerationRequest
+from ._sampling import SAMPLER_KINDS
 from ._stepcache import CACHE_KINDS
 
 if TYPE_CHECKING:
     import torch
 
     from ._adapters import AdapterInfo
+    from ._sampling import Trajectory
     from ._stepcache import CacheMetrics
 
 __all__ = [
@@ -71,6 +76,7 @@ __all__ = [
     "StepCacheRunner",
     "StopRun",
     "SuspendableRunner",
+    "TrajectoryRunner",
     "WholeCallRunner",
     "runner_sequence",
     "shared_capabilities",
@@ -153,6 +159,11 @@ class RunnerCapabilities:
             request's state can be copied at a step boundary, made bytes, and
             restored in a fresh engine to continue exactly (L78). Never with
             ``whole_call``.
+        samplers: the stochastic samplers (``SDESampler.kind``, ``DDIMSampler.kind``:
+            ``"sde"``, ``"ddim"``) the runner runs (L100): it implements
+            ``TrajectoryRunner``. A request whose sampler is of another kind is refused
+            at ``submit``, naming ``sampler``; so is a sampler with a step cache, whose
+            skipped model calls no trainer could recompute. Never with ``whole_call``.
     """
 
     max_batch_size: int = 1
@@ -175,6 +186,7 @@ class RunnerCapabilities:
     max_adapters: int = 0
     image_to_video: bool = False
     checkpoints: bool = False
+    samplers: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         self._check_additions()
@@ -224,6 +236,10 @@ class RunnerCapabilities:
             raise ValueError("image_to_video: a video runner (frames) that takes image_input")
         if self.checkpoints and self.whole_call:
             raise ValueError("checkpoints: a whole-call runner runs its own loop to the end")
+        if not isinstance(self.samplers, frozenset) or set(self.samplers) - set(SAMPLER_KINDS):
+            raise ValueError(f"samplers: a frozenset of {list(SAMPLER_KINDS)}")
+        if self.samplers and self.whole_call:
+            raise ValueError("samplers: a whole-call runner runs its pipeline's own steps")
 
     def _check_step_cache(self) -> None:
         if not isinstance(self.step_cache, frozenset):
@@ -270,6 +286,25 @@ class RunnerCapabilities:
         self._check_frames(request.num_frames)
         self.check_cache(None if request.cache is None else request.cache.kind)
         self._check_adapters(len(request.adapter_pairs))
+        self._check_sampler(request)
+
+    def _check_sampler(self, request: GenerationRequest) -> None:
+        """L100: a sampler of a kind this runner runs, and no step cache beside it."""
+        sampler = request.sampler
+        if sampler is None:
+            return
+        if sampler.kind not in self.samplers:
+            runs = ", ".join(sorted(self.samplers)) or "none"
+            raise InvalidRequestError(
+                f"this runner cannot sample with {sampler.kind!r} (it runs: {runs})",
+                field="sampler",
+            )
+        if request.cache is not None and request.cache.kind != "none":
+            raise InvalidRequestError(
+                "a step cache skips model calls that a trainer would compute: its"
+                " log-probabilities could not be recomputed; give cache=StepCache(kind='none')",
+                field="sampler",
+            )
 
     def _check_adapters(self, count: int) -> None:
         """L85: at most ``max_adapters`` per request (the names are the engine's to check)."""
@@ -502,6 +537,17 @@ class StepCacheRunner(Runner[StateT], Protocol):
 
         The engine calls it between two steps, only for a request whose policy has a
         ``max_threshold``, with a value from its ``threshold`` to that bound.
+        """
+        ...
+
+
+class TrajectoryRunner(Runner[StateT], Protocol):
+    """A runner that declares ``samplers``: it samples stochastically (L100)."""
+
+    def trajectory(self, state: StateT) -> Trajectory:
+        """Return the trajectory of ``state``'s request (it has ``return_trajectory``).
+
+        Called once, in the materializer thread, after ``decode`` and before ``discard``.
         """
         ...
 

@@ -16,6 +16,8 @@ framework (or a fake) is typed against these names alone:
 - ``CheckpointRunner``: the three calls more of a runner that declares
   ``checkpoints`` (L78), with ``pack_checkpoint``/``unpack_checkpoint`` (the envelope
   that names the model, the version and the request) and ``CheckpointError``.
+- ``TrajectoryRunner``: the call more of a runner that declares ``samplers`` (L100): a
+  request's trajectory.
 - ``StopRun``: what the engine raises inside a runner call to stop it.
 - ``cancel_point()``: what a runner that declares ``cancel_points`` calls inside a
   step or a decode (L71, L72).
@@ -38,6 +40,7 @@ from ._runner import StepCacheRunner as StepCacheRunner
 from ._runner import StepCallback as StepCallback
 from ._runner import StopRun as StopRun
 from ._runner import SuspendableRunner as SuspendableRunner
+from ._runner import TrajectoryRunner as TrajectoryRunner
 from ._runner import WholeCallRunner as WholeCallRunner
 
 __all__ = [
@@ -50,6 +53,7 @@ __all__ = [
     "StepCallback",
     "StopRun",
     "SuspendableRunner",
+    "TrajectoryRunner",
     "WholeCallRunner",
     "cancel_point",
     "pack_checkpoint",

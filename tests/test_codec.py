@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from omni_trio import GenerationRequest, StepCache
+from omni_trio import DDIMSampler, GenerationRequest, SDESampler, StepCache
 from omni_trio._codec import (
     NOT_OUTPUT,
     request_fingerprint,
@@ -48,6 +48,9 @@ EVERY_FIELD: dict[str, Any] = {
     "cache": StepCache(kind="first-block", threshold=0.3),
     "adapters": {"ink": 0.8, "paper": -1.5},
     "tenant": "acme",
+    # With a mask they would be refused: see the sampled case below.
+    "sampler": None,
+    "return_trajectory": False,
 }
 
 
@@ -86,6 +89,26 @@ def test_an_image_to_video_request_survives_too() -> None:
     assert request_from_record(json.loads(json.dumps(request_record(request)))) == request
 
 
+def test_a_sampled_request_survives_and_its_sampler_names_its_output() -> None:
+    """L100, L78: a sampler and ``return_trajectory`` go through JSON and back; each of
+    their fields changes the fingerprint, as the trajectory and the images change."""
+    base = GenerationRequest(
+        prompt="p", num_steps=5, seed=3, sampler=SDESampler(noise_level=0.9, steps=(1, 3))
+    )
+    variants = [
+        dataclasses.replace(base, return_trajectory=True),
+        dataclasses.replace(base, sampler=SDESampler(noise_level=0.8, steps=(1, 3))),
+        dataclasses.replace(base, sampler=SDESampler(noise_level=0.9, steps=(1, 4))),
+        dataclasses.replace(base, sampler=SDESampler(noise_level=0.9)),
+        dataclasses.replace(base, sampler=DDIMSampler(eta=0.9, steps=(1, 3))),
+        dataclasses.replace(base, sampler=None),
+    ]
+    for request in [base, *variants]:
+        assert request_from_record(json.loads(json.dumps(request_record(request)))) == request
+    prints = {request_fingerprint(request) for request in [base, *variants]}
+    assert len(prints) == len(variants) + 1
+
+
 def test_a_record_of_an_earlier_version_is_read_and_a_foreign_one_refused() -> None:
     """L77: a store written before the codec kept fewer fields and its image as bare PNG
     text; it still reads. A record naming a field the request lacks is refused."""
@@ -93,7 +116,7 @@ def test_a_record_of_an_earlier_version_is_read_and_a_foreign_one_refused() -> N
     old = {"prompt": "p", "height": 8, "width": 8, "image": request_record(request)["image"]["png"]}
     assert request_from_record(old) == dataclasses.replace(request, strength=0.8)
     with pytest.raises(ValueError, match="unknown fields"):
-        request_from_record({"prompt": "p", "sampler": "sde"})
+        request_from_record({"prompt": "p", "scheduler": "euler"})
 
 
 def test_the_fingerprint_follows_every_output_field_and_no_other() -> None:
@@ -120,9 +143,12 @@ def test_the_fingerprint_follows_every_output_field_and_no_other() -> None:
         "cache": StepCache(kind="first-block", threshold=0.31),
         "adapters": {"ink": 0.9, "paper": -1.5},
         "tenant": "other",
+        "sampler": None,
+        "return_trajectory": False,
     }
     assert set(other) == set(EVERY_FIELD)
-    unchanged = {"height", "width", "num_frames"}  # the images fix the size; no frames here
+    # The images fix the size; no frames nor sampler beside a mask (the sampled case below).
+    unchanged = {"height", "width", "num_frames", "sampler", "return_trajectory"}
     for name, value in other.items():
         if name in unchanged:
             continue

@@ -93,6 +93,7 @@ from .._runner import StepCacheRunner as StepCacheRunner
 from .._runner import StepCallback as StepCallback
 from .._runner import StopRun as StopRun
 from .._runner import SuspendableRunner as SuspendableRunner
+from .._runner import TrajectoryRunner as TrajectoryRunner
 from .._runner import WholeCallRunner as WholeCallRunner
 from ._call import PipelineCallRunner as PipelineCallRunner
 from ._call import runner_for as runner_for
@@ -130,6 +131,7 @@ __all__ = [
     "StepCallback",
     "StopRun",
     "SuspendableRunner",
+    "TrajectoryRunner",
     "WholeCallRunner",
     "cancel_point",
     "context_parallel_denoisers",
