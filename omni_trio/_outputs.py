@@ -12,6 +12,7 @@ from ._mp4 import write_mp4
 from ._results import ResultCacheStatistics
 from ._sampling import Trajectory
 from ._stepcache import CacheMetrics
+from ._weights import WeightVersion
 
 if TYPE_CHECKING:
     import torch
@@ -96,6 +97,8 @@ class RequestMetrics:
     ``result_cache_hit`` says that its output came from the engine's result cache
     (L95, L96): it never reached a worker, so ``steps_done`` is 0 and its time is all
     ``queue_wait_s`` (its admission).
+    ``weight_version`` names the weights it ran on (L102): those of the engine when a
+    worker took it (a hit: when it was admitted), ``None`` if it never ran.
     """
 
     queue_wait_s: float
@@ -111,6 +114,7 @@ class RequestMetrics:
     cache: CacheMetrics | None = None
     timeline: RequestTimeline | None = None
     result_cache_hit: bool = False
+    weight_version: WeightVersion | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, weakref_slot=True)
@@ -130,6 +134,11 @@ class GenerationOutput:
     metrics: RequestMetrics
     video: torch.Tensor | None = None
     trajectory: Trajectory | None = None
+
+    @property
+    def weight_version(self) -> WeightVersion | None:
+        """The weights it was made with (L102): ``metrics.weight_version``."""
+        return self.metrics.weight_version
 
     def save_video(
         self, path: str | os.PathLike[str] | BinaryIO, fps: float = 24.0, *, index: int = 0
