@@ -5,7 +5,11 @@
   the two that step caching needs (L80-L84), ``AdapterRunner`` the four that
   adapters need (L85-L87), ``CheckpointRunner`` the three that checkpoints need (L78:
   with ``pack_checkpoint``, ``unpack_checkpoint``);
-  ``cancel_point()`` what a runner declaring ``cancel_points`` calls (L71, L72).
+  ``cancel_point()`` what a runner declaring ``cancel_points`` calls (L71, L72);
+  ``TrajectoryRunner`` the call more of one that declares ``samplers`` (L100).
+- ``transition_log_prob`` and ``row_invariant``: a trainer's side of a sampled
+  request (L100): a transition's log-probability recomputed from its trajectory, and
+  the denoiser's layers computing each row as the request's model calls did.
 - ``DiffusersRunner``: a diffusers pipeline driven one step at a time;
   ``PromptCacheStatistics``, what its prompt cache did and holds (L94).
 - ``PipelineCallRunner``: any other pipeline, through its own ``__call__``.
@@ -72,7 +76,13 @@ Layout: the private modules, each importing only those below it:
 - ``_quantize``: a spec's quantization (L91): torchao's int8 and float8 as a folder loads
   (diffusers' quantizers) or on a pipeline built in memory, a GGUF file's denoiser, and
   the bytes a quantized weight is stored in (``_checkpoint`` keys a model by them);
-- ``_checkpoint``: what a checkpoint of a state holds, and how it comes back (L78).
+- ``_checkpoint``: what a checkpoint of a state holds, and how it comes back (L78);
+- ``_sde``: a sampled request's steps (L100): the flow-matching SDE and DDIM with eta,
+  their log-probabilities, the trajectory a request keeps (below ``_family``: a state
+  holds its sampler), and ``transition_log_prob``, the trainer's side;
+- ``_invariant``: the row-invariant layers of a sampled request's model calls (L100:
+  a row's bits alone or in any batch), and ``row_invariant``, the trainer's side; a
+  feature of the model call, as the step cache and the adapters are.
 
 Apart: ``_tiny`` (and ``_quiet``), ``_tinylora``, ``_load`` and ``_devices`` import no
 family.
@@ -104,8 +114,10 @@ from ._forward import Exchange as Exchange
 from ._forward import ModelCall as ModelCall
 from ._forward import rows_slice as rows_slice
 from ._forward import token_split as token_split
+from ._invariant import row_invariant as row_invariant
 from ._prompts import PromptCacheStatistics as PromptCacheStatistics
 from ._registry import context_parallel_denoisers as context_parallel_denoisers
+from ._sde import transition_log_prob as transition_log_prob
 from ._spec import ModelSpec as ModelSpec
 from ._spec import load as load
 from ._tiny import TINY_KINDS as TINY_KINDS
@@ -138,11 +150,13 @@ __all__ = [
     "for_devices",
     "load",
     "pack_checkpoint",
+    "row_invariant",
     "rows_slice",
     "runner_for",
     "tiny_lora",
     "tiny_pipeline",
     "token_split",
+    "transition_log_prob",
     "unpack_checkpoint",
     "visible_devices",
 ]

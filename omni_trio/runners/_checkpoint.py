@@ -4,11 +4,12 @@ A state is rebuilt by ``prepare`` (the prompt's encoding, the batch-shared input
 and the initial noise are functions of the request) and then given what the steps
 changed: the latents, the scheduler's own state (its step index, sigmas, a
 multistep solver's previous outputs: every attribute but its config), the random
-generator's state and the step position. That is the suspended state of L61, less
-what ``prepare`` makes again. The copy (``state_copy``) runs in the worker thread at
-a step boundary and clones tensors on their device; the materializer moves them to
-the host and serializes them (``copy_bytes``), with ``torch.save``; ``restore_into``
-reads them back with ``weights_only=True``, so a checkpoint holds data only.
+generator's state and the step position, and a sampled request's trajectory so far
+(L100). That is the suspended state of L61, less what ``prepare`` makes again. The copy
+(``state_copy``) runs in the worker thread at a step boundary and clones tensors on
+their device; the materializer moves them to the host and serializes them
+(``copy_bytes``), with ``torch.save``; ``restore_into`` reads them back with
+``weights_only=True``, so a checkpoint holds data only.
 
 A request with a step cache (L80) is not checkpointed: its residuals and forecasts
 would have to be saved too (``state_copy`` refuses, the engine logs it once).
@@ -82,6 +83,11 @@ def state_copy(state: RequestState) -> StateCopy:
         "position": state.position,
         "steps_done": state.steps_done,
     }
+    if state.sampler is not None and state.sampler.returns:
+        values["sampler"] = {
+            name: _copied(items, "the sampler's record")
+            for name, items in state.sampler.record.items()
+        }
     return StateCopy(state.request, state.steps_done, values)
 
 
@@ -145,6 +151,11 @@ def restore_into(state: RequestState, data: bytes, model: str) -> int:
     own = vars(state.scheduler)
     for name, value in scheduler.items():
         own[name] = _to_device(value, own.get(name))
+    if state.sampler is not None and state.sampler.returns:
+        try:
+            state.sampler.restore(values["sampler"], state.latents.device)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"its trajectory does not fit ({exc})") from None
     state.latents = latents.to(device=state.latents.device, dtype=state.latents.dtype)
     state.position, state.steps_done = position, steps_done
     return step

@@ -29,6 +29,7 @@ import torch
 from .._request import GenerationRequest
 from ._chunks import DecodeChunks
 from ._prompts import Encoded, PromptCacheMetrics, encoded
+from ._sde import SamplerState, sampler_scheduler
 from ._stepcache import BlockSpec, RequestCache
 
 __all__ = [
@@ -62,6 +63,7 @@ class RequestState:
     ``None`` without a policy. ``adapters`` are the adapters its rows run with, as the
     runner's ``AdapterSet`` resolved and holds them: ``(PEFT name, scale)`` pairs (L85).
     ``prompts`` is what the runner's prompt cache did for its texts (L94), or ``None``.
+    ``sampler`` is its stochastic sampler's state (``_sde``, L100), or ``None``.
     """
 
     request_id: str
@@ -85,6 +87,7 @@ class RequestState:
     cache: RequestCache | None = None
     adapters: tuple[tuple[str, float], ...] = ()
     prompts: PromptCacheMetrics | None = None
+    sampler: SamplerState | None = None
 
 
 def step_groups(calls: int, steps: int, order: int) -> list[int]:
@@ -198,6 +201,9 @@ class Family(ABC):
     edits = False
     #: Whether it makes a video from ``image`` (L69): the image is needed, no mask.
     image_to_video = False
+    #: The stochastic samplers it takes (L100, ``_sde``): ``"sde"`` (flow matching),
+    #: ``"ddim"`` (the UNets); the runner offers those its pipeline's scheduler runs.
+    samplers: frozenset[str] = frozenset()
     #: How a decode splits into chunks (L72); the runner sets its own.
     chunks = DecodeChunks()
 
@@ -273,7 +279,9 @@ class Family(ABC):
         """Build a request's state as the pipeline's ``__call__`` would."""
         seed = request.seed if request.seed is not None else int(torch.seed() % 2**63)
         generator = torch.Generator(device="cpu").manual_seed(seed)
-        scheduler = _new_scheduler(self.pipe)
+        sampler = request.sampler
+        own = None if sampler is None else sampler_scheduler(self.pipe, sampler)
+        scheduler = _new_scheduler(self.pipe) if own is None else own
         state = self._prepare(request, request_id, generator, scheduler)
         order = int(getattr(scheduler, "order", 1))
         steps = request.denoise_steps  # the engine counts these (L75)
@@ -284,6 +292,15 @@ class Family(ABC):
                 f" not split into {steps} steps"
             )
         state.step_kwargs = _step_kwargs(scheduler, generator)
+        if sampler is not None:
+            assert state.latents is not None
+            state.sampler = SamplerState.create(
+                sampler,
+                scheduler,
+                state.timesteps,
+                state.latents,
+                returns=request.return_trajectory,
+            )
         return state
 
     @abstractmethod
@@ -312,8 +329,11 @@ class Family(ABC):
     def scheduler_step(
         self, state: RequestState, prediction: torch.Tensor, t: torch.Tensor
     ) -> torch.Tensor:
-        """The request's latents after its scheduler's step with ``prediction`` at ``t``."""
+        """The request's latents after its scheduler's step with ``prediction`` at ``t``
+        (its sampler's, where it has one: L100)."""
         assert state.latents is not None
+        if state.sampler is not None:
+            return state.sampler.step(state.latents, prediction, state.position, state.generator)
         stepped: torch.Tensor = state.scheduler.step(
             prediction, t, state.latents, **state.step_kwargs, return_dict=False
         )[0]

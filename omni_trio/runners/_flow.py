@@ -91,6 +91,7 @@ class StableDiffusion3(Family):
     context_parallel = False
     wrong_splits = MappingProxyType({})
     takes_adapters = True
+    samplers = frozenset({"sde"})
 
     @property
     def size_multiple(self) -> int:
@@ -186,6 +187,7 @@ class Flux(Family):
     context_parallel = True
     wrong_splits = MappingProxyType({})
     takes_adapters = True
+    samplers = frozenset({"sde"})
     # Flux's negative prompt needs true CFG (a second model call per step and a
     # scale the request has no field for): refused rather than ignored.
     negative_prompt = False
@@ -318,6 +320,7 @@ class QwenImage(Family):
     context_parallel = True
     wrong_splits = MappingProxyType({})
     takes_adapters = True
+    samplers = frozenset({"sde"})
     #: ``__call__``'s ``max_sequence_length`` default: text tokens kept per prompt.
     max_sequence_length = 512
 

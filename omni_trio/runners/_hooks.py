@@ -1,9 +1,10 @@
 """One registry of the runners' hooks on torch modules: a chain per module, counted, one close.
 
-Three features hook the modules a model call runs through: cancel points (a forward
+Four features hook the modules a model call runs through: cancel points (a forward
 pre-hook before every block, L71), the step cache (its blocks' ``forward`` wrapped,
-L80) and adapters (every LoRA layer's ``forward`` wrapped, L85). Several runners may
-share one pipeline. So a hook is installed once per module and kind however many
+L80), adapters (every LoRA layer's ``forward`` wrapped, L85) and the row-invariant
+layers of sampled requests (every linear and convolution layer's, L100). Several
+runners may share one pipeline. So a hook is installed once per module and kind however many
 runners hold it, counted, and removed by its last holder's ``close``; each runner
 holds its hooks in one ``ModuleHooks`` and lets go of all of them at once.
 
@@ -36,7 +37,7 @@ __all__ = ["COMPILED", "ORDER", "ModuleHooks", "Wrapper", "has_hook"]
 Wrapper = Callable[..., Any]
 
 #: The kinds of wrapper, outermost first.
-ORDER = ("step-cache", "adapters")
+ORDER = ("step-cache", "adapters", "row-invariant")
 
 #: The kind of the replacement of a module's own forward by its compiled one (L90).
 COMPILED = "compiled"

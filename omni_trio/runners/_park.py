@@ -3,11 +3,12 @@
 A request's state is its latents, its conditioning, the batch-shared inputs, an
 edit's own tensors (inpainting: the image's latents, the noise, the mask) and its
 scheduler, whose own tensors (the sigmas, a multistep solver's previous model
-outputs, PNDM's history) are part of where the next step starts, and its step
-cache's tensors (residuals, forecasts' differences: L82). The random
-generator is kept as it is: its state is a few bytes wherever it lives, and
-moving it would change the numbers it draws next. Objects nested deeper in a
-scheduler (a DPM-SDE noise sampler) are not moved: they stay where they are.
+outputs, PNDM's history) are part of where the next step starts, its step cache's
+tensors (residuals, forecasts' differences: L82), and the trajectory its sampler has
+recorded so far (L100). The random generator is kept as it is: its state is a few
+bytes wherever it lives, and moving it would change the numbers it draws next. Objects
+nested deeper in a scheduler (a DPM-SDE noise sampler) are not moved: they stay where
+they are.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def _holders(state: RequestState) -> Iterator[dict[str, Any]]:
     yield vars(state.scheduler)
     if state.cache is not None:
         yield from state.cache.holders()
+    if state.sampler is not None:
+        yield state.sampler.record  # L100: a trajectory's latents, noise and log-probabilities
 
 
 def state_tensors(state: RequestState) -> Iterator[torch.Tensor]:

@@ -52,6 +52,7 @@ class StableDiffusion(Family):
     wrong_splits = MappingProxyType({})
     takes_adapters = True
     edits = True
+    samplers = frozenset({"ddim"})
     #: SDXL's edit pipelines encode images their own way (see ``_edit._encode``).
     _xl = False
 

@@ -88,6 +88,7 @@ class Wan(_Video):
     context_parallel = True
     wrong_splits = MappingProxyType({})
     takes_adapters = True
+    samplers = frozenset({"sde"})
     #: ``__call__``'s ``max_sequence_length`` default: text tokens per prompt.
     max_sequence_length = 512
 
@@ -263,6 +264,8 @@ class WanImageToVideo(Wan):
     name = "wan-i2v"
     pipelines = ("WanImageToVideoPipeline",)
     image_to_video = True
+    # Not yet (L100): its image's latents beside the noise are not in a trajectory.
+    samplers = frozenset()
 
     def __init__(self, pipe: Any) -> None:
         if pipe.config.expand_timesteps or pipe.config.boundary_ratio is not None:
