@@ -223,6 +223,11 @@ class Session:
         db, self._db = self._db, None
         if db is not None:
             with contextlib.suppress(Exception):
+                # The store's advisory locks go now, not when the server notices the
+                # closed connection: a server opening it next finds it free.
+                db.rollback()
+                db.execute("SELECT pg_advisory_unlock_all()")
+            with contextlib.suppress(Exception):
                 db.close()
 
     # -- one transaction, on a connection made again where it was lost ------------
