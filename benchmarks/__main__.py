@@ -19,6 +19,7 @@ fairness    a heavy tenant flooding beside a light one: fair share vs FIFO; admi
 cache       step caching: block work, wall time, PSNR, batch invariance; diffusers' hook (tiny DiTs)
 ranks       one request over two ranks: CFG split, Ulysses, ring vs one rank (tiny SD, Flux)
 adapters    four LoRAs in one batch vs set_adapters one after another; load, unload (tiny Flux)
+reuse       a trace with repeats, prompt and result caches on vs off (tiny SD, SDXL, Flux)
 ray         a Ray Serve replica vs plain serve: cost per request, disconnect aborts
 all         every benchmark above, in this order
 

@@ -36,6 +36,7 @@ from .preview import plot_preview, run_preview, table_preview
 from .priority import plot_priority, run_priority, table_priority
 from .ranks import plot_ranks, run_ranks, table_ranks
 from .ray_bench import plot_ray, run_ray, table_ray
+from .reuse import plot_reuse, run_reuse, table_reuse
 from .scale import plot_scale, run_scale, table_scale
 from .serve import plot_serve, run_serve, table_serve
 from .substep import plot_substep, run_substep, table_substep
@@ -213,6 +214,16 @@ BENCHMARKS: dict[str, Benchmark] = {
             run=run_adapters,
             table=table_adapters,
             plot=plot_adapters,
+        ),
+        Benchmark(
+            name="reuse",
+            what=(
+                "a trace with repeats (a Zipf mix of prompts, exact repeats, two tenants):"
+                " the prompt-embedding and result caches on vs off"
+            ),
+            run=run_reuse,
+            table=table_reuse,
+            plot=plot_reuse,
         ),
         Benchmark(
             name="ray",

@@ -396,6 +396,46 @@ TARGETS: tuple[Target, ...] = (
         met=lambda r: _s(r)["cfg_step_ratio_over_two_threads"] <= 0.6,
     ),
     Target(
+        bench="reuse",
+        label="a prompt-embedding hit over the miss's encode, worst of tiny SD, SDXL, Flux",
+        target="≤ 5 %",
+        figure=lambda r: f"{_s(r)['prompt_hit_pct_of_encode']:.2f} % ({_by_model(r, 'prompt')})",
+        met=lambda r: _s(r)["prompt_hit_pct_of_encode"] <= 5.0,
+    ),
+    Target(
+        bench="reuse",
+        label="an exact repeat over HTTP (64 px PNG), p99; runner calls during the hits",
+        target="≤ 5 ms; 0",
+        figure=lambda r: (
+            f"{_s(r)['http_hit_p99_ms']:.2f} ms (p50 {_s(r)['http_hit_p50_ms']:.2f} ms);"
+            f" {_s(r)['http_hit_runner_calls']:.0f} runner calls"
+        ),
+        met=lambda r: (
+            _s(r)["http_hit_p99_ms"] <= 5.0
+            and _s(r)["http_hit_runner_calls"] == 0
+            and _s(r)["http_hits_not_answered_as_hits"] == 0
+        ),
+    ),
+    Target(
+        bench="reuse",
+        label="both caches' bookkeeping on a miss, worst of tiny SD, SDXL, Flux",
+        target="≤ 1 % of a step",
+        figure=lambda r: (
+            f"{_s(r)['bookkeeping_pct_of_step']:.2f} % ({_by_model(r, 'bookkeeping')})"
+        ),
+        met=lambda r: _s(r)["bookkeeping_pct_of_step"] <= 1.0,
+    ),
+    Target(
+        bench="reuse",
+        label="result-cache hits across tenants with scope tenant, every run",
+        target="0",
+        figure=lambda r: (
+            f"{_s(r)['cross_tenant_hits']:.0f} (scope global, the control:"
+            f" {_s(r)['cross_tenant_hits_scope_global']:.0f})"
+        ),
+        met=lambda r: _s(r)["cross_tenant_hits"] == 0,
+    ),
+    Target(
         bench="ray",
         label="disconnect through Ray Serve: steps after the abort, max",
         target="≤ 1 step",
@@ -456,6 +496,13 @@ def _serve_figure(summary: dict[str, Any]) -> str:
     if deadline is not None:
         figure += f"; 2x with deadlines {deadline:.2f}x"
     return figure
+
+
+def _by_model(result: Result, figure: str) -> str:
+    """``reuse``'s per-model percentages of ``figure`` ("prompt" or "bookkeeping")."""
+    key = "prompt_hit_pct_of_encode" if figure == "prompt" else "bookkeeping_pct_of_step"
+    by_model = _s(result)[f"{key}_by_model"]
+    return ", ".join(f"{kind} {by_model[kind]:.2f}" for kind in result["config"]["models"])
 
 
 def targets_for(name: str) -> list[Target]:

@@ -51,6 +51,14 @@ SUMMARY_KEYS = {
         "cfg_step_ratio_over_two_threads",
     },
     "adapters": {"throughput_ratio_over_sequential", "cost_over_none_pct", "load_ms"},
+    "reuse": {
+        "throughput_ratio_on_over_off",
+        "prompt_hit_pct_of_encode",
+        "bookkeeping_pct_of_step",
+        "http_hit_p99_ms",
+        "http_hit_runner_calls",
+        "cross_tenant_hits",
+    },
 }
 SCALE_LENGTHS = {"10", "100", "1000", "10000"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
