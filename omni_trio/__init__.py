@@ -29,6 +29,9 @@ The data (no threads, no event loop):
 - ``_results``: ``ResultCache``, the result cache's configuration, its key (a
   request's output fields, its adapters' weights, the model), an output as it keeps
   it, its files, and ``ResultCacheStatistics`` (L95, L96).
+- ``_weights``: weights in place and sleep (L102, L103): ``WeightVersion``, what an
+  output ran on, ``SleepReport`` and ``WakeReport``, ``WeightsError`` and
+  ``EngineSleepingError``, and ``WeightsRunner``, the five calls a runner implements.
 - ``_outputs``: what the engine hands out: ``RequestStatus``, ``StepEvent``,
   ``GenerationOutput``, ``RequestMetrics``, ``EngineStatistics``, ``WorkerStatistics``.
 - ``_mp4``: the MP4 encoder behind ``GenerationOutput.save_video`` (PyAV, imported
@@ -45,8 +48,12 @@ The loop side (runs in the event loop's thread only):
 
 - ``_open``: ``open_engine``, the structured entry: workers and the deadline timer
   started in its task group, the shutdown sequence run shielded on leaving.
-- ``_engine``: ``Engine``: admission, abort, statistics, the shutdown sequence, and
-  ``_dispatch``, where every state change happens.
+- ``_engine``: ``Engine``: admission, abort, adapters and weights, statistics, the
+  shutdown sequence; ``_ledger``, its base: the tables of requests and ``_dispatch``,
+  where every state change happens.
+- ``_weightops``: ``EngineWeights``, an engine's weights across its runners: updates in
+  place, sleep and wake, each at the workers' step boundaries, all or nothing (L102,
+  L103).
 - ``_runner_adapters``: ``RunnerAdapters``, the engine's adapters across its runners:
   admission's check of the names, all-or-nothing loads, unloads, the listing (L85, L87).
 - ``_resultstore``: ``ResultStore``, the engine's result cache: admission's lookup,
@@ -64,9 +71,10 @@ The loop side (runs in the event loop's thread only):
 The thread side (runs in the engine's own threads only):
 
 - ``_worker``: the step loop, one owned thread per device; ``_parking``, its suspended
-  requests (L61); ``_checkpointing``, its checkpoints taken and restored (L78);
-  ``_wholecall``, the loop of a runner that runs its own (its step callback is the
-  boundary); ``_steptimes``, what its warm steps took by shape (L4).
+  requests (L61), and ``_suspend``, its suspensions (a preemption's, a sleep's: L103);
+  ``_checkpointing``, its checkpoints taken and restored (L78); ``_wholecall``, the
+  loop of a runner that runs its own (its step callback is the boundary);
+  ``_steptimes``, what its warm steps took by shape (L4).
 - ``_pool``: what the workers share: one lock, the queue of new requests.
 - ``_materialize``: decode and copy to host, off the step loop.
 - ``_imagecheck``: the output contract, checked on every image and preview.
@@ -159,6 +167,11 @@ from ._sampling import Trajectory as Trajectory
 from ._stepcache import CacheMetrics as CacheMetrics
 from ._stepcache import StepCache as StepCache
 from ._version import __version__ as __version__
+from ._weights import EngineSleepingError as EngineSleepingError
+from ._weights import SleepReport as SleepReport
+from ._weights import WakeReport as WakeReport
+from ._weights import WeightsError as WeightsError
+from ._weights import WeightVersion as WeightVersion
 
 __all__ = [
     "AbortReason",
@@ -175,6 +188,7 @@ __all__ = [
     "EngineClosedError",
     "EngineConfig",
     "EngineDeadError",
+    "EngineSleepingError",
     "EngineStatistics",
     "GenerationOutput",
     "GenerationRequest",
@@ -192,9 +206,13 @@ __all__ = [
     "ResultCache",
     "ResultCacheStatistics",
     "SDESampler",
+    "SleepReport",
     "StepCache",
     "StepEvent",
     "Trajectory",
+    "WakeReport",
+    "WeightVersion",
+    "WeightsError",
     "WorkerStatistics",
     "open_engine",
 ]

@@ -1,9 +1,11 @@
-"""The engine: admission, abort, statistics and the shutdown sequence (``_open`` starts it).
+"""The engine: admission, abort, adapters and weights, statistics and the shutdown
+sequence (``_open`` starts it).
 
 Everything here runs in the event loop's thread. The engine's threads (see
-``_worker``) only post messages, which ``_dispatch`` applies in order; so every
-status change, every table update and every wake-up of a waiting task happens
-here, and the tables are always consistent when a task looks at them.
+``_worker``) only post messages, which ``_dispatch`` (``_ledger``, the engine's base)
+applies in order; so every status change, every table update and every wake-up of a
+waiting task happens here, and the tables are always consistent when a task looks at
+them. Updates of the weights and sleep (L102, L103) are ``_weightops``'.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, assert_never, cast, final
+from typing import TYPE_CHECKING, Any, cast, final
 
 import anyio
 import anyio.lowlevel
@@ -31,20 +33,17 @@ from ._errors import (
     EngineDeadError,
     InvalidRequestError,
     QueueFullError,
-    RequestAbortedError,
-    RequestFailedError,
 )
 from ._estimate import check_deadline, check_step_time
-from ._failure import format_traceback
 from ._handle import RequestHandle
 from ._inbox import LoopInbox
-from ._log import ENGINE, log_exception, log_finished, log_stuck
-from ._messages import Completed, Died, Exited, Message, Released, Stepped, died
+from ._ledger import Ledger
+from ._log import log_stuck
+from ._messages import Completed, Message, died
 from ._outputs import (
     EngineStatistics,
     GenerationOutput,
     RequestStatus,
-    StepEvent,
 )
 from ._pool import Pool, Withdrawal
 from ._reasons import AbortReason
@@ -58,6 +57,15 @@ from ._runner import (
 from ._runner_adapters import RunnerAdapters
 from ._threads import worker_name
 from ._validate import check_request_id
+from ._weightops import EngineWeights
+from ._weights import (
+    SleepPolicy,
+    SleepReport,
+    UpdatePolicy,
+    WakeReport,
+    WeightSource,
+    WeightVersion,
+)
 from ._worker import Worker
 from ._workitem import WorkItem
 
@@ -70,7 +78,7 @@ _engine_numbers = itertools.count()
 
 
 @final
-class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
+class Engine(Ledger, metaclass=NoPublicConstructor, made_by="open_engine()"):
     """Serves generation requests with one runner per device; create it with ``open_engine``."""
 
     def __init__(self, runners: Sequence[Runner[Any]], config: EngineConfig) -> None:
@@ -84,6 +92,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         config.check_default_cache(self._capabilities)
         cache = config.result_cache
         self._results = None if cache is None else ResultStore(cache, runners, self.adapters)
+        self._weights = EngineWeights(self, runners)  # L102, L103
         self._inbox: LoopInbox[Message[WorkItem]] = LoopInbox(self._dispatch)
         self._pool = Pool(weights=self._config.tenant_weights)
         number = next(_engine_numbers)
@@ -174,6 +183,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
             EngineDeadError: the worker died (L23).
         """
         self._check_admitting()
+        self._weights.check_admitting()
         if (checkpoint is not None or resume_from is not None) and not (
             self._capabilities.checkpoints
         ):
@@ -251,6 +261,7 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         if self._results is not None:
             self._results.admitted(record, kept)
         if kept is not None:
+            record.weights = self._weights.version  # L102: the version its key names
             self._terminate(record, RequestStatus.COMPLETED, Completed(record, *kept.tensors()))
         return handle
 
@@ -362,6 +373,94 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
     def adapters(self) -> tuple[AdapterInfo, ...]:
         """The adapters the runners know, by name (holders summed over the runners)."""
         return self._adapters.infos()
+
+    # -- weights in place, sleep (L102, L103) ----------------------------------
+
+    @property
+    def weight_version(self) -> WeightVersion:
+        """The weights the engine serves (L102): number 0 until the first update."""
+        return self._weights.version
+
+    @property
+    def sleep_level(self) -> int:
+        """The level the engine sleeps at (L103); 0 while it is awake."""
+        return self._weights.level
+
+    async def update_weights(
+        self, source: WeightSource, *, policy: UpdatePolicy = "finish", label: str | None = None
+    ) -> WeightVersion:
+        """Update the runners' weights in place, while serving (L102); return the version.
+
+        From the next step boundary no worker takes a new request; the requests in
+        flight ``finish`` on the old weights first (new ones wait), or are aborted
+        (``"abort"``: reason ``weights_updated``); then every runner applies ``source``,
+        all or nothing, and the waiting requests run on it. No request runs on two
+        versions; each output names its own (``GenerationOutput.weight_version``). What
+        was made with the old weights is let go of: the runners' prompt caches, the
+        result cache's entries (its model names the new weights), the checkpoints taken
+        before (another model key: one resumed starts from step 0, logged).
+
+        Args:
+            source: a ``.safetensors`` file or a state dict (``WeightSource``); a LoRA
+                runs unmerged as every request's base adapter.
+            policy: ``"finish"`` or ``"abort"``.
+            label: a name for the new weights (``WeightVersion.label``).
+
+        Raises:
+            WeightsError: the source does not fit the model, a runner failed (every
+                runner is back on the old weights), the engine sleeps, or its runners
+                cannot be updated (``reason`` says).
+            ValueError: a policy or a label that is not one.
+            EngineClosedError: shutdown has begun (L30), before or while it waited.
+            EngineDeadError: the worker died (L23).
+
+        Cancellation: waiting for the requests in flight stops, and nothing changed; an
+            update under way finishes and is undone on every runner.
+        """
+        self._check_admitting()
+        return await self._weights.update(source, policy=policy, label=label)
+
+    async def sleep(
+        self, level: int = 1, *, policy: SleepPolicy = "finish", refuse: bool = False
+    ) -> SleepReport:
+        """Free the weights' device memory until ``wake`` (L103).
+
+        From the next step boundary no worker takes a new request; the requests in
+        flight ``finish`` first, or are suspended exactly (``"suspend"``, L61: they
+        resume after the wake with the outputs they would have had). Then level 1 moves
+        every weight to host memory; level 2 drops those the model's files hold and
+        moves the rest. Requests meanwhile are admitted and wait, or with ``refuse`` are
+        refused (``EngineSleepingError``: a server's 503) from this call to the wake.
+        Asleep already: nothing is done.
+
+        Returns:
+            The bytes freed and the seconds it took.
+
+        Raises:
+            WeightsError: the runners cannot sleep (or cannot suspend), or one failed:
+                every runner is awake.
+            ValueError: a level or a policy that is not one.
+            EngineClosedError: shutdown has begun (L30).
+            EngineDeadError: the worker died (L23).
+
+        Cancellation: waiting for the requests in flight stops and the engine serves
+            on; freeing under way finishes and is undone.
+        """
+        self._check_admitting()
+        return await self._weights.sleep(level=level, policy=policy, refuse=refuse)
+
+    async def wake(self) -> WakeReport:
+        """Bring the weights back where they were and serve again (L103): the next step's
+        output is the one it would have been before the sleep. Awake: nothing.
+
+        Raises:
+            WeightsError: a file a level-2 sleep dropped weights of changed or went
+                away; the engine sleeps on.
+
+        Cancellation: the wake of the runner under way finishes; a later ``wake``
+            wakes the others.
+        """
+        return await self._weights.wake()
 
     # -- abort ---------------------------------------------------------------
 
@@ -522,163 +621,6 @@ class Engine(metaclass=NoPublicConstructor, made_by="open_engine()"):
         """Mark ``record`` as cut off by shutdown; the worker drops it at its next boundary."""
         if record.token.cancel(AbortReason.SHUTDOWN):
             record.mark_abort()
-
-    # -- messages from the engine's threads ----------------------------------
-
-    def _dispatch(self, message: Message[WorkItem]) -> None:
-        try:
-            self._apply(message)
-        except Exception as exc:  # an engine bug: fail loudly, never crash the loop
-            self._die(died(exc, "the engine failed to apply a message"))
-
-    def _apply(self, message: Message[WorkItem]) -> None:
-        match message:
-            case Stepped(item, step, total, preview):
-                record = cast(Record, item)
-                if not record.status.is_terminal and not record.channel.is_receive_closed:
-                    record.channel.send_nowait(
-                        StepEvent(
-                            request_id=record.request_id,
-                            step=step,
-                            total=total,
-                            preview=preview,
-                        )
-                    )
-            case Completed(item):
-                record = cast(Record, item)
-                self._terminate(record, RequestStatus.COMPLETED, message)
-            case Released(item, failure):
-                record = cast(Record, item)
-                if failure is not None:
-                    # L22: the message was formatted in the thread that caught the
-                    # error; the loop never runs the runner's code to describe it.
-                    failed = RequestFailedError(failure.message, request_id=record.request_id)
-                    failed.__cause__ = failure.cause
-                    if failure.traceback:  # the first request this exception failed
-                        others = failure.request_ids[1:]
-                        also = f" (and {', '.join(others)}, of its batch)" if others else ""
-                        log_exception(
-                            ENGINE,
-                            failure.message + also,
-                            failure.cause,
-                            failure.traceback,
-                            extra={
-                                "request_id": record.request_id,
-                                "request_ids": failure.request_ids,
-                            },
-                        )
-                    self._terminate(record, RequestStatus.FAILED, failed)
-                else:
-                    self._terminate(record, RequestStatus.ABORTED, self._cut_error(record))
-            case Died(worker=worker) if worker is not None and self._alive - {worker}:
-                self._lose_worker(message, worker)
-            case Died():
-                self._die(message)
-            case Exited(worker):
-                self._exited_workers.add(worker)
-                if len(self._exited_workers) == len(self._workers):
-                    self._exited.set()
-            case _:
-                assert_never(message)
-
-    def _terminate(self, record: Record, status: RequestStatus, outcome: Any) -> None:
-        """Make ``record`` terminal: outcome, metrics, wake-ups, tables."""
-        if record.status.is_terminal:
-            return
-        self._counts[status] += 1
-        record.terminal_status = status
-        metrics = record.metrics = record.build_metrics(status)
-        if metrics.steps_after_abort is not None:
-            self._steps_after_abort += metrics.steps_after_abort
-        if status is RequestStatus.COMPLETED:
-            if self._results is not None:
-                self._results.completed(record, outcome.kept)
-            # ``outcome`` is the Completed message: the images, and a video's frames.
-            outcome = GenerationOutput(
-                request_id=record.request_id,
-                images=outcome.images,
-                video=outcome.video,
-                metrics=metrics,
-                trajectory=outcome.trajectory,
-            )
-        if record.deadline is not None:
-            self._deadlines.ended(record)
-        request_id = record.request_id
-        if self._live.get(request_id) is record:
-            del self._live[request_id]
-        handle = record.handle_ref() if record.handle_ref is not None else None
-        if handle is not None and not handle.is_closed:
-            record.outcome = outcome
-            self._terminal_open[request_id] = handle
-        record.channel.close_send()
-        record.done.set()
-        log_finished(record, status, outcome)
-
-    def _forget(self, record: Record, handle: RequestHandle) -> None:
-        """Free the id of a terminal request whose handle just closed (L3)."""
-        if self._terminal_open.get(record.request_id) is handle:
-            del self._terminal_open[record.request_id]
-
-    def _cut_error(self, record: Record) -> Exception:
-        reason = record.token.reason or AbortReason.SHUTDOWN
-        if reason == AbortReason.SHUTDOWN:
-            return EngineClosedError(f"request {record.request_id!r} was cut off by shutdown")
-        return RequestAbortedError(
-            f"request {record.request_id!r} was aborted ({reason})",
-            reason=reason,
-            request_id=record.request_id,
-        )
-
-    def _lose_worker(self, death: Died, index: int) -> None:
-        """Worker ``index`` died; the others serve on (L43): fail only what it held."""
-        if index not in self._alive:
-            return
-        self._alive.discard(index)
-        text = death.traceback or format_traceback(death.error)
-        log_exception(
-            ENGINE,
-            f"{death.message}; {len(self._alive)} worker(s) serve on",
-            death.error,
-            text,
-            extra={},
-        )
-        with self._pool.cond:
-            # Its suspended requests end now; its exiting thread discards their state.
-            self._workers[index].orphan_parked()
-        for record in list(self._live.values()):
-            if record.worker == index:
-                record.token.cancel(AbortReason.SHUTDOWN)
-                failed = RequestFailedError(
-                    f"request {record.request_id!r} failed: {death.message}",
-                    request_id=record.request_id,
-                )
-                failed.__cause__ = death.error
-                self._terminate(record, RequestStatus.FAILED, failed)
-
-    def _die(self, death: Died) -> None:
-        if self._dead is not None:
-            return
-        dead = EngineDeadError(death.message)
-        dead.__cause__ = death.error
-        self._dead = dead
-        self._alive.clear()
-        text = death.traceback or format_traceback(death.error)
-        log_exception(ENGINE, death.message, death.error, text, extra={})
-        self._closing = True
-        live = list(self._live.values())
-        # Cut first, so that no suspension in flight parks a request that ends here.
-        for record in live:
-            record.token.cancel(AbortReason.SHUTDOWN)
-        self._pool.withdraw_all()
-        self._pool.stop()
-        for record in live:
-            self._terminate(record, RequestStatus.FAILED, self._dead_error())
-
-    def _dead_error(self) -> EngineDeadError:
-        assert self._dead is not None
-        error = EngineDeadError(str(self._dead))
-        error.__cause__ = self._dead.__cause__
-        return error
 
 
 @final

@@ -29,6 +29,7 @@ __all__ = [
     "Completed",
     "Died",
     "Exited",
+    "Held",
     "Message",
     "Post",
     "Released",
@@ -97,13 +98,21 @@ class Died:
 
 
 @dataclass(frozen=True, slots=True)
+class Held:
+    """Worker ``worker`` runs nothing in hold ``round`` (L103): what ran is suspended."""
+
+    worker: int
+    round: int
+
+
+@dataclass(frozen=True, slots=True)
 class Exited:
     """Worker ``worker``'s threads have finished; its runner is closed."""
 
     worker: int = 0
 
 
-Message = Stepped[W] | Completed[W] | Released[W] | Died | Exited
+Message = Stepped[W] | Completed[W] | Released[W] | Died | Exited | Held
 Post = Callable[[Any], None]
 
 

@@ -17,6 +17,11 @@ divided among the idle workers), not a whole batch that leaves the others idle.
 Fair share (L57): the queues share one ``FairShare`` (the tenants' tags), and
 ``costs`` holds what the workers measured a step to cost per batch key, which
 prices each request at admission: its steps times its step's estimated seconds.
+
+Holds (L102, L103): while the engine updates its weights or sleeps, ``hold`` says what
+the workers may take (``queues_for``): no new request (the running and suspended ones
+finish), or nothing, or nothing and the running ones suspended. ``weights`` is the
+version a request taken now runs on.
 """
 
 from __future__ import annotations
@@ -28,13 +33,26 @@ from typing import TYPE_CHECKING
 
 from ._fairshare import FairShare, StepCosts
 from ._queue import WaitingQueue
+from ._weights import WeightVersion
 
 if TYPE_CHECKING:
     from ._scheduler import RunningBatch
     from ._worker import Worker
     from ._workitem import WorkItem
 
-__all__ = ["Pool", "Withdrawal"]
+__all__ = ["Hold", "Pool", "Withdrawal"]
+
+
+class Hold(enum.Enum):
+    """What the workers may take while the weights change or sleep (L102, L103)."""
+
+    #: No new request: the running and suspended ones run to their ends.
+    FRESH = "fresh"
+    #: Nothing: no request is taken, none resumed.
+    ALL = "all"
+    #: Nothing, and each worker suspends its running requests at their next boundary
+    #: (L61) and says so (``Held``).
+    SUSPEND = "suspend"
 
 
 class Withdrawal(enum.Enum):
@@ -63,6 +81,12 @@ class Pool:
         # Workers waiting for work in ``cond.wait`` (woken or not yet running).
         self.idle = 0
         self.stopping = False
+        # L102, L103: what the workers may take now (``None``: anything), the hold's
+        # round (each ``set_hold`` starts one), and the weights a request taken runs on.
+        self.hold: Hold | None = None
+        self.hold_round = 0
+        self.weights = WeightVersion(number=0)
+        self._nothing: WaitingQueue[WorkItem] = self.new_queue()  # always empty
 
     def new_queue(self) -> WaitingQueue[WorkItem]:
         """A queue that ranks with this pool's fair share (a worker's parked one)."""
@@ -152,6 +176,28 @@ class Pool:
             fresh = self.fresh.drain()
             releasing = [item for worker in self.workers for item in worker.let_go_all()]
             return fresh, releasing
+
+    def set_hold(self, hold: Hold | None, weights: WeightVersion | None = None) -> int:
+        """Hold the workers as ``hold`` says (``None``: serve), and name the weights a
+        request taken from now on runs on; return the hold's round. Wakes every worker."""
+        with self.cond:
+            self.hold = hold
+            self.hold_round += 1
+            if weights is not None:
+                self.weights = weights
+            self.cond.notify_all()
+            return self.hold_round
+
+    def queues_for(self, parked: WaitingQueue[WorkItem]) -> tuple[WaitingQueue[WorkItem], ...]:
+        """The new requests' queue and a worker's ``parked`` one, as the hold lets it take
+        from them (an empty queue for one it may not); both once the pool stops. Under
+        the lock."""
+        hold = None if self.stopping else self.hold
+        if hold is None:
+            return self.fresh, parked
+        if hold is Hold.FRESH:
+            return self._nothing, parked
+        return self._nothing, self._nothing
 
     def stop(self) -> None:
         """Make every worker drop its members at its next boundary and exit."""

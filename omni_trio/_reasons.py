@@ -30,3 +30,5 @@ class AbortReason(enum.StrEnum):
     DEADLINE = "deadline"
     #: The HTTP client went away before the answer (L46, L51).
     CLIENT_DISCONNECTED = "client_disconnected"
+    #: The weights were updated with ``policy="abort"`` while it ran (L102).
+    WEIGHTS_UPDATED = "weights_updated"

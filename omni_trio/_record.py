@@ -148,6 +148,7 @@ class Record(WorkItem):
             cache=self.cache_metrics,
             timeline=timeline,
             result_cache_hit=self.result_hit,
+            weight_version=self.weights,
         )
 
 

@@ -30,7 +30,7 @@ import os
 import re
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -116,7 +116,7 @@ class ResultStore:
         adapters: Callable[[], tuple[AdapterInfo, ...]],
     ) -> None:
         self.config = config
-        self.model = model_fingerprint(runners)
+        self.model = self._loaded = model_fingerprint(runners)
         self._adapters = adapters
         # The digest of each adapter's weights, by name.
         self._digests: dict[str, str] = {}
@@ -213,6 +213,17 @@ class ResultStore:
     def unloaded(self, name: str) -> None:
         """Adapter ``name`` was unloaded: a later one of that name has its own weights."""
         self._digests.pop(name, None)
+
+    # -- weights in place (L102) ------------------------------------------------------
+
+    def weights_changed(self, key: str, waiting: Iterable[Record]) -> None:
+        """The runners' weights were updated, and ``key`` names them: the model in every
+        key from now on. The ``waiting`` requests, admitted under the old name, run on
+        the new weights: their outputs are not kept."""
+        self.model = f"{self._loaded} weights={key}"
+        for record in waiting:
+            record.result_key = None
+            record.keep_result = 0
 
     # -- the files --------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, get_args
 
 from ._errors import OmniTrioError
 
@@ -43,8 +43,6 @@ __all__ = [
     "WeightsRunner",
     "is_weights_runner",
 ]
-
-StateT = TypeVar("StateT")
 
 #: What ``update_weights`` takes: a ``.safetensors`` file, or a state dict (tensor
 #: names to tensors: the denoiser's, or each key prefixed ``component.``), or a
@@ -161,7 +159,7 @@ class WakeReport:
     wake_s: float
 
 
-class WeightsRunner(Protocol[StateT]):
+class WeightsRunner(Protocol):
     """A runner whose weights can be updated in place and put to sleep (L102, L103).
 
     The engine calls these from anyio's worker threads, only while none of the

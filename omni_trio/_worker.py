@@ -44,6 +44,10 @@ prepares the newcomer at the same boundary. A request is suspended at most
 it again the runner resumes it from the step it reached. One that the event loop
 withdraws (abort, deadline, shutdown) is released by the materializer thread at once,
 never decoded.
+
+Holds (L102, L103): while the engine updates its weights or sleeps, the pool's hold
+keeps new requests (or all) out of the plan; with ``suspend`` the worker suspends its
+running requests at the next boundary (``_suspend``) and posts ``Held`` once idle.
 """
 
 from __future__ import annotations
@@ -61,9 +65,10 @@ from ._checkpointing import restored, take_checkpoints
 from ._imagecheck import checked_images
 from ._log import WORKER
 from ._materialize import Materializer
-from ._messages import Exited, Post, Stepped, died, discard_quietly, release
+from ._messages import Exited, Held, Post, Stepped, died, discard_quietly, release
 from ._outputs import WorkerStatistics
 from ._parking import Parking
+from ._pool import Hold
 from ._queue import WaitingQueue
 from ._reasons import AbortReason
 from ._runner import Runner, StopRun, SuspendableRunner
@@ -79,6 +84,7 @@ from ._scheduler import (
     sources,
 )
 from ._steptimes import StepTimes
+from ._suspend import Suspender
 from ._wholecall import run_whole
 from ._workitem import WorkItem
 
@@ -144,8 +150,9 @@ class Worker:
         self._rules_no_preemption = dataclasses.replace(self._rules, preempting=False)
         # The last batch steps, which tenant preemption reads (L61 amended).
         self._recent = RecentSteps(self._rules.max_batch)
-        self._park_on_host = config.park_on_host
         self._max_parked_bytes = config.max_parked_bytes
+        # L103: the last hold round it said it runs nothing in (``Held``).
+        self._held_round = 0
         # Written by the worker thread only; the loop reads them for statistics
         # (reading one reference is atomic; a stale value is one step old).
         self.steps_run = 0
@@ -166,6 +173,9 @@ class Worker:
         self._materializer = Materializer(runner, post, self._die, name=f"{name}-materializer")
         # Its suspended requests, under the lock (the loop reads their counts).
         self._parking = Parking(pool.new_queue(), self._materializer)
+        self._suspender = Suspender(
+            runner, pool.cond, self._parking, post, self._publish, to_host=config.park_on_host
+        )
         self._thread = threading.Thread(target=self._run, name=f"{name}-worker", daemon=False)
 
     @property
@@ -332,6 +342,8 @@ class Worker:
         A method of its own so that no loop variable outlives it: an idle worker
         holds no request (L14).
         """
+        if running and self._pool.hold is Hold.SUSPEND:
+            self._suspender.suspend_all(running)  # L103: read unlocked: a step late at worst
         plan = self._boundary(running, preempting=self._preempting)
         self._release_all(plan.drop)
         admitted: Sequence[WorkItem] = plan.admit
@@ -444,10 +456,11 @@ class Worker:
             while True:
                 if self._fatal is not None:
                     raise self._fatal
+                fresh, parked = pool.queues_for(self.parked)
                 plan = plan_boundary(
                     self._members(running),
-                    fresh=pool.fresh,
-                    parked=self.parked,
+                    fresh=fresh,
+                    parked=parked,
                     rules=rules,
                     stopping=pool.stopping,
                     idle=pool.idle,
@@ -468,6 +481,9 @@ class Worker:
                 # Idle from here: nothing is left in the batch to count or estimate.
                 if self.batch.members:
                     self._publish(running)
+                if pool.hold is Hold.SUSPEND and self._held_round != pool.hold_round:
+                    self._held_round = pool.hold_round
+                    self._post(Held(self.index, pool.hold_round))  # L103: nothing runs here
                 pool.idle += 1
                 try:
                     self._cond.wait()
@@ -475,10 +491,11 @@ class Worker:
                     pool.idle -= 1
 
     def _taken(self, items: Sequence[WorkItem]) -> None:
-        """Mark ``items`` as this worker's, running; under the lock."""
+        """Mark ``items`` as this worker's, running on the weights now; under the lock."""
         for item in items:
             self._parking.hold(item)
             item.worker = self.index
+            item.weights = self._pool.weights
 
     def _preempt(self, running: list[WorkItem], plan: Preemption[WorkItem]) -> Sequence[WorkItem]:
         """Carry out a plan: suspend its victims for its newcomer; return what to admit.
@@ -513,27 +530,14 @@ class Worker:
                 self._publish([*running, newcomer])
         if not stands:
             return self._no_preemption(running)
-        for item, size in zip(victims, sizes, strict=True):
-            running.remove(item)
-            try:
-                runner.suspend(item.state, to_host=self._park_on_host)
-            except Exception as exc:
-                self._publish([*running, newcomer])
-                release(self._runner, item, self._post, exc, call="suspend")
-                continue
-            with self._cond:
-                cut = item.token.reason is not None
-                if not cut:
-                    self._parking.park(item, size)
-                self._publish([*running, newcomer])
-            if cut:
-                release(self._runner, item, self._post, None)
+        self._suspender.park(running, victims, sizes, [newcomer])
         return [newcomer]
 
     def _replan(self, running: list[WorkItem]) -> Preemption[WorkItem] | None:
         """The preemption the policy would plan now; under the lock."""
         pool = self._pool
-        queues = sources(pool.fresh, self.parked, busy=bool(running), idle=pool.idle)
+        fresh, parked = pool.queues_for(self.parked)
+        queues = sources(fresh, parked, busy=bool(running), idle=pool.idle)
         return plan_preemption(self._members(running), queues, self._rules, self._recent.view())
 
     def _no_preemption(self, running: list[WorkItem]) -> Sequence[WorkItem]:

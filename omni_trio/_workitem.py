@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from ._checkpoint import CheckpointPolicy
     from ._request import GenerationRequest
     from ._stepcache import CacheMetrics
+    from ._weights import WeightVersion
 
 __all__ = ["CancelToken", "WorkItem", "step_pixels"]
 
@@ -84,6 +85,7 @@ class WorkItem:
         "t_taken",
         "taken",
         "token",
+        "weights",
         "worker",
     )
 
@@ -97,8 +99,10 @@ class WorkItem:
         # Set by the worker, under the queue lock, when it takes the item: from
         # then on the request is running, whatever messages are still in flight.
         self.taken = False
-        # The index of the worker that took it (L42: it lives its life there).
+        # The index of the worker that took it (L42: it lives its life there), and the
+        # weights it runs on (L102), named when it is taken.
         self.worker: int | None = None
+        self.weights: WeightVersion | None = None
         # Owned by whichever engine thread holds the item.
         self.state: object | None = None
         self.steps_done = 0

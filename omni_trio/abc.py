@@ -18,6 +18,8 @@ framework (or a fake) is typed against these names alone:
   that names the model, the version and the request) and ``CheckpointError``.
 - ``TrajectoryRunner``: the call more of a runner that declares ``samplers`` (L100): a
   request's trajectory.
+- ``WeightsRunner``: the five calls of a runner whose weights are updated in place
+  and put to sleep (L102, L103), with ``SleepBytes``, what a sleep freed.
 - ``StopRun``: what the engine raises inside a runner call to stop it.
 - ``cancel_point()``: what a runner that declares ``cancel_points`` calls inside a
   step or a decode (L71, L72).
@@ -42,6 +44,8 @@ from ._runner import StopRun as StopRun
 from ._runner import SuspendableRunner as SuspendableRunner
 from ._runner import TrajectoryRunner as TrajectoryRunner
 from ._runner import WholeCallRunner as WholeCallRunner
+from ._weights import SleepBytes as SleepBytes
+from ._weights import WeightsRunner as WeightsRunner
 
 __all__ = [
     "AdapterRunner",
@@ -49,11 +53,13 @@ __all__ = [
     "CheckpointRunner",
     "Runner",
     "RunnerCapabilities",
+    "SleepBytes",
     "StepCacheRunner",
     "StepCallback",
     "StopRun",
     "SuspendableRunner",
     "TrajectoryRunner",
+    "WeightsRunner",
     "WholeCallRunner",
     "cancel_point",
     "pack_checkpoint",

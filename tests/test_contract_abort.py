@@ -220,4 +220,5 @@ async def test_the_engine_gives_abort_reasons_of_one_vocabulary() -> None:
         "shutdown",
         "deadline",
         "client_disconnected",
+        "weights_updated",
     ]

@@ -30,6 +30,8 @@ EVENT_LOOP = ("anyio", "trio", "asyncio", "sniffio")
 LOOP_SIDE = (
     "_open",
     "_engine",
+    "_ledger",
+    "_weightops",
     "_runner_adapters",
     "_resultstore",
     "_record",
@@ -44,6 +46,7 @@ LOOP_SIDE = (
 THREAD_SIDE = (
     "_worker",
     "_parking",
+    "_suspend",
     "_checkpointing",
     "_wholecall",
     "_pool",
@@ -79,6 +82,11 @@ RUNNER_SEAM = frozenset(
         "omni_trio._checkpoint",
         # A request to plain data and back (a parallel plan's join): data, as it is.
         "omni_trio._codec",
+        # Weights in place and sleep (L102, L103): the source, the bytes, the error.
+        "omni_trio._weights",
+        # A request's stochastic sampler and the trajectory a runner returns (L100): data,
+        # torch-free, as the request is.
+        "omni_trio._sampling",
     }
 )
 

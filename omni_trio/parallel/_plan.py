@@ -12,8 +12,9 @@ read in order:
 - ``OPS``: ops only (a join, sent as soon as rank 0 prepares it, so that every
   rank prepares it at the same time).
 - ``REPORT``: ops, then answer with what this rank holds (``RankReport``).
-- ``ADAPTERS``: ops (an adapter's load), then answer with the loads that failed on
-  this rank: rank 0 loads first, and undoes its load when another rank's fails.
+- ``ADAPTERS``: ops (an adapter's load, an update of the weights, a sleep, a wake:
+  L102, L103), then answer with those that failed on this rank: rank 0 goes first,
+  and undoes its own when another rank's fails.
 - ``STOP``: the group closes.
 
 An op names a request by its *key*, a number rank 0 gives each admission once
@@ -59,6 +60,11 @@ class OpKind(enum.IntEnum):
     LOAD_ADAPTER = 5
     UNLOAD_ADAPTER = 6
     CACHE_THRESHOLD = 7
+    UPDATE_WEIGHTS = 8
+    COMMIT_WEIGHTS = 9
+    REVERT_WEIGHTS = 10
+    SLEEP_WEIGHTS = 11
+    WAKE_WEIGHTS = 12
 
 
 class PlanKind(enum.IntEnum):
@@ -79,7 +85,9 @@ class Op:
     tensors) and its id; a
     suspension whether it parks in host memory; an adapter's load its ``name`` and
     ``source`` (an absolute file path or a state dict), its unload its ``name``
-    (``key`` 0: no request); a step cache's loosened ``threshold`` (L84).
+    (``key`` 0: no request); a step cache's loosened ``threshold`` (L84); an update
+    of the weights its ``source`` and, in ``name``, its key (L102); a sleep its level
+    in ``key`` (L103).
     """
 
     kind: OpKind

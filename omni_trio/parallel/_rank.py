@@ -290,7 +290,8 @@ class RankStates:
     group's failure. An adapter's load that fails here is remembered for the
     ``ADAPTERS`` plan's answer (``load_failures``): rank 0 then undoes its own load
     and has every rank unload it; an unload that fails is the group's failure (the
-    ranks' adapters differ).
+    ranks' adapters differ). So are an update of the weights, a sleep and a wake
+    (L102, L103): one that fails here is answered, and rank 0 has every rank undo it.
     """
 
     def __init__(self, runner: RankRunner) -> None:
@@ -330,6 +331,30 @@ class RankStates:
                 case OpKind.UNLOAD_ADAPTER:
                     if op.name in self._runner.adapter_names():  # not if its load failed here
                         self._runner.unload_adapter(op.name)
+                case _:
+                    self._weights(op)
+
+    def _weights(self, op: Op) -> None:
+        """An op on the weights (L102, L103). An update, a sleep or a wake that fails is
+        answered; a commit or a revert that fails is the group's failure."""
+        runner = self._runner
+        match op.kind:
+            case OpKind.COMMIT_WEIGHTS:
+                runner.commit_weights()
+                return
+            case OpKind.REVERT_WEIGHTS:
+                runner.revert_weights()
+                return
+        try:
+            match op.kind:
+                case OpKind.UPDATE_WEIGHTS:
+                    runner.update_weights(op.source, key=op.name)
+                case OpKind.SLEEP_WEIGHTS:
+                    runner.sleep_weights(op.key)
+                case OpKind.WAKE_WEIGHTS:
+                    runner.wake_weights()
+        except Exception as exc:
+            self.load_failures.append(f"{type(exc).__name__}: {exc}")
 
     def members(self, keys: Sequence[int]) -> list[Any]:
         """The states of a step's members, in order.

@@ -12,7 +12,8 @@ in the same order (L40).
 Cancel points are agreed (``_agree``): all ranks leave a step at the same point.
 Adapters load on rank 0 first (its validation is the load's), then on every other
 rank, all or nothing; their loads and unloads are ops in the same order as the
-joins and drops, so every rank holds and evicts the same adapters (L85-L87).
+joins and drops, so every rank holds and evicts the same adapters (L85-L87). An update
+of the weights, a sleep and a wake go the same way (L102, L103).
 What the engine and the server read of the caches is rank 0's, in this process, with
 no message: the result cache's fingerprint (L95: the layout and rank 0's model) and
 the prompt cache's statistics (L94: every rank's cache sees the same requests).
@@ -48,6 +49,7 @@ from .._codec import request_record
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities, StopRun
 from .._stepcache import CacheMetrics
+from .._weights import SleepBytes, WeightsError, WeightSource
 from ..runners import PromptCacheStatistics
 from ._agree import agreed_check
 from ._plan import Op, OpKind, Plan, PlanKind, RankReport, encode_plan
@@ -360,40 +362,20 @@ class ParallelRunner:
             InvalidRequestError: ``name`` is not an adapter name.
             ParallelGroupError: the group broke, before or during the load.
         """
-        if isinstance(source, str | os.PathLike):
-            source = os.path.abspath(source)
-        elif isinstance(source, Mapping):
-            source = dict(source)  # a plain dict pickles, to reach the ranks
+        source = _picklable(source)
         with self._lock:
             if self._closed:
                 raise AdapterError(
                     "the runner is closed: it loads nothing", reason="invalid", name=name
                 )
-            exited = [code for code in self._group.ranks.exit_codes() if code is not None]
-            if self._broken is not None or exited:
-                raise self._failure(RuntimeError("a rank has exited"), "an adapter's load")
-            # Under the book lock, rank 0's load and its op take one place among the
-            # discards (their releases) of other threads: every rank sees one order.
-            with self._book_lock:
-                self._model.load_adapter(name, source)
-                self._ops.append(Op(kind=OpKind.LOAD_ADAPTER, key=0, name=name, source=source))
-            try:
-                self._send(PlanKind.ADAPTERS)
-                answers = [receive(c, self._timeout_s) for c in self._group.connections]
-            except BaseException as exc:
-                failure = self._failure(exc, "an adapter's load")
-                with self._book_lock, suppress(Exception):
-                    self._model.unload_adapter(name)  # nothing of the load stays
-                raise failure from exc
-            failures: list[str] = []
-            for rank, answer in enumerate(answers, start=1):
-                assert isinstance(answer, tuple) and answer[0] == "adapters", answer
-                failures.extend(f"rank {rank}: {text}" for text in answer[1])
+            failures = self._on_every_rank(
+                "an adapter's load",
+                lambda: self._model.load_adapter(name, source),
+                Op(kind=OpKind.LOAD_ADAPTER, key=0, name=name, source=source),
+                lambda: self._model.unload_adapter(name),
+                Op(kind=OpKind.UNLOAD_ADAPTER, key=0, name=name),
+            )
             if failures:
-                with self._book_lock:
-                    self._model.unload_adapter(name)
-                    self._ops.append(Op(kind=OpKind.UNLOAD_ADAPTER, key=0, name=name))
-                self._send(PlanKind.OPS)
                 raise AdapterError(
                     f"adapter {name!r}: not loaded on every rank ({'; '.join(failures)})",
                     reason="invalid",
@@ -424,6 +406,140 @@ class ParallelRunner:
         """The adapter names requests may use (rank 0's, the group's); none once closed."""
         runner = self._runner
         return frozenset() if runner is None else runner.adapter_names()
+
+    # -- weights in place and sleep (L102, L103) ---------------------------------
+
+    def update_weights(self, source: WeightSource, *, key: str) -> None:
+        """Apply ``source`` on every rank, all or nothing (``WeightsRunner``).
+
+        Rank 0 first (its checks are the update's: a bad source is refused before any
+        other rank reads it), then every other rank; if one of them fails, every rank
+        reverts it. A file is read by every rank; a state dict is sent to each.
+
+        Raises:
+            WeightsError: rank 0 refused it (as ``DiffusersRunner.update_weights``), or
+                another rank failed (``failed``); or the runner is closed.
+            ParallelGroupError: the group broke, before or during the update.
+        """
+        source = _picklable(source)
+        self._everywhere(
+            "a weights update",
+            lambda: self._model.update_weights(source, key=key),
+            Op(kind=OpKind.UPDATE_WEIGHTS, key=0, name=key, source=source),
+            lambda: self._model.revert_weights(),
+            Op(kind=OpKind.REVERT_WEIGHTS, key=0),
+        )
+
+    def commit_weights(self) -> None:
+        """Every rank forgets what the last update replaced."""
+        self._told(lambda: self._model.commit_weights(), Op(kind=OpKind.COMMIT_WEIGHTS, key=0))
+
+    def revert_weights(self) -> None:
+        """Every rank puts back what the last update replaced."""
+        self._told(lambda: self._model.revert_weights(), Op(kind=OpKind.REVERT_WEIGHTS, key=0))
+
+    def sleep_weights(self, level: int) -> SleepBytes:
+        """Free the weights of every rank's device, all or nothing (L103); returns rank
+        0's bytes (every rank frees as much on its own device).
+
+        Raises:
+            WeightsError: a rank could not (``failed``): every rank is awake.
+            ParallelGroupError: the group broke.
+        """
+        freed: list[SleepBytes] = []
+        self._everywhere(
+            "a sleep",
+            lambda: freed.append(self._model.sleep_weights(level)),
+            Op(kind=OpKind.SLEEP_WEIGHTS, key=level),
+            lambda: self._model.wake_weights(),
+            Op(kind=OpKind.WAKE_WEIGHTS, key=0),
+        )
+        return freed[0]
+
+    def wake_weights(self) -> None:
+        """Bring every rank's weights back (L103); a retry wakes the ranks still asleep.
+
+        Raises:
+            WeightsError: a rank could not (``failed``).
+            ParallelGroupError: the group broke.
+        """
+        self._everywhere(
+            "a wake", lambda: self._model.wake_weights(), Op(kind=OpKind.WAKE_WEIGHTS, key=0)
+        )
+
+    def _everywhere(
+        self,
+        during: str,
+        here: Callable[[], None],
+        op: Op,
+        undo_here: Callable[[], None] | None = None,
+        undo_op: Op | None = None,
+    ) -> None:
+        """``here`` on rank 0, then ``op`` on every other rank; ``WeightsError`` when one
+        of them failed (undone everywhere, as ``_on_every_rank`` does)."""
+        with self._lock:
+            if self._closed:
+                raise WeightsError("the runner is closed", reason="unsupported")
+            failures = self._on_every_rank(during, here, op, undo_here, undo_op)
+        if failures:
+            raise WeightsError(
+                f"{during} failed on a rank ({'; '.join(failures)}); every rank is as it was",
+                reason="failed",
+            )
+
+    def _told(self, here: Callable[[], None], op: Op) -> None:
+        """``here`` on rank 0 and ``op`` to every other rank, with no answer."""
+        with self._lock:
+            with self._book_lock:
+                here()
+                self._ops.append(op)
+            self._send(PlanKind.OPS)
+
+    def _on_every_rank(
+        self,
+        during: str,
+        here: Callable[[], None],
+        op: Op,
+        undo_here: Callable[[], None] | None,
+        undo_op: Op | None,
+    ) -> list[str]:
+        """``here`` on rank 0, then ``op`` on every other rank (an ``ADAPTERS`` plan);
+        return the other ranks' failures, after undoing it on rank 0 (``undo_here``) and
+        sending ``undo_op``. Under ``_lock``.
+
+        Rank 0's call and its op take one place among the discards (their releases) of
+        other threads, under the book lock: every rank sees one order.
+
+        Raises:
+            Exception: what ``here`` raised (no other rank was asked).
+            ParallelGroupError: the group broke, before or during (rank 0's undone).
+        """
+        exited = [code for code in self._group.ranks.exit_codes() if code is not None]
+        if self._broken is not None or exited:
+            raise self._failure(RuntimeError("a rank has exited"), during)
+        with self._book_lock:
+            here()
+            self._ops.append(op)
+        try:
+            self._send(PlanKind.ADAPTERS)
+            answers = [receive(c, self._timeout_s) for c in self._group.connections]
+        except BaseException as exc:
+            failure = self._failure(exc, during)
+            if undo_here is not None:
+                with self._book_lock, suppress(Exception):
+                    undo_here()  # nothing of it stays
+            raise failure from exc
+        failures: list[str] = []
+        for rank, answer in enumerate(answers, start=1):
+            assert isinstance(answer, tuple) and answer[0] == "adapters", answer
+            failures.extend(f"rank {rank}: {text}" for text in answer[1])
+        if failures and undo_here is not None:
+            with self._book_lock:
+                undo_here()
+                if undo_op is not None:
+                    self._ops.append(undo_op)
+            self._send(PlanKind.OPS)
+        return failures
 
     # -- the caches (L94, L95) ------------------------------------------------------
 
@@ -565,3 +681,13 @@ class ParallelRunner:
                 f"the parallel group broke during {during}: {type(exc).__name__}: {exc}{reasons}"
             )
         return ParallelGroupError(self._broken)
+
+
+def _picklable(source: Any) -> Any:
+    """A load's or an update's source as it reaches the ranks: a file by its absolute
+    path, a mapping as a plain dict (which pickles)."""
+    if isinstance(source, str | os.PathLike):
+        return os.path.abspath(source)
+    if isinstance(source, Mapping):
+        return dict(source)
+    return source

@@ -6,7 +6,9 @@
   adapters need (L85-L87), ``CheckpointRunner`` the three that checkpoints need (L78:
   with ``pack_checkpoint``, ``unpack_checkpoint``);
   ``cancel_point()`` what a runner declaring ``cancel_points`` calls (L71, L72);
-  ``TrajectoryRunner`` the call more of one that declares ``samplers`` (L100).
+  ``TrajectoryRunner`` the call more of one that declares ``samplers`` (L100);
+  ``WeightsRunner`` the five calls of one whose weights are updated in place and put
+  to sleep (L102, L103), with ``SleepBytes``.
 - ``transition_log_prob`` and ``row_invariant``: a trainer's side of a sampled
   request (L100): a transition's log-probability recomputed from its trajectory, and
   the denoiser's layers computing each row as the request's model calls did.
@@ -82,7 +84,10 @@ Layout: the private modules, each importing only those below it:
   holds its sampler), and ``transition_log_prob``, the trainer's side;
 - ``_invariant``: the row-invariant layers of a sampled request's model calls (L100:
   a row's bits alone or in any batch), and ``row_invariant``, the trainer's side; a
-  feature of the model call, as the step cache and the adapters are.
+  feature of the model call, as the step cache and the adapters are;
+- ``_weights``: a runner's weights updated in place (a state dict or a file copied into
+  the models, a LoRA as every request's base adapter) and put to sleep (moved to host
+  memory, or dropped where the model's files hold them) (L102, L103).
 
 Apart: ``_tiny`` (and ``_quiet``), ``_tinylora``, ``_load`` and ``_devices`` import no
 family.
@@ -105,6 +110,8 @@ from .._runner import StopRun as StopRun
 from .._runner import SuspendableRunner as SuspendableRunner
 from .._runner import TrajectoryRunner as TrajectoryRunner
 from .._runner import WholeCallRunner as WholeCallRunner
+from .._weights import SleepBytes as SleepBytes
+from .._weights import WeightsRunner as WeightsRunner
 from ._call import PipelineCallRunner as PipelineCallRunner
 from ._call import runner_for as runner_for
 from ._devices import for_devices as for_devices
@@ -139,11 +146,13 @@ __all__ = [
     "PromptCacheStatistics",
     "Runner",
     "RunnerCapabilities",
+    "SleepBytes",
     "StepCacheRunner",
     "StepCallback",
     "StopRun",
     "SuspendableRunner",
     "TrajectoryRunner",
+    "WeightsRunner",
     "WholeCallRunner",
     "cancel_point",
     "context_parallel_denoisers",

@@ -80,7 +80,7 @@ from .._adapters import AdapterError, AdapterInfo, AdapterPairs, check_adapter_n
 from .._errors import InvalidRequestError
 from ._forward import ModelCall, calling, current
 from ._hooks import ModuleHooks, has_hook
-from ._landing import Target, Unlanded, census, check_landed
+from ._landing import Target, Unlanded, adapter_source, census, check_landed, source_tensors
 from ._quiet import quiet_notices
 from ._registry import family_class
 
@@ -360,7 +360,7 @@ class AdapterSet:
             raise AdapterError(
                 self.refusal or "this pipeline takes no adapters", reason="invalid", name=name
             )
-        entry = _Entry(name, *_source(name, source))
+        entry = _Entry(name, *adapter_source(name, source))
         with self.model_lock:
             if self._closed:
                 # The pipeline is its owner's again: a load now would change its calls.
@@ -398,6 +398,43 @@ class AdapterSet:
                     )
                 del self._entries[name]
             self._remove(entry)
+
+    # -- the base LoRA (weights in place, L102) ------------------------------------
+
+    def load_base(self, source: str | os.PathLike[str] | Mapping[str, Any]) -> object:
+        """Load ``source`` as a LoRA that every row of every request runs at scale 1: a
+        LoRA update of the weights (L102). Validated as a load is; never named, listed,
+        held or evicted. Returns its handle, for ``base_pairs`` and ``remove_base``.
+
+        Raises:
+            AdapterError: not a LoRA this model takes (``invalid``), as ``load``.
+        """
+        if not self.supported:
+            raise AdapterError(
+                self.refusal or "this pipeline takes no adapters", reason="invalid", name="weights"
+            )
+        entry = _Entry("weights", *adapter_source("weights", source))
+        with self.model_lock:
+            if self._closed:
+                raise AdapterError(
+                    "the runner is closed: it loads nothing", reason="invalid", name="weights"
+                )
+            self._inject(entry)
+        return entry
+
+    @staticmethod
+    def base_pairs(base: object | None) -> HeldAdapters:
+        """The ``(PEFT name, scale)`` pair a request's rows run for the base LoRA ``base``."""
+        if base is None:
+            return ()
+        assert isinstance(base, _Entry) and base.peft is not None
+        return ((base.peft, 1.0),)
+
+    def remove_base(self, base: object) -> None:
+        """Take the base LoRA ``base`` (``load_base``'s) out of the model."""
+        assert isinstance(base, _Entry)
+        with self.model_lock:
+            self._remove(base)
 
     def close(self) -> None:
         """Remove every adapter of this set from the pipeline and let go of the wrappers;
@@ -497,7 +534,11 @@ class AdapterSet:
         try:
             with quiet_notices(), torch.no_grad(), _peft_notes():
                 # Where every tensor lands, checked before the model is touched.
-                landing = census(self.pipe, self._components, _tensors(entry))
+                landing = census(
+                    self.pipe,
+                    self._components,
+                    source_tensors(entry.name, entry.path, entry.state_dict),
+                )
                 if entry.path is not None:
                     self.pipe.load_lora_weights(
                         str(entry.path.parent), weight_name=entry.path.name, adapter_name=peft
@@ -645,55 +686,3 @@ def _peft_notes() -> Iterator[None]:
             "ignore", r"Adapter \S+ was active which is now deleted", UserWarning
         )
         yield
-
-
-def _source(
-    name: str, source: str | os.PathLike[str] | Mapping[str, Any]
-) -> tuple[Path | None, Mapping[str, Any] | None]:
-    """A load's file (resolved, a ``.safetensors`` that exists) or state dict."""
-    if isinstance(source, Mapping):
-        if not source or not all(isinstance(key, str) for key in source):
-            raise AdapterError(
-                f"adapter {name!r}: a state dict maps tensor names to tensors",
-                reason="invalid",
-                name=name,
-            )
-        return None, source
-    if not isinstance(source, str | os.PathLike):
-        raise AdapterError(
-            f"adapter {name!r}: the source is a path or a state dict, got {type(source).__name__}",
-            reason="invalid",
-            name=name,
-        )
-    try:
-        path = Path(source).resolve()
-    except (OSError, RuntimeError) as exc:  # a symlink loop: RuntimeError before 3.13
-        raise AdapterError(
-            f"adapter {name!r}: its path cannot be resolved ({exc})", reason="invalid", name=name
-        ) from None
-    if path.suffix != ".safetensors":
-        raise AdapterError(
-            f"adapter {name!r}: only .safetensors files are read, got {path.name!r}",
-            reason="invalid",
-            name=name,
-        )
-    if not path.is_file():
-        raise AdapterError(f"adapter {name!r}: no file {path}", reason="invalid", name=name)
-    return path, None
-
-
-def _tensors(entry: _Entry) -> Mapping[str, Any]:
-    """The source's tensors by name: the file's (read here), or the state dict."""
-    if entry.state_dict is not None:
-        return entry.state_dict
-    assert entry.path is not None
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(entry.path))
-    except Exception as exc:
-        raise AdapterError(
-            f"adapter {entry.name!r}: not a safetensors file ({exc})",
-            reason="invalid",
-            name=entry.name,
-        ) from exc

@@ -22,6 +22,10 @@ row of a model call runs its own request's adapters and scales.
 
 Prompt cache (L94; see ``_prompts``): each text's encoding, kept for the next request
 that has it, keyed by all that changes it.
+
+Weights in place and sleep (L102, L103; see ``_weights``): a state dict or a file copied
+into the models in place, or a LoRA run unmerged by every request; the weights moved to
+host memory, or dropped where the model's files hold them, and brought back.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from .._adapters import AdapterInfo
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities, StopRun
 from .._stepcache import CacheMetrics
+from .._weights import SleepBytes, WeightSource
 from ._adapters import NAME as ADAPTERS
 from ._adapters import AdapterSet
 from ._cancel import KIND as CANCEL_POINT
@@ -54,6 +59,7 @@ from ._prompts import PROMPT_CACHE_BYTES, PromptCache, PromptCacheStatistics
 from ._registry import family_blocks, family_for
 from ._stepcache import NAME as STEP_CACHE
 from ._stepcache import BlockCache, RequestCache
+from ._weights import PipelineWeights
 
 __all__ = ["DiffusersRunner", "latent_preview"]
 
@@ -201,6 +207,17 @@ class DiffusersRunner:
             " (L93); run it without compile to load adapters",
             on_removed=self._prompts.drop_adapter,
         )
+        self._weights = PipelineWeights(
+            pipeline,
+            self._model_lock,
+            self._adapters,
+            self._family.denoisers[0],
+            self._weights_changed,
+        )
+        # L102: what names the weights since the last update ("": as loaded), and the
+        # name of an update applied but not yet committed.
+        self._weights_key = ""
+        self._pending_key = ""
         min_steps, max_steps = step_bounds(pipeline.scheduler)
         self._capabilities = RunnerCapabilities(
             max_batch_size=max_batch_size,
@@ -270,7 +287,7 @@ class DiffusersRunner:
                 reloaded (L87): the request fails, it never runs without it.
         """
         with self._model_lock:
-            held = self._adapters.acquire(request.adapter_pairs)
+            held = self._weights.base_pairs + self._adapters.acquire(request.adapter_pairs)
             text = self._adapters.text_adapters(held)
             try:
                 with (
@@ -434,20 +451,23 @@ class DiffusersRunner:
             unpark(state, state.parked_from)
             state.parked_from = None
 
-    def checkpoint(self, state: RequestState) -> StateCopy:
-        """A copy of the state's latents, scheduler, generator and step (L78).
+    def checkpoint(self, state: RequestState) -> tuple[StateCopy, str]:
+        """A copy of the state's latents, scheduler, generator and step (L78), and the
+        model's key now: the bytes name the weights the copy was made on (L102).
 
         Raises:
             ValueError: a request with a step cache, or a scheduler holding an object
                 a checkpoint cannot keep.
         """
         with torch.no_grad():
-            return state_copy(state)
+            return state_copy(state), self._key()
 
     def checkpoint_bytes(self, copy: object) -> bytes:
         """The copy, moved to the host, as the checkpoint's bytes (materializer thread)."""
-        assert isinstance(copy, StateCopy)
-        return copy_bytes(copy, self._key())
+        assert isinstance(copy, tuple)
+        state, key = copy
+        assert isinstance(state, StateCopy) and isinstance(key, str)
+        return copy_bytes(state, key)
 
     def restore(
         self, request: GenerationRequest, request_id: str, data: bytes
@@ -467,9 +487,12 @@ class DiffusersRunner:
             raise
 
     def _key(self) -> str:
+        """The checkpoints' model key: the family, the class and the weights (sampled),
+        and after an update its key (L102). Made awake, and kept through a sleep."""
         with self._lock:
             if self._model_key is None:
-                self._model_key = model_key(self._family.name, self._pipeline)
+                key = model_key(self._family.name, self._pipeline)
+                self._model_key = f"{key}:{self._weights_key}" if self._weights_key else key
             return self._model_key
 
     def result_fingerprint(self) -> str:
@@ -567,13 +590,69 @@ class DiffusersRunner:
         weights other than through ``load_adapter`` and ``unload_adapter``."""
         self._prompts.clear()
 
+    # -- weights in place and sleep (L102, L103) ----------------------------------
+
+    def update_weights(self, source: WeightSource, *, key: str) -> None:
+        """Apply ``source`` to the models in place, keeping what it replaces (L102).
+
+        A ``.safetensors`` file or a state dict: the denoiser's tensors, or each name
+        prefixed with its component (``vae.decoder...``), or components to state dicts;
+        each copied into the tensor of its name (a LoRA layer's base too). A LoRA is run
+        unmerged by every request's rows at scale 1 (PEFT's computation, as a trainer's
+        forward), replacing the LoRA of an earlier update. Clears the prompt cache;
+        ``key`` joins the checkpoints' model key at ``commit_weights``. Called while no
+        request runs (``WeightsRunner``).
+
+        Raises:
+            WeightsError: a tensor that names nothing of the model, of another shape, a
+                quantized one, a LoRA it does not take; the runner is asleep. Nothing
+                changed.
+        """
+        self._weights.update(source)
+        self._pending_key = key
+
+    def commit_weights(self) -> None:
+        """Forget what the last update replaced; its key names the model from now on."""
+        self._weights.commit()
+        with self._lock:
+            self._weights_key, self._pending_key = self._pending_key, ""
+            self._model_key = None
+
+    def revert_weights(self) -> None:
+        """Put back what the last update replaced."""
+        self._weights.revert()
+        self._pending_key = ""
+
+    def sleep_weights(self, level: int) -> SleepBytes:
+        """Move the models' weights off their devices (L103): level 1 to host memory
+        (pinned on CUDA), level 2 dropped where the model's folder holds them (see
+        ``_weights``). The model key is made first (a checkpoint's bytes name it)."""
+        self._key()
+        return self._weights.sleep(level)
+
+    def wake_weights(self) -> None:
+        """Bring the weights back to their devices, bit for bit (L103).
+
+        Raises:
+            WeightsError: a file a level-2 sleep dropped weights of changed since.
+        """
+        self._weights.wake()
+
+    def _weights_changed(self) -> None:
+        """L102: what was encoded or keyed with the old weights is theirs alone."""
+        self._prompts.clear()
+        with self._lock:
+            self._model_key = None
+
     def close(self) -> None:
         """Remove the cancel points' hooks, the step cache's wrappers and the adapters,
         and free the prompt cache.
 
-        The pipeline belongs to the caller and stays usable; the adapters this runner
-        loaded leave it (PEFT's LoRA layers, with no adapter in them, stay).
+        The pipeline belongs to the caller and stays usable (asleep, its weights come
+        back first); the adapters this runner loaded leave it (PEFT's LoRA layers, with
+        no adapter in them, stay), and a LoRA update's with them.
         """
+        self._weights.close()
         self._adapters.close()
         self._hooks.close()
         self._prompts.close()

@@ -26,13 +26,17 @@ counts, which a split can hide.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import torch
 
-__all__ = ["Target", "Unlanded", "census", "check_landed"]
+from .._adapters import AdapterError
+
+__all__ = ["Target", "Unlanded", "adapter_source", "census", "check_landed", "source_tensors"]
 
 
 class Unlanded(ValueError):
@@ -227,3 +231,65 @@ def _check_layer(model: torch.nn.Module, name: str, target: Target, value: Any) 
             f"its tensor {name!r} has the shape {list(shape)}, which the layer"
             f" {target.component}.{target.module} ({type(layer).__name__}) does not take"
         )
+
+
+def adapter_source(
+    name: str, source: str | os.PathLike[str] | Mapping[str, Any]
+) -> tuple[Path | None, Mapping[str, Any] | None]:
+    """A load's file (resolved, a ``.safetensors`` that exists) or state dict.
+
+    Raises:
+        AdapterError: neither (``invalid``), naming adapter ``name``.
+    """
+    if isinstance(source, Mapping):
+        if not source or not all(isinstance(key, str) for key in source):
+            raise AdapterError(
+                f"adapter {name!r}: a state dict maps tensor names to tensors",
+                reason="invalid",
+                name=name,
+            )
+        return None, source
+    if not isinstance(source, str | os.PathLike):
+        raise AdapterError(
+            f"adapter {name!r}: the source is a path or a state dict, got {type(source).__name__}",
+            reason="invalid",
+            name=name,
+        )
+    try:
+        path = Path(source).resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop: RuntimeError before 3.13
+        raise AdapterError(
+            f"adapter {name!r}: its path cannot be resolved ({exc})", reason="invalid", name=name
+        ) from None
+    if path.suffix != ".safetensors":
+        raise AdapterError(
+            f"adapter {name!r}: only .safetensors files are read, got {path.name!r}",
+            reason="invalid",
+            name=name,
+        )
+    if not path.is_file():
+        raise AdapterError(f"adapter {name!r}: no file {path}", reason="invalid", name=name)
+    return path, None
+
+
+def source_tensors(
+    name: str, path: Path | None, state_dict: Mapping[str, Any] | None
+) -> Mapping[str, Any]:
+    """The source's tensors by name: the file's at ``path`` (read here), or ``state_dict``.
+
+    Raises:
+        AdapterError: the file is not safetensors (``invalid``), naming adapter ``name``.
+    """
+    if state_dict is not None:
+        return state_dict
+    assert path is not None
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as exc:
+        raise AdapterError(
+            f"adapter {name!r}: not a safetensors file ({exc})",
+            reason="invalid",
+            name=name,
+        ) from exc

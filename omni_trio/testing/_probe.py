@@ -192,6 +192,13 @@ class EngineProbe:
         return frozenset(self._engine._live)
 
     @property
+    def is_held(self) -> bool:
+        """Whether the workers are held (L102, L103): an update of the weights or a sleep
+        waits for the requests in flight, or the engine sleeps; no worker takes a new
+        request."""
+        return self._engine._pool.hold is not None
+
+    @property
     def requests(self) -> tuple[RequestProbe, ...]:
         """A probe of every live request, in admission order."""
         return tuple(RequestProbe(record) for record in self._engine._live.values())
