@@ -203,6 +203,8 @@ class ParallelRunner:
             size_multiple=multiple,
             step_cache=frozenset() if layout.by_load else inner.step_cache,
             checkpoints=False,
+            # Not yet (L100): a sampled request's trajectory is rank 0's alone to return.
+            samplers=frozenset(),
         )
 
     # -- what the engine sees -------------------------------------------------

@@ -23,6 +23,9 @@ row of a model call runs its own request's adapters and scales.
 Prompt cache (L94; see ``_prompts``): each text's encoding, kept for the next request
 that has it, keyed by all that changes it.
 
+Stochastic sampling (L100; see ``_sde``, ``_invariant``): a sampler's steps and trajectory;
+a sampled request's model calls give each row the same bits in any batch.
+
 Weights in place and sleep (L102, L103; see ``_weights``): a state dict or a file copied
 into the models in place, or a LoRA run unmerged by every request; the weights moved to
 host memory, or dropped where the model's files hold them, and brought back.
@@ -40,6 +43,7 @@ import torch
 from .._adapters import AdapterInfo
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities, StopRun
+from .._sampling import Trajectory
 from .._stepcache import CacheMetrics
 from .._weights import SleepBytes, WeightSource
 from ._adapters import NAME as ADAPTERS
@@ -54,9 +58,12 @@ from ._edit import keep_unmasked
 from ._family import RequestState, joined
 from ._forward import CallPart, ModelCall, calling
 from ._hooks import ModuleHooks
+from ._invariant import NAME as ROW_INVARIANT
+from ._invariant import RowInvariance
 from ._park import park_on_host, state_tensors, unpark
 from ._prompts import PROMPT_CACHE_BYTES, PromptCache, PromptCacheStatistics
 from ._registry import family_blocks, family_for
+from ._sde import sampler_kinds
 from ._stepcache import NAME as STEP_CACHE
 from ._stepcache import BlockCache, RequestCache
 from ._weights import PipelineWeights
@@ -192,6 +199,8 @@ class DiffusersRunner:
         # cache's blocks, the adapters' LoRA layers (``_hooks``); one close.
         self._hooks = ModuleHooks()
         self._step_cache = BlockCache(pipeline, self._hooks, self._family)
+        denoisers = self._family.denoisers  # L100: a sampled row's bits in any batch
+        self._invariance = RowInvariance(pipeline, denoisers, self._hooks, enabled=compile is None)
         # Held around every model call; loads and unloads take it too (see ``_adapters``).
         self._model_lock = threading.RLock()
         self._prompts = PromptCache(pipeline, prompt_cache_bytes)
@@ -244,6 +253,7 @@ class DiffusersRunner:
             max_steps=max_steps,
             max_adapters=max_adapters if self._adapters.supported else 0,
             checkpoints=True,
+            samplers=sampler_kinds(pipeline.scheduler, self._family.samplers),
         )
         install_cancel_points(self._hooks, pipeline)
         # L90: the blocks' own forwards compiled, innermost of their chains.
@@ -346,6 +356,7 @@ class DiffusersRunner:
         found: tuple[tuple[str, CallPart | None], ...] = (
             (STEP_CACHE, self._step_cache.part(call)),
             (ADAPTERS, self._adapters.part(call)),
+            (ROW_INVARIANT, self._invariance.part(call)),
         )
         parts = {name: part for name, part in found if part is not None}
         with calling(call, parts):
@@ -373,6 +384,12 @@ class DiffusersRunner:
         splits it over its ranks.
         """
         return self._family.denoise(rows, t, cond, shared)
+
+    def trajectory(self, state: RequestState) -> Trajectory:
+        """The trajectory of a sampled request that returns one (L100; see ``_sde``)."""
+        if state.sampler is None or not state.sampler.returns:
+            raise ValueError("trajectory: the request returns no trajectory")
+        return state.sampler.trajectory()
 
     def preview(self, state: RequestState) -> torch.Tensor:
         """Project the current latents to RGB with a fixed linear map, on the CPU."""
