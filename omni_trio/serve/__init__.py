@@ -31,6 +31,9 @@ cards. The endpoints are siblings that it routes to:
   checkpoint writer's thread, L78, a shared store's leases); its docstring draws it;
 - ``_adapters``: ``/v1/adapters``, the adapters listed, loaded and unloaded as admin
   actions (L88);
+- ``_weights``: ``/v1/weights``, ``/v1/sleep``, ``/v1/wake``: the weights updated in
+  place from a file of the adapter folder, put to sleep and woken, as admin actions
+  (L102, L103);
 - ``_files``: ``GET /v1/files/{key}``, an output kept as a signed URL, streamed
   from the output store (L97);
 - ``_warmup``: the request the service runs before it answers (L4);

@@ -44,7 +44,8 @@ _STATUS = {"invalid": 400, "unknown": 404, "exists": 409, "in-use": 409, "full":
 
 
 def check_admin(request: Request, config: ServeConfig, action: str) -> None:
-    """Refuse an admin action (loading, unloading adapters) the server or the key does not allow.
+    """Refuse an admin action (an adapter's load or unload, an update of the weights, a
+    sleep, a wake) the server or the key does not allow.
 
     The server must allow them (``config.allow_adapter_admin``), and with keys
     configured the caller's must be an admin key (``require_admin``, L55).
@@ -56,7 +57,7 @@ def check_admin(request: Request, config: ServeConfig, action: str) -> None:
     if not config.allow_adapter_admin:
         raise ApiError(
             403,
-            "loading and unloading adapters is not allowed on this server",
+            f"{action} is not allowed on this server (it allows no admin actions)",
             type="permission_error",
             code="admin_not_allowed",
         )

@@ -46,6 +46,7 @@ from ._tracing import Tracing
 from ._upload import UploadLimits
 from ._videos import VideosApi
 from ._warmup import warm_up, warm_up_requests
+from ._weights import WeightsApi
 from .jobs import VideoConfig, VideoJobs
 
 __all__ = ["NOT_STARTED", "Service", "create_app"]
@@ -81,6 +82,9 @@ class Service:
     - ``/v1/adapters``: ``GET`` lists the adapters; ``POST`` loads one from the
       adapter folder and ``DELETE /v1/adapters/{name}`` unloads one, as admin
       actions (``ServeConfig.allow_adapter_admin``; see ``_adapters``);
+    - ``/v1/weights``, ``/v1/sleep``, ``/v1/wake``: the weights served, updated in place
+      from a file of the adapter folder, put to sleep and woken, as admin actions
+      (L102, L103; see ``_weights``);
     - ``GET /health``: 200 when ready (``"degraded"`` while some workers have died
       and the others serve, L43), 503 while starting, draining or dead;
     - ``GET /metrics``: Prometheus text, from this service's own registry.
@@ -181,6 +185,7 @@ class Service:
             outputs=self.outputs,
         )
         adapters = AdaptersApi(config=self.config, engine=self.engine_for_requests)
+        weights = WeightsApi(config=self.config, engine=self.engine_for_requests)
         self.app = Starlette(
             routes=[
                 Route(
@@ -215,6 +220,10 @@ class Service:
                 Route("/v1/adapters", adapters.list, methods=["GET"]),
                 Route("/v1/adapters", adapters.load, methods=["POST"]),
                 Route("/v1/adapters/{name}", adapters.unload, methods=["DELETE"]),
+                Route("/v1/weights", weights.show, methods=["GET"]),
+                Route("/v1/weights", weights.update, methods=["POST"]),
+                Route("/v1/sleep", weights.sleep, methods=["POST"]),
+                Route("/v1/wake", weights.wake, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/v1/models/{model_id:path}", self._model, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),

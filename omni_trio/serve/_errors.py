@@ -15,6 +15,7 @@ QueueFullError              429     rate_limit_error          queue_full
 DeadlineError               429     rate_limit_error          deadline_unmeetable
 EngineClosedError           503     server_error              shutting_down
 EngineDeadError             503     server_error              engine_dead
+EngineSleepingError         503     server_error              sleeping (L103)
 RequestAbortedError         503     server_error              request_aborted
                                                               (reason in the message,
                                                               e.g. ``deadline``)
@@ -46,6 +47,7 @@ from .._errors import (
     RequestError,
     RequestFailedError,
 )
+from .._weights import EngineSleepingError
 
 __all__ = ["FIELD_PARAMS", "ApiError", "api_error_from", "unexpected_error"]
 
@@ -229,6 +231,9 @@ def api_error_from(
         case EngineClosedError():
             message = "the server is shutting down"
             return _retry_later(503, message, "server_error", "shutting_down", retry_after_s)
+        case EngineSleepingError():
+            message = "the server sleeps (its model's weights are off the device); retry later"
+            return _retry_later(503, message, "server_error", "sleeping", retry_after_s)
         case EngineDeadError():
             return _hidden_failure(
                 exc, request_id, "the engine's worker died", "engine_dead", 503, logged=True
