@@ -54,6 +54,8 @@ The loop side (runs in the event loop's thread only):
 - ``_weightops``: ``EngineWeights``, an engine's weights across its runners: updates in
   place, sleep and wake, each at the workers' step boundaries, all or nothing (L102,
   L103).
+- ``_groups``: ``generate_group``, G samples of one prompt submitted at once, each a
+  request of its own, and ``GroupResult``, what became of each (L101).
 - ``_runner_adapters``: ``RunnerAdapters``, the engine's adapters across its runners:
   admission's check of the names, all-or-nothing loads, unloads, the listing (L85, L87).
 - ``_resultstore``: ``ResultStore``, the engine's result cache: admission's lookup,
@@ -148,6 +150,10 @@ from ._errors import QueueFullError as QueueFullError
 from ._errors import RequestAbortedError as RequestAbortedError
 from ._errors import RequestError as RequestError
 from ._errors import RequestFailedError as RequestFailedError
+from ._groups import GroupResult as GroupResult
+from ._groups import GroupSample as GroupSample
+from ._groups import generate_group as generate_group
+from ._groups import group_seeds as group_seeds
 from ._handle import RequestHandle as RequestHandle
 from ._open import open_engine as open_engine
 from ._outputs import EngineStatistics as EngineStatistics
@@ -192,6 +198,8 @@ __all__ = [
     "EngineStatistics",
     "GenerationOutput",
     "GenerationRequest",
+    "GroupResult",
+    "GroupSample",
     "InvalidOutputError",
     "InvalidRequestError",
     "OmniTrioError",
@@ -214,6 +222,8 @@ __all__ = [
     "WeightVersion",
     "WeightsError",
     "WorkerStatistics",
+    "generate_group",
+    "group_seeds",
     "open_engine",
 ]
 
