@@ -85,8 +85,20 @@ def check_result_cache(stdout: str) -> None:
     ], stdout
 
 
+def check_rollouts(stdout: str) -> None:
+    """L100, L101: two whole groups of four; the trainer's recomputation of every one of
+    their 48 transitions gives the rollout's log-probabilities exactly."""
+    lines = stdout.splitlines()
+    assert sum(line.endswith("4 samples, partial: False") for line in lines) == 2, stdout
+    assert lines[-1] == "trainer recomputed 48 transitions: largest difference 0.0", stdout
+
+
 #: What an example prints, checked past its exit status.
-CHECKS = {"step_cache.py": check_step_cache, "result_cache.py": check_result_cache}
+CHECKS = {
+    "step_cache.py": check_step_cache,
+    "result_cache.py": check_result_cache,
+    "rollouts.py": check_rollouts,
+}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
