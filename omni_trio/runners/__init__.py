@@ -57,7 +57,8 @@ Layout: the private modules, each importing only those below it:
   by ``_video`` too (Wan 2.2's experts each run a subset of a call's rows); it reads
   the model call's context (``_forward``) and hooks through ``_hooks``; being below
   the families, it is handed the runner's family (its ``BlockLayout``), never asks
-  the registry;
+  the registry; ``_cachestate`` below it: what it knows before a call (the blocks'
+  ``BlockSpec``s and ``BlockLayout``, a request's ``RequestCache`` of per-row state);
 - ``_cancel``: the cancel points' hooks, on the blocks the pipeline's family names
   (asked of the registry);
 - ``_adapters``: the adapters (LoRA) of a runner, row by row inside its model calls
