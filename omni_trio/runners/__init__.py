@@ -90,8 +90,8 @@ Layout: the private modules, each importing only those below it:
   the models, a LoRA as every request's base adapter) and put to sleep (moved to host
   memory, or dropped where the model's files hold them) (L102, L103).
 
-Apart: ``_tiny`` (and ``_quiet``), ``_tinylora``, ``_load`` and ``_devices`` import no
-family.
+Apart: ``_tiny`` (with ``_tinytext``, its tokenizers and text encoders' configs, and
+``_quiet``), ``_tinylora``, ``_load`` and ``_devices`` import no family.
 """
 
 from __future__ import annotations

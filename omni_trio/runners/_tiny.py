@@ -39,13 +39,20 @@ few milliseconds on one CPU thread for every kind.
 
 from __future__ import annotations
 
-import string
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._quiet import quiet_notices
+from ._tinytext import (
+    QWEN_VOCAB_SIZE,
+    clip_config,
+    clip_tokenizer,
+    qwen_tokenizer,
+    t5_config,
+    t5_tokenizer,
+)
 
 if TYPE_CHECKING:
     # Not ``from diffusers import DiffusionPipeline``: mypy resolves that name to the
@@ -62,12 +69,6 @@ TINY_VIDEO_KINDS: tuple[str, ...] = ("wan", "ltx")
 
 _TINY_I2V_KINDS: tuple[str, ...] = ("wan-i2v", "ltx-i2v")
 """The image-to-video kinds (L69): their call needs ``image=``, so they are apart."""
-
-_CLIP_MAX_LENGTH = 32
-"""Tokens per CLIP prompt (start and end tokens included); one token per character."""
-
-_T5_MAX_LENGTH = 512
-"""The T5 tokenizer's limit; FluxPipeline pads to its ``max_sequence_length`` (512)."""
 
 
 def tiny_pipeline(kind: str, *, seed: int = 0) -> DiffusionPipeline:
@@ -163,126 +164,6 @@ def _seeded(seed: int, factory: Callable[[], Any]) -> Any:
     return factory()
 
 
-# ---------------------------------------------------------------------------- tokenizers
-
-
-def _byte_symbols() -> list[str]:
-    """The 256 printable characters byte-level BPE maps bytes to (GPT-2's table)."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("\xa1"), ord("\xac") + 1),
-        *range(ord("\xae"), ord("\xff") + 1),
-    ]
-    symbols: dict[int, str] = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in symbols:
-            symbols[b] = chr(256 + extra)
-            extra += 1
-    return [symbols[b] for b in range(256)]
-
-
-def _clip_tokenizer() -> Any:
-    """A character-level CLIP tokenizer: 256 byte symbols, each also with ``</w>``.
-
-    Ids 0-255 are the byte symbols, 256-511 the same with ``</w>`` (end of word), 512 is
-    ``<|startoftext|>`` and 513 ``<|endoftext|>`` (also the padding), as in real CLIP
-    where the two special tokens come last. No merges: one token per character.
-    """
-    transformers = _transformers()
-    symbols = _byte_symbols()
-    vocab = {symbol: i for i, symbol in enumerate(symbols)}
-    vocab.update({f"{symbol}</w>": 256 + i for i, symbol in enumerate(symbols)})
-    vocab["<|startoftext|>"] = 512
-    vocab["<|endoftext|>"] = 513
-    return transformers.CLIPTokenizer(vocab=vocab, merges=[], model_max_length=_CLIP_MAX_LENGTH)
-
-
-_CLIP_VOCAB_SIZE = 514
-_CLIP_BOS_ID = 512
-_CLIP_EOS_ID = 513
-
-
-def _t5_tokenizer() -> Any:
-    """A character-level T5 (Unigram) tokenizer over printable ASCII, no sentinels."""
-    transformers = _transformers()
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    vocab += [(char, -3.0) for char in string.printable if not char.isspace()]
-    return transformers.T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=_T5_MAX_LENGTH)
-
-
-_T5_VOCAB_SIZE = 128  # >= 4 + 94 printable characters
-
-_QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-"""Ids 256, 257, 258 of :func:`_qwen_tokenizer`: the padding and the chat template's markers."""
-
-
-def _qwen_tokenizer() -> Any:
-    """A byte-level Qwen2 tokenizer: ids 0-255 are the bytes, no merges; then the specials.
-
-    The chat markers are special tokens, as in the real one, so QwenImagePipeline's
-    prompt template splits the same way (one token per other byte: the template's
-    system part is longer than the real 34 tokens, which only keeps more of it).
-    """
-    transformers = _transformers()
-    vocab = {symbol: i for i, symbol in enumerate(_byte_symbols())}
-    for token in _QWEN_SPECIAL_TOKENS:
-        vocab[token] = len(vocab)
-    return transformers.Qwen2Tokenizer(
-        vocab=vocab,
-        merges=[],
-        additional_special_tokens=list(_QWEN_SPECIAL_TOKENS[1:]),
-        model_max_length=2048,
-    )
-
-
-_QWEN_VOCAB_SIZE = 256 + len(_QWEN_SPECIAL_TOKENS)
-
-
-# ------------------------------------------------------------------------ text encoders
-
-
-def _clip_config() -> Any:
-    """A 2-layer CLIP text encoder config matching :func:`_clip_tokenizer`.
-
-    SD and SD3 read the penultimate hidden state; SD3 and Flux the pooled (end token)
-    output, found by ``eos_token_id`` (its special value 2 would mean "argmax id").
-    """
-    transformers = _transformers()
-    return transformers.CLIPTextConfig(
-        vocab_size=_CLIP_VOCAB_SIZE,
-        hidden_size=32,
-        intermediate_size=64,
-        projection_dim=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=_CLIP_MAX_LENGTH,
-        hidden_act="quick_gelu",
-        bos_token_id=_CLIP_BOS_ID,
-        eos_token_id=_CLIP_EOS_ID,
-        pad_token_id=_CLIP_EOS_ID,
-    )
-
-
-def _t5_config(kind: str = "T5Config") -> Any:
-    """A 2-layer T5-style encoder config matching :func:`_t5_tokenizer` (``kind``: its class)."""
-    return getattr(_transformers(), kind)(
-        vocab_size=_T5_VOCAB_SIZE,
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        dropout_rate=0.0,
-        feed_forward_proj="gated-gelu",
-        is_encoder_decoder=False,
-        use_cache=False,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-
-
 def _vae(seed: int, *, latent_channels: int, **extra: Any) -> Any:
     """An AutoencoderKL with four blocks: ``vae_scale_factor`` 8, like the real ones."""
     diffusers = _diffusers()
@@ -342,7 +223,7 @@ def _build_sd(seed: int) -> Any:
         ),
     )
     vae = _vae(seed, latent_channels=4, scaling_factor=0.18215)
-    text_encoder = _seeded(seed, lambda: transformers.CLIPTextModel(_clip_config()))
+    text_encoder = _seeded(seed, lambda: transformers.CLIPTextModel(clip_config()))
     # Stable Diffusion 2.1-base's scheduler config. Not Euler: its set_timesteps calls
     # np.array on a torch tensor, a DeprecationWarning with numpy 2.4 (as do DPM-Solver
     # and UniPC); PNDM runs num_inference_steps + 1 UNet evaluations.
@@ -350,7 +231,7 @@ def _build_sd(seed: int) -> Any:
     return diffusers.StableDiffusionPipeline(
         vae=vae,
         text_encoder=text_encoder,
-        tokenizer=_clip_tokenizer(),
+        tokenizer=clip_tokenizer(),
         unet=unet,
         scheduler=scheduler,
         safety_checker=None,
@@ -386,9 +267,9 @@ def _build_sdxl(seed: int) -> Any:
         ),
     )
     vae = _vae(seed, latent_channels=4, scaling_factor=0.13025)
-    text_encoder = _seeded(seed, lambda: transformers.CLIPTextModel(_clip_config()))
+    text_encoder = _seeded(seed, lambda: transformers.CLIPTextModel(clip_config()))
     text_encoder_2 = _seeded(
-        seed + 1, lambda: transformers.CLIPTextModelWithProjection(_clip_config())
+        seed + 1, lambda: transformers.CLIPTextModelWithProjection(clip_config())
     )
     # SDXL 1.0's scheduler is Euler, whose set_timesteps warns with numpy 2.4 (see
     # _build_sd); DDIM with SDXL's betas and "leading" spacing instead.
@@ -397,8 +278,8 @@ def _build_sdxl(seed: int) -> Any:
         vae=vae,
         text_encoder=text_encoder,
         text_encoder_2=text_encoder_2,
-        tokenizer=_clip_tokenizer(),
-        tokenizer_2=_clip_tokenizer(),
+        tokenizer=clip_tokenizer(),
+        tokenizer_2=clip_tokenizer(),
         unet=unet,
         scheduler=scheduler,
         add_watermarker=False,
@@ -436,18 +317,18 @@ def _build_sd3(seed: int) -> Any:
         scaling_factor=1.5305,
         shift_factor=0.0609,
     )
-    text_encoder = _seeded(seed, lambda: transformers.CLIPTextModelWithProjection(_clip_config()))
+    text_encoder = _seeded(seed, lambda: transformers.CLIPTextModelWithProjection(clip_config()))
     text_encoder_2 = _seeded(
-        seed + 1, lambda: transformers.CLIPTextModelWithProjection(_clip_config())
+        seed + 1, lambda: transformers.CLIPTextModelWithProjection(clip_config())
     )
     return diffusers.StableDiffusion3Pipeline(
         transformer=transformer,
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
         vae=vae,
         text_encoder=text_encoder,
-        tokenizer=_clip_tokenizer(),
+        tokenizer=clip_tokenizer(),
         text_encoder_2=text_encoder_2,
-        tokenizer_2=_clip_tokenizer(),
+        tokenizer_2=clip_tokenizer(),
         text_encoder_3=None,
         tokenizer_3=None,
     )
@@ -482,8 +363,8 @@ def _build_flux(seed: int) -> Any:
         scaling_factor=0.3611,
         shift_factor=0.1159,
     )
-    text_encoder = _seeded(seed, lambda: transformers.CLIPTextModel(_clip_config()))
-    text_encoder_2 = _seeded(seed, lambda: transformers.T5EncoderModel(_t5_config()))
+    text_encoder = _seeded(seed, lambda: transformers.CLIPTextModel(clip_config()))
+    text_encoder_2 = _seeded(seed, lambda: transformers.T5EncoderModel(t5_config()))
     # FLUX.1-dev's scheduler: resolution-dependent shift.
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000,
@@ -498,9 +379,9 @@ def _build_flux(seed: int) -> Any:
         scheduler=scheduler,
         vae=vae,
         text_encoder=text_encoder,
-        tokenizer=_clip_tokenizer(),
+        tokenizer=clip_tokenizer(),
         text_encoder_2=text_encoder_2,
-        tokenizer_2=_t5_tokenizer(),
+        tokenizer_2=t5_tokenizer(),
         transformer=transformer,
     )
 
@@ -538,7 +419,7 @@ def _build_qwen_image(seed: int) -> Any:
     # tower, never called for text, is one small block.
     config = transformers.Qwen2_5_VLConfig(
         text_config={
-            "vocab_size": _QWEN_VOCAB_SIZE,
+            "vocab_size": QWEN_VOCAB_SIZE,
             "hidden_size": 32,
             "intermediate_size": 64,
             "num_hidden_layers": 2,
@@ -580,7 +461,7 @@ def _build_qwen_image(seed: int) -> Any:
         scheduler=scheduler,
         vae=vae,
         text_encoder=text_encoder,
-        tokenizer=_qwen_tokenizer(),
+        tokenizer=qwen_tokenizer(),
         transformer=transformer,
     )
 
@@ -643,9 +524,9 @@ def _build_wan(seed: int) -> Any:
             temperal_downsample=[False, True, True],
         ),
     )
-    text_encoder = _seeded(seed, lambda: transformers.UMT5EncoderModel(_t5_config("UMT5Config")))
+    text_encoder = _seeded(seed, lambda: transformers.UMT5EncoderModel(t5_config("UMT5Config")))
     return diffusers.WanPipeline(
-        tokenizer=_t5_tokenizer(),
+        tokenizer=t5_tokenizer(),
         text_encoder=text_encoder,
         vae=vae,
         # Wan 2.1 T2V's scheduler is UniPC (flow prediction, shift 5), whose
@@ -754,7 +635,7 @@ def _build_ltx(seed: int) -> Any:
             decoder_causal=False,
         ),
     )
-    text_encoder = _seeded(seed, lambda: transformers.T5EncoderModel(_t5_config()))
+    text_encoder = _seeded(seed, lambda: transformers.T5EncoderModel(t5_config()))
     # LTX-Video 0.9.x's scheduler config.
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000,
@@ -770,6 +651,6 @@ def _build_ltx(seed: int) -> Any:
         scheduler=scheduler,
         vae=vae,
         text_encoder=text_encoder,
-        tokenizer=_t5_tokenizer(),
+        tokenizer=t5_tokenizer(),
         transformer=transformer,
     )
