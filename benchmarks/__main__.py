@@ -20,6 +20,7 @@ cache       step caching: block work, wall time, PSNR, batch invariance; diffuse
 ranks       one request over two ranks: CFG split, Ulysses, ring vs one rank (tiny SD, Flux)
 adapters    four LoRAs in one batch vs set_adapters one after another; load, unload (tiny Flux)
 reuse       a trace with repeats, prompt and result caches on vs off (tiny SD, SDXL, Flux)
+rollouts    RL groups with the SDE sampler vs a pipeline call per group; log-prob mismatch
 ray         a Ray Serve replica vs plain serve: cost per request, disconnect aborts
 all         every benchmark above, in this order
 

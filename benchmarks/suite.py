@@ -37,6 +37,7 @@ from .priority import plot_priority, run_priority, table_priority
 from .ranks import plot_ranks, run_ranks, table_ranks
 from .ray_bench import plot_ray, run_ray, table_ray
 from .reuse import plot_reuse, run_reuse, table_reuse
+from .rollouts import plot_rollouts, run_rollouts, table_rollouts
 from .scale import plot_scale, run_scale, table_scale
 from .serve import plot_serve, run_serve, table_serve
 from .substep import plot_substep, run_substep, table_substep
@@ -224,6 +225,16 @@ BENCHMARKS: dict[str, Benchmark] = {
             run=run_reuse,
             table=table_reuse,
             plot=plot_reuse,
+        ),
+        Benchmark(
+            name="rollouts",
+            what=(
+                "RL rollouts with the SDE sampler, 8 prompts x 8 samples: generate_group vs a"
+                " pipeline call per group; the trainer's log-probability mismatch"
+            ),
+            run=run_rollouts,
+            table=table_rollouts,
+            plot=plot_rollouts,
         ),
         Benchmark(
             name="ray",

@@ -480,6 +480,28 @@ TARGETS: tuple[Target, ...] = (
         ),
         met=lambda r: max(_s(r)["admit_ratio"], _s(r)["take_ratio"]) <= 1.5,
     ),
+    Target(
+        bench="rollouts",
+        label="a trainer's recomputed log-probabilities vs the rollout's (CPU, float32)",
+        target="0",
+        figure=lambda r: (
+            f"{_s(r)['engine_logprob_mismatch']:.3g} over {_s(r)['engine_transitions_checked']}"
+            f" transitions (pipeline calls' rollouts: {_s(r)['calls_logprob_mismatch']:.3g})"
+        ),
+        met=lambda r: _s(r)["engine_logprob_mismatch"] == 0,
+    ),
+    Target(
+        bench="rollouts",
+        label="samples per second, generate_group vs a pipeline call per group (SDE sampler)",
+        # Picked without measurement: both batch a group's samples alike, so the engine's
+        # trajectories and padded layers should cost no more than this.
+        target="≥ 0.95x",
+        figure=lambda r: (
+            f"{_s(r)['throughput_ratio_engine_over_calls']:.2f}x (CPU time"
+            f" {_s(r)['cpu_ratio_engine_over_calls']:.2f}x)"
+        ),
+        met=lambda r: _s(r)["throughput_ratio_engine_over_calls"] >= 0.95,
+    ),
 )
 
 

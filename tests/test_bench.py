@@ -59,6 +59,12 @@ SUMMARY_KEYS = {
         "http_hit_runner_calls",
         "cross_tenant_hits",
     },
+    "rollouts": {
+        "throughput_ratio_engine_over_calls",
+        "cpu_ratio_engine_over_calls",
+        "engine_logprob_mismatch",
+        "calls_logprob_mismatch",
+    },
 }
 SCALE_LENGTHS = {"10", "100", "1000", "10000"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
