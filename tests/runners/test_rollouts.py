@@ -19,6 +19,7 @@ known boundary. Every noise draw comes from the request's own seeded generator.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -367,3 +368,21 @@ async def test_what_cannot_sample_so_refuses_the_sampler_by_name() -> None:
         with pytest.raises(ot.InvalidRequestError) as info:
             ot.SDESampler(**bad)
         assert info.value.field == "sampler"
+
+
+async def test_a_result_cache_never_answers_a_request_for_its_trajectory() -> None:
+    """L100, L95: a trajectory is never kept: a repeat that asks for one runs again (and
+    equals the first bitwise); the same sampled request without it is kept and hit."""
+    cache = ot.ResultCache(max_bytes=2**26)
+    r = sampled("flux", seed=12)
+    quiet = dataclasses.replace(r, return_trajectory=False)
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(
+            DiffusersRunner(tiny("flux")), ot.EngineConfig(result_cache=cache)
+        ) as engine:
+            first, again = await engine.generate(r), await engine.generate(r)
+            kept, hit = await engine.generate(quiet), await engine.generate(quiet)
+    assert not again.metrics.result_cache_hit
+    assert_same(first, again)
+    assert (kept.metrics.result_cache_hit, hit.metrics.result_cache_hit) == (False, True)
+    assert hit.trajectory is None and torch.equal(hit.images, first.images)
