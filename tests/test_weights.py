@@ -30,9 +30,9 @@ pytestmark = pytest.mark.anyio
 class WeightedRunner(GatedRunner):
     """A ``GatedRunner`` whose ``weight`` scales its images (``WeightsRunner``).
 
-    ``update_weights({"weight": w})`` sets it (``refuse``: raises instead); every step
-    records the weight each member ran on (``seen``); a step, a prepare or a decode
-    while asleep or with an update pending raises.
+    ``update_weights({"weight": w})`` sets it (``refuse``: raises instead) and checks
+    that no request's state is left; every step records the weight each member ran on
+    (``seen``); a step, a prepare or a decode while asleep or with an update pending raises.
     """
 
     def __init__(self, *, refuse: bool = False, **options: Any) -> None:
@@ -64,6 +64,8 @@ class WeightedRunner(GatedRunner):
 
     def update_weights(self, source: Mapping[str, Any], *, key: str) -> None:
         self.calls.append("update")
+        # No state made on the old weights is left (its step cache's included, L82).
+        assert self.live_states == 0, "a request's state outlives the old weights"
         if self.refuse:
             raise ot.WeightsError("this runner refuses", reason="invalid")
         self._backup, self.weight = self.weight, float(source["weight"])
