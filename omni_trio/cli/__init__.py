@@ -16,6 +16,8 @@ server, the core for the demo). Its modules:
   help, section, where it applies, the field it sets), and the argparse arguments
   and the dataclass fields made of a table of them.
 - ``_serve_table``: ``serve``'s table: every option of the command, in ``--help``'s order.
+- ``_serve_groups``: what the table is made of besides its options: ``Applies`` (where
+  an option applies), ``--help``'s sections, the actions and types only it uses.
 - ``_serve``: ``serve``: its options (the table's), checked before it serves, then
   the service.
 - ``_options``: ``serve``'s options as the serve package's ``ServiceOptions``, the

@@ -14,15 +14,29 @@ its help, and its default if not the field's.
 
 from __future__ import annotations
 
-import argparse
-import enum
-
 from .._config import EngineConfig
 from .._request import MAX_PRIORITY
 from ..serve._models import COMPILE_MODES, DTYPES, MODELS, QUANTIZATIONS
 from ..serve.jobs import DEFAULT_JOBS_LEASE_S, default_jobs_dir
-from ._declare import Group, Option
+from ._declare import Option
 from ._logs import LOG_FORMATS
+from ._serve_groups import (
+    ADAPTERS,
+    DECODING,
+    DEFAULTS,
+    DEVICES,
+    KEYS,
+    LIMITS,
+    LOGS,
+    MODEL,
+    OUTPUTS,
+    RANKS,
+    RAY,
+    VIDEOS,
+    AppendKeys,
+    Applies,
+    names,
+)
 from ._types import (
     adapter,
     api_keys,
@@ -44,74 +58,8 @@ from ._types import (
 __all__ = ["SERVE_OPTIONS", "SPLIT_BY_LOAD", "Applies"]
 
 
-class Applies(enum.Enum):
-    """Where an option applies; each value is what a refusal says (``Unused.reason``).
-
-    ``_options`` decides each: the first four from the arguments, before anything
-    loads; the others from the model, once it loaded. An option that does not apply
-    is refused in this order, then in the table's.
-    """
-
-    RAY = "applies with --ray only"
-    NOT_RAY = "does not apply with --ray (Ray Serve's proxy serves HTTP)"
-    FAKE = "applies to --model fake only"
-    REAL = "applies to a real model (the fake one's step is --step-seconds)"
-    ADAPTERS = "applies to models that take adapters (diffusers pipelines with LoRA loading)"
-    VIDEO = "applies to video models only (Wan, LTX-Video)"
-    VAE = (
-        "applies to models whose VAE omni_trio drives (not fake, an unconditional UNet or a"
-        " pipeline served by its own call)"
-    )
-    LTX = "applies to LTX-Video models only"
-
-
-class _AppendKeys(argparse.Action):
-    """``append``, where the command line replaces a default from the environment.
-
-    argparse's own ``append`` would append to the variable's value (``_env``): the
-    command line wins, as for every other option.
-    """
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: object,
-        option_string: str | None = None,
-    ) -> None:
-        given = getattr(namespace, self.dest, None)
-        setattr(namespace, self.dest, [*(given if isinstance(given, list) else ()), values])
-
-
-def _names(text: str) -> tuple[str, ...]:
-    """A comma-separated list of names (``transformer,text_encoder_2``)."""
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
-    if not names:
-        raise argparse.ArgumentTypeError("expected names, comma-separated")
-    return names
-
-
 #: The option that turns a token split off while the queue is deep (``by_load``).
 SPLIT_BY_LOAD = "--split-by-load"
-
-_MODEL = Group(title="the model's precision and speed (L89-L92)")
-_DEVICES = Group(title="devices (one worker each, one queue)")
-_RANKS = Group(
-    title="several ranks on one request (one worker, N processes: faster requests, not more)"
-)
-_LIMITS = Group(title="engine and limits")
-_VIDEOS = Group(title="video jobs (a video model's /v1/videos)")
-_DECODING = Group(title="decodes in chunks (L72: an abort during a decode lands within one chunk)")
-_DEFAULTS = Group(title="request defaults (by default: what suits the model)")
-_ADAPTERS = Group(title="adapters (LoRA, L85-L88)")
-_OUTPUTS = Group(
-    title='outputs as URLs (L97: response_format "url", a signed URL of GET /v1/files/KEY)'
-)
-_KEYS = Group(title="API keys and tenants (with any key, every route but /health needs one)")
-_LOGS = Group(title="logging (stderr) and traces")
-_RAY = Group(
-    title="Ray Serve (scale out; needs the ray extra; --server and --close-timeout do not apply)"
-)
 
 _MAX_STEP_S = EngineConfig().max_step_s
 
@@ -128,21 +76,21 @@ SERVE_OPTIONS = (
     Option(
         flag="--revision",
         sets="revision",
-        group=_MODEL,
+        group=MODEL,
         applies=Applies.REAL,
         help="the hub id's revision: a branch, tag or commit (default: main)",
     ),
     Option(
         flag="--variant",
         sets="variant",
-        group=_MODEL,
+        group=MODEL,
         applies=Applies.REAL,
         help="the weight files' variant, as fp16 for *.fp16.safetensors (default: none)",
     ),
     Option(
         flag="--dtype",
         sets="dtype",
-        group=_MODEL,
+        group=MODEL,
         choices=DTYPES,
         applies=Applies.REAL,
         help="the modules' dtype: auto is bf16 on CUDA, fp32 on a CPU (default auto)",
@@ -150,7 +98,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--attention-backend",
         sets="attention_backend",
-        group=_MODEL,
+        group=MODEL,
         metavar="NAME",
         applies=Applies.REAL,
         help="one of diffusers' attention backends (native, flash, sage, ...); one this"
@@ -159,7 +107,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--compile",
         sets="compile",
-        group=_MODEL,
+        group=MODEL,
         choices=COMPILE_MODES,
         applies=Applies.REAL,
         help="blocks: compile the denoiser's blocks, the warm-up's shapes before the server"
@@ -168,7 +116,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--compile-cache",
         sets="compile_cache",
-        group=_MODEL,
+        group=MODEL,
         metavar="DIR",
         applies=Applies.REAL,
         help="keep the compiled artifacts in DIR, for a restart in seconds (default: torch's)",
@@ -176,7 +124,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--quantization",
         sets="quantization",
-        group=_MODEL,
+        group=MODEL,
         choices=QUANTIZATIONS,
         applies=Applies.REAL,
         help="int8-weight, int8-dynamic (torchao: the quant extra), fp8 (CUDA only), or gguf"
@@ -186,8 +134,8 @@ SERVE_OPTIONS = (
     Option(
         flag="--quantize-components",
         sets="quantize_components",
-        group=_MODEL,
-        type=_names,
+        group=MODEL,
+        type=names,
         metavar="LIST",
         applies=Applies.REAL,
         help="the models --quantization quantizes, comma-separated, as"
@@ -196,7 +144,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--gguf-file",
         sets="gguf_file",
-        group=_MODEL,
+        group=MODEL,
         metavar="FILE",
         applies=Applies.REAL,
         help="with --quantization gguf: the denoiser's single-file GGUF checkpoint",
@@ -218,7 +166,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--devices",
         sets="devices",
-        group=_DEVICES,
+        group=DEVICES,
         exclusive=True,
         metavar="LIST|auto",
         help="torch devices, comma-separated (cuda:0,cuda:1), or auto: every visible GPU,"
@@ -227,7 +175,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--workers",
         sets="devices",
-        group=_DEVICES,
+        group=DEVICES,
         exclusive=True,
         type=count(1, 64),
         metavar="N",
@@ -236,7 +184,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--cfg-parallel",
         sets="parallel",
-        group=_RANKS,
+        group=RANKS,
         exclusive=True,
         type=count(2, 64),
         metavar="N",
@@ -245,7 +193,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--ulysses",
         sets="parallel",
-        group=_RANKS,
+        group=RANKS,
         exclusive=True,
         type=count(2, 64),
         metavar="N",
@@ -254,7 +202,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--ring",
         sets="parallel",
-        group=_RANKS,
+        group=RANKS,
         exclusive=True,
         type=count(2, 64),
         metavar="N",
@@ -263,7 +211,7 @@ SERVE_OPTIONS = (
     Option(
         flag=SPLIT_BY_LOAD,
         sets="split_by_load",
-        group=_RANKS,
+        group=RANKS,
         action="store_true",
         help="with --ulysses or --ring: split one request while the batch is smaller than"
         " the ranks, run the batch's rows on their own ranks when it is not",
@@ -271,14 +219,14 @@ SERVE_OPTIONS = (
     Option(
         flag="--max-batch-size",
         sets="engine_config.max_batch_size",
-        group=_LIMITS,
+        group=LIMITS,
         type=count(1),
         help="requests per denoise step (default 4)",
     ),
     Option(
         flag="--max-waiting",
         sets="engine_config.max_waiting",
-        group=_LIMITS,
+        group=LIMITS,
         type=count(0),
         default=256,
         help="queue bound, then 429 (default 256)",
@@ -286,7 +234,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--shutdown-grace",
         sets="engine_config.shutdown_grace",
-        group=_LIMITS,
+        group=LIMITS,
         type=seconds,
         default=10.0,
         metavar="S",
@@ -295,7 +243,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--stop-timeout",
         sets="engine_config.stop_timeout_s",
-        group=_LIMITS,
+        group=LIMITS,
         type=seconds,
         metavar="S",
         help="seconds past the grace after which the engine logs the workers a step still"
@@ -305,7 +253,7 @@ SERVE_OPTIONS = (
     ),
     Option(
         flag="--close-timeout",
-        group=_LIMITS,
+        group=LIMITS,
         type=seconds,
         default=5.0,
         metavar="S",
@@ -316,7 +264,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--max-step-time",
         sets="engine_config.max_step_s",
-        group=_LIMITS,
+        group=LIMITS,
         type=bound,
         metavar="S|none",
         help="the longest one denoise step of a request alone may take: a request whose"
@@ -327,7 +275,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--torch-threads",
         sets="engine_config.torch_threads",
-        group=_LIMITS,
+        group=LIMITS,
         type=count(1, 4096),
         metavar="N",
         help="torch's intra-op threads for the process, shared by every worker (default:"
@@ -336,7 +284,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--max-steps",
         sets="engine_config.max_steps",
-        group=_LIMITS,
+        group=LIMITS,
         type=count(1),
         default=200,
         help="largest num_inference_steps (default 200)",
@@ -344,7 +292,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--max-size",
         sets=("engine_config.max_height", "engine_config.max_width"),
-        group=_LIMITS,
+        group=LIMITS,
         type=count(1),
         default=2048,
         help="largest width and height (default 2048)",
@@ -352,7 +300,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--max-n",
         sets="engine_config.max_num_images",
-        group=_LIMITS,
+        group=LIMITS,
         type=count(1),
         default=8,
         help="most images per request (default 8)",
@@ -360,7 +308,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--result-cache",
         sets="result_cache",
-        group=_LIMITS,
+        group=LIMITS,
         type=result_cache,
         metavar="BYTES[:DIR]",
         help="keep the outputs of seeded requests and answer their exact repeats from them"
@@ -370,7 +318,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--result-cache-scope",
         sets="result_cache",
-        group=_LIMITS,
+        group=LIMITS,
         choices=("tenant", "global"),
         default="tenant",
         help="whose requests share the result cache's outputs (L96): each tenant its own,"
@@ -379,21 +327,21 @@ SERVE_OPTIONS = (
     Option(
         flag="--max-body-bytes",
         sets="max_body_bytes",
-        group=_LIMITS,
+        group=LIMITS,
         type=count(1),
         help="larger request bodies get 413 (default 1 MiB)",
     ),
     Option(
         flag="--max-upload-bytes",
         sets="upload_limits.max_bytes",
-        group=_LIMITS,
+        group=LIMITS,
         type=count(1),
         help="larger /v1/images/edits uploads get 413 (default 16 MiB)",
     ),
     Option(
         flag="--max-upload-pixels",
         sets="upload_limits.max_pixels",
-        group=_LIMITS,
+        group=LIMITS,
         type=count(1),
         help="an uploaded image of more pixels (read from its header, before decoding)"
         " gets 413 (default 4096x4096)",
@@ -401,7 +349,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--retry-after",
         sets="retry_after_s",
-        group=_LIMITS,
+        group=LIMITS,
         type=count(0),
         metavar="S",
         help="Retry-After seconds sent with 429 and 503 (default 1)",
@@ -409,7 +357,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--max-priority",
         sets="max_priority",
-        group=_LIMITS,
+        group=LIMITS,
         type=count(0, MAX_PRIORITY),
         help="highest priority a request may ask for; more is a 400 (default 0: clients are"
         " anonymous, none may put itself ahead of the others)",
@@ -417,7 +365,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--video-jobs",
         sets="video_jobs",
-        group=_VIDEOS,
+        group=VIDEOS,
         type=count(1),
         metavar="N",
         applies=Applies.VIDEO,
@@ -426,7 +374,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--video-ttl",
         sets="video_ttl_s",
-        group=_VIDEOS,
+        group=VIDEOS,
         type=positive,
         metavar="S",
         applies=Applies.VIDEO,
@@ -435,7 +383,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--video-fps",
         sets="video_fps",
-        group=_VIDEOS,
+        group=VIDEOS,
         type=positive,
         metavar="FPS",
         applies=Applies.VIDEO,
@@ -445,7 +393,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--video-bytes",
         sets="video_bytes",
-        group=_VIDEOS,
+        group=VIDEOS,
         type=count(1),
         metavar="BYTES",
         applies=Applies.VIDEO,
@@ -454,7 +402,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--jobs-dir",
         sets="jobs_dir",
-        group=_VIDEOS,
+        group=VIDEOS,
         type=jobs_dir,
         # When the parser is built: the folder follows $XDG_STATE_HOME.
         default_factory=lambda: str(default_jobs_dir()),
@@ -467,7 +415,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--jobs-db",
         sets="jobs_db",
-        group=_VIDEOS,
+        group=VIDEOS,
         metavar="postgresql://...",
         applies=Applies.VIDEO,
         help="keep the jobs, MP4s and checkpoints in PostgreSQL instead of --jobs-dir (L98;"
@@ -477,7 +425,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--checkpoint-every",
         sets="checkpoint_every_s",
-        group=_VIDEOS,
+        group=VIDEOS,
         type=interval,
         metavar="S|never",
         applies=Applies.VIDEO,
@@ -487,7 +435,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--jobs-lease",
         sets="jobs_lease_s",
-        group=_VIDEOS,
+        group=VIDEOS,
         type=positive,
         metavar="S",
         applies=Applies.VIDEO,
@@ -499,7 +447,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--decode-tile-above",
         sets="decode_tile_above",
-        group=_DECODING,
+        group=DECODING,
         type=threshold,
         metavar="PIXELS|never",
         applies=Applies.VAE,
@@ -509,7 +457,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--decode-framewise-above",
         sets="decode_framewise_above",
-        group=_DECODING,
+        group=DECODING,
         type=threshold,
         metavar="FRAMES|never",
         applies=Applies.LTX,
@@ -519,7 +467,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--default-size",
         sets="default_size",
-        group=_DEFAULTS,
+        group=DEFAULTS,
         type=size,
         metavar="WxH",
         help="size when none is asked",
@@ -527,21 +475,21 @@ SERVE_OPTIONS = (
     Option(
         flag="--default-steps",
         sets="default_steps",
-        group=_DEFAULTS,
+        group=DEFAULTS,
         type=count(1),
         help="num_inference_steps when none is asked",
     ),
     Option(
         flag="--default-guidance",
         sets="default_guidance_scale",
-        group=_DEFAULTS,
+        group=DEFAULTS,
         type=finite,
         help="guidance_scale when none is asked",
     ),
     Option(
         flag="--cache",
         sets="engine_config.default_cache",
-        group=_DEFAULTS,
+        group=DEFAULTS,
         type=step_cache,
         metavar="KIND[:THRESHOLD]",
         help="the step cache of a request that asks for none (L80): first-block[:THRESHOLD]"
@@ -550,7 +498,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--adapter",
         sets="adapters",
-        group=_ADAPTERS,
+        group=ADAPTERS,
         type=adapter,
         action="extend",
         # A list: argparse's extend copies and extends it (the field's () has no extend).
@@ -562,7 +510,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--adapter-dir",
         sets="adapter_dir",
-        group=_ADAPTERS,
+        group=ADAPTERS,
         metavar="DIR",
         applies=Applies.ADAPTERS,
         help="the folder POST /v1/adapters loads from (a client names a file in it)",
@@ -570,7 +518,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--allow-adapter-admin",
         sets="allow_adapter_admin",
-        group=_ADAPTERS,
+        group=ADAPTERS,
         action="store_true",
         applies=Applies.ADAPTERS,
         help="load and unload adapters over HTTP (POST /v1/adapters, DELETE"
@@ -606,7 +554,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--output-store",
         sets="outputs",
-        group=_OUTPUTS,
+        group=OUTPUTS,
         metavar="DIR|s3://BUCKET[/PREFIX]",
         help="where response_format url outputs are kept: a folder this server serves, or an"
         " S3-compatible bucket (the s3 extra; AWS_* variables: credentials, AWS_ENDPOINT_URL)"
@@ -615,7 +563,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--output-ttl",
         sets="outputs",
-        group=_OUTPUTS,
+        group=OUTPUTS,
         type=positive,
         default=3600.0,
         metavar="S",
@@ -624,7 +572,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--output-secret-file",
         sets="outputs",
-        group=_OUTPUTS,
+        group=OUTPUTS,
         metavar="PATH",
         help="the key URLs are signed with (16 bytes or more), shared by the replicas that"
         " share the store (default: random at start: URLs die with the process)",
@@ -632,7 +580,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--output-url",
         sets="outputs",
-        group=_OUTPUTS,
+        group=OUTPUTS,
         metavar="URL",
         help="the server's address as clients reach it (a load balancer's), which URLs"
         " start with (default: the request's own)",
@@ -640,7 +588,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--trace-prompts",
         sets="trace_prompts",
-        group=_LOGS,
+        group=LOGS,
         action="store_true",
         help="with OTEL_TRACES_EXPORTER set (traces, L99; the trace extra): each request's"
         " span holds its prompt too (default: never)",
@@ -650,9 +598,9 @@ SERVE_OPTIONS = (
         flag="--api-keys",
         aliases=("--api-key",),
         sets="keys",
-        group=_KEYS,
+        group=KEYS,
         dest="api_keys",
-        action=_AppendKeys,
+        action=AppendKeys,
         type=api_keys,
         metavar="KEY",
         help="accept this key as 'Authorization: Bearer KEY' (repeatable, or several"
@@ -662,7 +610,7 @@ SERVE_OPTIONS = (
     Option(
         flag="--keys-file",
         sets="keys",
-        group=_KEYS,
+        group=KEYS,
         metavar="PATH",
         help="TOML (.toml) or JSON file of keys (or their sha256:<hex>), each with its"
         " tenant, weight, limits and admin flag (see docs/serving.md)",
@@ -670,26 +618,26 @@ SERVE_OPTIONS = (
     Option(
         flag="--metrics-auth",
         sets="keys",
-        group=_KEYS,
+        group=KEYS,
         action="store_true",
         help="/metrics needs a key too (default: open, for a scraper)",
     ),
     Option(
         flag="--log-level",
-        group=_LOGS,
+        group=LOGS,
         default="info",
         choices=["debug", "info", "warning", "error"],
     ),
     Option(
         flag="--log-format",
-        group=_LOGS,
+        group=LOGS,
         default="text",
         choices=LOG_FORMATS,
         help="text lines, or one JSON object per line (default text)",
     ),
     Option(
         flag="--no-access-log",
-        group=_LOGS,
+        group=LOGS,
         dest="access_log",
         action="store_false",
         applies=Applies.NOT_RAY,
@@ -697,13 +645,13 @@ SERVE_OPTIONS = (
     ),
     Option(
         flag="--ray",
-        group=_RAY,
+        group=RAY,
         action="store_true",
         help="serve through Ray Serve: one engine per replica, behind its HTTP proxy",
     ),
     Option(
         flag="--replicas",
-        group=_RAY,
+        group=RAY,
         type=count(1),
         default=1,
         metavar="N",
@@ -712,7 +660,7 @@ SERVE_OPTIONS = (
     ),
     Option(
         flag="--replica-gpus",
-        group=_RAY,
+        group=RAY,
         type=gpus,
         default=0.0,
         metavar="G",
@@ -721,7 +669,7 @@ SERVE_OPTIONS = (
     ),
     Option(
         flag="--ray-address",
-        group=_RAY,
+        group=RAY,
         metavar="ADDR",
         applies=Applies.RAY,
         help="join this Ray cluster (e.g. 10.0.0.1:6379) instead of starting a local one",
