@@ -13,8 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTRACT = ROOT / "docs" / "contract.md"
-RULE = re.compile(r"\bL\d{1,2}\b")
-ROW = re.compile(r"^\| (L\d{1,2}) \| (.+?) \| (.+?) \|$")
+RULE = re.compile(r"\bL\d{1,3}\b")
+ROW = re.compile(r"^\| (L\d{1,3}) \| (.+?) \| (.+?) \|$")
 # Where the project cites rules: its code, tests, examples and docs (not generated figures).
 CITING = [
     *ROOT.glob("omni_trio/**/*.py"),
