@@ -12,7 +12,7 @@ import torch
 
 import omni_trio as ot
 from omni_trio.testing import GatedRunner, assert_engine_idle, probe, wait_until
-from tests.support.core import BUDGET, req, solo_images
+from tests.support.core import BUDGET, req, solo_images, together
 
 pytestmark = pytest.mark.anyio
 
@@ -121,7 +121,8 @@ async def test_abort_one_batch_member_leaves_others_unchanged() -> None:
     }
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=4)) as engine:
-            handles = {rid: engine.submit(r, request_id=rid) for rid, r in requests.items()}
+            with together(engine):  # one batch of three from the first step
+                handles = {rid: engine.submit(r, request_id=rid) for rid, r in requests.items()}
             runner.release(2)
             await runner.wait_arrived(3)
             engine.abort_nowait("b")

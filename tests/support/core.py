@@ -7,7 +7,8 @@ The core's (tests mirror omni_trio's modules); ``tests.support.cli``, ``.serve``
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import anyio
@@ -79,6 +80,20 @@ def expected_images(request: ot.GenerationRequest) -> torch.Tensor:
     if key not in _expected:
         _expected[key] = solo_images(request)
     return _expected[key]
+
+
+@contextmanager
+def together(engine: ot.Engine) -> Iterator[None]:
+    """The requests submitted inside wait together when a worker next looks: its lock
+    (the pool's) is held, so no worker takes one of them before the last is submitted.
+
+    ``submit`` wakes an idle worker at once, from the event loop's thread; without this,
+    a worker may take the first request alone before the next ones are submitted (the
+    GIL may switch between two submits), and a test of one batch of several would see
+    two batches now and then.
+    """
+    with engine._pool.cond:
+        yield
 
 
 def status(handle: ot.RequestHandle) -> ot.RequestStatus:
