@@ -73,6 +73,34 @@ def _ray_met(result: Result) -> bool:
     return "skipped_in_quick" in s or s["steps_after_abort_max"] <= 1
 
 
+_FASTPATH_SKIPPED = "not measured (--quick compiles nothing)"
+
+
+def _fastpath_step(mode: str, key: str, limit: float) -> Target:
+    """A ``fastpath`` mode's engine step over eager fp32 on the compute-bound Flux."""
+
+    def figure(r: Result) -> str:
+        if key not in _s(r):
+            return _FASTPATH_SKIPPED
+        call = _s(r)["call_step_ratio_by_mode"][f"flux {mode}"]
+        return f"{_s(r)[key]:.2f}x (the pipeline's call {call:.2f}x)"
+
+    return Target(
+        bench="fastpath",
+        label=f"compute-bound Flux, {mode}: an engine step over eager fp32 (CPU time)",
+        target=f"≤ {limit:g}x",
+        figure=figure,
+        met=lambda r: _s(r).get(key, 0) <= limit,
+    )
+
+
+def _fastpath_worst(r: Result) -> str:
+    by_mode: dict[str, float] = _s(r)["engine_over_call_by_mode"]
+    worst = max(by_mode, key=lambda mode: by_mode[mode])
+    best = min(by_mode.values())
+    return f"{by_mode[worst]:.3f} ({worst}; best {best:.3f})"
+
+
 TARGETS: tuple[Target, ...] = (
     Target(
         bench="overhead",
@@ -501,6 +529,50 @@ TARGETS: tuple[Target, ...] = (
             f" {_s(r)['cpu_ratio_engine_over_calls']:.2f}x)"
         ),
         met=lambda r: _s(r)["throughput_ratio_engine_over_calls"] >= 0.95,
+    ),
+    _fastpath_step("bf16", "bf16_step_ratio", 0.75),
+    _fastpath_step("compiled", "compiled_step_ratio", 0.9),
+    _fastpath_step("int8-dynamic + compiled", "int8_compiled_step_ratio", 0.6),
+    Target(
+        bench="fastpath",
+        label="engine / the pipeline's own call, a step, worst of every mode of both models",
+        target="≤ 1.02",
+        figure=_fastpath_worst,
+        met=lambda r: _s(r)["engine_over_call_max"] <= 1.02,
+    ),
+    Target(
+        bench="fastpath",
+        label="recompiles after the warm-up and the seal: a churning batch, undeclared sizes",
+        target="0",
+        figure=lambda r: (
+            f"{_s(r)['recompiles_after_warm_up']} ({_s(r)['graphs_after_warm_up']} new graphs,"
+            f" {_s(r)['graph_breaks_after_warm_up']} graph breaks)"
+            if "recompiles_after_warm_up" in _s(r)
+            else _FASTPATH_SKIPPED
+        ),
+        met=lambda r: _s(r).get("recompiles_after_warm_up", 0) == 0,
+    ),
+    Target(
+        bench="fastpath",
+        label="an undeclared size's first step after the seal, over an eager runner's (CPU time)",
+        target="≤ 1 eager step",
+        figure=lambda r: (
+            f"{_s(r)['undeclared_stall_eager_steps']:.2f} eager steps (worse model)"
+            if "undeclared_stall_eager_steps" in _s(r)
+            else _FASTPATH_SKIPPED
+        ),
+        met=lambda r: _s(r).get("undeclared_stall_eager_steps", 0) <= 1.0,
+    ),
+    Target(
+        bench="fastpath",
+        label="int8 denoiser weights over fp32, compute-bound Flux",
+        target="≤ 0.3x",
+        figure=lambda r: (
+            f"{_s(r)['int8_weight_ratio']:.2f}x"
+            if "int8_weight_ratio" in _s(r)
+            else "not measured (no int8 mode in this run)"
+        ),
+        met=lambda r: _s(r).get("int8_weight_ratio", 0) <= 0.3,
     ),
 )
 
