@@ -18,6 +18,7 @@ from .common import Options, machine
 from .deadline import plot_deadline, run_deadline, table_deadline
 from .devices import plot_devices, run_devices, table_devices
 from .fairness import plot_fairness, run_fairness, table_fairness
+from .fastpath import plot_fastpath, run_fastpath, table_fastpath
 from .jobs import plot_jobs, run_jobs, table_jobs
 from .join import plot_join, run_join, table_join
 from .leak import plot_leak, run_leak, table_leak
@@ -235,6 +236,16 @@ BENCHMARKS: dict[str, Benchmark] = {
             run=run_rollouts,
             table=table_rollouts,
             plot=plot_rollouts,
+        ),
+        Benchmark(
+            name="fastpath",
+            what=(
+                "a step in bf16, compiled and quantized, the engine vs the pipeline's own call"
+                " with the same settings; cold and warm starts, recompiles after the warm-up"
+            ),
+            run=run_fastpath,
+            table=table_fastpath,
+            plot=plot_fastpath,
         ),
         Benchmark(
             name="ray",
