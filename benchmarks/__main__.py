@@ -21,6 +21,7 @@ ranks       one request over two ranks: CFG split, Ulysses, ring vs one rank (ti
 adapters    four LoRAs in one batch vs set_adapters one after another; load, unload (tiny Flux)
 reuse       a trace with repeats, prompt and result caches on vs off (tiny SD, SDXL, Flux)
 rollouts    RL groups with the SDE sampler vs a pipeline call per group; log-prob mismatch
+fastpath    bf16, compiled, int8 steps, engine vs the pipeline call; starts, recompiles (Flux, SD)
 ray         a Ray Serve replica vs plain serve: cost per request, disconnect aborts
 all         every benchmark above, in this order
 
@@ -68,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--kind", default="sd", help="tiny pipeline kind (pipeline, batching)")
     parser.add_argument(
-        "--device", default="cpu", help="torch device (pipeline, batching, adapters)"
+        "--device", default="cpu", help="torch device (pipeline, batching, adapters, fastpath)"
     )
     parser.add_argument("--requests", type=int, default=16, help="burst size (batching)")
     parser.add_argument("--backend", default="trio", choices=("trio", "asyncio"))
