@@ -18,3 +18,12 @@ python3 -m benchmarks batching --device cuda --requests 8 --out "$out" > /dev/nu
 # Adapters (issue 24's target: a mixed batch of 4 >= 2.5x four set_adapters calls).
 python3 -m benchmarks adapters --device cuda --out "$out" > /dev/null && \
     python3 -c "import json; d=json.load(open('$out/adapters.json')); print('adapters', d['summary'], d['wall_s'])"
+# The fast path (issue 43): FLUX.1-dev's transformer at full size with random bf16 weights,
+# 1024 px, in bf16, bf16 with compiled blocks and fp8 with compiled blocks (torchao in
+# .whl/), each through the engine and through the pipeline's own call (diffusers'
+# compile_repeated_blocks, the same quantizer), then the churn after the warm-up and the
+# seal. About ten minutes: 24 GB loaded eight times, five compiles. Its wiring runs on a
+# CPU in seconds: python -m benchmarks.compiled --dry.
+timeout 660 python3 -m benchmarks fastpath --device cuda --out "$out" > /dev/null && \
+    python3 -c "import json; d=json.load(open('$out/fastpath.json')); print('fastpath', json.dumps(d['summary']))" && \
+    tail -n 25 "$out/fastpath.md"
