@@ -30,7 +30,9 @@ pytestmark = pytest.mark.anyio
 def with_transformer_of(seed: int) -> Any:
     """A tiny Flux (seed 0) whose transformer is seed ``seed``'s."""
     base = tiny_pipeline("flux")
-    return type(base)(**{**base.components, "transformer": tiny_pipeline("flux", seed=seed).transformer})
+    return type(base)(
+        **{**base.components, "transformer": tiny_pipeline("flux", seed=seed).transformer}
+    )
 
 
 async def test_a_groups_update_reaches_every_rank_or_none_and_sleeps_with_them(
