@@ -65,6 +65,8 @@ SUMMARY_KEYS = {
         "engine_logprob_mismatch",
         "calls_logprob_mismatch",
     },
+    # --quick compiles nothing (a cold compile is 10-90 s): its eager modes' figures.
+    "fastpath": {"bf16_step_ratio", "engine_over_call_max", "int8_weight_ratio"},
 }
 SCALE_LENGTHS = {"10", "100", "1000", "10000"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
