@@ -55,10 +55,18 @@ class Suspender:
     def suspend_all(self, running: list[WorkItem]) -> None:
         """Suspend every member of ``running`` (L103: the engine falls asleep, ``suspend``);
         one whose ``state_bytes`` raises fails."""
+        victims, sizes = self.measured(running, list(running))
+        self.park(running, victims, sizes, ())
+
+    def measured(
+        self, running: list[WorkItem], items: Sequence[WorkItem]
+    ) -> tuple[list[WorkItem], list[int]]:
+        """Those of ``items`` whose state's size the runner reads, and their sizes; one
+        whose ``state_bytes`` raises leaves ``running`` and fails."""
         runner = cast("SuspendableRunner[Any]", self._runner)
-        victims: list[WorkItem] = []
+        kept: list[WorkItem] = []
         sizes: list[int] = []
-        for item in list(running):
+        for item in items:
             try:
                 sizes.append(runner.state_bytes(item.state))
             except Exception as exc:
@@ -66,8 +74,8 @@ class Suspender:
                 self._publish(running)
                 release(self._runner, item, self._post, exc, call="state_bytes")
                 continue
-            victims.append(item)
-        self.park(running, victims, sizes, ())
+            kept.append(item)
+        return kept, sizes
 
     def park(
         self,

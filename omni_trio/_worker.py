@@ -503,21 +503,15 @@ class Worker:
         Outside the lock: the runner's calls. All or nothing: if parking every
         victim would pass ``max_parked_bytes``, or the plan no longer stands once
         the sizes are known (the queue changed meanwhile), nothing is suspended and
-        the boundary goes on without preemption. A victim whose ``suspend`` raises
+        the boundary goes on without preemption, as it does when a victim's
+        ``state_bytes`` raises (that victim fails). A victim whose ``suspend`` raises
         fails (it leaves the batch anyway); one aborted meanwhile is released
         instead of parked.
         """
-        runner = cast("SuspendableRunner[Any]", self._runner)
         victims, newcomer = plan.victims, plan.newcomer
-        sizes: list[int] = []
-        for item in victims:
-            try:
-                sizes.append(runner.state_bytes(item.state))
-            except Exception as exc:
-                running.remove(item)
-                self._publish(running)
-                release(self._runner, item, self._post, exc, call="state_bytes")
-                return self._no_preemption(running)
+        measured, sizes = self._suspender.measured(running, victims)
+        if len(measured) < len(victims):
+            return self._no_preemption(running)
         limit = self._max_parked_bytes
         with self._cond:
             fits = limit is None or self.parked_bytes + sum(sizes) <= limit

@@ -353,6 +353,12 @@ class RefusingRunner(GatedRunner):
         super().__init__(**options)
         self.call = call
 
+    def state_bytes(self, state: FakeState) -> int:
+        """Fail when told to."""
+        if self.call == "state_bytes":
+            raise RuntimeError("cannot measure")
+        return super().state_bytes(state)
+
     def suspend(self, state: FakeState, *, to_host: bool) -> None:
         """Fail when told to."""
         if self.call == "suspend":
@@ -367,9 +373,10 @@ class RefusingRunner(GatedRunner):
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("call", ["suspend", "resume"])
+@pytest.mark.parametrize("call", ["state_bytes", "suspend", "resume"])
 async def test_a_failed_suspend_or_resume_fails_that_request_only(call: str) -> None:
-    """L61, L22: what ``suspend``/``resume`` raise fails the suspended request; others go on."""
+    """L61, L22: what ``state_bytes``/``suspend``/``resume`` raise fails the request to
+    suspend; others go on."""
     runner = RefusingRunner(call)
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(runner, config()) as engine:
