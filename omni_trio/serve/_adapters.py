@@ -37,7 +37,7 @@ from ._keys import require_admin
 if TYPE_CHECKING:
     from .._engine import Engine
 
-__all__ = ["AdaptersApi", "adapter_card", "adapter_file", "check_admin"]
+__all__ = ["AdaptersApi", "AdminRoutes", "adapter_card", "adapter_file", "check_admin"]
 
 #: The statuses of refused loads and unloads, by ``AdapterError.reason``.
 _STATUS = {"invalid": 400, "unknown": 404, "exists": 409, "in-use": 409, "full": 409}
@@ -109,12 +109,17 @@ def _adapter_error(exc: AdapterError) -> ApiError:
     return ApiError(_STATUS[exc.reason], str(exc), param="name", code=code)
 
 
-class AdaptersApi:
-    """The ``/v1/adapters`` routes over the service's engine and configuration."""
+class AdminRoutes:
+    """Routes over the service's engine (``engine()``: the engine, or an ``ApiError``
+    while there is none) and its configuration."""
 
     def __init__(self, *, config: ServeConfig, engine: Callable[[], Engine]) -> None:
         self._config = config
         self._engine = engine
+
+
+class AdaptersApi(AdminRoutes):
+    """The ``/v1/adapters`` routes over the service's engine and configuration."""
 
     async def list(self, request: Request) -> Response:
         """``GET /v1/adapters``."""

@@ -49,7 +49,7 @@ from .._errors import (
 )
 from .._weights import EngineSleepingError
 
-__all__ = ["FIELD_PARAMS", "ApiError", "api_error_from", "unexpected_error"]
+__all__ = ["FIELD_PARAMS", "ApiError", "api_error_from", "server_error", "unexpected_error"]
 
 _log = logging.getLogger("omni_trio.serve")
 
@@ -171,12 +171,7 @@ def _hidden_failure(
     named = f" for request {request_id}" if request_id is not None else ""
     if not logged:
         _log.error("%s%s", what, named, exc_info=exc, extra={"request_id": request_id})
-    return ApiError(
-        status,
-        f"{what}{named}; the server's log has the details",
-        type="server_error",
-        code=code,
-    )
+    return server_error(f"{what}{named}; the server's log has the details", code, status)
 
 
 def unexpected_error() -> ApiError:
@@ -185,12 +180,13 @@ def unexpected_error() -> ApiError:
     Starlette re-raises the exception after this answer is sent, so the server that
     runs the app logs its traceback; the client learns nothing of its text.
     """
-    return ApiError(
-        500,
-        "the server failed; the server's log has the details",
-        type="server_error",
-        code="internal_error",
-    )
+    return server_error("the server failed; the server's log has the details", "internal_error")
+
+
+def server_error(message: str, code: str, status: int = 500) -> ApiError:
+    """A failure of the server's (``type`` ``server_error``): ``message`` says what
+    failed and where its details are (the log), never the exception's text."""
+    return ApiError(status, message, type="server_error", code=code)
 
 
 def _retry_later(status: int, message: str, kind: str, code: str, retry_after_s: int) -> ApiError:

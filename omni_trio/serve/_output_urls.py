@@ -35,7 +35,7 @@ import anyio
 import anyio.to_thread
 from starlette.requests import Request
 
-from ._errors import ApiError
+from ._errors import ApiError, server_error
 from ._output_store import (
     KEY,
     OutputStore,
@@ -65,11 +65,8 @@ def storage_failed(exc: OutputStoreError, about: str) -> ApiError:
     """The 500 of an output the store could not keep or read: logged here with its cause;
     the client learns only that it failed, and for what (``about``: ``request img-…``)."""
     _log.error("the output store failed for %s: %s", about, exc, exc_info=exc)
-    return ApiError(
-        500,
-        f"the output store failed for {about}; the server's log has the details",
-        type="server_error",
-        code="storage_error",
+    return server_error(
+        f"the output store failed for {about}; the server's log has the details", "storage_error"
     )
 
 

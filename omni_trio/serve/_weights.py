@@ -22,8 +22,7 @@ fit, 409 while asleep); a runner's failure is logged and answered without its te
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -31,13 +30,9 @@ from starlette.responses import JSONResponse, Response
 from .._errors import OmniTrioError
 from .._log import SERVE
 from .._weights import SLEEP_POLICIES, UPDATE_POLICIES, WeightsError, WeightVersion
-from ._adapters import adapter_file, check_admin
+from ._adapters import AdminRoutes, adapter_file, check_admin
 from ._asgi import error_response
-from ._config import ServeConfig
-from ._errors import ApiError, api_error_from, invalid
-
-if TYPE_CHECKING:
-    from .._engine import Engine
+from ._errors import ApiError, api_error_from, invalid, server_error
 
 __all__ = ["WeightsApi"]
 
@@ -85,12 +80,8 @@ def _choice(body: dict[str, Any], name: str, allowed: tuple[str, ...], default: 
     return str(value)
 
 
-class WeightsApi:
+class WeightsApi(AdminRoutes):
     """The weights' routes over the service's engine and configuration."""
-
-    def __init__(self, *, config: ServeConfig, engine: Callable[[], Engine]) -> None:
-        self._config = config
-        self._engine = engine
 
     async def show(self, request: Request) -> Response:
         """``GET /v1/weights``."""
@@ -183,9 +174,7 @@ class WeightsApi:
             status, code = refused
             return ApiError(status, str(exc), code=code)
         SERVE.error("%s failed: %s", action, exc, exc_info=exc)
-        return ApiError(
-            500,
+        return server_error(
             f"{action} failed on a runner; every runner is as it was (see the server's log)",
-            type="server_error",
-            code="weights_failed",
+            "weights_failed",
         )
