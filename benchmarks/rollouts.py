@@ -18,6 +18,10 @@ engine's rollouts recomputed by calling the transformer on the returned latents,
 sample at a time, under ``row_invariant`` (the largest log-probability difference:
 target 0 on a CPU in float32), and the same for the calls' rollouts without it (what a
 trainer gets from a rollout whose batch it does not reproduce).
+
+Then the weights' side (``rollouts_weights``): an update's latency and the running
+samples' stall under each policy (L102); sleep and wake at both levels, and the first
+output after the wake against one from before (L103).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import omni_trio as ot
 from .cache import BENCH_SIZE, bench_flux
 from .common import Options, fmt, md_table, spread
 from .plot import PEER_COLORS, bar_with_range, figure
+from .rollouts_weights import run_weights, table_weights
 
 __all__ = ["plot_rollouts", "run_rollouts", "table_rollouts"]
 
@@ -252,6 +257,7 @@ def run_rollouts(options: Options) -> dict[str, Any]:
     # The two arms' samples: the same seeds and noise, to the batching's rounding.
     first = groups[0].outputs[0].trajectory
     arms_differ = float((first.latents[0, -1] - records[0]["latents"][-1][0]).abs().max())
+    weights = run_weights(options.run, requests[0], quick=quick)
     ratios = [calls / engine for engine, calls in zip(engine_s, calls_s, strict=True)]
     cpu_ratios = [c / e for e, c in zip(cpu["engine"], cpu["calls"], strict=True)]
     return {
@@ -275,6 +281,7 @@ def run_rollouts(options: Options) -> dict[str, Any]:
         "calls_samples_per_s": samples / statistics.median(calls_s),
         "ratios": ratios,
         "trajectory_bytes": int(first.latents.nbytes + first.noise.nbytes + first.log_probs.nbytes),
+        "weights": weights,
         "summary": {
             "throughput_ratio_engine_over_calls": statistics.median(ratios),
             "cpu_ratio_engine_over_calls": statistics.median(cpu_ratios),
@@ -284,6 +291,7 @@ def run_rollouts(options: Options) -> dict[str, Any]:
             "calls_transitions_checked": calls_checked,
             "partial_groups": partial,
             "arms_max_latent_diff": arms_differ,
+            **weights["summary"],
         },
     }
 
@@ -336,6 +344,7 @@ def table_rollouts(result: dict[str, Any]) -> str:
         f"\nThe two arms' first sample ends within {summary['arms_max_latent_diff']:.2g} of each"
         f" other (same seeds and noise); a trajectory is {result['trajectory_bytes']:,} bytes;"
         f" partial groups: {summary['partial_groups']}.",
+        table_weights(result["weights"]),
     ]
     return "\n".join(parts)
 

@@ -530,6 +530,34 @@ TARGETS: tuple[Target, ...] = (
         ),
         met=lambda r: _s(r)["throughput_ratio_engine_over_calls"] >= 0.95,
     ),
+    Target(
+        bench="rollouts",
+        label="samples running through a weight update (policy finish): steps lost, the"
+        " largest gap between two of their steps",
+        # Under finish nothing may stop them: none is aborted or moved to the new weights,
+        # and the worker steps them on as before. The 2 is picked, not measured: a gap of
+        # 2 median steps means a whole step's time without a step (the worker held or
+        # the update's work in its way), while a loaded 2-core machine stretches one step
+        # by well under that.
+        target="0 lost, ≤ 2 median steps",
+        figure=lambda r: (
+            f"{_s(r)['update_finish_steps_lost']:.0f} lost,"
+            f" {_s(r)['update_finish_max_gap_steps']:.2f} median steps (on the new weights:"
+            f" {_s(r)['update_finish_mixed_versions']:.0f})"
+        ),
+        met=lambda r: (
+            _s(r)["update_finish_steps_lost"] == 0
+            and _s(r)["update_finish_mixed_versions"] == 0
+            and _s(r)["update_finish_max_gap_steps"] <= 2
+        ),
+    ),
+    Target(
+        bench="rollouts",
+        label="the first output after a wake (levels 1 and 2) vs one from before the sleep",
+        target="0 differing",
+        figure=lambda r: f"{_s(r)['wake_output_mismatches']:.0f} differing",
+        met=lambda r: _s(r)["wake_output_mismatches"] == 0,
+    ),
     _fastpath_step("bf16", "bf16_step_ratio", 0.75),
     _fastpath_step("compiled", "compiled_step_ratio", 0.9),
     _fastpath_step("int8-dynamic + compiled", "int8_compiled_step_ratio", 0.6),
