@@ -23,12 +23,16 @@ whole log-density is that times ``Trajectory.elements``), computed in float64 fr
 float32 mean and reported in float32.
 
 ``Trajectory`` is what a request with ``return_trajectory`` gets back beside its images
-(``GenerationOutput.trajectory``). Torch-free: the tensors are made by the runner.
+(``GenerationOutput.trajectory``). Torch-free: the tensors are made by the runner (the
+safetensors codec, ``Trajectory.to_safetensors`` and ``from_safetensors``, what the HTTP
+server answers with, imports torch when called).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NoReturn, TypeAlias
 
@@ -40,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_NOISE_LEVEL",
     "SAMPLER_KINDS",
+    "TRAJECTORY_FORMAT",
     "DDIMSampler",
     "SDESampler",
     "Sampler",
@@ -63,6 +68,12 @@ MAX_NOISE_LEVEL = 10.0
 
 #: The most steps a sampler may name: beyond any step count an engine takes.
 _MAX_STEP_INDEX = 100_000
+
+#: The ``format`` in a trajectory's safetensors metadata (``Trajectory.to_safetensors``).
+TRAJECTORY_FORMAT = "omni_trio.trajectory/1"
+
+#: A trajectory's tensors, each stored under its field's name.
+_TENSORS = ("latents", "timesteps", "schedule", "steps", "noise", "log_probs")
 
 
 def _fail(name: str, message: str) -> NoReturn:
@@ -243,3 +254,81 @@ class Trajectory:
     def elements(self) -> int:
         """The elements of one image's latent: ``log_probs`` times it is the log-density."""
         return math.prod(self.latents.shape[2:])
+
+    def to_safetensors(self) -> bytes:
+        """This trajectory as the bytes of a safetensors file (what the HTTP server sends).
+
+        Each tensor is stored under its field's name (``latents``, ``timesteps``,
+        ``schedule``, ``steps``, ``noise``, ``log_probs``) with its dtype and shape; the
+        metadata holds ``format`` (``TRAJECTORY_FORMAT``), ``sampler`` (its
+        ``sampler_record`` as JSON) and ``prediction``. ``from_safetensors`` reads it
+        back, bitwise.
+        """
+        import safetensors.torch
+        import torch
+
+        # Copies: safetensors takes neither a view nor two tensors sharing memory.
+        tensors = {
+            name: getattr(self, name).detach().cpu().clone(memory_format=torch.contiguous_format)
+            for name in _TENSORS
+        }
+        metadata = {
+            "format": TRAJECTORY_FORMAT,
+            "sampler": json.dumps(sampler_record(self.sampler)),
+            "prediction": self.prediction,
+        }
+        data: bytes = safetensors.torch.save(tensors, metadata=metadata)
+        return data
+
+    @classmethod
+    def from_safetensors(cls, data: bytes) -> Trajectory:
+        """The trajectory ``to_safetensors`` wrote: equal tensors (bitwise), CPU.
+
+        Raises:
+            ValueError: ``data`` is not a trajectory's safetensors file (one line says why).
+        """
+        import safetensors.torch
+
+        metadata = _safetensors_metadata(data)
+        if metadata.get("format") != TRAJECTORY_FORMAT:
+            raise ValueError(f"not a trajectory: its format is not {TRAJECTORY_FORMAT!r}")
+        try:
+            tensors = safetensors.torch.load(data)
+            sampler = parse_sampler(json.loads(metadata["sampler"]))
+        except Exception as exc:  # SafetensorError, JSON, a refused sampler: one line
+            raise ValueError(f"not a trajectory: {type(exc).__name__}: {exc}") from None
+        missing = [name for name in _TENSORS if name not in tensors]
+        if missing or "prediction" not in metadata:
+            raise ValueError(f"not a trajectory: no {(missing or ['prediction'])[0]}")
+        return cls(
+            sampler=sampler,
+            prediction=metadata["prediction"],
+            latents=tensors["latents"],
+            timesteps=tensors["timesteps"],
+            schedule=tensors["schedule"],
+            steps=tensors["steps"],
+            noise=tensors["noise"],
+            log_probs=tensors["log_probs"],
+        )
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file's header (8 bytes of its length, then
+    JSON); ``{}`` where it has none.
+
+    Raises:
+        ValueError: the header is cut short or not a JSON object.
+    """
+    if len(data) < 8:
+        raise ValueError("not a trajectory: shorter than a safetensors header")
+    (size,) = struct.unpack("<Q", data[:8])
+    if size > len(data) - 8:
+        raise ValueError("not a trajectory: its safetensors header is cut short")
+    try:
+        header = json.loads(data[8 : 8 + size])
+    except ValueError:
+        raise ValueError("not a trajectory: its safetensors header is not JSON") from None
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(metadata, dict):
+        return {}
+    return {str(key): str(value) for key, value in metadata.items()}
