@@ -50,6 +50,7 @@ SNIPPETS_RUN_BY = {
     "real_runner.py": "tests/test_docs.py",
     "request_ledger.py": "tests/test_doc_snippets.py",
     "step_cache_policies.py": "tests/test_doc_snippets.py",
+    "trajectory_client.py": "tests/serve/test_trajectory_http.py",
     "test_guide.py": "tests/test_examples.py",
     "tutorial_abort.py": "tests/test_examples.py",
     "tutorial_break.py": "tests/test_examples.py",

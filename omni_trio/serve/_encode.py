@@ -1,4 +1,4 @@
-"""Images to PNG/JPEG/WebP bytes, and base64 text of them.
+"""Images to PNG/JPEG/WebP bytes, a trajectory to safetensors bytes, base64 text of them.
 
 Encoding is tensor work: small images (the previews, test sizes) are encoded in
 the event loop's thread, where it costs well under a millisecond; larger ones go
@@ -9,6 +9,7 @@ returns a tensor can abort the interpreter at exit; see the design notes).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,9 @@ import anyio.to_thread
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["b64", "encode_images", "encode_images_sync"]
+    from .._sampling import Trajectory
+
+__all__ = ["b64", "encode_images", "encode_images_sync", "encode_trajectory"]
 
 #: Pixels (summed over the images) encoded in the loop's thread; above this a worker
 #: thread encodes. Measured on the 2-core CI machine, PNG of RGB noise (the worst
@@ -83,3 +86,32 @@ async def encode_images(images: torch.Tensor, fmt: str, quality: int | None) -> 
 def b64(data: bytes) -> str:
     """Base64 text of ``data``."""
     return base64.b64encode(data).decode("ascii")
+
+
+def _trajectory_b64(trajectory: Trajectory, image: int | None) -> str:
+    if image is not None:
+        rows = slice(image, image + 1)
+        trajectory = dataclasses.replace(
+            trajectory,
+            latents=trajectory.latents[rows],
+            noise=trajectory.noise[rows],
+            log_probs=trajectory.log_probs[rows],
+        )
+    return b64(trajectory.to_safetensors())
+
+
+async def encode_trajectory(trajectory: Trajectory, image: int | None = None) -> str:
+    """A trajectory (L100) as base64 text of its safetensors bytes
+    (``Trajectory.to_safetensors``), in a worker thread: a real model's is megabytes
+    per step.
+
+    Args:
+        trajectory: the request's trajectory.
+        image: only this image's rows (its ``latents``, ``noise`` and ``log_probs``;
+            the steps' tensors are the request's), for a stream's ``completed`` event;
+            ``None``: every image's.
+
+    Cancellation:
+        As ``encode_images``: a started worker thread finishes first.
+    """
+    return await anyio.to_thread.run_sync(_trajectory_b64, trajectory, image)

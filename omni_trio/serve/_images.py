@@ -16,6 +16,11 @@ With ``response_format: "url"`` (L97) the encoded images are written to the outp
 store (``_output_urls``, in a worker thread) and the answer, or each stream's
 ``completed`` event, carries their signed URLs instead of their base64.
 
+A request with ``return_trajectory`` (L100) gets its trajectory as base64 text of
+its safetensors bytes (``Trajectory.to_safetensors``; ``Trajectory.from_safetensors``
+reads it): every image's in the answer's ``omni_trio.trajectory``, or streamed, each
+image's own rows in its ``completed`` event's ``omni_trio.trajectory``.
+
 A request the engine answered from its result cache (L95, L96) is complete when
 ``submit`` returns: its answer says so in the header ``x-omni-trio-result-cache: hit``
 (``RESULT_CACHE_HEADER``) and in its ``omni_trio.result_cache_hit``; streamed, it sends
@@ -52,7 +57,7 @@ from ._asgi import (
     sse_event,
     trace_headers,
 )
-from ._encode import b64, encode_images
+from ._encode import b64, encode_images, encode_trajectory
 from ._errors import ApiError, api_error_from, invalid
 from ._keys import caller_tenant, tenant_request
 from ._output_store import OutputStoreError
@@ -232,6 +237,9 @@ class ImagesEndpoint:
                         output.images, job.output_format, job.output_compression
                     )
                     data = await self._images(images, job, handle.request_id, scope)
+                    extra: dict[str, str] = {}
+                    if output.trajectory is not None:
+                        extra["trajectory"] = await encode_trajectory(output.trajectory)
                 except (OmniTrioError, ApiError) as exc:
                     error = self._failure(exc, handle.request_id)
                     status, body = error.status, error.body()
@@ -253,6 +261,7 @@ class ImagesEndpoint:
                             "exec_s": metrics.exec_s,
                             "total_s": metrics.total_s,
                             "result_cache_hit": metrics.result_cache_hit,
+                            **extra,
                         },
                     }
                 tg.cancel_scope.cancel()
@@ -305,12 +314,17 @@ class ImagesEndpoint:
             output = await handle.result()
             images = await encode_images(output.images, job.output_format, job.output_compression)
             answers = await self._images(images, job, handle.request_id, scope)
+            trajectories: list[dict[str, object]] = [{} for _ in answers]
+            if output.trajectory is not None:
+                for index, extra in enumerate(trajectories):
+                    trajectory = await encode_trajectory(output.trajectory, index)
+                    extra["omni_trio"] = {"trajectory": trajectory}
         except (OmniTrioError, ApiError) as exc:
             error = self._failure(exc, handle.request_id)
             await client.chunk(sse_event("error", {"type": "error", **error.body()}))
         else:
             now = int(time.time())
-            for index, image in enumerate(answers):
+            for index, (image, extra) in enumerate(zip(answers, trajectories, strict=True)):
                 completed = {
                     "type": f"{job.events}.completed",
                     **image,
@@ -318,6 +332,7 @@ class ImagesEndpoint:
                     "created_at": now,
                     "usage": _NO_USAGE,
                     **common,
+                    **extra,
                 }
                 await client.chunk(sse_event(f"{job.events}.completed", completed))
         await client.end()

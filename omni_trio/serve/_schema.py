@@ -15,6 +15,10 @@ object of ``StepCache``'s fields (absent: the server's ``--cache`` default), and
 ``"ink:0.8,film"`` (a scale of 1 where none is given; what a form field carries);
 ``lora``, OpenAI-style, says the same as a list of ``{"name", "scale"}`` objects (or
 as ``adapters`` does); one of the two.
+Rollouts (L100): ``sampler``, the request's stochastic sampler as an object of
+``SDESampler``'s or ``DDIMSampler``'s fields with its ``kind`` (``{"kind": "sde",
+"noise_level": 0.7, "steps": [0, 1]}``, checked by ``parse_sampler``, naming
+``sampler``), and ``return_trajectory``, whose answer carries the trajectory.
 Anything else is refused, naming the field.
 
 Three stages, each refusing with a 400 that says what is wrong:
@@ -58,6 +62,7 @@ from .._request import (
     GenerationRequest,
     denoise_steps,
 )
+from .._sampling import parse_sampler
 from .._stepcache import parse_step_cache
 from ._config import ServeConfig, with_defaults
 from ._errors import ApiError, api_error_from, invalid
@@ -188,6 +193,10 @@ CachePolicy = Text | dict[str, Any]
 AdapterMap = Text | dict[str, Any]
 LoraList = AdapterMap | list[Any]
 
+#: A stochastic sampler (L100): ``{"kind": "sde" | "ddim", ...}``, its dataclass's fields;
+#: checked by ``parse_sampler`` (stage 3), naming ``sampler``.
+SamplerFields = dict[str, Any]
+
 #: The most adapters a body may name, whatever the runner's bound: keeps a hostile
 #: body's parse small (the runner's ``max_adapters`` is checked at admission).
 MAX_BODY_ADAPTERS = 64
@@ -264,6 +273,8 @@ class GenerationBody(BaseModel):
     cache: CachePolicy | None = None
     adapters: AdapterMap | None = None
     lora: LoraList | None = None
+    sampler: SamplerFields | None = None
+    return_trajectory: bool | None = None
     # OpenAI fields accepted and ignored.
     quality: Text | None = None
     style: Text | None = None
@@ -589,6 +600,8 @@ def job_from_body(
             deadline_s=deadline_s,
             cache=parse_step_cache(parsed.cache),
             adapters=body_adapters(parsed.adapters, parsed.lora),
+            sampler=None if parsed.sampler is None else parse_sampler(parsed.sampler),
+            return_trajectory=bool(parsed.return_trajectory),
             **(edit or {}),
         )
     except InvalidRequestError as exc:
