@@ -65,7 +65,6 @@ __all__ = [
     "VideoSpec",
     "default_frames",
     "frames_for",
-    "parse_video_body",
     "video_body",
     "video_spec",
     "with_reference",
@@ -343,44 +342,3 @@ def video_body(body: bytes, form: list[tuple[str, str | bytes]] | None) -> Video
         else:
             values[name] = value if name == "seconds" else form_value(name, value)
     return validate(VideoBody, values)
-
-
-def parse_video_body(
-    body: bytes,
-    form: list[tuple[str, str | bytes]] | None,
-    config: ServeConfig,
-    *,
-    fps: float,
-    default_seconds: float,
-    rule: tuple[int, int],
-    deadline_header: str | None = None,
-    admission: Admission | None = None,
-    limits: UploadLimits | None = None,
-) -> VideoSpec:
-    """Read, check and turn a video body into a ``VideoSpec``.
-
-    Args:
-        body: the raw body (read as JSON when ``form`` is ``None``).
-        form: the parts of a ``multipart/form-data`` body, already read.
-        config: the server's configuration.
-        fps: see ``video_spec``.
-        default_seconds: see ``video_spec``.
-        rule: the runner's frame rule.
-        deadline_header: the ``X-Request-Deadline-Ms`` header's text, if sent.
-        admission: see ``video_spec``.
-        limits: see ``video_spec``.
-
-    Raises:
-        ApiError: 400 naming the field at fault.
-    """
-    parsed = video_body(body, form)
-    return video_spec(
-        parsed,
-        config,
-        fps=fps,
-        default_seconds=default_seconds,
-        rule=rule,
-        deadline_header=deadline_header,
-        admission=admission,
-        limits=limits,
-    )

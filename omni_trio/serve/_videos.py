@@ -50,7 +50,7 @@ from ._output_urls import OutputUrls, storage_failed
 from ._schema import DEADLINE_HEADER, no_output_store, shown
 from ._tracing import Tracing
 from ._upload import UploadLimits
-from ._video_body import parse_video_body, with_reference
+from ._video_body import video_body, video_spec, with_reference
 
 if TYPE_CHECKING:
     from .._engine import Engine
@@ -143,9 +143,8 @@ class VideosApi:
         if content_type.lower().startswith("multipart/form-data"):
             form = await read_form(scope, body, dataclasses.replace(self._uploads, max_bytes=limit))
         video = self._jobs.config
-        spec = parse_video_body(
-            body,
-            form,
+        spec = video_spec(
+            video_body(body, form),
             self._config,
             fps=video.fps,
             default_seconds=video.default_seconds,

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from omni_trio.serve import ServeConfig, Service
 from omni_trio.serve._errors import ApiError
 from omni_trio.serve._schema import KNOWN_FIELDS
-from omni_trio.serve._video_body import parse_video_body
+from omni_trio.serve._video_body import video_body, video_spec
 from omni_trio.testing import assert_engine_idle
 from tests.support.core import BUDGET
 from tests.support.serve import PATH, make_service, parse_sse, serving
@@ -240,7 +240,9 @@ def test_any_seconds_make_a_clip_on_the_rule_or_a_400_naming_seconds(
         body = ('{"prompt": "a fox", "seconds": ' + encode(seconds) + "}").encode()
     refused: ApiError | None = None
     try:
-        spec = parse_video_body(body, form, config, fps=16.0, default_seconds=4.0, rule=(4, 1))
+        spec = video_spec(
+            video_body(body, form), config, fps=16.0, default_seconds=4.0, rule=(4, 1)
+        )
     except ApiError as error:
         refused = error
     if refused is not None:

@@ -30,7 +30,7 @@ import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, RunnerCapabilities, tiny_pipeline
 from omni_trio.serve import ApiError, ServeConfig, Service, VideoConfig
 from omni_trio.serve._config import Admission
-from omni_trio.serve._video_body import frames_for, parse_video_body
+from omni_trio.serve._video_body import frames_for, video_body, video_spec
 from omni_trio.serve.jobs import VideoJob
 from omni_trio.testing import (
     FakeRunner,
@@ -233,9 +233,8 @@ async def test_a_jobs_progress_never_decreases() -> None:
     """L73 (amended): a step event behind the job's progress leaves it where it is, and the
     first step starts the job even when it rounds to 0 %."""
     service, _ = make_service()
-    spec = parse_video_body(
-        b'{"prompt": "a fox", "num_frames": 5}',
-        None,
+    spec = video_spec(
+        video_body(b'{"prompt": "a fox", "num_frames": 5}', None),
         service.config,
         fps=FPS,
         default_seconds=4.0,
@@ -558,7 +557,9 @@ async def test_seconds_out_of_range_get_a_400_naming_seconds_in_json_and_in_a_fo
             await wait_until(lambda: engine.statistics().aborted == 1)
     for seconds in (540, 540.0, "540", "539.9"):
         body = json.dumps({"prompt": "a fox", "seconds": seconds}).encode()
-        spec = parse_video_body(body, None, service.config, fps=FPS, default_seconds=4.0, rule=RULE)
+        spec = video_spec(
+            video_body(body, None), service.config, fps=FPS, default_seconds=4.0, rule=RULE
+        )
         assert spec.request.num_frames == 4317  # MAX_NUM_FRAMES (4320) is not 4k + 1
     assert frames_for(270, 16, RULE) == 4317 and frames_for(4, 16, RULE) == 65
 
@@ -623,8 +624,13 @@ def test_a_frame_count_refused_for_the_seconds_sent_names_seconds() -> None:
     def refusal(body: dict[str, Any]) -> ApiError:
         data = json.dumps({"prompt": "a fox", **body}).encode()
         with pytest.raises(ApiError) as caught:
-            parse_video_body(
-                data, None, config, fps=FPS, default_seconds=2.0, rule=RULE, admission=admission
+            video_spec(
+                video_body(data, None),
+                config,
+                fps=FPS,
+                default_seconds=2.0,
+                rule=RULE,
+                admission=admission,
             )
         return caught.value
 
