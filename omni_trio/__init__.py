@@ -21,7 +21,8 @@ The data (no threads, no event loop):
 - ``_checkpoint``: ``Checkpoint``, ``CheckpointPolicy``, ``CheckpointError`` and the
   envelope of a checkpoint's bytes (L78).
 - ``_stepcache``: ``StepCache``, a request's step-cache policy, and ``CacheMetrics``,
-  what it did (L80-L84).
+  what it did (L80-L84); ``PromptCacheMetrics``, what a runner's prompt cache did for a
+  request's texts (L94).
 - ``_sampling``: ``SDESampler`` and ``DDIMSampler``, a request's stochastic sampler,
   and ``Trajectory``, the steps it returns (L100).
 - ``_adapters``: the adapters a request names (checked), ``AdapterInfo``, what a
@@ -171,6 +172,7 @@ from ._sampling import DDIMSampler as DDIMSampler
 from ._sampling import SDESampler as SDESampler
 from ._sampling import Trajectory as Trajectory
 from ._stepcache import CacheMetrics as CacheMetrics
+from ._stepcache import PromptCacheMetrics as PromptCacheMetrics
 from ._stepcache import StepCache as StepCache
 from ._version import __version__ as __version__
 from ._weights import EngineSleepingError as EngineSleepingError
@@ -203,6 +205,7 @@ __all__ = [
     "InvalidOutputError",
     "InvalidRequestError",
     "OmniTrioError",
+    "PromptCacheMetrics",
     "QueueFullError",
     "RequestAbortedError",
     "RequestError",

@@ -12,17 +12,21 @@ only does two things with it, both from its own threads:
   mis-estimate costs a bounded loss of quality, never an unbounded one;
 - just before a request's state is discarded, whatever ended it, the engine reads
   what its cache did (``cache_metrics``), for ``RequestMetrics.cache``.
+
+The same read, by the same reader (``read_cache_metrics``), takes what the runner's
+prompt-embedding cache did for the request's texts (L94: ``prompt_cache_metrics``, a
+call a runner may leave out), for ``RequestMetrics.prompt_cache``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ._errors import InvalidOutputError
 from ._runner import Runner, StepCacheRunner
-from ._stepcache import CacheMetrics
+from ._stepcache import CacheMetrics, PromptCacheMetrics
 
 if TYPE_CHECKING:
     from ._workitem import WorkItem
@@ -32,6 +36,8 @@ __all__ = ["LOOSEN_STAGES", "loosen_at_risk", "loosened_threshold", "read_cache_
 #: Stages from a policy's ``threshold`` to its ``max_threshold`` (picked, not measured:
 #: four steps of a quarter each reach the bound within four boundaries).
 LOOSEN_STAGES = 4
+
+M = TypeVar("M", CacheMetrics, PromptCacheMetrics)
 
 
 def loosened_threshold(threshold: float, max_threshold: float, stage: int) -> float:
@@ -76,16 +82,41 @@ def loosen_at_risk(
 
 
 def read_cache_metrics(runner: Runner[Any], item: WorkItem, state: object) -> Exception | None:
-    """Keep what ``state``'s step cache did on ``item``; return the runner's error, if any."""
+    """Keep what ``state``'s caches did on ``item``; return the runner's first error, if any.
+
+    The step cache's (L84) for a request whose policy skips, on a runner that declares
+    ``step_cache``; the prompt cache's (L94) from a runner that has the call. Each read
+    stands alone: one that raises leaves the other's figures.
+    """
+    error = None
     policy = item.request.cache
-    if policy is None or not policy.skips or not runner.capabilities.step_cache:
-        return None
+    if policy is not None and policy.skips and runner.capabilities.step_cache:
+        item.cache_metrics, error = _read(runner, "cache_metrics", state, CacheMetrics)
+    item.prompt_cache, prompt_error = _read(
+        runner, "prompt_cache_metrics", state, PromptCacheMetrics, optional=True
+    )
+    # "is None", not "or": an exception's __bool__ is the runner's code.
+    return prompt_error if error is None else error
+
+
+def _read(
+    runner: Runner[Any], call: str, state: object, kind: type[M], *, optional: bool = False
+) -> tuple[M | None, Exception | None]:
+    """What the runner's ``call(state)`` returned, or its error.
+
+    ``optional``: a runner without the call reports nothing (``None``); otherwise its
+    absence is the error. A value neither ``None`` nor a ``kind`` is an
+    ``InvalidOutputError``.
+    """
+    if optional and not hasattr(runner, call):
+        return None, None
     try:
-        metrics = cast("StepCacheRunner[Any]", runner).cache_metrics(state)
+        metrics = getattr(runner, call)(state)
     except Exception as exc:
-        return exc
-    if metrics is not None and not isinstance(metrics, CacheMetrics):
-        kind = type(metrics).__name__
-        return InvalidOutputError(f"the runner's cache_metrics returned {kind}, not CacheMetrics")
-    item.cache_metrics = metrics
-    return None
+        return None, exc
+    if metrics is not None and not isinstance(metrics, kind):
+        found = type(metrics).__name__
+        return None, InvalidOutputError(
+            f"the runner's {call} returned {found}, not {kind.__name__}"
+        )
+    return metrics, None

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, BinaryIO
 from ._mp4 import write_mp4
 from ._results import ResultCacheStatistics
 from ._sampling import Trajectory
-from ._stepcache import CacheMetrics
+from ._stepcache import CacheMetrics, PromptCacheMetrics
 from ._weights import WeightVersion
 
 if TYPE_CHECKING:
@@ -93,6 +93,10 @@ class RequestMetrics:
     ``cache`` says what its step cache did (L84: row-calls and row-blocks computed
     and skipped, the threshold it ended with, whether it was loosened); ``None``
     for a request without a policy (or one whose runner did not say).
+    ``prompt_cache`` says what the runner's prompt-embedding cache did for its texts
+    (L94: hits, misses, the text encoders' seconds on the misses and the seconds the
+    hits saved); ``None`` when its runner has no such cache (or did not say), and for
+    a request that never ran (a result-cache hit, one aborted while it waited).
     ``timeline`` says when each part of its life happened (a trace's spans, L99).
     ``result_cache_hit`` says that its output came from the engine's result cache
     (L95, L96): it never reached a worker, so ``steps_done`` is 0 and its time is all
@@ -112,6 +116,7 @@ class RequestMetrics:
     preemptions: int = 0
     suspended_s: float = 0.0
     cache: CacheMetrics | None = None
+    prompt_cache: PromptCacheMetrics | None = None
     timeline: RequestTimeline | None = None
     result_cache_hit: bool = False
     weight_version: WeightVersion | None = None

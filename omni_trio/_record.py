@@ -146,6 +146,7 @@ class Record(WorkItem):
             preemptions=self.preemptions,
             suspended_s=suspended_s,
             cache=self.cache_metrics,
+            prompt_cache=self.prompt_cache,
             timeline=timeline,
             result_cache_hit=self.result_hit,
             weight_version=self.weights,

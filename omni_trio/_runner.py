@@ -27,6 +27,10 @@ threads only, never from the event loop. The engine owns the denoise loop:
   runners that declare ``step_cache`` (L80-L84): what a request's step cache did, read
   before its ``discard``, and the engine loosening a request's threshold at a step
   boundary when its deadline is at risk.
+- ``prompt_cache_metrics(state)``: optional, for a runner with a prompt-embedding
+  cache (L94): what it did for the request's texts (a ``PromptCacheMetrics``, or
+  ``None``), read before its ``discard`` as ``cache_metrics`` is, whatever ended the
+  request. Without it, ``RequestMetrics.prompt_cache`` is ``None``.
 - ``load_adapter``, ``unload_adapter``, ``adapters()``, ``adapter_names()``: only for
   runners that declare ``max_adapters`` (L85-L87), and callable from any thread.
 - ``result_fingerprint()``: optional, for an engine with a result cache (L95): a str

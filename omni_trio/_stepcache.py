@@ -14,6 +14,10 @@ request's own state (L80-L82). Two kinds skip work inside a model call, row by r
   the calls it computed, up to ``order``).
 
 ``"none"`` opts a request out of an engine-wide default. Torch-free.
+
+Beside them, ``PromptCacheMetrics``: what a runner's prompt-embedding cache (L94) did
+for one request's texts. ``CacheMetrics`` and it are what a runner reports of a
+request's state and the engine reads just before its discard, into ``RequestMetrics``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ __all__ = [
     "MAX_CACHE_THRESHOLD",
     "CacheKind",
     "CacheMetrics",
+    "PromptCacheMetrics",
     "StepCache",
     "parse_step_cache",
 ]
@@ -245,3 +250,20 @@ class CacheMetrics:
         """The fraction of the row-blocks that ran (1.0 when none was counted)."""
         total = self.blocks_computed + self.blocks_skipped
         return 1.0 if total == 0 else self.blocks_computed / total
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PromptCacheMetrics:
+    """What a runner's prompt cache did for one request's texts (L94), in
+    ``RequestMetrics.prompt_cache``.
+
+    A text is a prompt or a negative prompt (``""`` for none), counted once per request
+    whatever its number of images. ``encode_s`` is the text encoders' time for the
+    misses (the host's wall time of the encode call: on CUDA its launches and what it
+    waits for), ``saved_s`` the time the hits' entries took when they were computed.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    encode_s: float = 0.0
+    saved_s: float = 0.0

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ._checkpoint import CheckpointPolicy
     from ._request import GenerationRequest
-    from ._stepcache import CacheMetrics
+    from ._stepcache import CacheMetrics, PromptCacheMetrics
     from ._weights import WeightVersion
 
 __all__ = ["CancelToken", "WorkItem", "step_pixels"]
@@ -64,6 +64,7 @@ class WorkItem:
         "keep_result",
         "preemptions",
         "prepare_s",
+        "prompt_cache",
         "rank_deadline",
         "reading",
         "request",
@@ -141,6 +142,9 @@ class WorkItem:
         )
         self.cache_stage = 0
         self.cache_metrics: CacheMetrics | None = None
+        # L94: what the runner's prompt cache said it did for the request's texts,
+        # read with the step cache's.
+        self.prompt_cache: PromptCacheMetrics | None = None
         # L78: how it is checkpointed (None: never), the checkpoint its worker
         # restores instead of preparing (dropped once read), and when the last
         # checkpoint was taken (perf_counter; None until its first step).

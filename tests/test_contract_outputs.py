@@ -1,4 +1,4 @@
-"""Outputs and metrics: L15-L19.
+"""Outputs and metrics: L15-L19, and the prompt cache's figures a runner reports (L94).
 
 Determinism: GatedRunner steps (and, with ``gate_decodes``, decodes) wait for the
 test's release; metrics are checked through identities that hold exactly, and
@@ -14,7 +14,7 @@ import anyio.lowlevel
 import pytest
 
 import omni_trio as ot
-from omni_trio.testing import FakeRunner, GatedRunner, wait_until
+from omni_trio.testing import FakeRunner, FakeState, GatedRunner, wait_until
 from tests.support.core import BUDGET, read_gated, req, stats_add_up
 
 pytestmark = pytest.mark.anyio
@@ -123,6 +123,54 @@ async def test_metrics_for_every_terminal_state() -> None:
                 with pytest.raises(ot.RequestFailedError):
                     await failed.result()
                 assert failed.metrics is not None and failed.metrics.abort_latency_s is None
+
+
+#: What ``PromptCounting`` says its prompt cache did for every request's texts.
+PROMPT_FIGURES = ot.PromptCacheMetrics(hits=1, misses=1, encode_s=0.5, saved_s=0.25)
+
+
+class PromptCounting(GatedRunner):
+    """A gated fake runner with ``prompt_cache_metrics``: ``PROMPT_FIGURES`` for every
+    request but ``"bad"``, for which it returns what is not a ``PromptCacheMetrics``."""
+
+    def prompt_cache_metrics(self, state: FakeState) -> object:
+        return "figures" if state.request_id == "bad" else PROMPT_FIGURES
+
+
+async def test_a_requests_prompt_cache_figures_are_read_at_its_release() -> None:
+    """L94: ``RequestMetrics.prompt_cache`` is what the runner's ``prompt_cache_metrics``
+    said of the request's state, read at its release whatever ended it (completed, or
+    aborted while it ran); ``None`` for a request that never ran and from a runner
+    without the call; a value of another type fails the request, as the discard's."""
+    runner = PromptCounting()
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=1)) as engine:
+            done = engine.submit(req(num_steps=1), request_id="done")
+            runner.release(1)
+            await done.result()
+            running = engine.submit(req(num_steps=5), request_id="running")
+            await runner.wait_arrived(2)
+            waiting = engine.submit(req(num_steps=5), request_id="waiting")
+            engine.abort_nowait("waiting")
+            engine.abort_nowait("running")
+            runner.release(1)
+            with pytest.raises(ot.RequestAbortedError):
+                await running.result()
+            runner.open_gate()
+            bad = engine.submit(req(num_steps=1), request_id="bad")
+            with pytest.raises(ot.RequestFailedError) as failed:
+                await bad.result()
+            figures = {h.request_id: h.metrics and h.metrics.prompt_cache for h in
+                       (done, running, waiting, bad)}  # fmt: skip
+            for handle in (done, running, waiting, bad):
+                await handle.aclose()
+        assert figures == {"done": PROMPT_FIGURES, "running": PROMPT_FIGURES,
+                           "waiting": None, "bad": None}  # fmt: skip
+        assert isinstance(failed.value.__cause__, ot.InvalidOutputError)
+        assert "prompt_cache_metrics returned str, not PromptCacheMetrics" in str(failed.value)
+        async with ot.open_engine(FakeRunner(step_cache=True)) as engine:
+            plain = await engine.generate(req(num_steps=1, cache=ot.StepCache(kind="first-block")))
+    assert plain.metrics.cache is not None and plain.metrics.prompt_cache is None
 
 
 @pytest.mark.parametrize(

@@ -48,7 +48,7 @@ from .._cancelpoint import armed, current_check
 from .._codec import request_record
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities, StopRun
-from .._stepcache import CacheMetrics
+from .._stepcache import CacheMetrics, PromptCacheMetrics
 from .._weights import SleepBytes, WeightsError, WeightSource
 from ..runners import PromptCacheStatistics
 from ._agree import agreed_check
@@ -576,6 +576,11 @@ class ParallelRunner:
         if runner is None:
             return self._prompts_closed
         return runner.prompt_cache_statistics()
+
+    def prompt_cache_metrics(self, state: ParallelState) -> PromptCacheMetrics | None:
+        """What rank 0's prompt cache did for the request's texts (L94: every rank's did
+        the same)."""
+        return self._model.prompt_cache_metrics(state.inner)
 
     def report(self) -> tuple[RankReport, ...]:
         """What every rank holds now, rank 0 first; waits for a step in progress.

@@ -44,7 +44,7 @@ from .._adapters import AdapterInfo
 from .._request import GenerationRequest
 from .._runner import RunnerCapabilities, StopRun
 from .._sampling import Trajectory
-from .._stepcache import CacheMetrics
+from .._stepcache import CacheMetrics, PromptCacheMetrics
 from .._weights import SleepBytes, WeightSource
 from ._adapters import NAME as ADAPTERS
 from ._adapters import AdapterSet
@@ -601,6 +601,10 @@ class DiffusersRunner:
     def prompt_cache_statistics(self) -> PromptCacheStatistics:
         """What the prompt cache did and holds now (L94); any thread."""
         return self._prompts.statistics()
+
+    def prompt_cache_metrics(self, state: RequestState) -> PromptCacheMetrics | None:
+        """What the prompt cache did for the request's texts in its ``prepare`` (L94)."""
+        return state.prompts
 
     def clear_prompt_cache(self) -> None:
         """Drop every kept text encoding (L94): call it after changing the text encoders'

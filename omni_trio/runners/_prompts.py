@@ -43,7 +43,10 @@ the key's encoders and adapters, the request's counts) in a thread-local, as the
 call's context is set (``_forward``); a family's encoding reads it (``encoded``), and
 without a scope it encodes as if there were no cache. Lookups run with the runner's
 model lock held, drops come from loads and unloads (which hold it too), statistics
-from any thread: the table has a lock of its own, never held across an encode.
+from any thread: the table has a lock of its own, never held across an encode. What a
+request's scope counted (``PromptScope.metrics``, a ``PromptCacheMetrics``) stays with
+its state, for the runner's ``prompt_cache_metrics``: the engine reads it before the
+discard into ``RequestMetrics.prompt_cache``.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .._stepcache import PromptCacheMetrics
 
 __all__ = [
     "PROMPT_CACHE_BYTES",
@@ -85,28 +90,13 @@ _TEXT_COMPONENTS = ("text_encoder", "tokenizer")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PromptCacheMetrics:
-    """What the prompt cache did for one request's texts.
-
-    ``encode_s`` is the text encoders' time for the misses (the host's wall time of
-    the encode call: on CUDA its launches and what it waits for), ``saved_s`` the
-    time the hits' entries took when they were computed.
-    """
-
-    hits: int = 0
-    misses: int = 0
-    encode_s: float = 0.0
-    saved_s: float = 0.0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class PromptCacheStatistics:
     """A runner's prompt cache at one moment (``DiffusersRunner.prompt_cache_statistics``).
 
     ``hits``, ``misses``, ``encode_s`` and ``saved_s`` are summed over the runner's life
-    (as ``PromptCacheMetrics``); ``evictions`` counts entries the bound put out,
-    ``dropped`` those an adapter's removal or ``clear()`` invalidated; ``entries`` and
-    ``bytes`` are what it holds now, of at most ``max_bytes``.
+    (a request's own are its ``PromptCacheMetrics``); ``evictions`` counts entries the
+    bound put out, ``dropped`` those an adapter's removal or ``clear()`` invalidated;
+    ``entries`` and ``bytes`` are what it holds now, of at most ``max_bytes``.
     """
 
     hits: int

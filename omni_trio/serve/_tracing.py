@@ -13,7 +13,8 @@ and end times, once the request is terminal. The cost is a few spans per request
 none per step.
 
 What a span holds: the request's id, model, size, frames, images, steps, tenant, its
-outcome, queue wait, preemptions, the calls its step cache skipped and its adapters by
+outcome, queue wait, preemptions, the calls its step cache skipped, its prompt cache's
+hits and misses and the encoder seconds they took and saved (L94), and its adapters by
 name; its prompt only when asked (``trace_prompts``); never a key (the routes record
 the method, the route and the status only).
 
@@ -227,6 +228,12 @@ class Tracing:
             attributes["omni_trio.tenant"] = request.tenant
         if metrics.cache is not None:
             attributes["omni_trio.cache.calls_skipped"] = metrics.cache.calls_skipped
+        prompts = metrics.prompt_cache
+        if prompts is not None:
+            attributes["omni_trio.prompt_cache.hits"] = prompts.hits
+            attributes["omni_trio.prompt_cache.misses"] = prompts.misses
+            attributes["omni_trio.prompt_cache.encode_s"] = prompts.encode_s
+            attributes["omni_trio.prompt_cache.saved_s"] = prompts.saved_s
         if request.adapter_pairs:
             attributes["omni_trio.adapters"] = [name for name, _ in request.adapter_pairs]
         if self.prompts:

@@ -60,11 +60,19 @@ def counts(stats: PromptCacheStatistics) -> PromptCacheStatistics:
     return dataclasses.replace(stats, encode_s=0.0, saved_s=0.0)
 
 
+def texts(output: ot.GenerationOutput) -> tuple[int, int]:
+    """A request's own prompt-cache hits and misses."""
+    figures = output.metrics.prompt_cache
+    assert figures is not None
+    return figures.hits, figures.misses
+
+
 async def test_a_groups_prompt_cache_statistics_are_rank_0s_read_during_a_step() -> None:
     """L94: a guidance split's prompt cache statistics are one process's after the same
     requests (every rank encodes every request's texts; rank 0's counts stand for the
     group's), and they are read while rank 0 is held inside a step's model call: no
-    message to a rank, no wait for the step."""
+    message to a rank, no wait for the step. Each request's own figures
+    (``RequestMetrics.prompt_cache``, rank 0's) are one process's too."""
     requests = [
         request("sd", seed=1, prompt="a red fox", negative_prompt="blurry"),
         request("sd", seed=2, prompt="a red fox", negative_prompt="blurry"),
@@ -73,12 +81,11 @@ async def test_a_groups_prompt_cache_statistics_are_rank_0s_read_during_a_step()
     one = DiffusersRunner(tiny("sd"))
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(one) as engine:
-            for r in requests:
-                await engine.generate(r)
+            alone = [await engine.generate(r) for r in requests]
             expected = counts(one.prompt_cache_statistics())  # before the engine closes it
     assert (expected.hits, expected.misses, expected.entries) == (3, 3, 3)
     with group("sd", "cfg") as split:
-        await generate(Kept(split), requests[:2], ot.EngineConfig())
+        outputs = await generate(Kept(split), requests[:2], ot.EngineConfig())
         gate = ModuleGate(split.pipeline.unet.down_blocks[0], 1)
         try:
             with anyio.fail_after(BUDGET):
@@ -90,9 +97,11 @@ async def test_a_groups_prompt_cache_statistics_are_rank_0s_read_during_a_step()
                     during = split.prompt_cache_statistics()
                     assert gate.finished == 0  # the step is still held: the read did not wait
                     gate.release()
-                    await handle.result()
+                    outputs.append(await handle.result())
         finally:
             gate.remove()
         assert counts(during) == expected
+    assert [texts(out) for out in outputs] == [texts(out) for out in alone]
+    assert [texts(out) for out in alone] == [(0, 2), (2, 0), (1, 1)]
     closed = split.prompt_cache_statistics()
     assert (closed.hits, closed.misses, closed.entries) == (3, 3, 0)

@@ -497,3 +497,25 @@ async def test_a_servers_metrics_read_its_runners_caches() -> None:
                     ]
                 )
     assert counts[1][0] - counts[0][0] == 2 and counts[1][1] == counts[0][1]
+
+
+@pytest.mark.anyio
+async def test_each_requests_metrics_say_what_the_cache_did_for_its_texts() -> None:
+    """L94: a request's own ``RequestMetrics.prompt_cache`` counts its texts: the first of
+    two requests with one negative prompt misses both its texts; the second (two images,
+    each text counted once) hits the negative prompt, with the seconds its entry took
+    saved, and misses its prompt. A result-cache hit (L95) encodes nothing: ``None``."""
+    first = request("sd", prompt="a red fox", negative_prompt="blurry", num_steps=1)
+    second = request("sd", prompt="a grey cat", negative_prompt="blurry", num_steps=1)
+    second = dataclasses.replace(second, num_images=2)
+    config = ot.EngineConfig(result_cache=ot.ResultCache(max_bytes=2**24))
+    with anyio.fail_after(BUDGET):
+        async with ot.open_engine(DiffusersRunner(tiny("sd")), config) as engine:
+            outputs = [await engine.generate(r) for r in (first, second, first)]
+    missed, hit, repeat = (out.metrics.prompt_cache for out in outputs)
+    assert missed is not None and hit is not None
+    assert (missed.hits, missed.misses, missed.saved_s) == (0, 2, 0.0)
+    assert missed.encode_s > 0
+    assert (hit.hits, hit.misses) == (1, 1)
+    assert 0 < hit.saved_s < missed.encode_s and hit.encode_s > 0
+    assert outputs[2].metrics.result_cache_hit and repeat is None

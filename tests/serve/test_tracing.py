@@ -10,6 +10,7 @@ Determinism rules:
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import threading
 from collections.abc import Iterator
@@ -55,7 +56,8 @@ async def test_a_requests_span_has_its_wait_runs_decode_and_response_under_the_r
 ) -> None:
     """L99: under a route's SERVER span that continues the client's traceparent, a
     request's span holds a wait, a run per segment, a decode and a response, in order;
-    it says what the request was and came to, and holds no prompt unless asked."""
+    it says what the request was and came to, and holds no prompt unless asked; its
+    prompt cache's figures where its runner reported them (L94)."""
     tracing, exporter = spans
     request = req(prompt="a secret fox", num_steps=3, tenant="acme", seed=1)
     with anyio.fail_after(BUDGET):
@@ -83,6 +85,7 @@ async def test_a_requests_span_has_its_wait_runs_decode_and_response_under_the_r
     assert attributes["omni_trio.tenant"] == "acme"
     assert attributes["omni_trio.steps_done"] == 3
     assert "omni_trio.prompt" not in attributes
+    assert not any(name.startswith("omni_trio.prompt_cache.") for name in attributes)
     assert not any("a secret fox" in str(value) for value in attributes.values())
     wait, run, decode = named["wait"][0], named["run"][0], named["decode"][0]
     for child in (wait, run, decode):
@@ -96,6 +99,17 @@ async def test_a_requests_span_has_its_wait_runs_decode_and_response_under_the_r
                     outcome="completed", metrics=out.metrics)  # fmt: skip
     last = by_name(exporter.get_finished_spans())[REQUEST_SPAN][-1]
     assert last.parent is None and dict(last.attributes or {})["omni_trio.prompt"] == "a secret fox"
+    figures = ot.PromptCacheMetrics(hits=1, misses=2, encode_s=0.5, saved_s=0.25)
+    tracing.request(None, request=request, request_id="r1", model="fake", outcome="completed",
+                    metrics=dataclasses.replace(out.metrics, prompt_cache=figures))  # fmt: skip
+    last = by_name(exporter.get_finished_spans())[REQUEST_SPAN][-1]
+    attributes = dict(last.attributes or {})
+    assert {name: attributes[name] for name in attributes if ".prompt_cache." in name} == {
+        "omni_trio.prompt_cache.hits": 1,
+        "omni_trio.prompt_cache.misses": 2,
+        "omni_trio.prompt_cache.encode_s": 0.5,
+        "omni_trio.prompt_cache.saved_s": 0.25,
+    }
 
 
 @pytest.mark.anyio
