@@ -24,6 +24,10 @@ from omni_trio.testing import assert_no_engine_threads
 pytest.register_assert_rewrite("tests.support")
 
 
+#: The modules whose tests all run on the session's PostgreSQL server.
+POSTGRES_MODULES = ("/test_jobs_postgres.py", "/test_cluster_kill.py")
+
+
 def worker_group(nodeid: str) -> str:
     """The group of ``pytest -n`` workers a test runs in, by its id: tests of one group
     run on one worker, one after another (scripts/check.sh runs two workers).
@@ -36,7 +40,7 @@ def worker_group(nodeid: str) -> str:
     path, _, name = nodeid.partition("::")
     if path.endswith("/test_ray.py") or name.startswith("test_ray"):
         return "ray"
-    if path.endswith("/test_jobs_postgres.py") or "postgres" in name.partition("[")[2]:
+    if path.endswith(POSTGRES_MODULES) or "postgres" in name.partition("[")[2]:
         return "postgres"
     if path.startswith("tests/parallel/"):
         return "parallel"

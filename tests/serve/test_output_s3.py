@@ -2,10 +2,10 @@
 
 Determinism rules:
 - the S3-compatible server is moto's (``moto[server]``'s ``ThreadedMotoServer``), started
-  by this module on 127.0.0.1 and an ephemeral port, in a thread of this process; boto3
-  reaches it over HTTP as it would a MinIO or AWS, with credentials from the standard
-  ``AWS_*`` variables (set here; no profile or instance role is read, nothing leaves
-  the host);
+  once for this module (tests/support/s3.py's ``endpoint``) on 127.0.0.1 and an ephemeral
+  port, in a thread of this process; boto3 reaches it over HTTP as it would a MinIO or
+  AWS, with credentials from the standard ``AWS_*`` variables (set by the fixture; no
+  profile or instance role is read, nothing leaves the host);
 - each test has a bucket of its own; the services run in their own lifespan inside
   ``anyio.fail_after(BUDGET)`` on trio and asyncio, over ``httpx.ASGITransport``;
 - expiry reads a fake wall clock the test moves; a sweep is called, never waited for.
@@ -15,22 +15,20 @@ from __future__ import annotations
 
 import base64
 import pickle
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
 import pytest
 
 pytest.importorskip("boto3", reason="the s3 extra")
-moto_server = pytest.importorskip("moto.server", reason="moto[server], of the test extra")
+pytest.importorskip("moto.server", reason="moto[server], of the test extra")
 
-import boto3  # noqa: E402
+import boto3
 
-from omni_trio.serve import OutputConfig, OutputStoreError, S3Store  # noqa: E402
-from tests.support.core import BUDGET  # noqa: E402
-from tests.support.jobs import create, finished  # noqa: E402
-from tests.support.outputs import (  # noqa: E402
+from omni_trio.serve import OutputConfig, OutputStoreError, S3Store
+from tests.support.core import BUDGET
+from tests.support.jobs import create, finished
+from tests.support.outputs import (
     SECRET,
     START,
     WallClock,
@@ -39,44 +37,17 @@ from tests.support.outputs import (  # noqa: E402
     image_service,
     local,
 )
-from tests.support.serve import serving  # noqa: E402
+from tests.support.s3 import endpoint as endpoint
+from tests.support.s3 import new_bucket
+from tests.support.serve import serving
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    """An S3-compatible server on 127.0.0.1 for this module; its URL. The ``AWS_*``
-    variables boto3 reads are set for as long (dummy credentials, a region, no shared
-    files, no instance metadata)."""
-    with pytest.MonkeyPatch.context() as patch:
-        for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
-            patch.delenv(name, raising=False)
-        patch.setenv("AWS_ACCESS_KEY_ID", "testing")
-        patch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-        patch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-        patch.setenv("AWS_CONFIG_FILE", "/nonexistent/aws-config")
-        patch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/aws-credentials")
-        patch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        try:
-            host, port = server.get_host_and_port()
-            yield f"http://{host}:{port}"
-        finally:
-            server.stop()
 
 
 @pytest.fixture
 def bucket(endpoint: str) -> str:
     """A new, empty bucket."""
-    name = f"outputs-{uuid.uuid4().hex[:12]}"
-    client = boto3.session.Session().client("s3", endpoint_url=endpoint)
-    try:
-        client.create_bucket(Bucket=name)
-    finally:
-        client.close()
-    return name
+    return new_bucket(endpoint)
 
 
 def objects(endpoint: str, bucket: str) -> dict[str, bytes]:

@@ -4,7 +4,8 @@
   app's lifespan and an httpx client), ``AsgiCall`` (a hand-driven request that
   disconnects when told);
 - the real servers: ``run_server`` (``python -m omni_trio serve`` as a
-  subprocess, killed whatever happens), ``Server``, ``poll_until``, ``free_port``;
+  subprocess, killed whatever happens; ``run_servers``: several, started at once),
+  ``Server``, ``poll_until``, ``free_port``;
 - reading answers: ``png_size``, ``parse_sse``, ``parse_sse_lines``, ``metric``;
 - bodies: ``BAD_BODIES`` (each a 400 naming its field), ``HOSTILE_BODIES``
   (numbers, encodings and nesting that must still be a 400), ``nested``;
@@ -20,7 +21,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping
+from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,7 @@ __all__ = [
     "png_size",
     "poll_until",
     "run_server",
+    "run_servers",
     "serving",
 ]
 
@@ -255,24 +257,39 @@ class Server:
 @contextlib.contextmanager
 def run_server(*args: str, server: str, log_dir: Path, startup_s: float = 60) -> Iterator[Server]:
     """Start ``python -m omni_trio serve`` with ``args``; yield once /health is 200; kill it."""
-    port = free_port()
-    command = [sys.executable, "-m", "omni_trio", "serve", "--server", server]
-    command += ["--port", str(port), "--no-access-log", *args]
-    log = log_dir / f"{server}-{port}.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    handle = Server(process, f"http://127.0.0.1:{port}", port, log)
-    try:
-        deadline = time.monotonic() + startup_s
-        while handle.health() != 200:
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the server did not start:\n{handle.log_text()}")
-            time.sleep(0.05)
+    with run_servers(args, server=server, log_dir=log_dir, startup_s=startup_s) as (handle,):
         yield handle
+
+
+@contextlib.contextmanager
+def run_servers(
+    *argvs: Sequence[str], server: str, log_dir: Path, startup_s: float = 60
+) -> Iterator[list[Server]]:
+    """Start one ``python -m omni_trio serve`` per list of arguments, all at once; yield
+    them once every /health is 200 (within ``startup_s`` in all); kill them all."""
+    handles: list[Server] = []
+    try:
+        for args in argvs:
+            port = free_port()
+            command = [sys.executable, "-m", "omni_trio", "serve", "--server", server]
+            command += ["--port", str(port), "--no-access-log", *args]
+            log = log_dir / f"{server}-{port}.log"
+            with log.open("wb") as out:
+                process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+            handles.append(Server(process, f"http://127.0.0.1:{port}", port, log))
+        deadline = time.monotonic() + startup_s
+        for handle in handles:
+            while handle.health() != 200:
+                if handle.process.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"the server did not start:\n{handle.log_text()}")
+                time.sleep(0.05)
+        yield handles
     finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=30)
+        for handle in handles:
+            if handle.process.poll() is None:
+                handle.process.kill()
+        for handle in handles:
+            handle.process.wait(timeout=30)
 
 
 def parse_sse_lines(lines: Iterator[str]) -> Iterator[tuple[str, dict[str, Any]]]:
