@@ -22,6 +22,7 @@ adapters    four LoRAs in one batch vs set_adapters one after another; load, unl
 reuse       a trace with repeats, prompt and result caches on vs off (tiny SD, SDXL, Flux)
 rollouts    RL groups with the SDE sampler vs a pipeline call per group; log-prob mismatch
 fastpath    bf16, compiled, int8 steps, engine vs the pipeline call; starts, recompiles (Flux, SD)
+cluster     two servers on PostgreSQL + S3 vs one on SQLite: takeovers, SIGKILLs, URLs (tiny Wan)
 ray         a Ray Serve replica vs plain serve: cost per request, disconnect aborts
 all         every benchmark above, in this order
 

@@ -14,6 +14,7 @@ from typing import Any
 from .abort import plot_abort, run_abort, table_abort
 from .adapters import plot_adapters, run_adapters, table_adapters
 from .cache import plot_cache, run_cache, table_cache
+from .cluster import plot_cluster, run_cluster, table_cluster
 from .common import Options, machine
 from .deadline import plot_deadline, run_deadline, table_deadline
 from .devices import plot_devices, run_devices, table_devices
@@ -231,7 +232,8 @@ BENCHMARKS: dict[str, Benchmark] = {
             name="rollouts",
             what=(
                 "RL rollouts with the SDE sampler, 8 prompts x 8 samples: generate_group vs a"
-                " pipeline call per group; the trainer's log-probability mismatch"
+                " pipeline call per group; the trainer's log-probability mismatch; weight"
+                " updates, sleep and wake"
             ),
             run=run_rollouts,
             table=table_rollouts,
@@ -246,6 +248,16 @@ BENCHMARKS: dict[str, Benchmark] = {
             run=run_fastpath,
             table=table_fastpath,
             plot=plot_fastpath,
+        ),
+        Benchmark(
+            name="cluster",
+            what=(
+                "two servers on one PostgreSQL and one S3 bucket vs one on SQLite: create to"
+                " first step, takeover after a SIGKILL, 20 random SIGKILLs; URL vs base64"
+            ),
+            run=run_cluster,
+            table=table_cluster,
+            plot=plot_cluster,
         ),
         Benchmark(
             name="ray",

@@ -68,6 +68,29 @@ def _scale(result: Result) -> str:
     )
 
 
+def _cluster(
+    label: str,
+    target: str,
+    figure: Callable[[dict[str, Any]], str],
+    met: Callable[[dict[str, Any]], bool],
+) -> Target:
+    """A ``cluster`` target, read from the summary; not measured (and so not missed) in
+    --quick, which starts no PostgreSQL and no tiny Wan, or without PostgreSQL's binaries."""
+
+    def measured(result: Result) -> bool:
+        return bool(_s(result).get("postgres_measured"))
+
+    return Target(
+        bench="cluster",
+        label=label,
+        target=target,
+        figure=lambda r: (
+            figure(_s(r)) if measured(r) else f"not measured ({r.get('skipped', 'skipped')})"
+        ),
+        met=lambda r: not measured(r) or met(_s(r)),
+    )
+
+
 def _ray_met(result: Result) -> bool:
     s = _s(result)
     return "skipped_in_quick" in s or s["steps_after_abort_max"] <= 1
@@ -462,6 +485,34 @@ TARGETS: tuple[Target, ...] = (
             f" {_s(r)['cross_tenant_hits_scope_global']:.0f})"
         ),
         met=lambda r: _s(r)["cross_tenant_hits"] == 0,
+    ),
+    _cluster(
+        "takeover after a SIGKILL: the lease's expiry to the first resumed step, max (L79, L98)",
+        "≤ the lease + a step",
+        lambda s: (
+            f"{s['lease_expiry_to_first_step_s_max']:.2f} s over {s['taken_over']} takeovers"
+            f" (bound {s['takeover_bound_s']:.2f} s; from the kill: p50"
+            f" {s['kill_to_first_step_s_p50']:.2f} s, max {s['kill_to_first_step_s_max']:.2f} s)"
+        ),
+        lambda s: s["lease_expiry_to_first_step_s_max"] <= s["takeover_bound_s"],
+    ),
+    _cluster(
+        "steps redone after a takeover, max (a checkpoint after every step)",
+        "≤ the checkpoint interval (1 step)",
+        lambda s: (
+            f"{s['steps_redone_max']:.0f} over {s['live_at_kill']:.0f} jobs killed before"
+            " they completed"
+        ),
+        lambda s: s["steps_redone_max"] <= 1,
+    ),
+    _cluster(
+        "accepted jobs lost across random SIGKILLs of either server",
+        "0 over 20",
+        lambda s: (
+            f"{s['lost']:.0f} over {s['kills']:.0f} kills ({s['not_by_url']:.0f} MP4s not"
+            " served by a URL)"
+        ),
+        lambda s: s["lost"] == 0 and s["kills"] >= 20 and s["not_by_url"] == 0,
     ),
     Target(
         bench="ray",

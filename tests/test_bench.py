@@ -74,6 +74,8 @@ SUMMARY_KEYS = {
         "sleep2_dropped_bytes",
         "wake_output_mismatches",
     },
+    # --quick starts no PostgreSQL and no tiny Wan: the URL vs base64 figures alone.
+    "cluster": {"url_fetch_p50_ms", "url_fetch_p99_ms", "b64_p50_ms", "b64_p99_ms"},
     # --quick compiles nothing (a cold compile is 10-90 s): its eager modes' figures.
     "fastpath": {"bf16_step_ratio", "engine_over_call_max", "int8_weight_ratio"},
 }
