@@ -95,6 +95,16 @@ def _checked_steps(steps: object) -> tuple[int, ...] | None:
     return tuple(sorted(checked))
 
 
+def _check_fields(sampler: SDESampler | DDIMSampler, scale: str, maximum: float) -> None:
+    """Check a sampler's noise scale (the field ``scale``: finite, in (0, ``maximum``])
+    and its ``steps``, storing them as checked (a float, a sorted tuple)."""
+    value = check_float(_fail, scale, getattr(sampler, scale), minimum=0.0, maximum=maximum)
+    if value == 0.0:
+        _fail(scale, "must be > 0 (0 is the deterministic step: leave sampler out)")
+    object.__setattr__(sampler, scale, value)
+    object.__setattr__(sampler, "steps", _checked_steps(sampler.steps))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SDESampler:
     """The flow-matching SDE step, with its transition log-probabilities (L100).
@@ -117,13 +127,7 @@ class SDESampler:
     steps: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        level = check_float(
-            _fail, "noise_level", self.noise_level, minimum=0.0, maximum=MAX_NOISE_LEVEL
-        )
-        if level == 0.0:
-            _fail("noise_level", "must be > 0 (0 is the deterministic step: leave sampler out)")
-        object.__setattr__(self, "noise_level", level)
-        object.__setattr__(self, "steps", _checked_steps(self.steps))
+        _check_fields(self, "noise_level", MAX_NOISE_LEVEL)
 
     @property
     def scale(self) -> float:
@@ -145,8 +149,7 @@ class DDIMSampler:
             onto a cumulative alpha of 1) draws no noise whether named or not.
 
     Raises:
-        InvalidRequestError: a field has a wrong type or value (``field`` is
-            ``"sampler"``, the message names the sampler's field).
+        InvalidRequestError: as ``SDESampler`` raises it.
     """
 
     kind: ClassVar[SamplerKind] = "ddim"
@@ -155,11 +158,7 @@ class DDIMSampler:
     steps: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        eta = check_float(_fail, "eta", self.eta, minimum=0.0, maximum=1.0)
-        if eta == 0.0:
-            _fail("eta", "must be > 0 (0 is the deterministic step: leave sampler out)")
-        object.__setattr__(self, "eta", eta)
-        object.__setattr__(self, "steps", _checked_steps(self.steps))
+        _check_fields(self, "eta", 1.0)
 
     @property
     def scale(self) -> float:
