@@ -6,7 +6,9 @@ drawn, the timesteps, each transition's log-probability). The groups are submitt
 together, so the engine batches their samples (L101). Then a "trainer" does what
 group-relative RL does: a reward per sample, advantages within each group, and each
 transition's log-probability recomputed by calling the transformer itself on the
-returned latents, which gives the rollout's values bit for bit.
+returned latents, which gives the rollout's values bit for bit. Last, the trainer's turn
+(L102, L103): the engine sleeps while the trainer has the memory, wakes, takes the new
+weights in place, and the next rollouts name the version they ran on.
 
 The tiny model stands in for a real one: load ``black-forest-labs/FLUX.1-dev`` with
 ``omni_trio.runners.load(ModelSpec(...))`` instead, and the trainer's forward is the
@@ -80,8 +82,27 @@ async def main() -> None:
             for index, prompt in enumerate(PROMPTS):
                 tasks.start_soon(rollout, index, prompt)
         shared = engine.statistics()
-    print(f"{shared.steps_run} sample-steps in {shared.batch_steps} batched model steps")
+        print(f"{shared.steps_run} sample-steps in {shared.batch_steps} batched model steps")
+        recompute(pipe, groups)
 
+        # The trainer's turn. Its update, here a small step of seeded noise, is made
+        # before the sleep: asleep, the engine's weights are not where they were.
+        generator = torch.Generator().manual_seed(SEED)
+        trained = {
+            name: value + 1e-3 * torch.randn(value.shape, generator=generator)
+            for name, value in pipe.transformer.state_dict().items()
+        }
+        slept = await engine.sleep(1)  # the trainer has the memory meanwhile
+        await engine.wake()
+        await engine.update_weights(trained, label="step-1")
+        request = dataclasses.replace(REQUEST, prompt=PROMPTS[0], seed=SEED)
+        after = await ot.generate_group(engine, request, n=GROUP)
+        version = after.outputs[0].weight_version
+        print(f"slept with {slept.freed_bytes:,} bytes freed; the next rollouts ran on {version}")
+
+
+def recompute(pipe: Any, groups: dict[str, ot.GroupResult]) -> None:
+    """The trainer's side: rewards, advantages, and every log-probability recomputed."""
     worst, checked = 0.0, 0
     with torch.no_grad(), row_invariant(pipe.transformer):
         for prompt in PROMPTS:

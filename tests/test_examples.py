@@ -86,11 +86,15 @@ def check_result_cache(stdout: str) -> None:
 
 
 def check_rollouts(stdout: str) -> None:
-    """L100, L101: two whole groups of four; the trainer's recomputation of every one of
-    their 48 transitions gives the rollout's log-probabilities exactly."""
+    """L100-L103: two whole groups of four; the trainer's recomputation of every one of
+    their 48 transitions gives the rollout's log-probabilities exactly; after a sleep, a
+    wake and an update, the next rollouts name the new weights."""
     lines = stdout.splitlines()
     assert sum(line.endswith("4 samples, partial: False") for line in lines) == 2, stdout
-    assert lines[-1] == "trainer recomputed 48 transitions: largest difference 0.0", stdout
+    assert lines[-2] == "trainer recomputed 48 transitions: largest difference 0.0", stdout
+    assert lines[-1].endswith("the next rollouts ran on WeightVersion(number=1, label='step-1')"), (
+        stdout
+    )
 
 
 #: What an example prints, checked past its exit status.
