@@ -28,7 +28,7 @@ import torch
 
 from .._request import GenerationRequest
 from ._chunks import DecodeChunks
-from ._prompts import Encoded, PromptCacheMetrics, encoded
+from ._prompts import Encoded, PromptCacheMetrics, encoded, tokenizers_held
 from ._sde import SamplerState, sampler_scheduler
 from ._stepcache import BlockSpec, RequestCache
 
@@ -214,13 +214,19 @@ class Family(ABC):
     def _encoded(self, text: str, encode: Callable[[str], Encoded]) -> dict[str, torch.Tensor]:
         """``encode(text)``: one text's encoding for one image, through the runner's prompt
         cache (L94, ``_prompts``), keyed with this family's encoding too. The tensors are
-        the caller's own (computed, or copies of the cache's)."""
+        the caller's own (computed, or copies of the cache's). The encode holds the
+        pipeline's tokenizers (``tokenizers_held``: runners over one pipeline, L42)."""
         parameters = (
             type(self).__name__,
             getattr(encode, "__qualname__", None),
             getattr(self, "max_sequence_length", None),
         )
-        return encoded(parameters, text, encode)
+
+        def held(text: str) -> Encoded:
+            with tokenizers_held(self.pipe):
+                return encode(text)
+
+        return encoded(parameters, text, held)
 
     def _text_cond(
         self,

@@ -47,6 +47,15 @@ from any thread: the table has a lock of its own, never held across an encode. W
 request's scope counted (``PromptScope.metrics``, a ``PromptCacheMetrics``) stays with
 its state, for the runner's ``prompt_cache_metrics``: the engine reads it before the
 discard into ``RequestMetrics.prompt_cache``.
+
+Runners over one pipeline (several workers, L42) share its tokenizers, and a tokenizer
+is not safe in two threads at once: a call of transformers' fast tokenizers sets its
+padding and truncation on the tokenizer itself before it encodes, and diffusers'
+``encode_prompt`` tokenizes a text twice, padded to the model's length and then to the
+longest, so another thread's call in between padded a prompt's T5 tokens to their own
+count (10 instead of 512 on tiny Flux) and the image came out of another worker's. So
+every encode holds the locks of the pipeline's tokenizers (``tokenizers_held``: one per
+tokenizer, whatever runners or pipelines share it), as every decode holds the VAE's.
 """
 
 from __future__ import annotations
@@ -58,7 +67,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +83,8 @@ __all__ = [
     "PromptCacheStatistics",
     "PromptScope",
     "encoded",
+    "tokenizer_lock",
+    "tokenizers_held",
 ]
 
 #: The default bound: 64 MiB. An entry is one text's encoding for one image: about
@@ -371,3 +382,39 @@ def encoded(
     if scope is None:
         return dict(encode(text))
     return scope.encoded(family, text, encode)
+
+
+_locks_lock = threading.Lock()
+_locks: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+#: The lock of a tokenizer that cannot be weakly held (none of transformers').
+_unkeyed = threading.RLock()
+
+
+def tokenizer_lock(tokenizer: Any) -> threading.RLock:
+    """The lock every runner holds while it encodes with ``tokenizer`` (one per tokenizer)."""
+    with _locks_lock:
+        try:
+            lock = _locks.get(tokenizer)
+            if lock is None:
+                lock = _locks[tokenizer] = threading.RLock()
+        except TypeError:
+            return _unkeyed
+        return lock
+
+
+@contextmanager
+def tokenizers_held(pipe: Any) -> Iterator[None]:
+    """Inside, this thread holds the locks of ``pipe``'s tokenizers (its components named
+    ``tokenizer*``), taken in one order in every thread: no other runner tokenizes with
+    them (see the module doc)."""
+    components = getattr(pipe, "components", None)
+    named = components if isinstance(components, Mapping) else {}
+    found = {
+        id(component): component
+        for name, component in named.items()
+        if name.startswith("tokenizer") and component is not None
+    }
+    with ExitStack() as stack:
+        for key in sorted(found):
+            stack.enter_context(tokenizer_lock(found[key]))
+        yield
