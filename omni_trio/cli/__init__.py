@@ -7,7 +7,7 @@ server, the core for the demo). Its modules:
   (imported only once it is there), one-line errors, ``--version``, ``--debug``.
 - ``_errors``: ``UsageError`` and ``CommandError``, the exit statuses, ``summary``,
   and ``reported``: a command run with its errors printed as one line each.
-- ``_demo``: ``demo``: one image with a tiny model, a progress bar.
+- ``_demo``: ``demo``: one image with a tiny model (or a model spec's), a progress bar.
 - ``_types``: the argparse value types of every command.
 - ``_given``: which options the command line gave, and the refusal of those that
   do not apply (``--replicas`` without ``--ray``), or, from their variable, the
@@ -16,6 +16,8 @@ server, the core for the demo). Its modules:
   help, section, where it applies, the field it sets), and the argparse arguments
   and the dataclass fields made of a table of them.
 - ``_serve_table``: ``serve``'s table: every option of the command, in ``--help``'s order.
+- ``_spec_table``: the model spec's options (``--dtype``, ``--compile``, ...), declared
+  once for ``serve``'s table and ``demo``, torch-free and without the serve extra.
 - ``_serve_groups``: what the table is made of besides its options: ``Applies`` (where
   an option applies), ``--help``'s sections, the actions and types only it uses.
 - ``_serve``: ``serve``: its options (the table's), checked before it serves, then

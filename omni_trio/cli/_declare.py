@@ -126,22 +126,32 @@ def field_default(cls: type[Any], path: str) -> Any:
     return field_default(type(value), inner) if inner else value
 
 
-def _default(option: Option, cls: type[Any]) -> Any:
-    """``option``'s default: as declared, else the field's (one field only), else ``FIELD``."""
+def _default(option: Option, cls: type[Any] | None) -> Any:
+    """``option``'s default: as declared, else the field's (one field only; none without
+    ``cls``), else ``FIELD``."""
     if option.default_factory is not None:
         return option.default_factory()
-    if option.default is not FIELD or option.action in _FLAGS or len(option.fields) != 1:
+    if (
+        option.default is not FIELD
+        or option.action in _FLAGS
+        or len(option.fields) != 1
+        or cls is None
+    ):
         return option.default
     return field_default(cls, option.fields[0])
 
 
-def add_options(parser: argparse.ArgumentParser, options: Sequence[Option], cls: type[Any]) -> None:
+def add_options(
+    parser: argparse.ArgumentParser, options: Sequence[Option], cls: type[Any] | None
+) -> None:
     """Add each of ``options`` to ``parser``, in order, each in its section.
 
     Args:
         parser: the command's parser.
         options: the command's table.
-        cls: the dataclass whose fields the options set (their defaults).
+        cls: the dataclass whose fields the options set (their defaults); ``None``: an
+            option that declares no default has none (``None``: the command leaves the
+            field out, to its dataclass's default).
     """
     sections: dict[Group | None, Any] = {None: parser}
     exclusive: dict[Group | None, Any] = {}

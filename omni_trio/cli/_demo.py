@@ -1,19 +1,26 @@
 """``omni-trio demo``: generate one image end to end, with a progress bar.
 
 The report goes to ``out`` (stdout), the progress bar to stderr. Arguments the
-demo cannot use (a size or step count the model refuses, a ``--model`` that is not
-a diffusers folder, an ``--out`` that cannot be written) raise ``UsageError``,
-checked before the model loads where the model is not needed to tell; a model
-that does not load or a request that fails raises ``CommandError``.
+demo cannot use (a size or step count the model refuses, a ``--model`` that is neither
+a diffusers folder nor a hub id in reach, a model spec's value the spec refuses, an
+``--out`` that cannot be written) raise ``UsageError``, checked before the model loads
+where the model is not needed to tell; a model that does not load or a request that
+fails raises ``CommandError``.
+
+``--model`` is a model spec (L89) as ``serve``'s: a folder or a Hugging Face hub id
+(from the cache with ``HF_HUB_OFFLINE=1``) with the spec's options (``_spec_table``,
+the same declarations as ``serve``'s), loaded by ``omni_trio.runners``' own
+``load_pipeline_of`` and ``runner_of``; the spec's options apply with ``--model`` only.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import anyio
 
@@ -26,9 +33,14 @@ from .._open import open_engine
 from .._outputs import RequestMetrics
 from .._request import GenerationRequest
 from .._runner import Runner, RunnerCapabilities
+from ._declare import add_options
 from ._errors import CommandError, UsageError, summary
 from ._given import Unused, refuse_unused
+from ._spec_table import SPEC_OPTIONS, named, spec_error
 from ._types import count, seconds
+
+if TYPE_CHECKING:
+    from ..runners import ModelSpec
 
 __all__ = ["KINDS", "add_demo_arguments", "run_demo"]
 
@@ -48,6 +60,18 @@ _OPTIONS = {
     "strength": "--strength",
 }
 
+#: The model spec's options (``serve``'s), the compilation's help saying what it costs here.
+DEMO_SPEC_OPTIONS = tuple(
+    option
+    if option.flag != "--compile"
+    else dataclasses.replace(
+        option,
+        help="blocks: compile the denoiser's blocks; the demo's one request compiles them"
+        " on its first step, which takes 10-120 s on a CPU (default: eager)",
+    )
+    for option in SPEC_OPTIONS
+)
+
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the demo's options to ``parser``."""
@@ -58,7 +82,11 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         help="tiny model to build (default sd); 'fake' needs no diffusers at all",
     )
     parser.add_argument(
-        "--model", default=None, metavar="PATH", help="a local diffusers folder instead"
+        "--model",
+        default=None,
+        metavar="ID_OR_FOLDER",
+        help="a local diffusers folder or a Hugging Face hub id (org/name; from the cache"
+        " with HF_HUB_OFFLINE=1) instead, with the model options below",
     )
     parser.add_argument("--prompt", default="a red flower in a blue vase")
     parser.add_argument("--steps", type=int, default=20, help="denoise steps (default 20)")
@@ -108,6 +136,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend", choices=["trio", "asyncio"], default="trio", help="event loop (default trio)"
     )
+    add_options(parser, DEMO_SPEC_OPTIONS, None)
 
 
 def _unused(args: argparse.Namespace) -> list[Unused]:
@@ -118,10 +147,14 @@ def _unused(args: argparse.Namespace) -> list[Unused]:
             Unused(dest="kind", option="--kind", reason=reason),
             Unused(dest="step_seconds", option="--step-seconds", reason=reason),
         ]
+    unused = [
+        Unused(dest=option.name, option=option.flag, reason="applies with --model only")
+        for option in DEMO_SPEC_OPTIONS
+    ]
     if args.kind != "fake":
         reason = "applies to --kind fake only"
-        return [Unused(dest="step_seconds", option="--step-seconds", reason=reason)]
-    return []
+        unused.append(Unused(dest="step_seconds", option="--step-seconds", reason=reason))
+    return unused
 
 
 def _config(args: argparse.Namespace) -> EngineConfig:
@@ -202,29 +235,50 @@ def _check_out(path: str) -> None:
         os.unlink(path)  # only the check made it
 
 
-def _model_folder(args: argparse.Namespace) -> Path | None:
+def _model_spec(args: argparse.Namespace) -> tuple[ModelSpec, Path] | None:
+    """The model spec of ``--model`` and its options, checked, and its folder (a hub id's
+    in the Hugging Face cache, fetched unless offline); nothing loads.
+
+    Raises:
+        UsageError: the spec refuses a value (named by its option), or ``--model`` is
+            neither a diffusers folder nor a hub id in reach.
+    """
     if args.model is None:
         return None
-    from ..runners._load import check_pipeline_folder
+    from ..runners import ModelSpec
+    from ..runners._spec import pipeline_folder
 
+    given = {option.name: getattr(args, option.name) for option in DEMO_SPEC_OPTIONS}
     try:
-        return check_pipeline_folder(args.model)
+        spec = ModelSpec(
+            source=args.model, **{name: value for name, value in given.items() if value is not None}
+        )
+        return spec, pipeline_folder(spec)
     except ValueError as exc:
-        raise UsageError(f"--model: {exc}") from exc
+        raise spec_error(exc) from None
 
 
-def _runner(args: argparse.Namespace, folder: Path | None) -> tuple[Runner[Any], str]:
-    if folder is not None:
-        from ..runners import runner_for
-        from ..runners._load import load_pipeline
+def _runner(
+    args: argparse.Namespace, model: tuple[ModelSpec, Path] | None
+) -> tuple[Runner[Any], str]:
+    if model is not None:
+        from ..runners._spec import load_pipeline_of, runner_of
 
+        spec, folder = model
         try:
-            pipeline = load_pipeline(folder)
+            pipeline = load_pipeline_of(spec, folder=folder)
+            runner: Runner[Any] = runner_of(pipeline, spec)
         except Exception as exc:
+            # A setting this machine or model does not take names its option.
+            setting = named(exc) if isinstance(exc, ValueError) else None
             raise CommandError(
-                f"--model: could not load a pipeline from {str(folder)!r}: {summary(exc)}"
+                setting
+                or f"--model: could not load a pipeline from {spec.source!r}: {summary(exc)}"
             ) from exc
-        return runner_for(pipeline), f"{type(pipeline).__name__} from {folder}"
+        shown = [f"{type(pipeline).__name__} from {spec.source}"]
+        shown += [value for value in (spec.dtype, spec.quantization) if value not in ("auto", None)]
+        shown += ["compiled blocks"] if spec.compile is not None else []
+        return runner, ", ".join(shown)
     if args.kind == "fake":
         from ..testing import FakeRunner
 
@@ -304,8 +358,8 @@ def run_demo(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     refuse_unused(args, _unused(args), from_environment=())
     _request(args, None)  # refuses a bad step count or size before the model loads
     _check_out(args.out)
-    folder = _model_folder(args)
-    runner, description = _runner(args, folder)
+    model = _model_spec(args)
+    runner, description = _runner(args, model)
     request = _request(args, runner.capabilities)
     out.write(
         f"omni_trio demo: {request.denoise_steps} steps at {request.width}x{request.height},"

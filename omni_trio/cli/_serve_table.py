@@ -9,14 +9,15 @@ options that do not apply to a run (``_options``); docs/serving.md's options tab
 lists them in this order (tests/cli/test_docs.py).
 
 A new option is one entry here: its flag, the field it sets, its type (``_types``),
-its help, and its default if not the field's.
+its help, and its default if not the field's. The model spec's options (``--revision``
+to ``--gguf-file``) are ``_spec_table``'s, which ``demo`` shares.
 """
 
 from __future__ import annotations
 
 from .._config import EngineConfig
 from .._request import MAX_PRIORITY
-from ..serve._models import COMPILE_MODES, DTYPES, MODELS, QUANTIZATIONS
+from ..serve._models import MODELS
 from ..serve.jobs import DEFAULT_JOBS_LEASE_S, default_jobs_dir
 from ._declare import Option
 from ._logs import LOG_FORMATS
@@ -28,15 +29,14 @@ from ._serve_groups import (
     KEYS,
     LIMITS,
     LOGS,
-    MODEL,
     OUTPUTS,
     RANKS,
     RAY,
     VIDEOS,
     AppendKeys,
     Applies,
-    names,
 )
+from ._spec_table import SPEC_OPTIONS
 from ._types import (
     adapter,
     api_keys,
@@ -73,82 +73,7 @@ SERVE_OPTIONS = (
         " id (from the cache with HF_HUB_OFFLINE=1)",
     ),
     Option(flag="--model-name", sets="model_name", help="the id in /v1/models"),
-    Option(
-        flag="--revision",
-        sets="revision",
-        group=MODEL,
-        applies=Applies.REAL,
-        help="the hub id's revision: a branch, tag or commit (default: main)",
-    ),
-    Option(
-        flag="--variant",
-        sets="variant",
-        group=MODEL,
-        applies=Applies.REAL,
-        help="the weight files' variant, as fp16 for *.fp16.safetensors (default: none)",
-    ),
-    Option(
-        flag="--dtype",
-        sets="dtype",
-        group=MODEL,
-        choices=DTYPES,
-        applies=Applies.REAL,
-        help="the modules' dtype: auto is bf16 on CUDA, fp32 on a CPU (default auto)",
-    ),
-    Option(
-        flag="--attention-backend",
-        sets="attention_backend",
-        group=MODEL,
-        metavar="NAME",
-        applies=Applies.REAL,
-        help="one of diffusers' attention backends (native, flash, sage, ...); one this"
-        " machine lacks stops the start (default: the model's)",
-    ),
-    Option(
-        flag="--compile",
-        sets="compile",
-        group=MODEL,
-        choices=COMPILE_MODES,
-        applies=Applies.REAL,
-        help="blocks: compile the denoiser's blocks, the warm-up's shapes before the server"
-        " answers; other shapes then run eager, never stalling a batch (default: eager)",
-    ),
-    Option(
-        flag="--compile-cache",
-        sets="compile_cache",
-        group=MODEL,
-        metavar="DIR",
-        applies=Applies.REAL,
-        help="keep the compiled artifacts in DIR, for a restart in seconds (default: torch's)",
-    ),
-    Option(
-        flag="--quantization",
-        sets="quantization",
-        group=MODEL,
-        choices=QUANTIZATIONS,
-        applies=Applies.REAL,
-        help="int8-weight, int8-dynamic (torchao: the quant extra), fp8 (CUDA only), or gguf"
-        " (the denoiser from --gguf-file): the denoiser's weights quantized as the model"
-        " loads (default: none)",
-    ),
-    Option(
-        flag="--quantize-components",
-        sets="quantize_components",
-        group=MODEL,
-        type=names,
-        metavar="LIST",
-        applies=Applies.REAL,
-        help="the models --quantization quantizes, comma-separated, as"
-        " transformer,text_encoder_2 (default: the denoisers)",
-    ),
-    Option(
-        flag="--gguf-file",
-        sets="gguf_file",
-        group=MODEL,
-        metavar="FILE",
-        applies=Applies.REAL,
-        help="with --quantization gguf: the denoiser's single-file GGUF checkpoint",
-    ),
+    *SPEC_OPTIONS,
     Option(flag="--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)"),
     Option(
         flag="--port",

@@ -46,7 +46,9 @@ __all__ = [
     "apply_dtype",
     "load",
     "load_pipeline_of",
+    "pipeline_folder",
     "resolve_dtype",
+    "runner_of",
     "set_attention_backend",
 ]
 
@@ -159,14 +161,35 @@ def apply_dtype(pipe: Any, dtype: torch.dtype, components: Mapping[str, torch.dt
     return pipe
 
 
-def load_pipeline_of(spec: ModelSpec, device: str | None = None) -> Any:
-    """The diffusers pipeline ``spec`` names, in its dtypes, quantized as it says, on
-    ``device`` (``None``: where it loads), its attention backend set.
+def pipeline_folder(spec: ModelSpec) -> Path:
+    """The diffusers folder of ``spec``'s source: the folder itself, checked, or the hub
+    id's in the Hugging Face cache (fetched there unless offline); nothing loads.
 
     Raises:
         ValueError: the source is neither a diffusers folder nor a hub id in reach (one
-            line naming it and how to fetch it), the attention backend or the
-            quantization is not available here.
+            line naming it and how to fetch it), or a folder is given a revision.
+    """
+    if spec.is_hub_id:
+        return _from_hub(spec)
+    if spec.revision is not None:
+        raise ValueError(f"revision: only for a hub id, and {spec.source!r} is a folder")
+    return check_pipeline_folder(Path(spec.source).expanduser())
+
+
+def load_pipeline_of(
+    spec: ModelSpec, device: str | None = None, *, folder: Path | None = None
+) -> Any:
+    """The diffusers pipeline ``spec`` names, in its dtypes, quantized as it says, on
+    ``device`` (``None``: where it loads), its attention backend set.
+
+    Args:
+        spec: the model.
+        device: where it runs.
+        folder: ``pipeline_folder(spec)``, if it is found already.
+
+    Raises:
+        ValueError: as ``pipeline_folder``, or the attention backend or the quantization
+            is not available here.
         Exception: whatever diffusers raises for a model it cannot load.
     """
     from ._quiet import quiet_notices
@@ -175,12 +198,8 @@ def load_pipeline_of(spec: ModelSpec, device: str | None = None) -> Any:
     dtype = resolve_dtype(spec.dtype, device)
     components = {name: resolve_dtype(value, device) for name, value in spec.component_dtypes}
     torch_dtype: Any = dtype if not components else {"default": dtype, **components}
-    if not spec.is_hub_id:
-        if spec.revision is not None:
-            raise ValueError(f"revision: only for a hub id, and {spec.source!r} is a folder")
-        folder = check_pipeline_folder(Path(spec.source).expanduser())
-    else:
-        folder = _from_hub(spec)
+    if folder is None:
+        folder = pipeline_folder(spec)
     with quiet_notices():
         quantized = load_options(
             spec.quantization,
@@ -261,15 +280,24 @@ def load(spec: ModelSpec | str, *, device: str | None = None, **options: Any) ->
     ``PipelineCallRunner`` (``runner_for``); ``options`` are the runner's.
 
     Raises:
-        ValueError: as ``load_pipeline_of``.
+        ValueError: as ``load_pipeline_of`` and ``runner_of``.
+    """
+    if isinstance(spec, str):
+        spec = ModelSpec(source=spec)
+    return runner_of(load_pipeline_of(spec, device), spec, **options)
+
+
+def runner_of(pipe: Any, spec: ModelSpec, **options: Any) -> Any:
+    """The runner of ``pipe``, the pipeline ``load_pipeline_of(spec)`` made, as ``load``
+    makes it: compiled as ``spec`` says, its progress bar off.
+
+    Raises:
+        ValueError: ``spec`` compiles a pipeline that runs by its own call.
     """
     from ._call import runner_for
     from ._diffusers import DiffusersRunner
     from ._registry import is_supported
 
-    if isinstance(spec, str):
-        spec = ModelSpec(source=spec)
-    pipe = load_pipeline_of(spec, device)
     pipe.set_progress_bar_config(disable=True)
     if spec.compile is None:
         return runner_for(pipe, **options)

@@ -41,10 +41,7 @@ if TYPE_CHECKING:
     from ..runners import ModelSpec
 
 __all__ = [
-    "COMPILE_MODES",
-    "DTYPES",
     "MODELS",
-    "QUANTIZATIONS",
     "TINY_SIZE",
     "TINY_STEPS",
     "LoadedModel",
@@ -75,13 +72,6 @@ MODELS = (
     "tiny-ltx",
     "fake",
 )
-
-#: A model's dtypes, compile modes and quantizations, as ``runners.ModelSpec`` takes them
-#: (written out: ``omni_trio.serve`` imports no torch; tests/runners/test_spec.py and
-#: tests/runners/test_quantize.py hold them equal).
-DTYPES = ("auto", "fp32", "fp16", "bf16")
-COMPILE_MODES = ("blocks",)
-QUANTIZATIONS = ("int8-weight", "int8-dynamic", "fp8", "gguf")
 
 #: The built-in models that make videos.
 VIDEO_MODELS = ("tiny-wan", "tiny-ltx")

@@ -315,7 +315,7 @@ def test_what_cannot_run_is_refused_in_one_line_by_name() -> None:
     in memory, components without a mode or that the pipeline lacks, and a quantized
     parallel group are each one line naming what is refused; serve's torch-free table
     is the modes."""
-    from omni_trio.serve import _models
+    from omni_trio.cli import _spec_table
     from omni_trio.serve._models import load_model
 
     def serve(mode: str, **options: Any) -> object:
@@ -323,7 +323,7 @@ def test_what_cannot_run_is_refused_in_one_line_by_name() -> None:
             ModelSpec(source="tiny-flux", quantization=mode), step_seconds=0, **options
         )
 
-    assert _models.QUANTIZATIONS == MODES
+    assert _spec_table.QUANTIZATIONS == MODES
     refused = {
         "quantization fp8 runs on CUDA only, and this model loads on cpu: use int8-weight or"
         " int8-dynamic here": lambda: serve("fp8"),

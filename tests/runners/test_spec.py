@@ -19,23 +19,12 @@ import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, ModelSpec, load, tiny_pipeline
 from omni_trio.runners._spec import apply_dtype, load_pipeline_of
 from tests.support.core import BUDGET
-
-REVISION = "0123456789abcdef0123456789abcdef01234567"
+from tests.support.runners import hub_cache
 
 #: How far a request's image through the engine may be from the pipeline's own call,
 #: per dtype (images in [0, 1]): float32 is the same arithmetic in another order at
 #: most; bfloat16 keeps 8 bits of mantissa.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
-
-def hub_cache(home: Path, kind: str, repo: str) -> Path:
-    """Fill ``home`` as the Hugging Face cache holding a tiny ``kind`` as ``repo``."""
-    snapshot = home / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots" / REVISION
-    tiny_pipeline(kind, seed=0).save_pretrained(snapshot)
-    refs = snapshot.parents[1] / "refs"
-    refs.mkdir()
-    (refs / "main").write_text(REVISION)
-    return snapshot
 
 
 @pytest.fixture
@@ -155,10 +144,10 @@ def test_an_attention_backend_is_set_or_refused_in_one_line(tmp_path: Path) -> N
 
 
 def test_the_servers_torch_free_tables_are_the_specs() -> None:
-    """L89: ``omni_trio.serve`` writes the dtypes and compile modes out (it imports no
-    torch); they are the ones ``ModelSpec`` takes."""
+    """L89: the command line's parsers (``serve``'s and ``demo``'s) write the dtypes and
+    compile modes out (they import no torch); they are the ones ``ModelSpec`` takes."""
+    from omni_trio.cli import _spec_table
     from omni_trio.runners._compile import MODES
     from omni_trio.runners._spec import DTYPES
-    from omni_trio.serve import _models
 
-    assert (_models.DTYPES, _models.COMPILE_MODES) == (DTYPES, MODES)
+    assert (_spec_table.DTYPES, _spec_table.COMPILE_MODES) == (DTYPES, MODES)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -297,3 +298,17 @@ def assert_loaded_output_matches(loaded: torch.Tensor, original: torch.Tensor) -
     equal); which layers do depends on the machine's vector unit.
     """
     torch.testing.assert_close(loaded, original, rtol=0, atol=1e-5)
+
+
+#: The commit of ``hub_cache``'s snapshot.
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hub_cache(home: Path, kind: str, repo: str) -> Path:
+    """Fill ``home`` as the Hugging Face cache holding a tiny ``kind`` as ``repo``."""
+    snapshot = home / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots" / REVISION
+    tiny_pipeline(kind, seed=0).save_pretrained(snapshot)
+    refs = snapshot.parents[1] / "refs"
+    refs.mkdir()
+    (refs / "main").write_text(REVISION)
+    return snapshot
