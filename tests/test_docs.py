@@ -47,6 +47,7 @@ SNIPPETS_RUN_BY = {
     "output_store.py": "tests/serve/test_output_urls.py",
     "probe_abort.py": "tests/test_doc_snippets.py",
     "ray_deployment.py": "tests/test_doc_snippets.py",
+    "ray_model_spec.py": "tests/serve/test_ray.py",
     "real_runner.py": "tests/test_docs.py",
     "request_ledger.py": "tests/test_doc_snippets.py",
     "step_cache_policies.py": "tests/test_doc_snippets.py",

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from .._adapters import AdapterError
 from .._config import EngineConfig
@@ -38,7 +38,32 @@ from ._video_body import default_frames
 from ._warmup import warm_up_request
 from .jobs import JobStore, VideoConfig, postgres_store
 
-__all__ = ["OptionError", "ServiceOptions", "build_service"]
+if TYPE_CHECKING:
+    from ..runners import ModelSpec
+
+__all__ = ["SPEC_FIELDS", "OptionError", "ServiceOptions", "build_service", "spec_options"]
+
+#: The field of ``ServiceOptions`` that carries each field of ``runners.ModelSpec`` (L89).
+SPEC_FIELDS = {
+    "source": "model",
+    "revision": "revision",
+    "variant": "variant",
+    "dtype": "dtype",
+    "attention_backend": "attention_backend",
+    "compile": "compile",
+    "compile_cache": "compile_cache",
+    "quantization": "quantization",
+    "quantize_components": "quantize_components",
+    "gguf_file": "gguf_file",
+}
+
+#: Why ``ServiceOptions`` carries no value of a spec's other fields but their defaults.
+_NOT_CARRIED = {
+    "component_dtypes": "a served model has one dtype (serve --dtype); load the"
+    " pipeline in a factory to give its components their own",
+    "offline": "a replica honours HF_HUB_OFFLINE in its own environment (runtime_env's"
+    " env_vars); leave it None",
+}
 
 # Where the options leave a setting as the HTTP layer's own, its default is theirs.
 _SERVE = ServeConfig()
@@ -224,18 +249,7 @@ class ServiceOptions:
         from ..runners import ModelSpec
 
         return load_model(
-            ModelSpec(
-                source=self.model,
-                revision=self.revision,
-                variant=self.variant,
-                dtype=self.dtype,
-                attention_backend=self.attention_backend,
-                compile=self.compile,
-                compile_cache=self.compile_cache,
-                quantization=self.quantization,
-                quantize_components=self.quantize_components,
-                gguf_file=self.gguf_file,
-            ),
+            ModelSpec(**{name: getattr(self, carried) for name, carried in SPEC_FIELDS.items()}),
             step_seconds=self.step_seconds,
             max_steps=self.engine_config.max_steps,
             devices=self.devices,
@@ -243,6 +257,22 @@ class ServiceOptions:
             parallel=self.parallel,
             by_load=self.split_by_load,
         )
+
+
+def spec_options(spec: ModelSpec) -> dict[str, Any]:
+    """The fields of ``ServiceOptions`` that carry ``spec`` (L89), by name (``SPEC_FIELDS``).
+
+    Raises:
+        ValueError: ``spec`` gives a field ``ServiceOptions`` does not carry a value
+            other than its default (``component_dtypes``, ``offline``); the message
+            names it.
+    """
+    for spec_field in dataclasses.fields(spec):
+        name = spec_field.name
+        if name not in SPEC_FIELDS and getattr(spec, name) != spec_field.default:
+            why = _NOT_CARRIED.get(name, "a served model's options do not carry it")
+            raise ValueError(f"{name}: not served: {why}")
+    return {carried: getattr(spec, name) for name, carried in SPEC_FIELDS.items()}
 
 
 def build_service(options: ServiceOptions, *, model: LoadedModel | None = None) -> Service:

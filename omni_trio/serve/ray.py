@@ -6,7 +6,9 @@ Needs the ``ray`` extra (``pip install 'omni_trio[ray]'``); ``import omni_trio``
 - ``deployment(model=..., num_replicas=..., ...)`` returns a bound application for
   ``serve.run``: each replica loads the model, opens one engine (the
   ``Service`` lifespan, run by Ray Serve's ASGI ingress) and serves the
-  OpenAI-style API of ``omni-trio serve`` unchanged;
+  OpenAI-style API of ``omni-trio serve`` unchanged; the model is a name, a
+  ``runners.ModelSpec`` (its dtype, compilation, quantization, ... as ``serve``'s
+  options give them, L89) or a factory of runners;
 - ``ImageDeployment.generate(request)`` (a ``GenerationRequest`` or a dict of its
   fields) is the Python handle method, for other deployments;
 - ``DeploymentResponse.cancel()`` on a handle call, and an HTTP client that
@@ -29,7 +31,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 from ray.serve import Application
@@ -42,10 +44,13 @@ from .._runner import Runner
 from ._app import Service
 from ._config import ServeConfig, with_defaults
 from ._keys import ApiKeys
-from ._options import ServiceOptions, build_service
+from ._options import ServiceOptions, build_service, spec_options
 from ._ray_ingress import REPLICA_HEADER, App, ReplicaIngress
 from ._video_body import default_frames
 from .jobs import DEFAULT_JOBS_LEASE_S, VideoConfig, postgres_store
+
+if TYPE_CHECKING:
+    from ..runners import ModelSpec
 
 __all__ = [
     "DEFAULT_JOBS_LEASE_S",
@@ -195,8 +200,42 @@ def application(
     return ImageDeployment.options(**options).bind(make_service)
 
 
+def _warm_up_config(
+    warm_up: bool, sizes: Sequence[tuple[int, int]], serve_config: ServeConfig | None
+) -> ServeConfig:
+    """``deployment``'s warm-up as the HTTP layer's configuration (its other fields
+    ``ServeConfig``'s defaults), checked before anything deploys.
+
+    Raises:
+        ValueError: sizes without ``warm_up``, or with ``serve_config`` (which has its
+            own), or a size that is not a ``(width, height)`` pair of ints >= 1.
+    """
+    if (warm_up or sizes) and serve_config is not None:
+        raise ValueError("warm_up, warm_up_sizes: serve_config's own are used; set them there")
+    if sizes and not warm_up:
+        raise ValueError("warm_up_sizes: only with warm_up=True")
+    return ServeConfig(warm_up=warm_up, warm_up_sizes=tuple(sizes))
+
+
+def _spec(model: object) -> dict[str, Any]:
+    """The fields of ``ServiceOptions`` of ``model``, a ``ModelSpec`` (``spec_options``).
+
+    Raises:
+        TypeError: ``model`` is none of a name, a spec or a function.
+        ValueError: as ``spec_options``.
+    """
+    # Not callable: the caller built a spec, so omni_trio.runners is imported already.
+    from ..runners import ModelSpec
+
+    if not isinstance(model, ModelSpec):
+        raise TypeError(
+            f"model: a name, a folder, a hub id, a ModelSpec or a function, got {model!r}"
+        )
+    return spec_options(model)
+
+
 def deployment(
-    model: str | RunnerFactory,
+    model: str | ModelSpec | RunnerFactory,
     *,
     devices: Sequence[str] | None = None,
     parallel: tuple[str, int] | None = None,
@@ -216,16 +255,24 @@ def deployment(
     jobs_db: str | None = None,
     checkpoint_every_s: float | None = 30.0,
     jobs_lease_s: float = DEFAULT_JOBS_LEASE_S,
+    warm_up: bool = False,
+    warm_up_sizes: Sequence[tuple[int, int]] = (),
 ) -> Application:
     """A Ray Serve application that serves ``model``, one engine per replica.
 
     Args:
-        model: one of ``omni-trio serve``'s models (``fake``, ``tiny-sd``, ...) or a
-            diffusers folder, loaded on each replica, which builds its service as
-            ``omni-trio serve`` does (``build_service``: the defaults checked against
-            the model as the replica starts, a video model's own frames per second);
-            or a picklable function that returns the runner (or one per device),
-            called on each replica.
+        model: one of ``omni-trio serve``'s models (``fake``, ``tiny-sd``, ...), a
+            diffusers folder or a Hugging Face hub id, loaded on each replica, which
+            builds its service as ``omni-trio serve`` does (``build_service``: the
+            defaults checked against the model as the replica starts, a video model's
+            own frames per second); or a ``runners.ModelSpec`` of one (L89), whose
+            fields are ``serve``'s model options (``--revision``, ``--variant``,
+            ``--dtype``, ``--attention-backend``, ``--compile``, ``--compile-cache``,
+            ``--quantization``, ``--quantize-components``, ``--gguf-file``): each
+            replica loads it as ``serve`` would (a hub id through the replica's own
+            Hugging Face cache, offline where its ``HF_HUB_OFFLINE`` says so); or a
+            picklable function that returns the runner (or one per device), called on
+            each replica.
         devices: one runner per device on each replica (``--devices``); with
             ``ray_actor_options={"num_gpus": k}`` Ray shows each replica its k GPUs
             as ``cuda:0`` to ``cuda:k-1``.
@@ -266,13 +313,24 @@ def deployment(
         checkpoint_every_s: seconds between a running job's checkpoints (L78).
         jobs_lease_s: seconds a replica holds a job without renewing it before
             another takes it over (a dead replica's jobs wait this long).
+        warm_up: each replica runs one request of a few steps before it answers
+            (``serve``'s warm-up, on by default there for a real model): the engine's
+            ``max_step_s`` then bounds the first client's step too, and a compiled
+            model (``compile="blocks"``) compiles before a client waits on it.
+        warm_up_sizes: with ``warm_up``, the ``(width, height)`` sizes it runs
+            (``serve --warm-up-sizes``; a compiled model's at one and two rows, L90);
+            empty: the default size. Both are ``serve_config``'s own when it is given.
 
     Returns:
         The bound application, for ``serve.run``.
 
     Raises:
-        ValueError: ``max_queued_requests`` is not positive, a negative timeout, or
-            ``parallel`` with a factory.
+        ValueError: ``max_queued_requests`` is not positive, a negative timeout,
+            ``parallel`` with a factory, a ``ModelSpec`` field a served model does not
+            take (``component_dtypes``; ``offline``: a replica honours
+            ``HF_HUB_OFFLINE`` in its own environment), or ``warm_up_sizes`` without
+            ``warm_up`` or with ``serve_config``; the message names it.
+        TypeError: ``model`` is none of a name, a ``ModelSpec`` or a function.
     """
     config = engine_config if engine_config is not None else EngineConfig()
     if graceful_shutdown_timeout_s is not None:
@@ -286,10 +344,14 @@ def deployment(
         )
     folder = None if jobs_dir is None or jobs_db is not None else os.fspath(jobs_dir)
     lease = jobs_lease_s if folder is not None or jobs_db is not None else None
+    warming = _warm_up_config(warm_up, warm_up_sizes, serve_config)
     make: ServiceFactory
-    if isinstance(model, str):
+    if isinstance(model, str) or not callable(model):
+        named = {"model": model} if isinstance(model, str) else _spec(model)
         options = ServiceOptions(
-            model=model,
+            **named,
+            warm_up=warming.warm_up,
+            warm_up_sizes=warming.warm_up_sizes,
             devices=None if devices is None else tuple(devices),
             parallel=parallel,
             split_by_load=split_by_load,
@@ -314,7 +376,8 @@ def deployment(
         videos = VideoConfig(
             jobs_dir=folder, store=store, checkpoint_every_s=checkpoint_every_s, lease_s=lease
         )
-        make = functools.partial(_runner_service, model, config, serve_config, keys, videos)
+        http = serve_config if serve_config is not None else warming
+        make = functools.partial(_runner_service, model, config, http, keys, videos)
     return application(
         make,
         shutdown_grace=config.shutdown_grace,

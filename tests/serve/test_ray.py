@@ -28,6 +28,7 @@ Determinism rules:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -49,7 +50,7 @@ import omni_trio as ot
 from omni_trio.cli._ray import RAY_ENVIRONMENT
 from omni_trio.serve._ray_ingress import REPLICA_HEADER, Message, ReplicaIngress
 from omni_trio.testing import FakeRunner
-from tests.support.cli import alive, descendants
+from tests.support.cli import ROOT, alive, descendants
 from tests.support.serve import PATH, free_port, metric, poll_until
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None
@@ -149,6 +150,109 @@ def test_replicas_sharing_a_database_are_not_pinned_to_the_head_node(
     ray_serve.deployment(named, jobs_db="postgresql://j@db/j", jobs_dir="/jobs", name="db")
     ray_serve.deployment(named, jobs_dir="/jobs", name="folder")
     assert placed == {"db": False, "folder": True}
+
+
+def _bound_options(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, dict[str, Any]]:
+    """``deployment``, made to note what it binds (the service factory's arguments) instead
+    of binding it: no cluster starts."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import omni_trio.serve.ray as ray_serve
+
+    bound: dict[str, Any] = {}
+
+    def application(make: Any, **options: Any) -> None:
+        bound["args"] = make.args
+
+    monkeypatch.setattr(ray_serve, "application", application)
+    return ray_serve.deployment, bound
+
+
+@pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
+def test_a_model_spec_deploys_as_serves_model_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """L89 under Ray Serve: ``deployment(ModelSpec(...))`` carries the spec's fields in the
+    replicas' ``ServiceOptions`` (serve's model options), and a replica builds the very
+    same spec from them; ``warm_up_sizes`` travel too. Nothing deploys: the bound
+    application's arguments are read."""
+    from omni_trio.runners import ModelSpec
+    from omni_trio.serve import _options
+
+    deployment, bound = _bound_options(monkeypatch)
+    spec = ModelSpec(
+        source="tiny-org/tiny-flux",
+        revision="v1",
+        variant="fp16",
+        dtype="bf16",
+        attention_backend="native",
+        compile="blocks",
+        compile_cache="/compiled",
+        quantization="int8-weight",
+        quantize_components=("transformer",),
+    )
+    deployment(spec, warm_up=True, warm_up_sizes=[(64, 64), (64, 128)])
+    options = bound["args"][0]
+    carried = {name: getattr(options, field) for name, field in _options.SPEC_FIELDS.items()}
+    assert carried == {name: getattr(spec, name) for name in _options.SPEC_FIELDS}
+    # Every field of a spec is carried, or refused (the next test): a new one needs either.
+    refused = {"component_dtypes", "offline"}
+    assert set(_options.SPEC_FIELDS) == {f.name for f in dataclasses.fields(spec)} - refused
+    assert (options.warm_up, options.warm_up_sizes) == (True, ((64, 64), (64, 128)))
+
+    class Loaded(Exception):
+        pass
+
+    def load_model(model: ModelSpec, **_: Any) -> None:
+        assert model == spec
+        raise Loaded
+
+    monkeypatch.setattr(_options, "load_model", load_model)
+    with pytest.raises(Loaded):
+        _options.build_service(options)  # as a replica starts
+
+
+@pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
+def test_a_spec_field_a_served_model_does_not_take_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """L89 under Ray Serve: a spec's per-component dtypes (serve has one dtype) and its
+    ``offline`` (a replica reads HF_HUB_OFFLINE in its own environment) are refused by
+    name before anything deploys, as are warm-up sizes without the warm-up; a factory's
+    replicas get the warm-up in their HTTP configuration."""
+    from omni_trio.runners import ModelSpec
+
+    deployment, bound = _bound_options(monkeypatch)
+    refused = {
+        r"^component_dtypes: not served": ModelSpec(
+            source="tiny-sd", component_dtypes=(("vae", "fp32"),)
+        ),
+        r"^offline: not served: a replica honours HF_HUB_OFFLINE": ModelSpec(
+            source="tiny-sd", offline=True
+        ),
+    }
+    for message, spec in refused.items():
+        with pytest.raises(ValueError, match=message):
+            deployment(spec)
+    with pytest.raises(ValueError, match=r"^warm_up_sizes: only with warm_up=True"):
+        deployment(ModelSpec(source="tiny-sd"), warm_up_sizes=[(64, 64)])
+    with pytest.raises(TypeError, match=r"^model: a name, a folder, a hub id, a ModelSpec"):
+        deployment(Path("folder"))
+    assert "args" not in bound
+    deployment(FakeRunner, warm_up=True, warm_up_sizes=[(32, 32)])
+    http = bound["args"][2]
+    assert (http.warm_up, http.warm_up_sizes) == (True, ((32, 32),))
+
+
+@pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
+def test_the_model_spec_snippet_binds_its_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """L89: docs/snippets/ray_model_spec.py (docs/scaling.md) binds replicas whose options
+    are its spec's, warmed up at its sizes; nothing deploys."""
+    _, bound = _bound_options(monkeypatch)
+    snippet = ROOT / "docs" / "snippets" / "ray_model_spec.py"
+    namespace: dict[str, Any] = {}
+    exec(compile(snippet.read_text(), str(snippet), "exec"), namespace)
+    options = bound["args"][0]
+    assert (options.model, options.dtype, options.compile) == ("tiny-flux", "bf16", "blocks")
+    assert (options.warm_up, options.warm_up_sizes) == (True, ((64, 64),))
 
 
 # -- one cluster for the rest ----------------------------------------------------
