@@ -30,6 +30,7 @@ from ._declare import Option, field_values
 from ._errors import CommandError, UsageError, summary
 from ._given import Unused
 from ._serve_table import SERVE_OPTIONS, SPLIT_BY_LOAD, Applies
+from ._spec_table import named
 
 if TYPE_CHECKING:
     from ..serve._app import Service
@@ -239,7 +240,7 @@ def load(options: ServiceOptions) -> LoadedModel:
     try:
         return options.load_model()
     except ValueError as exc:  # a setting the model does not take (--revision of a tiny one)
-        raise UsageError(str(exc)) from None
+        raise UsageError(named(exc) or str(exc)) from None
     except ModelError as exc:
         reason = "" if exc.__cause__ is None else f": {summary(exc.__cause__)}"
         raise CommandError(f"--model: {exc}{reason}") from exc

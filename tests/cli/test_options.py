@@ -338,3 +338,12 @@ def test_jobs_db_keeps_the_jobs_in_postgresql_instead_of_the_folder() -> None:
     assert videos.jobs_dir is None and videos.store is not None and videos.lease_s == 5.0
     alone = service_options(parse("--model", "fake", "--jobs-db", dsn))
     assert make_service(alone, load(alone)).videos.config.lease_s is None
+
+
+def test_a_spec_setting_the_model_refuses_names_its_option() -> None:
+    """L89: ``load``: a setting the model spec refuses is a usage error naming the option
+    that set it, as the demo's (not the spec's field)."""
+    options = service_options(parse("--model", "tiny-flux", "--compile-cache", "cache"))
+    with pytest.raises(UsageError) as refused:
+        load(options)
+    assert str(refused.value).startswith("--compile-cache: only with compile"), refused.value
