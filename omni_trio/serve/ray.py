@@ -18,7 +18,11 @@ Needs the ``ray`` extra (``pip install 'omni_trio[ray]'``); ``import omni_trio``
   model's replicas share one job store on the head node (L79): any replica serves
   any job, and a dead replica's jobs are taken over from their last checkpoints;
   ``deployment(..., jobs_db=dsn)`` (``--jobs-db``): the same through PostgreSQL
-  (L98), the replicas on any node.
+  (L98), the replicas on any node;
+- a replica traces its requests (L99) as ``omni-trio serve`` does, configured by the
+  ``OTEL_*`` variables of its own environment (``ray_actor_options={"runtime_env":
+  {"env_vars": {...}}}``): Ray's proxy hands it the request's headers, so its spans
+  continue the client's ``traceparent``.
 
 The engine's lifetime is the replica's: the lifespan opens it when the replica
 starts and Ray Serve's destructor runs its shutdown sequence (L30-L35) when the
@@ -46,6 +50,7 @@ from ._config import ServeConfig, with_defaults
 from ._keys import ApiKeys
 from ._options import ServiceOptions, build_service, spec_options
 from ._ray_ingress import REPLICA_HEADER, App, ReplicaIngress
+from ._tracing import Tracing
 from ._video_body import default_frames
 from .jobs import DEFAULT_JOBS_LEASE_S, VideoConfig, postgres_store
 
@@ -149,7 +154,8 @@ def _runner_service(
     keys: ApiKeys | None = None,
     video_config: VideoConfig | None = None,
 ) -> Service:
-    """Call ``make_runners`` here (on the replica) and serve what it returns."""
+    """Call ``make_runners`` here (on the replica) and serve what it returns, traced as
+    the replica's ``OTEL_*`` say (L99), as a named model's replica is."""
     config = serve_config if serve_config is not None else ServeConfig()
     return Service(
         make_runners(),
@@ -157,6 +163,7 @@ def _runner_service(
         config=config,
         keys=keys,
         video_config=video_config,
+        tracing=Tracing.from_environment(),
     )
 
 

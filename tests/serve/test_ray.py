@@ -5,10 +5,12 @@ Determinism rules:
   tests with two applications of the fake model: ``cluster``, 2 replicas, Ray sending
   each 2 requests at a time and queueing 6 more; and ``solo``, 1 replica, for the tests
   that read a busy replica's metrics (Ray routes a request to the less busy replica, so
-  with two, a busy one is never reached); three tests deploy one of their own:
+  with two, a busy one is never reached); four tests deploy one of their own:
   ``videos`` (2 replicas of a fake video model sharing one job store, L79), which kills
   a replica (SIGKILL) mid-job: Ray starts another, and the job is taken over once its
-  lease (2 s) lapsed; ``groups`` (L49); and ``held`` (L47), 1 replica whose every step
+  lease (2 s) lapsed; ``groups`` (L49); ``traced`` (L99), 1 replica whose environment
+  sends its spans over OTLP/HTTP to a receiver the test runs on 127.0.0.1 (read once
+  they came: its spans are exported every 100 ms); and ``held`` (L47), 1 replica whose every step
   waits at a gate (a Ray actor, ``tests.support.ray``) until the test opens it, so its
   requests are held as long as the test needs, and the gate says how many are held;
   each test leaves the applications idle, and a test that starts an endless or held
@@ -40,7 +42,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import openai
@@ -52,6 +54,9 @@ from omni_trio.serve._ray_ingress import REPLICA_HEADER, Message, ReplicaIngress
 from omni_trio.testing import FakeRunner
 from tests.support.cli import ROOT, alive, descendants
 from tests.support.serve import PATH, free_port, metric, poll_until
+
+if TYPE_CHECKING:
+    from tests.support.otlp import Receiver
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None
 
@@ -162,10 +167,28 @@ def _bound_options(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, dict[str, Any]
     bound: dict[str, Any] = {}
 
     def application(make: Any, **options: Any) -> None:
-        bound["args"] = make.args
+        bound["make"], bound["args"] = make, make.args
 
     monkeypatch.setattr(ray_serve, "application", application)
     return ray_serve.deployment, bound
+
+
+@pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
+def test_a_factorys_replica_is_traced_as_its_environment_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """L99 under Ray Serve: a factory's replica reads the ``OTEL_*`` of its environment, as a
+    named model's does (``build_service``): off without them, on with an exporter. Nothing
+    deploys: the bound service factory is called here, as a replica calls it."""
+    deployment, bound = _bound_options(monkeypatch)
+    deployment(FakeRunner)
+    assert not bound["make"]().tracing.enabled
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    tracing = bound["make"]().tracing
+    try:
+        assert tracing.enabled
+    finally:
+        tracing.shutdown()
 
 
 @pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
@@ -318,7 +341,7 @@ def apps() -> Iterator[tuple[Cluster, Cluster]]:
     # parallel tests start and which lives as long as pytest) are not Ray's to end.
     before = descendants(os.getpid())
     # Eight replicas of one CPU each (Ray Serve's default): the two applications' three,
-    # and the video, groups and held tests' own (each deleted after its test).
+    # and the video, groups, traced and held tests' own (each deleted after its test).
     ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=8, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -478,6 +501,38 @@ def groups(apps: tuple[Cluster, Cluster]) -> Iterator[tuple[Cluster, set[int]]]:
         yield Cluster(apps[0].url + "/groups", handle), rank_processes() - before
     finally:
         serve.delete("groups")
+
+
+@pytest.fixture
+def traced(apps: tuple[Cluster, Cluster]) -> Iterator[tuple[Cluster, Receiver]]:
+    """A sixth application, for its one test: 1 replica of the fake model whose tracing is
+    configured by its environment alone (``OTEL_*`` through Ray's ``runtime_env``, as a
+    deployment would set it), exporting to a receiver on 127.0.0.1; and the receiver."""
+    from ray import serve
+
+    from omni_trio.serve.ray import deployment
+    from tests.support.otlp import receiving
+
+    with receiving() as receiver:
+        environment = {
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+            "OTEL_BSP_SCHEDULE_DELAY": "100",  # ms: the spans leave soon after the answer
+        }
+        handle = serve.run(
+            deployment(
+                "fake",
+                step_seconds=STEP_S,
+                ray_actor_options={"runtime_env": {"env_vars": environment}},
+                graceful_shutdown_timeout_s=5.0,
+            ),
+            name="traced",
+            route_prefix="/traced",
+        )
+        try:
+            yield Cluster(apps[0].url + "/traced", handle, replicas=1), receiver
+        finally:
+            serve.delete("traced")
 
 
 @pytest.mark.timeout(300)
@@ -730,3 +785,36 @@ def test_any_replica_serves_any_job_and_a_dead_replicas_job_is_resumed(videos: C
     assert httpx.delete(f"{videos.url}/v1/videos/{job_id}", timeout=10).status_code == 200
     gone = videos.answers_per_replica(f"/v1/videos/{job_id}")
     assert {a.status_code for a in gone.values()} == {404}
+
+
+@pytest.mark.timeout(120)  # its application's start (one replica), then one request
+@pytest.mark.ray
+@pytest.mark.skipif(not HAVE_RAY, reason="needs the ray extra: pip install 'omni_trio[ray]'")
+def test_a_replicas_spans_join_the_clients_trace_through_the_proxy(
+    traced: tuple[Cluster, Receiver],
+) -> None:
+    """L99 under Ray Serve: Ray's proxy hands the replica the request's headers, so a
+    replica configured by ``OTEL_*`` alone continues the client's ``traceparent``: its
+    route's SERVER span is the child of the client's span, and the request's
+    ``diffusion_request`` span, in the same trace, the child of the route's."""
+    app, receiver = traced
+    trace_id, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    answer = httpx.post(
+        app.url + PATH,
+        json={"prompt": "a fox", "size": "64x32", "num_inference_steps": 2},
+        headers={"traceparent": f"00-{trace_id}-{client_span}-01"},
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text
+
+    def received() -> bool:
+        return bool(receiver.named("diffusion_request")) and any(
+            span.name.endswith(PATH) for span in receiver.spans
+        )
+
+    poll_until(received, timeout=30, what="the replica's spans at the receiver")
+    [request] = receiver.named("diffusion_request")
+    [route] = [span for span in receiver.spans if span.name.endswith(PATH)]
+    assert route.name.startswith("POST ")
+    assert (route.trace_id, route.parent) == (trace_id, client_span)
+    assert (request.trace_id, request.parent) == (trace_id, route.span_id)

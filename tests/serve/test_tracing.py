@@ -3,7 +3,8 @@
 Determinism rules:
 - spans are read from the SDK's in-memory exporter (a simple span processor: each
   span is exported when it ends), or received over OTLP/HTTP by a receiver this test
-  runs on 127.0.0.1; the provider is flushed before anything is read;
+  runs on 127.0.0.1 (``tests.support.otlp``); the provider is flushed before anything
+  is read;
 - requests run on ``FakeRunner`` (instant) or ``GatedRunner`` (the test releases each
   step), so the parts of each life are there, whatever their durations.
 """
@@ -11,14 +12,10 @@ Determinism rules:
 from __future__ import annotations
 
 import dataclasses
-import http.server
-import threading
 from collections.abc import Iterator
-from typing import Any
 
 import anyio
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -27,6 +24,7 @@ import omni_trio as ot
 from omni_trio.serve._tracing import REQUEST_SPAN, Tracing
 from omni_trio.testing import FakeRunner, GatedRunner
 from tests.support.core import BUDGET, req
+from tests.support.otlp import receiving
 
 #: A client's trace context (W3C ``traceparent``): trace id, its span, sampled.
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -170,40 +168,14 @@ def test_tracing_is_off_unless_an_exporter_is_named() -> None:
         Tracing.from_environment(environ={"OTEL_TRACES_EXPORTER": "zipkin"})
 
 
-class _Receiver(http.server.BaseHTTPRequestHandler):
-    """An OTLP/HTTP trace receiver: keeps every span name it is sent."""
-
-    received: list[str]
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        message = ExportTraceServiceRequest()
-        message.ParseFromString(body)
-        for resource in message.resource_spans:
-            for scope in resource.scope_spans:
-                self.received.extend(span.name for span in scope.spans)
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.end_headers()
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.mark.anyio
 async def test_spans_reach_an_otlp_http_receiver_configured_by_the_environment() -> None:
     """L99: with ``OTEL_TRACES_EXPORTER=otlp`` and ``OTEL_EXPORTER_OTLP_ENDPOINT``, a
     request's spans are sent over OTLP/HTTP to that endpoint (here a receiver on
     127.0.0.1) by the time the tracer shuts down."""
-    received: list[str] = []
-    handler = type("Receiver", (_Receiver,), {"received": received})
-    server = http.server.HTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, name="otlp-receiver")
-    thread.start()
-    try:
-        port = server.server_address[1]
+    with receiving() as receiver:
         environ = {"OTEL_TRACES_EXPORTER": "otlp",
-                   "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}"}  # fmt: skip
+                   "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint}  # fmt: skip
         with pytest.MonkeyPatch.context() as patch:
             for name, value in environ.items():
                 patch.setenv(name, value)
@@ -215,11 +187,9 @@ async def test_spans_reach_an_otlp_http_receiver_configured_by_the_environment()
         tracing.request(None, request=request, request_id="sent", model="fake",
                         outcome="completed", metrics=out.metrics)  # fmt: skip
         await anyio.to_thread.run_sync(tracing.shutdown)
-    finally:
-        server.shutdown()
-        thread.join()
-        server.server_close()
-    assert sorted(received) == sorted([REQUEST_SPAN, "wait", "run", "decode"])
+    assert sorted(span.name for span in receiver.spans) == sorted(
+        [REQUEST_SPAN, "wait", "run", "decode"]
+    )
 
 
 @pytest.mark.anyio
