@@ -62,11 +62,8 @@ __all__ = ["plot_cluster", "run_cluster", "table_cluster"]
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # tests.support: the servers, as the tests start them
     sys.path.insert(0, str(ROOT))
-
-from tests.support.cli import free_port  # noqa: E402
-from tests.support.cluster import is_mp4, job_row, node_args, owner_pid  # noqa: E402
-from tests.support.postgres import bin_folder, start_server  # noqa: E402
-from tests.support.s3 import aws_environment, new_bucket, s3_process  # noqa: E402
+# tests.support is imported where a run needs it, never at import: the docs' renderer
+# (tables and plots, with the docs extra alone) has no pytest.
 
 LEASE_S = 2.0
 JOB = {"prompt": "a fox", "size": "64x64", "num_frames": 9}
@@ -104,6 +101,8 @@ class Node:
         return self.process.pid
 
     def start(self) -> None:
+        from tests.support.cli import free_port
+
         self.port, self.starts = free_port(), self.starts + 1
         argv = [sys.executable, "-m", "omni_trio", "serve", "--port", str(self.port)]
         argv += ["--no-access-log", "--log-level", "warning", *self.args]
@@ -154,6 +153,11 @@ class Cluster:
 @contextmanager
 def _cluster(quick: bool, *, postgres: bool) -> Iterator[Cluster]:
     """Start the object store, the database (``postgres``) and the nodes; stop them all."""
+    from tests.support.cli import free_port
+    from tests.support.cluster import node_args
+    from tests.support.postgres import start_server
+    from tests.support.s3 import aws_environment, new_bucket, s3_process
+
     with ExitStack() as stack:
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cluster-")))
         endpoint = stack.enter_context(s3_process(free_port()))
@@ -263,6 +267,8 @@ def _kill_round(
     client: httpx.Client, cluster: Cluster, rng: random.Random, job_s: float, index: int
 ) -> dict[str, Any]:
     """One round of the fault matrix: a job on a random server, SIGKILLed at a random moment."""
+    from tests.support.cluster import is_mp4, job_row, owner_pid
+
     assert cluster.dsn is not None
     name = rng.choice(["A", "B"])
     victim, other = cluster[name], cluster["B" if name == "A" else "A"]
@@ -349,6 +355,8 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 def run_cluster(options: Options) -> dict[str, Any]:
     """Start the nodes; measure; ``quick``: the images alone."""
+    from tests.support.postgres import bin_folder
+
     postgres = bin_folder() is not None
     if not postgres:
         print(

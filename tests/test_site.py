@@ -29,7 +29,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -270,8 +270,9 @@ def _port_taken(port: int) -> bool:
 
 
 @contextmanager
-def _serving(docs_env: DocsEnv, command: str) -> Iterator[subprocess.Popen[str]]:
-    """Run ``command`` in its own process group; stop that group on the way out."""
+def _serving(docs_env: DocsEnv, command: str, stderr: list[str]) -> Iterator[subprocess.Popen[str]]:
+    """Run ``command`` in its own process group; stop that group on the way out (it may
+    have ended already) and put what it wrote on stderr in ``stderr``."""
     process = subprocess.Popen(
         ["bash", "-c", command],
         cwd=docs_env.checkout,
@@ -284,12 +285,15 @@ def _serving(docs_env: DocsEnv, command: str) -> Iterator[subprocess.Popen[str]]
     try:
         yield process
     finally:
-        os.killpg(process.pid, signal.SIGINT)
+        with suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGINT)
         try:
-            process.communicate(timeout=30)
+            _, err = process.communicate(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
+            with suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            _, err = process.communicate()
+        stderr.append(err or "")
 
 
 def _home_page(process: subprocess.Popen[str]) -> str | None:
@@ -312,9 +316,10 @@ def test_mkdocs_serve_runs_with_the_docs_extra_alone(docs_env: DocsEnv) -> None:
     with only the docs extra."""
     if _port_taken(8000):
         pytest.skip("port 8000 is in use here: mkdocs serve could not bind it")
-    with _serving(docs_env, _command("mkdocs serve")) as process:
+    stderr: list[str] = []
+    with _serving(docs_env, _command("mkdocs serve"), stderr) as process:
         page = _home_page(process)
-    assert page is not None, (process.stderr.read() if process.stderr else "")[-6000:]
+    assert page is not None, "".join(stderr)[-6000:]
     assert "<title>omni_trio</title>" in page
 
 
