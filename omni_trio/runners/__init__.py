@@ -97,6 +97,7 @@ Apart: ``_tiny`` (with ``_tinytext``, its tokenizers and text encoders' configs,
 from __future__ import annotations
 
 from .. import _exports
+from .. import abc as _abc
 from .._cancelpoint import cancel_point as cancel_point
 from .._checkpoint import CheckpointError as CheckpointError
 from .._checkpoint import pack_checkpoint as pack_checkpoint
@@ -136,30 +137,15 @@ from ._tinylora import tiny_lora as tiny_lora
 __all__ = [
     "TINY_KINDS",
     "TINY_VIDEO_KINDS",
-    "AdapterRunner",
-    "CheckpointError",
-    "CheckpointRunner",
     "DiffusersRunner",
     "Exchange",
     "ModelCall",
     "ModelSpec",
     "PipelineCallRunner",
     "PromptCacheStatistics",
-    "Runner",
-    "RunnerCapabilities",
-    "SleepBytes",
-    "StepCacheRunner",
-    "StepCallback",
-    "StopRun",
-    "SuspendableRunner",
-    "TrajectoryRunner",
-    "WeightsRunner",
-    "WholeCallRunner",
-    "cancel_point",
     "context_parallel_denoisers",
     "for_devices",
     "load",
-    "pack_checkpoint",
     "row_invariant",
     "rows_slice",
     "runner_for",
@@ -167,9 +153,10 @@ __all__ = [
     "tiny_pipeline",
     "token_split",
     "transition_log_prob",
-    "unpack_checkpoint",
     "visible_devices",
 ]
+# The runner seam: ``omni_trio.abc``'s names, the same objects (tests/test_exports.py).
+__all__ += _abc.__all__
 
 # Reprs, tracebacks and pickles name this package, not its private modules.
 _exports.set_public_module(__name__, globals())
