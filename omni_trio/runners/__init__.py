@@ -68,6 +68,8 @@ Layout: the private modules, each importing only those below it:
   ``_landing``, below it: where each tensor of an adapter lands (the census a load is
   checked against);
 - ``_chunks``: decodes in chunks (L72);
+- ``_locks``: one lock per shared component (a VAE, a tokenizer) that runners over one
+  pipeline take turns with (L42);
 - ``_prompts``: a runner's prompt-embedding cache (L94): each text's encoding, keyed by
   all that changes it, bounded in bytes; the families encode through it, the runner
   holds it and the adapters tell it what left the model;

@@ -21,8 +21,6 @@ and every change of its dtype, so no other call sees them), and put back in a
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,24 +28,9 @@ from typing import Any
 
 import torch
 
+from ._locks import object_lock as vae_lock
+
 __all__ = ["DecodeChunks", "vae_lock"]
-
-_locks_lock = threading.Lock()
-_locks: weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
-
-
-def vae_lock(vae: torch.nn.Module) -> threading.RLock:
-    """The lock every runner holds while it encodes or decodes with ``vae``.
-
-    Also while it changes the VAE's dtype around such a call (SDXL's upcast), so
-    the lock is reentrant: the call inside takes it again. One per VAE, whatever
-    runners share it.
-    """
-    with _locks_lock:
-        lock = _locks.get(vae)
-        if lock is None:
-            lock = _locks[vae] = threading.RLock()
-        return lock
 
 
 @contextmanager

@@ -74,6 +74,7 @@ from typing import Any
 import torch
 
 from .._stepcache import PromptCacheMetrics
+from ._locks import object_lock as tokenizer_lock
 
 __all__ = [
     "PROMPT_CACHE_BYTES",
@@ -382,24 +383,6 @@ def encoded(
     if scope is None:
         return dict(encode(text))
     return scope.encoded(family, text, encode)
-
-
-_locks_lock = threading.Lock()
-_locks: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
-#: The lock of a tokenizer that cannot be weakly held (none of transformers').
-_unkeyed = threading.RLock()
-
-
-def tokenizer_lock(tokenizer: Any) -> threading.RLock:
-    """The lock every runner holds while it encodes with ``tokenizer`` (one per tokenizer)."""
-    with _locks_lock:
-        try:
-            lock = _locks.get(tokenizer)
-            if lock is None:
-                lock = _locks[tokenizer] = threading.RLock()
-        except TypeError:
-            return _unkeyed
-        return lock
 
 
 @contextmanager
