@@ -25,7 +25,6 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 import omni_trio as ot
 from omni_trio import AdapterError
@@ -33,6 +32,7 @@ from omni_trio.runners import DiffusersRunner, tiny_lora, tiny_pipeline
 from omni_trio.runners._compile import use_compile_cache
 from omni_trio.testing import probe
 from tests.support.core import BUDGET
+from tests.support.runners import dynamo_counts, images_together
 
 #: How far a compiled step's image may be from the eager one's (images in [0, 1]).
 TOLERANCE = 1e-4
@@ -59,28 +59,6 @@ def request(seed: int, steps: int, size: int = 32, **fields: Any) -> ot.Generati
     )  # fmt: skip
 
 
-async def run_together(runner: Any, requests: list[ot.GenerationRequest]) -> list[torch.Tensor]:
-    """Submit every request at once into batches of up to 3; their images in order."""
-    images: list[torch.Tensor] = [torch.empty(0)] * len(requests)
-    async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=3)) as engine:
-
-        async def one(index: int) -> None:
-            images[index] = (await engine.generate(requests[index])).images
-
-        async with anyio.create_task_group() as tasks:
-            for index in range(len(requests)):
-                tasks.start_soon(one, index)
-    return images
-
-
-def graphs() -> int:
-    return int(counters["stats"]["unique_graphs"])
-
-
-def breaks() -> int:
-    return sum(counters["graph_break"].values())
-
-
 @pytest.mark.anyio
 async def test_a_churning_batch_after_the_warm_up_compiles_nothing_and_stalls_nothing(
     pipe: Any, one_torch_thread: None
@@ -92,10 +70,10 @@ async def test_a_churning_batch_after_the_warm_up_compiles_nothing_and_stalls_no
     runner = DiffusersRunner(pipe, compile="blocks", max_batch_size=3)
     assert runner.compiled_blocks == 2  # tiny Flux: one double and one single block
     with anyio.fail_after(BUDGET * 6):
-        await run_together(runner, [request(0, 2), request(1, 2)])  # compiles B=1, B>=2
+        await images_together(runner, [request(0, 2), request(1, 2)])  # compiles B=1, B>=2
     runner = DiffusersRunner(pipe, compile="blocks", max_batch_size=3)
     runner.seal_compile()
-    before, broken = graphs(), breaks()
+    before = dynamo_counts()
     churn = [
         request(2, 4),
         request(3, 2),
@@ -104,10 +82,10 @@ async def test_a_churning_batch_after_the_warm_up_compiles_nothing_and_stalls_no
         request(6, 2, size=48),  # undeclared: no graph of its shape; it runs eager
     ]
     with anyio.fail_after(BUDGET * 2):
-        compiled = await run_together(runner, churn)
-    assert (graphs() - before, breaks() - broken) == (0, 0)
+        compiled = await images_together(runner, churn)
+    assert dynamo_counts() == before
     with anyio.fail_after(BUDGET):
-        eager = await run_together(DiffusersRunner(pipe, max_batch_size=3), churn)
+        eager = await images_together(DiffusersRunner(pipe, max_batch_size=3), churn)
     for mine, theirs in zip(compiled, eager, strict=True):
         assert (mine - theirs).abs().max().item() <= TOLERANCE
 

@@ -43,7 +43,6 @@ import anyio
 import pytest
 import torch
 from torch._dynamo import eval_frame
-from torch._dynamo.utils import counters
 
 import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
@@ -51,7 +50,7 @@ from omni_trio.runners._compile import use_compile_cache
 from omni_trio.runners._quantize import quantize_pipeline
 from omni_trio.testing import probe, wait_until
 from tests.support.core import BUDGET
-from tests.support.runners import ModuleGate, abort_inside
+from tests.support.runners import ModuleGate, abort_inside, dynamo_counts, generated_at_once
 
 # The module's first test, whichever it is, makes the graphs (its setup: 40-120 s).
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(300)]
@@ -114,11 +113,6 @@ async def references(pipe: Any, requests: list[ot.GenerationRequest]) -> list[to
     return [_references[repr(r)] for r in requests]
 
 
-def compiled_since() -> tuple[int, int]:
-    """Dynamo's graphs made and graph breaks so far in this process."""
-    return int(counters["stats"]["unique_graphs"]), sum(counters["graph_break"].values())
-
-
 def blocks(pipe: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
     """Tiny Flux's two blocks: the double one (first of a step), the single one."""
     return pipe.transformer.transformer_blocks[0], pipe.transformer.single_transformer_blocks[0]
@@ -137,15 +131,8 @@ async def churn(pipe: Any) -> None:
     the cached row skipping, with the same pattern as alone."""
     policy = ot.StepCache(kind="first-block", threshold=0.4)
     requests = [request(2), request(3, 2), request(4, 3, cache=policy), request(5, 5)]
-    outputs: list[Any] = [None] * len(requests)
     async with ot.open_engine(sealed(pipe), ot.EngineConfig(max_batch_size=3)) as engine:
-
-        async def one(index: int) -> None:
-            outputs[index] = await engine.generate(requests[index])
-
-        async with anyio.create_task_group() as tasks:
-            for index in range(len(requests)):
-                tasks.start_soon(one, index)
+        outputs = await generated_at_once(engine, requests)
         alone = await engine.generate(requests[2])  # the cached row alone
     for output, reference in zip(outputs, await references(pipe, requests), strict=True):
         assert (output.images - reference).abs().max().item() <= TOLERANCE
@@ -248,13 +235,13 @@ async def test_a_compiled_quantized_runner_keeps_the_lifecycle(pipe: Any) -> Non
     abort left at a block, a deadline mid-run, a preemption and a checkpoint restore
     each hold, and none of them compiles a graph or breaks one; torch's stance is the
     process's default after."""
-    before = compiled_since()
+    before = dynamo_counts()
     with anyio.fail_after(BUDGET * 4):
         await references(pipe, [request(2)])
         for scenario in (churn, abort_at_a_block, deadline_mid_run, preempted_and_resumed):
             await scenario(pipe)
         await restored(pipe)
-    assert compiled_since() == before
+    assert dynamo_counts() == before
     assert eval_frame._stance.stance == "default"
 
 
@@ -274,7 +261,7 @@ async def test_two_compiled_workers_each_over_its_pipeline_make_one_workers_imag
     with anyio.fail_after(BUDGET * 2):
         expected = await references(pipe, requests)
         twin = quantize_pipeline(tiny_pipeline("flux", seed=0), "int8-dynamic", None)
-        before = compiled_since()
+        before = dynamo_counts()
         first = sealed(pipe, 1)
         with pytest.raises(ValueError, match="another runner holds this pipeline's compiled"):
             DiffusersRunner(pipe, compile="blocks")
@@ -295,5 +282,5 @@ async def test_two_compiled_workers_each_over_its_pipeline_make_one_workers_imag
     for output, reference in zip(outputs, expected, strict=True):
         assert torch.equal(output.images, reference)
     assert undeclared.images.shape[-1] == 48
-    assert compiled_since() == before
+    assert dynamo_counts() == before
     assert eval_frame._stance.stance == "default"

@@ -50,7 +50,7 @@ from omni_trio.runners._quantize import (
 )
 from omni_trio.runners._spec import load_pipeline_of
 from tests.support.core import BUDGET
-from tests.support.runners import resumed_and_uninterrupted
+from tests.support.runners import images_together, resumed_and_uninterrupted
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -93,20 +93,6 @@ async def one_by_one(runner: Any, requests: list[ot.GenerationRequest]) -> list[
         return [(await engine.generate(r)).images for r in requests]
 
 
-async def together(runner: Any, requests: list[ot.GenerationRequest]) -> list[torch.Tensor]:
-    """Every request submitted at once, into batches of up to 3; their images in order."""
-    images: list[torch.Tensor] = [torch.empty(0)] * len(requests)
-    async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=3)) as engine:
-
-        async def one(index: int) -> None:
-            images[index] = (await engine.generate(requests[index])).images
-
-        async with anyio.create_task_group() as tasks:
-            for index in range(len(requests)):
-                tasks.start_soon(one, index)
-    return images
-
-
 @pytest.mark.anyio
 @pytest.mark.parametrize("mode", INT8)
 async def test_int8_holds_the_denoiser_in_under_a_third_and_keeps_its_images(mode: str) -> None:
@@ -122,7 +108,7 @@ async def test_int8_holds_the_denoiser_in_under_a_third_and_keeps_its_images(mod
     with anyio.fail_after(BUDGET * 2):
         reference = await one_by_one(DiffusersRunner(plain()), requests)
         alone = await one_by_one(DiffusersRunner(pipe), requests)
-        batched = await together(DiffusersRunner(pipe, max_batch_size=3), requests)
+        batched = await images_together(DiffusersRunner(pipe, max_batch_size=3), requests)
     for mine, theirs, joined in zip(alone, reference, batched, strict=True):
         assert psnr(mine, theirs) >= PSNR_FLOOR
         assert (mine - joined).abs().max().item() <= BATCHED
@@ -151,7 +137,7 @@ async def test_adapters_run_per_row_on_quantized_layers(tmp_path: Path) -> None:
     with anyio.fail_after(BUDGET * 2):
         reference = await one_by_one(runners[0], requests)
         alone = await one_by_one(runners[1], requests)
-        batched = await together(runners[2], requests)
+        batched = await images_together(runners[2], requests)
     for mine, theirs, joined in zip(alone, reference, batched, strict=True):
         assert psnr(mine, theirs) >= PSNR_FLOOR
         assert (mine - joined).abs().max().item() <= BATCHED

@@ -312,3 +312,35 @@ def hub_cache(home: Path, kind: str, repo: str) -> Path:
     refs.mkdir()
     (refs / "main").write_text(REVISION)
     return snapshot
+
+
+async def generated_at_once(
+    engine: ot.Engine, requests: Sequence[ot.GenerationRequest]
+) -> list[ot.GenerationOutput]:
+    """Submit every request at once (so they batch as the engine plans); their outputs in
+    the requests' order."""
+    outputs: list[ot.GenerationOutput | None] = [None] * len(requests)
+
+    async def one(index: int) -> None:
+        outputs[index] = await engine.generate(requests[index])
+
+    async with anyio.create_task_group() as tasks:
+        for index in range(len(requests)):
+            tasks.start_soon(one, index)
+    return [output for output in outputs if output is not None]
+
+
+async def images_together(
+    runner: Any, requests: Sequence[ot.GenerationRequest]
+) -> list[torch.Tensor]:
+    """``requests`` submitted at once to an engine of ``runner`` with batches of up to 3
+    (it closes the runner at its exit); their images in order."""
+    async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=3)) as engine:
+        return [output.images for output in await generated_at_once(engine, requests)]
+
+
+def dynamo_counts() -> tuple[int, int]:
+    """Dynamo's graphs made and graph breaks so far in this process (its own counters)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"]), sum(counters["graph_break"].values())
