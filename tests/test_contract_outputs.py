@@ -86,23 +86,33 @@ async def test_output_is_materialized_off_the_step_loop() -> None:
             assert m.exec_s + m.output_ready_wait_s + m.queue_wait_s == pytest.approx(m.total_s)
 
 
+async def ended_three_ways(
+    engine: ot.Engine, runner: GatedRunner
+) -> tuple[ot.RequestHandle, ot.RequestHandle, ot.RequestHandle, float]:
+    """On an engine of batches of one: ``"done"`` completes its one step, ``"waiting"`` is
+    aborted before it ran, ``"running"`` is aborted in its second step and released;
+    their handles, and when ``"running"``'s abort was asked (``time.perf_counter``)."""
+    done = engine.submit(req(num_steps=1), request_id="done")
+    runner.release(1)
+    await done.result()
+    running = engine.submit(req(num_steps=5), request_id="running")
+    await runner.wait_arrived(2)
+    waiting = engine.submit(req(num_steps=5), request_id="waiting")
+    engine.abort_nowait("waiting")
+    abort_called = time.perf_counter()
+    engine.abort_nowait("running")
+    runner.release(1)
+    with pytest.raises(ot.RequestAbortedError):
+        await running.result()
+    return done, running, waiting, abort_called
+
+
 async def test_metrics_for_every_terminal_state() -> None:
     """L17: metrics are set for completed, aborted, failed, waiting-aborted and cut-off requests."""
     runner = GatedRunner()
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=1)) as engine:
-            done = engine.submit(req(num_steps=1), request_id="done")
-            runner.release(1)
-            await done.result()
-            running = engine.submit(req(num_steps=5), request_id="running")
-            await runner.wait_arrived(2)
-            waiting = engine.submit(req(num_steps=5), request_id="waiting")
-            engine.abort_nowait("waiting")
-            abort_called = time.perf_counter()
-            engine.abort_nowait("running")
-            runner.release(1)
-            with pytest.raises(ot.RequestAbortedError):
-                await running.result()
+            done, running, waiting, abort_called = await ended_three_ways(engine, runner)
             released_seen = time.perf_counter()
             for handle in (done, running, waiting):
                 assert handle.metrics is not None, handle
@@ -145,17 +155,7 @@ async def test_a_requests_prompt_cache_figures_are_read_at_its_release() -> None
     runner = PromptCounting()
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(runner, ot.EngineConfig(max_batch_size=1)) as engine:
-            done = engine.submit(req(num_steps=1), request_id="done")
-            runner.release(1)
-            await done.result()
-            running = engine.submit(req(num_steps=5), request_id="running")
-            await runner.wait_arrived(2)
-            waiting = engine.submit(req(num_steps=5), request_id="waiting")
-            engine.abort_nowait("waiting")
-            engine.abort_nowait("running")
-            runner.release(1)
-            with pytest.raises(ot.RequestAbortedError):
-                await running.result()
+            done, running, waiting, _ = await ended_three_ways(engine, runner)
             runner.open_gate()
             bad = engine.submit(req(num_steps=1), request_id="bad")
             with pytest.raises(ot.RequestFailedError) as failed:
