@@ -15,7 +15,6 @@ Determinism rules:
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -29,10 +28,9 @@ import torch
 import omni_trio as ot
 from omni_trio import AdapterError
 from omni_trio.runners import DiffusersRunner, tiny_lora, tiny_pipeline
-from omni_trio.runners._compile import use_compile_cache
 from omni_trio.testing import probe
 from tests.support.core import BUDGET
-from tests.support.runners import dynamo_counts, images_together
+from tests.support.runners import compile_cache_in, dynamo_counts, images_together
 
 #: How far a compiled step's image may be from the eager one's (images in [0, 1]).
 TOLERANCE = 1e-4
@@ -41,15 +39,8 @@ TOLERANCE = 1e-4
 @pytest.fixture(scope="module")
 def pipe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One tiny Flux for the module, its compile caches in a folder of the session's."""
-    names = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
-    saved = {name: os.environ.get(name) for name in names}
-    use_compile_cache(tmp_path_factory.mktemp("compile-cache"))
-    yield tiny_pipeline("flux", seed=0)
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    with compile_cache_in(tmp_path_factory.mktemp("compile-cache")):
+        yield tiny_pipeline("flux", seed=0)
 
 
 def request(seed: int, steps: int, size: int = 32, **fields: Any) -> ot.GenerationRequest:

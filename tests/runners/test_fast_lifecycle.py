@@ -35,7 +35,6 @@ Determinism rules:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,11 +45,16 @@ from torch._dynamo import eval_frame
 
 import omni_trio as ot
 from omni_trio.runners import DiffusersRunner, tiny_pipeline
-from omni_trio.runners._compile import use_compile_cache
 from omni_trio.runners._quantize import quantize_pipeline
 from omni_trio.testing import probe, wait_until
 from tests.support.core import BUDGET
-from tests.support.runners import ModuleGate, abort_inside, dynamo_counts, generated_at_once
+from tests.support.runners import (
+    ModuleGate,
+    abort_inside,
+    compile_cache_in,
+    dynamo_counts,
+    generated_at_once,
+)
 
 # The module's first test, whichever it is, makes the graphs (its setup: 40-120 s).
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(300)]
@@ -69,28 +73,21 @@ def request(seed: int, steps: int = 4, size: int = 32, **fields: Any) -> ot.Gene
 @pytest.fixture(scope="module")
 def pipe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """Tiny Flux, int8-dynamic, its blocks' graphs made at one and two rows."""
-    names = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
-    saved = {name: os.environ.get(name) for name in names}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the kernels the tests run
-    use_compile_cache(tmp_path_factory.mktemp("fast-compile-cache"))
-    quantized = quantize_pipeline(tiny_pipeline("flux", seed=0), "int8-dynamic", None)
-    runner = DiffusersRunner(quantized, compile="blocks", max_batch_size=2)
-    try:
-        for batch in ([request(0, 1)], [request(1, 1), request(2, 1)]):
-            states = [runner.prepare(r, f"warm-{r.seed}") for r in batch]
-            runner.step(states)
-            for state in states:
-                runner.discard(state)
-    finally:
-        runner.close()
-        torch.set_num_threads(threads)
-    yield quantized
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    with compile_cache_in(tmp_path_factory.mktemp("fast-compile-cache")):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the kernels the tests run
+        quantized = quantize_pipeline(tiny_pipeline("flux", seed=0), "int8-dynamic", None)
+        runner = DiffusersRunner(quantized, compile="blocks", max_batch_size=2)
+        try:
+            for batch in ([request(0, 1)], [request(1, 1), request(2, 1)]):
+                states = [runner.prepare(r, f"warm-{r.seed}") for r in batch]
+                runner.step(states)
+                for state in states:
+                    runner.discard(state)
+        finally:
+            runner.close()
+            torch.set_num_threads(threads)
+        yield quantized
 
 
 def sealed(pipe: Any, max_batch_size: int = 3) -> DiffusersRunner:

@@ -26,7 +26,6 @@ counts nothing and times nothing, its compile cache in a folder of the session's
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
@@ -41,7 +40,6 @@ from benchmarks.cache import churned as churned_run
 from benchmarks.cache import company, request_of, stepped
 from omni_trio.runners import DiffusersRunner, ModelSpec, tiny_lora, tiny_pipeline
 from omni_trio.runners._checkpoint import model_key
-from omni_trio.runners._compile import use_compile_cache
 from omni_trio.runners._quantize import (
     MODES,
     quantize_pipeline,
@@ -50,7 +48,11 @@ from omni_trio.runners._quantize import (
 )
 from omni_trio.runners._spec import load_pipeline_of
 from tests.support.core import BUDGET
-from tests.support.runners import images_together, resumed_and_uninterrupted
+from tests.support.runners import (
+    compile_cache_in,
+    images_together,
+    resumed_and_uninterrupted,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -195,15 +197,8 @@ def test_a_step_cache_on_a_quantized_model_skips_per_row() -> None:
 @pytest.fixture
 def compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Torch's compile caches in a folder of the session's, the variables restored."""
-    names = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
-    saved = {name: os.environ.get(name) for name in names}
-    use_compile_cache(tmp_path_factory.mktemp("quantized-compile-cache"))
-    yield
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    with compile_cache_in(tmp_path_factory.mktemp("quantized-compile-cache")):
+        yield
 
 
 @pytest.mark.usefixtures("compile_cache")

@@ -8,11 +8,14 @@ where a suspension or an abort lands needs no timing.
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import anyio
 import torch
@@ -20,6 +23,7 @@ import torch
 import omni_trio as ot
 from omni_trio._cancelpoint import active_checks
 from omni_trio.runners import TINY_KINDS, TINY_VIDEO_KINDS, DiffusersRunner, tiny_pipeline
+from omni_trio.runners._compile import use_compile_cache
 from omni_trio.runners._family import RequestState
 from omni_trio.testing import probe, probe_engine, wait_until
 from tests.support.core import BUDGET
@@ -344,3 +348,12 @@ def dynamo_counts() -> tuple[int, int]:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"]), sum(counters["graph_break"].values())
+
+
+@contextmanager
+def compile_cache_in(folder: Path) -> Iterator[None]:
+    """Inside, torch's compile caches are under ``folder`` (``use_compile_cache``); after,
+    the environment is as it was."""
+    with mock.patch.dict(os.environ):
+        use_compile_cache(folder)
+        yield
