@@ -8,12 +8,18 @@ which keeps looping and still decodes). One request at a time, no batching.
 
 The pipeline's own progress bar is off during the runner's calls (the engine's
 step events report progress) and the caller's setting is back after each call.
+
+One live runner at a time calls a pipeline: a second over the same pipeline is refused
+by name (L42). Two workers would run its loop at once over one scheduler and one set
+of modules, and making one wait for the other's whole call would hold its abort for
+that long.
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -52,6 +58,40 @@ _MANAGED = frozenset(
         "kwargs",
     }
 )
+
+
+#: The live runner of each pipeline (L42: one at a time), dropped with the pipeline.
+_callers: weakref.WeakKeyDictionary[Any, weakref.ref[PipelineCallRunner]] = (
+    weakref.WeakKeyDictionary()
+)
+_callers_lock = threading.Lock()
+
+
+def _hold(pipeline: Any, runner: PipelineCallRunner) -> None:
+    """Make ``runner`` the pipeline's caller; refuse it while another lives."""
+    with _callers_lock:
+        try:
+            held = _callers.get(pipeline)
+        except TypeError:
+            return  # a pipeline that cannot be weakly held: nothing to check
+        other = None if held is None else held()
+        if other is not None and not other.closed:
+            raise ValueError(
+                "PipelineCallRunner: another live runner calls this pipeline (L42): two"
+                " workers would run its loop at once; give each worker its own pipeline,"
+                " or close the first runner"
+            )
+        _callers[pipeline] = weakref.ref(runner)
+
+
+def _let_go(pipeline: Any, runner: PipelineCallRunner) -> None:
+    with _callers_lock:
+        try:
+            held = _callers.get(pipeline)
+        except TypeError:
+            return
+        if held is not None and held() is runner:
+            del _callers[pipeline]
 
 
 @dataclass(eq=False)
@@ -129,9 +169,15 @@ class PipelineCallRunner:
             pipeline's ``vae_scale_factor``, else 8).
 
     Counters (any thread): ``live_states``, ``calls``, ``completed_calls``.
+
+    Raises:
+        ValueError: another live ``PipelineCallRunner`` calls ``pipeline`` (L42);
+            closing it, or dropping it, lets the pipeline go.
     """
 
     def __init__(self, pipeline: Any, *, size_multiple: int | None = None) -> None:
+        self.closed = False
+        _hold(pipeline, self)
         self._pipeline = pipeline
         parameters = inspect.signature(pipeline.__call__).parameters
         self._parameters = frozenset(parameters)
@@ -232,7 +278,9 @@ class PipelineCallRunner:
         self._count("live_states", -1)
 
     def close(self) -> None:
-        """Nothing to free: the pipeline belongs to the caller."""
+        """Let the pipeline go (another runner may call it); it belongs to the caller."""
+        self.closed = True
+        _let_go(self._pipeline, self)
 
 
 def runner_for(pipeline: Any, **kwargs: Any) -> Runner[Any]:

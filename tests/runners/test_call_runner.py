@@ -6,6 +6,7 @@ pipeline inside its step callback so an abort lands at a known step.
 
 from __future__ import annotations
 
+import gc
 import threading
 from typing import Any
 
@@ -80,6 +81,27 @@ async def test_fallback_runs_any_pipeline() -> None:
     assert steps == [1, 2, 3, 4]
     torch.testing.assert_close(output.images, reference(pipe), atol=1e-4, rtol=0)
     assert runner.live_states == 0
+
+
+def test_a_second_runner_over_one_pipeline_is_refused_while_the_first_lives() -> None:
+    """L42: two workers over one pipeline would run its loop at once: a second
+    ``PipelineCallRunner`` over it is refused by name; once the first is closed, or
+    gone, another may call it."""
+    pipe, _ = custom_pipeline()
+    first = PipelineCallRunner(pipe)
+    refusal = r"^PipelineCallRunner: another live runner calls this pipeline \(L42\)"
+    with pytest.raises(ValueError, match=refusal):
+        PipelineCallRunner(pipe)
+    with pytest.raises(ValueError, match=refusal):
+        runner_for(pipe)
+    PipelineCallRunner(custom_pipeline()[0])  # another pipeline is free
+    first.close()
+    second = PipelineCallRunner(pipe)
+    with pytest.raises(ValueError, match=refusal):
+        PipelineCallRunner(pipe)
+    del second
+    gc.collect()
+    PipelineCallRunner(pipe)
 
 
 class GatedCall(PipelineCallRunner):
