@@ -128,10 +128,13 @@ class ParallelRunner:
         max_loaded_adapters: the most adapters each rank holds loaded at once (L87).
         max_adapter_bytes: the most bytes of loaded adapters' weights per rank, or
             ``None``.
+        prompt_cache_bytes: the most bytes of text encodings each rank keeps (L94;
+            0 keeps none); ``None``: ``DiffusersRunner``'s default.
 
     Raises:
         ValueError: not exactly one of ``cfg``, ``ulysses``, ``ring`` above 1, bad
-            devices, or heads (Ulysses) that do not divide by the ranks.
+            devices, heads (Ulysses) that do not divide by the ranks, or a
+            ``prompt_cache_bytes`` below 0 (rank 0's runner refuses it as it starts).
         TypeError: the factory does not pickle, or its pipeline cannot run the
             layout (sequence parallel needs a context-parallel plan).
         ParallelStartError: a rank did not start.
@@ -156,6 +159,7 @@ class ParallelRunner:
         max_adapters: int = 4,
         max_loaded_adapters: int = 16,
         max_adapter_bytes: int | None = None,
+        prompt_cache_bytes: int | None = None,
     ) -> None:
         layout = layout_of(cfg, ulysses, ring, by_load)
         self._layout = layout
@@ -178,6 +182,8 @@ class ParallelRunner:
             "max_loaded_adapters": max_loaded_adapters,
             "max_adapter_bytes": max_adapter_bytes,
         }
+        if prompt_cache_bytes is not None:
+            options["prompt_cache_bytes"] = prompt_cache_bytes
         self._group, runner = start_group(
             factory,
             layout,

@@ -72,19 +72,22 @@ async def test_a_groups_prompt_cache_statistics_are_rank_0s_read_during_a_step()
     requests (every rank encodes every request's texts; rank 0's counts stand for the
     group's), and they are read while rank 0 is held inside a step's model call: no
     message to a rank, no wait for the step. Each request's own figures
-    (``RequestMetrics.prompt_cache``, rank 0's) are one process's too."""
+    (``RequestMetrics.prompt_cache``, rank 0's) are one process's too. The group's
+    ``prompt_cache_bytes`` bounds each rank's cache as it bounds one process's."""
     requests = [
         request("sd", seed=1, prompt="a red fox", negative_prompt="blurry"),
         request("sd", seed=2, prompt="a red fox", negative_prompt="blurry"),
         request("sd", seed=3, prompt="a grey cat", negative_prompt="blurry"),
     ]
-    one = DiffusersRunner(tiny("sd"))
+    bound = 2**20  # not the default: the statistics' max_bytes show it reached rank 0
+    one = DiffusersRunner(tiny("sd"), prompt_cache_bytes=bound)
     with anyio.fail_after(BUDGET):
         async with ot.open_engine(one) as engine:
             alone = [await engine.generate(r) for r in requests]
             expected = counts(one.prompt_cache_statistics())  # before the engine closes it
     assert (expected.hits, expected.misses, expected.entries) == (3, 3, 3)
-    with group("sd", "cfg") as split:
+    assert expected.max_bytes == bound
+    with group("sd", "cfg", prompt_cache_bytes=bound) as split:
         outputs = await generate(Kept(split), requests[:2], ot.EngineConfig())
         gate = ModuleGate(split.pipeline.unet.down_blocks[0], 1)
         try:
