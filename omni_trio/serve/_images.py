@@ -37,6 +37,7 @@ The plumbing (the body within its limit, JSON and server-sent events, the watche
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -68,6 +69,7 @@ from ._tracing import Tracing
 if TYPE_CHECKING:
     from .._engine import Engine
     from .._handle import RequestHandle
+    from .._stepcache import PromptCacheMetrics
     from ._config import ServeConfig
     from ._metrics import ServeMetrics
 
@@ -261,6 +263,7 @@ class ImagesEndpoint:
                             "exec_s": metrics.exec_s,
                             "total_s": metrics.total_s,
                             "result_cache_hit": metrics.result_cache_hit,
+                            "prompt_cache": _prompt_cache_figures(metrics.prompt_cache),
                             **extra,
                         },
                     }
@@ -336,6 +339,11 @@ class ImagesEndpoint:
                 }
                 await client.chunk(sse_event(f"{job.events}.completed", completed))
         await client.end()
+
+
+def _prompt_cache_figures(figures: PromptCacheMetrics | None) -> dict[str, object] | None:
+    """A request's prompt-cache figures as the answer's ``omni_trio.prompt_cache`` (L94)."""
+    return None if figures is None else dataclasses.asdict(figures)
 
 
 def _cache_headers(handle: RequestHandle) -> dict[str, str]:

@@ -478,17 +478,19 @@ def test_metrics_export_the_runners_caches(runners: Callable[..., DiffusersRunne
 @pytest.mark.anyio
 async def test_a_servers_metrics_read_its_runners_caches() -> None:
     """L94: a server's ``/metrics`` has its runners' prompt caches: the same request again
-    is two hits (its prompt and the empty negative prompt it guides against), no miss."""
+    is two hits (its prompt and the empty negative prompt it guides against), no miss;
+    each answer's ``omni_trio.prompt_cache`` says what the cache did for its texts."""
     runner = DiffusersRunner(tiny("sd"))
     config = ServeConfig(model_name="tiny-sd", default_width=64, default_height=64)
     service = Service(runner, config=dataclasses.replace(config, default_steps=2))
     body = {"prompt": "a red flower", "seed": 1}
     with anyio.fail_after(BUDGET):
         async with serving(service) as client:
-            counts = []
+            counts, answered = [], []
             for _ in range(2):
                 response = await client.post("/v1/images/generations", json=body)
                 assert response.status_code == 200, response.text
+                answered.append(response.json()["omni_trio"]["prompt_cache"])
                 text = (await client.get("/metrics")).text
                 counts.append(
                     [
@@ -497,6 +499,9 @@ async def test_a_servers_metrics_read_its_runners_caches() -> None:
                     ]
                 )
     assert counts[1][0] - counts[0][0] == 2 and counts[1][1] == counts[0][1]
+    assert [(figures["hits"], figures["misses"]) for figures in answered] == [(0, 2), (2, 0)]
+    assert answered[0]["encode_s"] > 0 and answered[0]["saved_s"] == 0
+    assert answered[1]["encode_s"] == 0 and answered[1]["saved_s"] == answered[0]["encode_s"]
 
 
 @pytest.mark.anyio

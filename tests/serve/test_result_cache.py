@@ -43,6 +43,8 @@ async def test_a_repeat_over_http_is_answered_as_a_hit_and_metrics_count_it() ->
     assert HEADER not in first.headers and second.headers[HEADER] == "hit"
     assert first.json()["omni_trio"]["result_cache_hit"] is False
     assert second.json()["omni_trio"]["result_cache_hit"] is True
+    # A runner without a prompt cache, and a hit, which encoded nothing (L94).
+    assert [r.json()["omni_trio"]["prompt_cache"] for r in (first, second)] == [None, None]
     assert second.json()["data"] == first.json()["data"]
     assert streamed.headers[HEADER] == "hit" and HEADER not in fresh.headers
     events = parse_sse(streamed.text)
