@@ -7,12 +7,14 @@ fields):
   a name and its text, or a file's bytes; a body that is not a form is a 400;
 - ``form_value``: a part's text as its field's type, as a JSON body would have it
   (``"3"`` for an integer, ``"0.6"`` for a number, ``"true"``/``"false"`` for
-  ``stream``), so the same model checks both and names the same errors;
+  ``stream`` and ``return_trajectory``, a JSON object's text for ``sampler``), so the
+  same model checks both and names the same errors;
 - ``check_known``: the 400 for a part no field has.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import AsyncGenerator, Container
 from typing import TYPE_CHECKING
@@ -43,7 +45,9 @@ _INTEGERS = frozenset(
     }
 )
 _NUMBERS = frozenset({"guidance_scale", "strength"})
-_BOOLEANS = frozenset({"stream"})
+_BOOLEANS = frozenset({"stream", "return_trajectory"})
+#: Fields whose text is a JSON object (L100: an edit's ``sampler``).
+_OBJECTS = frozenset({"sampler"})
 _INTEGER = re.compile(r"-?[0-9]+")
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 
@@ -116,7 +120,8 @@ def check_known(name: str, known: Container[str]) -> None:
 
 
 def form_value(name: str, text: str) -> object:
-    """A form value as its field's type (integer, number, boolean, text), or a 400 naming it."""
+    """A form value as its field's type (integer, number, boolean, JSON object, text), or a
+    400 naming it."""
     if name in _INTEGERS:
         if _INTEGER.fullmatch(text) is None:
             raise invalid(f"{name}: must be an integer, got {shown(text)}", name, "invalid_type")
@@ -129,4 +134,12 @@ def form_value(name: str, text: str) -> object:
         if text not in ("true", "false"):
             raise invalid(f"{name}: must be true or false, got {shown(text)}", name, "invalid_type")
         return text == "true"
+    if name in _OBJECTS:
+        try:
+            value = json.loads(text)
+        except (ValueError, RecursionError):  # RecursionError: nested too deep
+            value = None
+        if not isinstance(value, dict):
+            raise invalid(f"{name}: must be a JSON object, got {shown(text)}", name, "invalid_type")
+        return value
     return text

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import io
 import json
 from typing import Any
 
@@ -22,9 +23,10 @@ import anyio.to_thread
 import httpx
 import pytest
 import torch
+from PIL import Image
 
 import omni_trio as ot
-from omni_trio.runners import DiffusersRunner
+from omni_trio.runners import DiffusersRunner, tiny_pipeline
 from omni_trio.serve import ServeConfig, Service
 from tests.support.core import BUDGET
 from tests.support.runners import tiny
@@ -218,3 +220,54 @@ def test_bytes_that_are_no_trajectory_are_refused_in_one_line() -> None:
     for data, words in cases.items():
         with pytest.raises(ValueError, match=words):
             ot.Trajectory.from_safetensors(data)
+
+
+async def test_an_edit_form_takes_a_sampler_and_answers_its_trajectory() -> None:
+    """L100: ``/v1/images/edits`` takes ``sampler`` (a JSON object's text in a form field)
+    and ``return_trajectory`` (``true``): an image-to-image edit on tiny SD with DDIM's
+    ``eta`` answers with the Python API's trajectory for the same image, bitwise; a
+    sampler field that is no JSON object, and one the model cannot run, are 400s naming
+    ``sampler``."""
+    noise = torch.rand(64, 64, 3, generator=torch.Generator().manual_seed(3))
+    picture = Image.fromarray((noise * 255).to(torch.uint8).numpy())
+    png = io.BytesIO()
+    picture.save(png, format="PNG")
+    config = ServeConfig(model_name="tiny-sd", default_width=64, default_height=64)
+    service = Service(DiffusersRunner(tiny_pipeline("sd")), config=config)
+    expected = ot.GenerationRequest(
+        prompt="a red flower",
+        seed=11,
+        num_steps=3,
+        width=64,
+        height=64,
+        guidance_scale=config.default_guidance_scale,
+        image=picture,
+        strength=0.7,
+        sampler=ot.DDIMSampler(eta=1.0),
+        return_trajectory=True,
+    )
+    form = {
+        "prompt": "a red flower",
+        "seed": "11",
+        "num_inference_steps": "3",
+        "strength": "0.7",
+        "sampler": json.dumps({"kind": "ddim", "eta": 1.0}),
+        "return_trajectory": "true",
+    }
+
+    async def edit(**fields: str) -> httpx.Response:
+        files = {"image": ("in.png", png.getvalue(), "image/png")}
+        return await client.post("/v1/images/edits", data={**form, **fields}, files=files)
+
+    with anyio.fail_after(BUDGET):
+        async with serving(service) as client:
+            answer = await edit()
+            refused = [await edit(sampler=text) for text in ("ddim", "[1]", "{", '{"kind": "sde"}')]
+            assert service.engine is not None
+            python = (await service.engine.generate(expected)).trajectory
+    assert answer.status_code == 200, answer.text
+    assert python is not None and python.log_probs.shape == (1, 2)  # strength 0.7 of 3
+    assert_equal(decoded(answer.json()["omni_trio"]["trajectory"]), python)
+    assert [r.status_code for r in refused] == [400] * 4
+    assert {r.json()["error"]["param"] for r in refused} == {"sampler"}
+    assert "must be a JSON object" in refused[0].json()["error"]["message"]
