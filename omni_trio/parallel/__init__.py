@@ -21,7 +21,8 @@ Layout: the private modules, each importing only those below it:
 - ``_context``: diffusers' context parallelism, and what it needs on a CPU;
 - ``_processes``: the rank processes (a parent-death signal, reaping);
 - ``_group``: the torch.distributed group (loopback only, an explicit timeout);
-- ``_plan``: the plans and ops, and ``RankReport``.
+- ``_plan``: the plans and ops (an adapter's or a weight update's source as one carries it),
+  and ``RankReport``.
 
 It imports the runners and the core's runner seam, never the engine, ``serve`` or
 ``cli``.

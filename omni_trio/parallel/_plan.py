@@ -32,6 +32,7 @@ at once (the pipe breaks), and on a GPU the plan costs no device work.
 from __future__ import annotations
 
 import enum
+import os
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ __all__ = [
     "RankReport",
     "decode_plan",
     "encode_plan",
+    "picklable_source",
 ]
 
 
@@ -158,3 +160,13 @@ def decode_plan(data: bytes) -> Plan:
     plan = pickle.loads(data)
     assert isinstance(plan, Plan)
     return plan
+
+
+def picklable_source(source: Any) -> Any:
+    """A load's or an update's source as an op carries it to the ranks: a file by its
+    absolute path, a mapping as a plain dict (which pickles)."""
+    if isinstance(source, str | os.PathLike):
+        return os.path.abspath(source)
+    if isinstance(source, Mapping):
+        return dict(source)
+    return source

@@ -52,7 +52,7 @@ from .._stepcache import CacheMetrics, PromptCacheMetrics
 from .._weights import SleepBytes, WeightsError, WeightSource
 from ..runners import PromptCacheStatistics
 from ._agree import agreed_check
-from ._plan import Op, OpKind, Plan, PlanKind, RankReport, encode_plan
+from ._plan import Op, OpKind, Plan, PlanKind, RankReport, encode_plan, picklable_source
 from ._processes import receive
 from ._rank import RankRunner, state_digest
 from ._start import failure_reasons, layout_of, start_group
@@ -370,7 +370,7 @@ class ParallelRunner:
             InvalidRequestError: ``name`` is not an adapter name.
             ParallelGroupError: the group broke, before or during the load.
         """
-        source = _picklable(source)
+        source = picklable_source(source)
         with self._lock:
             if self._closed:
                 raise AdapterError(
@@ -429,7 +429,7 @@ class ParallelRunner:
                 another rank failed (``failed``); or the runner is closed.
             ParallelGroupError: the group broke, before or during the update.
         """
-        source = _picklable(source)
+        source = picklable_source(source)
         self._everywhere(
             "a weights update",
             lambda: self._model.update_weights(source, key=key),
@@ -694,13 +694,3 @@ class ParallelRunner:
                 f"the parallel group broke during {during}: {type(exc).__name__}: {exc}{reasons}"
             )
         return ParallelGroupError(self._broken)
-
-
-def _picklable(source: Any) -> Any:
-    """A load's or an update's source as it reaches the ranks: a file by its absolute
-    path, a mapping as a plain dict (which pickles)."""
-    if isinstance(source, str | os.PathLike):
-        return os.path.abspath(source)
-    if isinstance(source, Mapping):
-        return dict(source)
-    return source

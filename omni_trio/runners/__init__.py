@@ -68,6 +68,7 @@ Layout: the private modules, each importing only those below it:
   ``_landing``, below it: where each tensor of an adapter lands (the census a load is
   checked against);
 - ``_chunks``: decodes in chunks (L72);
+- ``_preview``: live previews (L18), a latent-to-RGB projection both runners use;
 - ``_locks``: one lock per shared component (a VAE, a tokenizer) that runners over one
   pipeline take turns with (L42);
 - ``_prompts``: a runner's prompt-embedding cache (L94): each text's encoding, keyed by

@@ -30,7 +30,8 @@ import torch
 
 from .._request import GenerationRequest
 from .._runner import Runner, RunnerCapabilities, StepCallback
-from ._diffusers import DiffusersRunner, latent_preview
+from ._diffusers import DiffusersRunner
+from ._preview import latent_preview
 from ._registry import is_supported
 
 __all__ = ["PipelineCallRunner", "runner_for"]
