@@ -123,6 +123,32 @@ async def test_a_job_resumed_from_its_checkpoint_loses_only_the_steps_after_it(
     assert end["omni_trio"]["steps_lost"] == row.step - row.checkpoint_step
 
 
+async def test_a_job_this_server_cannot_run_fails_in_one_line_naming_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """L77 (amended): a job the restarted server's model cannot take (here its frame rule
+    refuses the job's 5 frames) is not refused by an estimate but by a field: it fails
+    with the engine's reason, said in one log line naming the job, and the server answers
+    on; nothing of it runs."""
+    with anyio.fail_after(BUDGET):
+        job_id = await _cut_after(tmp_path, steps=2)
+        other = FakeRunner(frames=(8, 1), checkpoints=True)
+        service, _ = service_on(tmp_path, other)
+        with caplog.at_level(logging.INFO, logger="omni_trio.serve"):
+            async with serving(service) as client:
+                end = await finished(client, job_id)
+                later = await create(client, num_frames=9)
+                assert (await finished(client, later["id"]))["status"] == "completed"
+    assert end["status"] == "failed"
+    assert end["error"]["message"].startswith("num_frames: "), end
+    lines = [r for r in caplog.records if r.getMessage().startswith(f"video job {job_id} ")]
+    assert [(r.levelno, r.getMessage().count("\n")) for r in lines] == [(logging.ERROR, 0)]
+    said = f"video job {job_id} cannot run again after the restart: num_frames: "
+    assert lines[0].getMessage().startswith(said)
+    assert lines[0].exc_info is None
+    assert other.restores == 0 and other.prepares == 1  # the later job only
+
+
 async def test_a_failed_mp4_write_fails_that_job_only_and_the_server_answers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
