@@ -85,16 +85,6 @@ def _hold(pipeline: Any, runner: PipelineCallRunner) -> None:
         _callers[pipeline] = weakref.ref(runner)
 
 
-def _let_go(pipeline: Any, runner: PipelineCallRunner) -> None:
-    with _callers_lock:
-        try:
-            held = _callers.get(pipeline)
-        except TypeError:
-            return
-        if held is not None and held() is runner:
-            del _callers[pipeline]
-
-
 @dataclass(eq=False)
 class CallState:
     """One request in a ``PipelineCallRunner``.
@@ -281,7 +271,6 @@ class PipelineCallRunner:
     def close(self) -> None:
         """Let the pipeline go (another runner may call it); it belongs to the caller."""
         self.closed = True
-        _let_go(self._pipeline, self)
 
 
 def runner_for(pipeline: Any, **kwargs: Any) -> Runner[Any]:
