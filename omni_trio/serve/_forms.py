@@ -136,7 +136,7 @@ def form_value(name: str, text: str) -> object:
         return text == "true"
     if name in _OBJECTS:
         try:
-            value = json.loads(text)
+            value = json.loads(text, parse_int=parse_int)  # as a JSON body's
         except (ValueError, RecursionError):  # RecursionError: nested too deep
             value = None
         if not isinstance(value, dict):

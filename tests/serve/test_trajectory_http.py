@@ -262,12 +262,15 @@ async def test_an_edit_form_takes_a_sampler_and_answers_its_trajectory() -> None
     with anyio.fail_after(BUDGET):
         async with serving(service) as client:
             answer = await edit()
-            refused = [await edit(sampler=text) for text in ("ddim", "[1]", "{", '{"kind": "sde"}')]
+            huge = '{"kind": "ddim", "eta": 1' + "0" * 5000 + "}"  # as a JSON body's
+            texts = ("ddim", "[1]", "{", '{"kind": "sde"}', huge)
+            refused = [await edit(sampler=text) for text in texts]
             assert service.engine is not None
             python = (await service.engine.generate(expected)).trajectory
     assert answer.status_code == 200, answer.text
     assert python is not None and python.log_probs.shape == (1, 2)  # strength 0.7 of 3
     assert_equal(decoded(answer.json()["omni_trio"]["trajectory"]), python)
-    assert [r.status_code for r in refused] == [400] * 4
+    assert [r.status_code for r in refused] == [400] * 5
     assert {r.json()["error"]["param"] for r in refused} == {"sampler"}
     assert "must be a JSON object" in refused[0].json()["error"]["message"]
+    assert "eta: must be finite" in refused[4].json()["error"]["message"]
